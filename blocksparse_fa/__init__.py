@@ -1,0 +1,25 @@
+"""blocksparse_fa: block-sparse FlashAttention driven by a small mask algebra.
+
+    import blocksparse_fa as bsfa
+    m = bsfa.causal() & (bsfa.window(256) | bsfa.global_tokens(64))
+    lay = bsfa.compile_mask(m, 4096, 4096, block_size=128)
+    out = bsfa.attention(q, k, v, mask=m)
+"""
+
+from .mask import (
+    Mask, MaskSyntaxError, block_mask, causal, chunked, dense_mask, document, full, global_tokens,
+    list_patterns, load_pattern, parse, pattern_info, prefix_lm, random_blocks, sliding_window, strided,
+    summary, window,
+)
+
+from .compiler import BlockLayout, compile_mask
+from .ops import attention, dropout_keep_mask, reference_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mask", "MaskSyntaxError", "BlockLayout", "compile_mask", "attention", "reference_attention",
+    "dropout_keep_mask", "parse", "load_pattern", "list_patterns", "pattern_info",
+    "full", "causal", "window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm",
+    "summary", "document", "random_blocks", "block_mask", "dense_mask",
+]

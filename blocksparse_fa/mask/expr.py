@@ -1,0 +1,298 @@
+"""Mask expressions: the ``&``, ``|``, ``~`` algebra and its element semantics.
+
+A mask expression is an immutable tree. Leaves are primitives (``blocksparse_fa.mask.primitives``);
+inner nodes are :class:`And`, :class:`Or` and :class:`Not`. Every node can evaluate itself on index
+tensors (:meth:`Mask._eval`), which is *the* reference semantics: ``to_dense`` and the CPU backend
+both go through it, and the block compiler is tested against it.
+
+Positions: query row ``i`` sits at absolute position ``qp = i + (kv_len - q_len)`` (bottom-right
+alignment), key column ``j`` at position ``j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+__all__ = ["Mask", "And", "Or", "Not", "EvalContext"]
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """Broadcastable index tensors at which an expression is evaluated.
+
+    Attributes:
+        q_len: number of query rows.
+        kv_len: number of keys.
+        i: query row indices (int64, broadcastable).
+        qp: absolute query positions, ``i + kv_len - q_len``.
+        j: key positions (int64, broadcastable).
+        b: batch indices into the mask's batch dim, or ``None`` when the mask has none.
+        h: head indices into the mask's head dim, or ``None``.
+    """
+
+    q_len: int
+    kv_len: int
+    i: torch.Tensor
+    qp: torch.Tensor
+    j: torch.Tensor
+    b: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+
+
+def _check_length(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def broadcast_batch_shapes(shapes) -> tuple[int, ...]:
+    """Broadcast mask batch shapes: ``()`` or ``(B, H)``; a 1 broadcasts against anything."""
+    out: tuple[int, ...] = ()
+    for s in shapes:
+        if not s:
+            continue
+        if not out:
+            out = tuple(s)
+            continue
+        merged = []
+        for a, c in zip(out, s):
+            if a != c and a != 1 and c != 1:
+                raise ValueError(f"mask batch shapes {out} and {tuple(s)} do not broadcast")
+            merged.append(max(a, c))
+        out = tuple(merged)
+    return out
+
+
+class Mask:
+    """An attention mask expression.
+
+    Combine with ``&`` (both keep), ``|`` (either keeps) and ``~`` (complement); precedence is
+    ``~`` > ``&`` > ``|``, as in Python. ``str(mask)`` is DSL text that :func:`blocksparse_fa.parse`
+    reads back into an equal mask (tensor-backed primitives by keyword).
+    """
+
+    __slots__ = ()
+
+    # ---- algebra -------------------------------------------------------------------------
+    def __and__(self, other: "Mask") -> "Mask":
+        return And.of(self, _as_mask(other, "&"))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return Or.of(self, _as_mask(other, "|"))
+
+    def __invert__(self) -> "Mask":
+        return Not(self)
+
+    def __rand__(self, other):
+        return And.of(_as_mask(other, "&"), self)
+
+    def __ror__(self, other):
+        return Or.of(_as_mask(other, "|"), self)
+
+    def __bool__(self):
+        raise TypeError("a Mask has no truth value; combine masks with &, | and ~ (not and/or/not)")
+
+    # ---- structure -----------------------------------------------------------------------
+    def _key(self) -> tuple:
+        raise NotImplementedError
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mask) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    @property
+    def children(self) -> tuple["Mask", ...]:
+        return ()
+
+    def leaves(self) -> Iterator["Mask"]:
+        """All primitives of the expression, left to right."""
+        if not self.children:
+            yield self
+        for c in self.children:
+            yield from c.leaves()
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """``()`` for masks shared by every batch and head, else ``(B, H)`` (1 where shared)."""
+        return broadcast_batch_shapes(leaf._own_batch_shape() for leaf in self.leaves())
+
+    def _own_batch_shape(self) -> tuple[int, ...]:
+        return ()
+
+    # ---- text ----------------------------------------------------------------------------
+    _PREC = 3  # binding strength: Or 1, And 2, Not/primitive 3
+
+    def _text(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self._text()
+
+    def __repr__(self) -> str:
+        return f"Mask({self._text()!r})"
+
+    # ---- semantics -----------------------------------------------------------------------
+    def _eval(self, ctx: EvalContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_lengths(self, q_len: int, kv_len: int) -> None:
+        """Raise ``ValueError`` if a tensor-backed primitive does not fit these lengths."""
+        _check_length("q_len", q_len)
+        _check_length("kv_len", kv_len)
+        for leaf in self.leaves():
+            leaf._check_lengths(q_len, kv_len)
+
+    def _check_lengths(self, q_len: int, kv_len: int) -> None:
+        pass
+
+    def context(self, q_len: int, kv_len: int, device=None) -> EvalContext:
+        """The full ``(q_len, kv_len)`` evaluation grid (with ``(B, H)`` dims if the mask has them)."""
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        i = torch.arange(q_len, device=dev).view(q_len, 1)
+        j = torch.arange(kv_len, device=dev).view(1, kv_len)
+        b = h = None
+        bs = self.batch_shape
+        if bs:
+            b = torch.arange(bs[0], device=dev).view(bs[0], 1, 1, 1)
+            h = torch.arange(bs[1], device=dev).view(1, bs[1], 1, 1)
+        return EvalContext(q_len, kv_len, i, i + (kv_len - q_len), j, b, h)
+
+    def to_dense(self, q_len: int, kv_len: int | None = None, *, device=None) -> torch.Tensor:
+        """Materialise the mask: the reference semantics.
+
+        Args:
+            q_len: number of query rows.
+            kv_len: number of keys (default ``q_len``).
+            device: device of the result (default CPU, or that of the mask's tensors).
+
+        Returns:
+            ``torch.bool`` of shape ``(q_len, kv_len)``, or ``(B, H, q_len, kv_len)`` when the mask
+            has batch/head dims (``B`` or ``H`` is 1 where the mask is shared).
+        """
+        kv_len = q_len if kv_len is None else kv_len
+        self.check_lengths(q_len, kv_len)
+        if device is None:
+            device = next((leaf._device() for leaf in self.leaves() if leaf._device() is not None), None)
+        ctx = self.context(q_len, kv_len, device)
+        out = self._eval(ctx)
+        shape = (*self.batch_shape, q_len, kv_len)
+        return out.expand(shape).contiguous()
+
+    def _device(self):
+        return None
+
+    # ---- inspection (delegates to the compiler) --------------------------------------------
+    def compile(self, q_len: int, kv_len: int | None = None, block_size=128, **kw):
+        """Shorthand for :func:`blocksparse_fa.compile_mask`."""
+        from ..compiler.compile import compile_mask
+
+        return compile_mask(self, q_len, q_len if kv_len is None else kv_len, block_size=block_size, **kw)
+
+    def density(self, q_len: int, kv_len: int | None = None) -> float:
+        """Fraction of kept (query, key) pairs, computed block-wise (no ``q_len × kv_len`` tensor)."""
+        return self.compile(q_len, kv_len).element_density()
+
+    def show(self, q_len: int, kv_len: int | None = None, block_size=128, width: int = 64) -> str:
+        """ASCII picture of the block layout (``#`` full, ``+`` partial, ``.`` empty)."""
+        return self.compile(q_len, kv_len, block_size).ascii(width=width)
+
+    def plot(self, path, q_len: int, kv_len: int | None = None, block_size=128):
+        """Save a PNG of the block layout (matplotlib)."""
+        return self.compile(q_len, kv_len, block_size).plot(path)
+
+
+def _as_mask(x, op: str) -> Mask:
+    if not isinstance(x, Mask):
+        raise TypeError(f"cannot combine a Mask with {type(x).__name__} using '{op}'")
+    return x
+
+
+class _NAry(Mask):
+    __slots__ = ("_children",)
+    _OP = ""
+
+    def __init__(self, children):
+        children = tuple(children)
+        if len(children) < 2:
+            raise ValueError(f"{type(self).__name__} needs at least two operands")
+        for c in children:
+            _as_mask(c, self._OP)
+        self._children = children
+
+    @classmethod
+    def of(cls, *items: Mask) -> Mask:
+        flat: list[Mask] = []
+        for it in items:
+            flat.extend(it.children if type(it) is cls else (it,))
+        return cls(flat)
+
+    @property
+    def children(self):
+        return self._children
+
+    def _key(self):
+        return (type(self).__name__, tuple(c._key() for c in self._children))
+
+    def _text(self) -> str:
+        parts = []
+        for c in self._children:
+            t = c._text()
+            parts.append(f"({t})" if c._PREC <= self._PREC else t)
+        return f" {self._OP} ".join(parts)
+
+
+class And(_NAry):
+    """Keeps a pair when every operand keeps it."""
+
+    __slots__ = ()
+    _OP = "&"
+    _PREC = 2
+
+    def _eval(self, ctx):
+        out = self._children[0]._eval(ctx)
+        for c in self._children[1:]:
+            out = out & c._eval(ctx)
+        return out
+
+
+class Or(_NAry):
+    """Keeps a pair when any operand keeps it."""
+
+    __slots__ = ()
+    _OP = "|"
+    _PREC = 1
+
+    def _eval(self, ctx):
+        out = self._children[0]._eval(ctx)
+        for c in self._children[1:]:
+            out = out | c._eval(ctx)
+        return out
+
+
+class Not(Mask):
+    """Keeps exactly the pairs its operand drops."""
+
+    __slots__ = ("_child",)
+    _PREC = 3
+
+    def __init__(self, child: Mask):
+        self._child = _as_mask(child, "~")
+
+    @property
+    def children(self):
+        return (self._child,)
+
+    def _key(self):
+        return ("Not", self._child._key())
+
+    def _text(self) -> str:
+        t = self._child._text()
+        return f"~({t})" if self._child._PREC < 3 else f"~{t}"
+
+    def _eval(self, ctx):
+        return ~self._child._eval(ctx)

@@ -1,0 +1,157 @@
+"""Exact block-sparse attention in plain PyTorch (the CPU backend).
+
+It walks the layout like the kernels do: per layout row block it gathers only the non-empty key
+blocks, evaluates the mask only on partial ones, and keeps the softmax statistics (logsumexp) so
+the backward recomputes probabilities block by block. Peak extra memory is one row block's scores
+(``bm × visited keys`` per head), never ``O(Lq · Lk)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..compiler.layout import BlockLayout
+from ..mask.expr import EvalContext
+from .dropout import keep_from_counters
+from .validate import Shapes
+
+__all__ = ["torch_attention"]
+
+
+def _expand_cols(blocks: np.ndarray, bn: int, limit: int) -> np.ndarray:
+    cols = (blocks[:, None] * bn + np.arange(bn)[None, :]).reshape(-1)
+    return cols[cols < limit]
+
+
+def _walk(layout: BlockLayout, s: Shapes):
+    """Yield ``(bsel, hsel, b_idx, h_idx, rows, keys_full, keys_partial, keep_partial)`` per row block."""
+    bm, bn = layout.block_size
+    tr = -(-s.Lq // bm)
+    lut = layout.row_lut
+    fptr, fidx = lut.full_ptr.cpu().numpy(), lut.full_idx.cpu().numpy()
+    pptr, pidx = lut.part_ptr.cpu().numpy(), lut.part_idx.cpu().numpy()
+    bmask, hmask = layout.batch_shape or (1, 1)
+    off = s.Lk - s.Lq
+    for z in range(bmask * hmask):
+        zb, zh = divmod(z, hmask)
+        bsel = slice(zb, zb + 1) if bmask > 1 else slice(None)
+        hsel = slice(zh, zh + 1) if hmask > 1 else slice(None)
+        b_idx = np.arange(s.B)[bsel]
+        h_idx = np.arange(s.H)[hsel]
+        for r in range(tr):
+            row = z * tr + r
+            kf = _expand_cols(fidx[fptr[row]:fptr[row + 1]], bn, s.Lk)
+            kp = _expand_cols(pidx[pptr[row]:pptr[row + 1]], bn, s.Lk)
+            i0, i1 = r * bm, min((r + 1) * bm, s.Lq)
+            keep = None
+            if len(kp):
+                i = torch.arange(i0, i1).view(-1, 1)
+                ctx = EvalContext(s.Lq, s.Lk, i, i + off, torch.from_numpy(kp).view(1, -1),
+                                  torch.tensor(zb), torch.tensor(zh))
+                keep = layout.mask._eval(ctx).expand(i1 - i0, len(kp))
+            yield bsel, hsel, b_idx, h_idx, (i0, i1), kf, kp, keep
+
+
+class _Step:
+    """Scores and probabilities of one row block (shared by forward and backward)."""
+
+    def __init__(self, q, k, v, walk_item, s: Shapes, scale, dropout_p, seed):
+        bsel, hsel, b_idx, h_idx, (i0, i1), kf, kp, keep = walk_item
+        self.bsel, self.hsel, self.rows = bsel, hsel, slice(i0, i1)
+        self.kidx = torch.from_numpy(np.concatenate([kf, kp])).to(q.device)
+        self.n = len(self.kidx)
+        if self.n == 0:
+            return
+        self.qs = q[bsel, hsel, i0:i1]
+        self.ks = k[bsel, hsel].index_select(2, self.kidx)
+        self.vs = v[bsel, hsel].index_select(2, self.kidx)
+        sc = torch.matmul(self.qs, self.ks.transpose(-1, -2)) * scale
+        if keep is not None:
+            sc[..., len(kf):] = sc[..., len(kf):].masked_fill(~keep.to(q.device), float("-inf"))
+        self.s = sc
+        self.drop = None
+        if dropout_p > 0.0:
+            bh = (b_idx[:, None] * s.H + h_idx[None, :])[:, :, None, None]
+            kd = keep_from_counters(np.arange(i0, i1)[None, None, :, None], self.kidx.cpu().numpy()[None, None, None, :],
+                                    bh, dropout_p, seed)
+            self.drop = torch.from_numpy(kd).to(q.device).to(q.dtype) / (1.0 - dropout_p)
+
+
+def _inf_to_zero(m):
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed):
+    out = torch.zeros_like(q)
+    lse = torch.full((s.B, s.H, s.Lq), float("-inf"), dtype=q.dtype, device=q.device)
+    for item in _walk(layout, s):
+        st = _Step(q, k, v, item, s, scale, dropout_p, seed)
+        if st.n == 0:
+            continue
+        m = _inf_to_zero(st.s.amax(-1, keepdim=True))
+        p = torch.exp(st.s - m)
+        l = p.sum(-1, keepdim=True)
+        if st.drop is not None:
+            p = p * st.drop
+        o = torch.matmul(p, st.vs) / torch.where(l == 0, torch.ones_like(l), l)
+        out[st.bsel, st.hsel, st.rows] = o
+        lse[st.bsel, st.hsel, st.rows] = (m + torch.log(l)).squeeze(-1)
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = (dout * out).sum(-1)
+    lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+    for item in _walk(layout, s):
+        st = _Step(q, k, v, item, s, scale, dropout_p, seed)
+        if st.n == 0:
+            continue
+        p = torch.exp(st.s - lse_safe[st.bsel, st.hsel, st.rows].unsqueeze(-1))
+        do = dout[st.bsel, st.hsel, st.rows]
+        dp = torch.matmul(do, st.vs.transpose(-1, -2))
+        pd = p
+        if st.drop is not None:
+            pd = p * st.drop
+            dp = dp * st.drop
+        ds = p * (dp - delta[st.bsel, st.hsel, st.rows].unsqueeze(-1))
+        dq[st.bsel, st.hsel, st.rows] += torch.matmul(ds, st.ks) * scale
+        dk[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(ds.transpose(-1, -2), st.qs) * scale)
+        dv[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(pd.transpose(-1, -2), do))
+    return dq, dk, dv
+
+
+class _TorchBlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, shapes, scale, dropout_p, seed):
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        G = shapes.G
+        qc = q.to(cdt)
+        kc = k.to(cdt).repeat_interleave(G, dim=1) if G > 1 else k.to(cdt)
+        vc = v.to(cdt).repeat_interleave(G, dim=1) if G > 1 else v.to(cdt)
+        out, lse = _forward(qc, kc, vc, layout, shapes, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, shapes, scale, dropout_p, seed)
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse.float()
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, shapes, scale, dropout_p, seed = ctx.args
+        cdt = out.dtype
+        G = shapes.G
+        qc = q.to(cdt)
+        kc = k.to(cdt).repeat_interleave(G, dim=1) if G > 1 else k.to(cdt)
+        vc = v.to(cdt).repeat_interleave(G, dim=1) if G > 1 else v.to(cdt)
+        dq, dk, dv = _backward(qc, kc, vc, out, lse.to(cdt), dout.to(cdt), layout, shapes, scale, dropout_p, seed)
+        if G > 1:
+            dk = dk.view(shapes.B, shapes.Hkv, G, shapes.Lk, shapes.D).sum(2)
+            dv = dv.view(shapes.B, shapes.Hkv, G, shapes.Lk, shapes.D).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def torch_attention(q, k, v, layout: BlockLayout, shapes: Shapes, scale: float, dropout_p: float, seed: int):
+    """Block-sparse attention in PyTorch; returns ``(out, lse)`` (lse float32, natural log)."""
+    return _TorchBlockSparseAttention.apply(q, k, v, layout, shapes, scale, dropout_p, seed)
