@@ -87,8 +87,8 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
     if dropout_p > 0.0:
         if dropout_seed is None:
             dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
-        elif isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**63:
-            raise ValueError(f"dropout_seed must be an int in [0, 2**63), got {dropout_seed!r}")
+        elif isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**62:
+            raise ValueError(f"dropout_seed must be an int in [0, 2**62), got {dropout_seed!r}")
     else:
         dropout_seed = 0
     if be == "torch":

@@ -1,7 +1,8 @@
 """Attention dropout RNG: counter-based Philox4x32-10 keyed on absolute positions.
 
 The keep decision for element ``(b, h, i, j)`` depends only on those indices and the seed:
-counter ``(i, j, b * H + h, 0)``, key ``(seed mod 2**32, seed div 2**32)``, first output word ``r``;
+counter ``(i, j, b * H + h, 0)``, key ``(seed mod 2**31, (seed div 2**31) mod 2**31)`` (62 seed bits,
+so both key words travel as non-negative int32 kernel arguments), first output word ``r``;
 the element is kept when ``r >> 1 >= floor(p * 2**31)``. So the dropped set does not depend on tile
 sizes, block sizes, which blocks are skipped or the backend: the Triton kernels compute the same
 function in-kernel, and :func:`dropout_keep_mask` materialises it for tests.
@@ -33,6 +34,11 @@ def philox4x32(c0, c1, c2, c3, k0: int, k1: int, rounds: int = 10):
     return c0, c1, c2, c3
 
 
+def seed_words(seed: int) -> tuple[int, int]:
+    """The two 31-bit Philox key words of a seed in ``[0, 2**62)``."""
+    return seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF
+
+
 def dropout_threshold(p: float) -> int:
     """31-bit integer threshold: keep when ``r >> 1 >= threshold``."""
     return min(int(p * 2**31), 2**31 - 1)
@@ -41,7 +47,8 @@ def dropout_threshold(p: float) -> int:
 def keep_from_counters(i, j, bh, p: float, seed: int) -> np.ndarray:
     """Keep decisions (bool) for broadcastable counter arrays ``i``, ``j``, ``bh = b * H + h``."""
     i, j, bh = np.broadcast_arrays(np.asarray(i), np.asarray(j), np.asarray(bh))
-    r0, _, _, _ = philox4x32(i, j, bh, np.zeros_like(i), seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
+    k0, k1 = seed_words(seed)
+    r0, _, _, _ = philox4x32(i, j, bh, np.zeros_like(i), k0, k1)
     return (r0 >> np.uint64(1)) >= np.uint64(dropout_threshold(p))
 
 

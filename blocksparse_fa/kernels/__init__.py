@@ -1,0 +1,10 @@
+"""Triton kernels: fused block-sparse forward, recompute backward, generated element predicates.
+
+Importing this package decorates the kernels; under ``TRITON_INTERPRET=1`` (set before import)
+they run in Triton's CPU interpreter.
+"""
+
+from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from .forward import _attn_fwd
+
+__all__ = ["_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]

@@ -1,0 +1,205 @@
+"""Recompute backward: ``delta = rowsum(dO ∘ O)``, then dK/dV per key tile (column LUT, summing
+over the GQA group of query heads) and dQ per query tile (row LUT). No atomics: every output tile
+is owned by one program, so gradients are deterministic. Probabilities are recomputed from the
+saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, dropout_keep, load_tile, mma, store_tile
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _attn_bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                         H, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o = load_tile(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                  offs_m, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    do = load_tile(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+                   offs_m, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * n_rows + offs_m, delta, mask=offs_m < n_rows)
+
+
+@triton.jit
+def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
+    """Base-2 logsumexp of rows; fully masked rows (-inf) and out-of-range rows become +inf so
+    their recomputed probabilities are exactly 0."""
+    if MASKED:
+        lse = tl.load(LSE_row + offs_m, mask=offs_m < q_len, other=float("inf"))
+    else:
+        lse = tl.load(LSE_row + offs_m)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+                stride_qm, stride_dom, LUT_PTR, LUT_IDX, col, q_len, kv_len, qk_scale,
+                PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    start = tl.load(LUT_PTR + col)
+    end = tl.load(LUT_PTR + col + 1)
+    for e in range(start, end):
+        rblk = tl.load(LUT_IDX + e)
+        for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
+            offs_m = rblk * LAYOUT_BM + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+            q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
+                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            lse2 = _load_lse2(LSE_row, offs_m, q_len, MASKED)
+            if MASKED:
+                delta = tl.load(DELTA_row + offs_m, mask=offs_m < q_len, other=0.0)
+            else:
+                delta = tl.load(DELTA_row + offs_m)
+            # transposed scores: (BLOCK_N, BLOCK_M)
+            s_t = mma(k, tl.trans(q), DOT_PRECISION) * qk_scale
+            p_t = tl.math.exp2(s_t - lse2[None, :])
+            if MASKED:
+                qp = offs_m + (kv_len - q_len)
+                keep = PREDICATE(qp[None, :], offs_n[:, None], offs_m[None, :], b, h, PARAMS, AUX)
+                keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
+                p_t = tl.where(keep, p_t, 0.0)
+            dp_t = mma(v, tl.trans(do), DOT_PRECISION)
+            if HAS_DROPOUT:
+                drop = dropout_keep(offs_m[None, :], offs_n[:, None], b * H + h, seed_lo, seed_hi, drop_thresh)
+                dv += mma(tl.where(drop, p_t * drop_scale, 0.0).to(do.dtype), do, DOT_PRECISION)
+                dp_t = tl.where(drop, dp_t * drop_scale, 0.0)
+            else:
+                dv += mma(p_t.to(do.dtype), do, DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh"])
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX,
+                   H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale,
+                   seed_lo, seed_hi, drop_thresh, drop_scale,
+                   PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
+    tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    HKV = H // G
+    b = pid_bhk // HKV
+    hk = pid_bhk % HKV
+    b64 = b.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    k = load_tile(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                  offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    v = load_tile(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                  offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    cblk = (pid_n * BLOCK_N) // LAYOUT_BN
+    for g in range(0, G):
+        h = hk * G + g
+        h64 = h.to(tl.int64)
+        col = (b * LZB + h * LZH) * TC + cblk
+        Q_base = Q + b64 * stride_qb + h64 * stride_qh
+        DO_base = DO + b64 * stride_dob + h64 * stride_doh
+        LSE_row = LSE + (b64 * H + h64) * q_len
+        DELTA_row = DELTA + (b64 * H + h64) * q_len
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+                             stride_qm, stride_dom, FULL_PTR, FULL_IDX, col, q_len, kv_len, qk_scale,
+                             PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+                             stride_qm, stride_dom, PART_PTR, PART_IDX, col, q_len, kv_len, qk_scale,
+                             PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION)
+    store_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+               (dk * sm_scale).to(DK.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    store_tile(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+               dv.to(DV.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+              LUT_PTR, LUT_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+              PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+              LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    start = tl.load(LUT_PTR + row)
+    end = tl.load(LUT_PTR + row + 1)
+    qp = offs_m + (kv_len - q_len)
+    for e in range(start, end):
+        col = tl.load(LUT_IDX + e)
+        for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
+            offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+            k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            s = mma(q, tl.trans(k), DOT_PRECISION) * qk_scale
+            p = tl.math.exp2(s - lse2[:, None])
+            if MASKED:
+                keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX)
+                keep = keep & (offs_n[None, :] < kv_len)
+                p = tl.where(keep, p, 0.0)
+            dp = mma(do, tl.trans(v), DOT_PRECISION)
+            if HAS_DROPOUT:
+                drop = dropout_keep(offs_m[:, None], offs_n[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
+                dp = tl.where(drop, dp * drop_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq += mma(ds.to(k.dtype), k, DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh"])
+def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                 stride_dqb, stride_dqh, stride_dqm,
+                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX,
+                 H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale,
+                 seed_lo, seed_hi, drop_thresh, drop_scale,
+                 PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
+    tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    row = (b * LZB + h * LZH) * TR + (pid_m * BLOCK_M) // LAYOUT_BM
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                  offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    lse2 = _load_lse2(LSE + pid_bh.to(tl.int64) * q_len, offs_m, q_len, True)
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * q_len + offs_m, mask=offs_m < q_len, other=0.0)
+    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+                   FULL_PTR, FULL_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+                   PART_PTR, PART_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+    store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+               (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)

@@ -1,0 +1,68 @@
+"""Triton helpers shared by the forward and backward kernels."""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+              CHECK_ROWS: tl.constexpr):
+    """The one boundary-aware tile load: rows checked only when ``CHECK_ROWS``, the head dim only
+    when it was padded to a power of two. Out-of-range elements read as 0."""
+    if CHECK_ROWS:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            x = tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    if HEAD_DIM == HEAD_DIM_PAD:
+        tl.store(ptrs, x, mask=offs_rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def dropout_keep(i, j, bh, seed_lo, seed_hi, threshold):
+    """Philox4x32-10 keep decision for query rows ``i`` and keys ``j`` (broadcastable) of head
+    ``bh = b * H + h``: counter ``(i, j, bh, 0)``, key ``(seed_lo, seed_hi)``; keep when
+    ``r0 >> 1 >= threshold``. Mirrors ``blocksparse_fa.ops.dropout.keep_from_counters``."""
+    zero = i * 0 + j * 0
+    c0 = (i + zero).to(tl.uint32)
+    c1 = (j + zero).to(tl.uint32)
+    c2 = (zero + bh).to(tl.uint32)
+    c3 = zero.to(tl.uint32)
+    k0 = (zero + seed_lo).to(tl.uint32)
+    k1 = (zero + seed_hi).to(tl.uint32)
+    for _ in tl.static_range(10):
+        a0 = c0
+        a2 = c2
+        c0 = tl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
+        c1 = a2 * 0xCD9E8D57
+        c3 = a0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return (c0 >> 1).to(tl.int32) >= threshold
+
+
+@triton.jit
+def mma(a, b, DOT_PRECISION: tl.constexpr):
+    """``tl.dot`` with fp32 accumulation. ``DOT_PRECISION == "upcast"`` multiplies in fp32: the
+    launcher asks for it under the CPU interpreter, whose bf16 ``tl.dot`` is wrong (triton 3.9)."""
+    if DOT_PRECISION == "upcast":
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return c

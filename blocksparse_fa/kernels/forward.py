@@ -1,0 +1,102 @@
+"""Fused block-sparse forward (FlashAttention-2 order).
+
+One program per (query tile, batch·head). The program walks its layout row's LUT: first the
+unmasked (full) key blocks, then the masked (partial / ragged-edge) ones, each through the same
+inner loop (``MASKED`` switches the predicate on). Online softmax in base 2 with
+``log2(e) · scale`` folded into the scores, normalisation deferred to the end, logsumexp (natural
+log, float32) saved for the backward. Fully masked rows produce 0 and LSE ``-inf``.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, dropout_keep, load_tile, mma, store_tile
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
+               K_base, V_base, stride_kn, stride_vn, LUT_PTR, LUT_IDX, row,
+               q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    start = tl.load(LUT_PTR + row)
+    end = tl.load(LUT_PTR + row + 1)
+    for e in range(start, end):
+        col = tl.load(LUT_IDX + e)
+        for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
+            offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+            k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            s = mma(q, tl.trans(k), DOT_PRECISION) * qk_scale
+            if MASKED:
+                keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX)
+                keep = keep & (offs_n[None, :] < kv_len)
+                s = tl.where(keep, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = m_new
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if HAS_DROPOUT:
+                drop = dropout_keep(offs_m[:, None], offs_n[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
+                p = tl.where(drop, p * drop_scale, 0.0)
+            v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION)
+            m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh"])
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qm,
+              stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn,
+              stride_ob, stride_oh, stride_om,
+              FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX,
+              H, G, LZB, LZH, TR, q_len, kv_len, qk_scale,
+              seed_lo, seed_hi, drop_thresh, drop_scale,
+              PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
+    tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
+    tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD, "HEAD_DIM_PAD must cover HEAD_DIM")
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    row = (b * LZB + h * LZH) * TR + (pid_m * BLOCK_M) // LAYOUT_BM
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    qp = offs_m + (kv_len - q_len)
+
+    b64 = b.to(tl.int64)
+    q = load_tile(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                  offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+                               FULL_PTR, FULL_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX,
+                               seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+                               PART_PTR, PART_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX,
+                               seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    store_tile(O + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+               out.to(O.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    tl.store(LSE + pid_bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)

@@ -1,0 +1,146 @@
+"""Triton backend: launches the kernels and wires them into autograd."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ..compiler.layout import BlockLayout
+from ..kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd
+from ..kernels.config import bwd_configs, check_layout_block, fwd_config, head_dim_pad
+from ..kernels.predicate import Payload, build_payload
+from .dropout import dropout_threshold, seed_words
+from .validate import Shapes
+
+__all__ = ["triton_forward", "triton_backward", "triton_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+def _device_state(layout: BlockLayout, device: torch.device):
+    """Kernel LUTs and predicate payload for ``device``, cached on the layout."""
+    cache = layout.__dict__.setdefault("_triton_state", {})
+    key = str(device)
+    st = cache.get(key)
+    if st is None:
+        rows, cols = layout.kernel_luts()
+
+        def prep(t):
+            t = t.to(device)
+            return t if t.numel() else torch.zeros(1, dtype=torch.int32, device=device)
+
+        rows = tuple(prep(t) for t in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx))
+        cols = tuple(prep(t) for t in (cols.full_ptr, cols.full_idx, cols.part_ptr, cols.part_idx))
+        st = (rows, cols, build_payload(layout, device))
+        cache[key] = st
+    return st
+
+
+def _layout_strides(layout: BlockLayout):
+    bm, hm = layout.batch_shape or (1, 1)
+    return (hm if bm > 1 else 0), (1 if hm > 1 else 0)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dot_precision(dtype, device) -> str:
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return "upcast"  # the interpreter's bf16 tl.dot is wrong; multiply in fp32 there
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dropout_args(dropout_p: float, seed: int):
+    s0, s1 = seed_words(seed)
+    return s0, s1, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+
+
+def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
+    """Forward kernel; returns ``out (B, H, Lq, D)`` and ``lse (B, H, Lq)`` float32."""
+    lbm, lbn = layout.block_size
+    check_layout_block(lbm, lbn)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    rows, _, pay = _device_state(layout, q.device)
+    d_pad = head_dim_pad(s.D)
+    cfg = fwd_config(d_pad, q.dtype, lbm, lbn)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
+    lzb, lzh = _layout_strides(layout)
+    grid = (triton.cdiv(s.Lq, cfg.block_m), s.B * s.H)
+    _attn_fwd[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *rows, pay.params, pay.aux,
+        s.H, s.G, lzb, lzh, -(-s.Lq // lbm), s.Lq, s.Lk, scale * _LOG2E,
+        *_dropout_args(dropout_p, seed),
+        PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
+        DOT_PRECISION=_dot_precision(q.dtype, q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
+    """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype."""
+    lbm, lbn = layout.block_size
+    q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
+    rows, cols, pay = _device_state(layout, q.device)
+    d_pad = head_dim_pad(s.D)
+    cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn)
+    delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
+    pre_m = 64
+    _attn_bwd_preprocess[(triton.cdiv(s.Lq, pre_m), s.B * s.H)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        s.H, s.Lq, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=pre_m,
+    )
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    lzb, lzh = _layout_strides(layout)
+    drop = _dropout_args(dropout_p, seed)
+    common = dict(PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
+                  LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, q.device))
+    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    _attn_bwd_dkdv[(triton.cdiv(s.Lk, cfg_kv.block_n), s.B * s.Hkv)](
+        q, k, v, dout, dk, dv, lse, delta, *qkv_strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        *cols, pay.params, pay.aux,
+        s.H, s.G, lzb, lzh, -(-s.Lk // lbn), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+        **common,
+    )
+    _attn_bwd_dq[(triton.cdiv(s.Lq, cfg_q.block_m), s.B * s.H)](
+        q, k, v, dout, dq, lse, delta, *qkv_strides,
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        *rows, pay.params, pay.aux,
+        s.H, s.G, lzb, lzh, -(-s.Lq // lbm), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
+        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+        **common,
+    )
+    return dq, dk, dv
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, shapes, scale, dropout_p, seed):
+        out, lse = triton_forward(q, k, v, layout, shapes, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, shapes, scale, dropout_p, seed)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = triton_backward(q, k, v, out, lse, dout, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def triton_attention(q, k, v, layout: BlockLayout, shapes: Shapes, scale: float, dropout_p: float, seed: int):
+    """Block-sparse attention through the Triton kernels; returns ``(out, lse)``."""
+    return _TritonAttention.apply(q, k, v, layout, shapes, scale, dropout_p, seed)

@@ -1,0 +1,21 @@
+"""Test setup: Triton kernels run in the interpreter on CPU (must be set before kernels are imported)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (0 when both are 0)."""
+    a, b = a.double(), b.double()
+    nb = b.norm().item()
+    return (a - b).norm().item() / nb if nb > 0 else (a - b).norm().item()
