@@ -44,10 +44,10 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
                 PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     start = tl.load(LUT_PTR + col)
     end = tl.load(LUT_PTR + col + 1)
-    for e in range(start, end):
+    for e in tl.range(start, end, num_stages=STAGES):
         rblk = tl.load(LUT_IDX + e)
         for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
             offs_m = rblk * LAYOUT_BM + sub * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -91,7 +91,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
     pid_n = tl.program_id(0)
@@ -120,11 +121,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_PTR, FULL_IDX, col, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION)
+                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION, STAGES)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_PTR, PART_IDX, col, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION)
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES)
     store_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
                (dk * sm_scale).to(DK.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
     store_tile(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
@@ -136,11 +137,11 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, s
               LUT_PTR, LUT_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-              LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     start = tl.load(LUT_PTR + row)
     end = tl.load(LUT_PTR + row + 1)
     qp = offs_m + (kv_len - q_len)
-    for e in range(start, end):
+    for e in tl.range(start, end, num_stages=STAGES):
         col = tl.load(LUT_IDX + e)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,7 +175,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
                  PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
     pid_m = tl.program_id(0)
@@ -197,9 +199,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    FULL_PTR, FULL_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_PTR, PART_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
     store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
                (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)

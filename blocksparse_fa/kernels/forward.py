@@ -19,10 +19,10 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
                q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     start = tl.load(LUT_PTR + row)
     end = tl.load(LUT_PTR + row + 1)
-    for e in range(start, end):
+    for e in tl.range(start, end, num_stages=STAGES):
         col = tl.load(LUT_IDX + e)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,7 +63,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD, "HEAD_DIM_PAD must cover HEAD_DIM")
@@ -89,11 +90,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                FULL_PTR, FULL_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                PART_PTR, PART_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)

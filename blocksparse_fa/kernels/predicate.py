@@ -80,6 +80,9 @@ _TEMPLATES = {
 }
 
 
+_GATHER_2D = {"random_blocks", "block_mask", "dense_mask"}
+
+
 def _emit(mask: Mask, lines: list, counter: list, slot: list) -> str:
     if isinstance(mask, (And, Or)):
         op = " & " if isinstance(mask, And) else " | "
@@ -173,6 +176,7 @@ class Payload:
     fn: object
     params: torch.Tensor
     aux: torch.Tensor
+    gathers: bool  # the predicate gathers a (BLOCK_M, BLOCK_N) tile of words: don't pipeline it
 
 
 def build_payload(layout: BlockLayout, device) -> Payload:
@@ -227,4 +231,5 @@ def build_payload(layout: BlockLayout, device) -> Payload:
         raise ValueError("mask payload exceeds 2**31 int32 words")
     params_t = torch.tensor(params or [0], dtype=torch.int32, device=device)
     aux_t = torch.from_numpy(np.concatenate(aux) if aux else np.zeros(1, np.int32)).to(device)
-    return Payload(predicate_function(layout.mask), params_t, aux_t)
+    gathers = any(leaf.name in _GATHER_2D for leaf in layout.mask.leaves())
+    return Payload(predicate_function(layout.mask), params_t, aux_t, gathers)

@@ -15,6 +15,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -73,7 +74,11 @@ def _parse_file(name: str, text: str) -> PatternInfo:
 @functools.lru_cache(maxsize=None)
 def _registry() -> dict[str, PatternInfo]:
     out = {}
-    for entry in resources.files("blocksparse_fa.pattern_files").iterdir():
+    try:
+        folder = resources.files("blocksparse_fa.pattern_files")
+    except ModuleNotFoundError:  # running from a source checkout without installing (PYTHONPATH=.)
+        folder = Path(__file__).resolve().parents[2] / "masks"
+    for entry in folder.iterdir():
         if entry.name.endswith(".mask"):
             name = entry.name[: -len(".mask")]
             out[name] = _parse_file(name, entry.read_text(encoding="utf-8"))

@@ -53,6 +53,12 @@ def _dot_precision(dtype, device) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _masked_stages(pay: Payload, cfg) -> int:
+    """Pipelining depth of the masked loop: a predicate that gathers a whole tile of words would
+    multiply shared memory by the stage count, so such loops are not pipelined."""
+    return 1 if pay.gathers else cfg.num_stages
+
+
 def _dropout_args(dropout_p: float, seed: int):
     s0, s1 = seed_words(seed)
     return s0, s1, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
@@ -79,7 +85,8 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
         *_dropout_args(dropout_p, seed),
         PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
-        DOT_PRECISION=_dot_precision(q.dtype, q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
+        MASKED_STAGES=_masked_stages(pay, cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -112,6 +119,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         *cols, pay.params, pay.aux,
         s.H, s.G, lzb, lzh, -(-s.Lk // lbn), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+        STAGES=cfg_kv.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_kv),
         **common,
     )
     _attn_bwd_dq[(triton.cdiv(s.Lq, cfg_q.block_m), s.B * s.H)](
@@ -120,6 +128,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         *rows, pay.params, pay.aux,
         s.H, s.G, lzb, lzh, -(-s.Lq // lbm), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+        STAGES=cfg_q.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_q),
         **common,
     )
     return dq, dk, dv

@@ -1,0 +1,680 @@
+"""Three-level traffic model of the block-sparse kernels: DRAM → L2 → shared memory / registers.
+
+The FlashAttention paper counts accesses between two levels (HBM and SRAM). On a Hopper GPU a
+third level sits between them: a 50 MB L2 that every SM reads through. The two costs Proposition 4
+talks about then split:
+
+* **L2 → SM bytes** (what the SMs load; ncu ``lts__t_sectors_srcunit_tex_op_read`` × 32 B): each
+  program loads its own tiles, so this is an exact sum over the programs and their lookup-table
+  entries — linear in the number of visited blocks, i.e. in the block density s.
+* **DRAM bytes** (ncu ``dram__bytes_read`` / ``dram__bytes_write``): a tile that several programs
+  load comes from DRAM only when L2 no longer holds it. Compulsory traffic (every input byte that
+  is touched read once, every output written once) is a floor; re-reads come on top when the
+  re-used data does not stay in L2.
+
+How the DRAM estimate works (simple on purpose; every assumption is listed):
+
+1. Programs start in grid order (tile index fastest, then batch·head — the kernels' launch grids)
+   and run in *waves* of ``P = n_sm × occupancy`` consecutive programs.
+2. Within a wave, programs that load the same tile share one DRAM fetch (they run concurrently
+   and sweep their column-sorted lookup tables in step, so the second load comes shortly after the
+   first): the *wave-distinct* objects are the candidates for DRAM traffic.
+3. An object (a layout block's K+V for the forward and dQ; its Q+dO+LSE+δ rows for dK/dV) that a
+   wave ``w`` needs and an earlier wave ``a`` already loaded is a *re-read*. Its reuse distance
+   ``D`` is the number of distinct bytes brought into L2 in waves ``a+1 … w``: the wave-distinct
+   objects first referenced after ``a`` plus everything streamed through L2 in those waves (the
+   programs' own Q/O/LSE tiles, outputs, lookup tables).
+4. A re-read hits L2 if ``D ≤ C`` (the L2 capacity); otherwise it hits with probability ``C / D``
+   (``policy="fraction"``: the stationary hit rate of a cache of ``C`` bytes under uniformly
+   scattered references to ``D`` bytes; the default) or never (``policy="lru"``: strict LRU with a
+   cyclic sweep, the pessimistic bound).
+5. DRAM reads = compulsory bytes + Σ re-read bytes × miss probability. DRAM writes = outputs,
+   written once (write-back; ncu may see less when dirty lines are still in L2 at kernel end).
+
+The kernels modelled (``blocksparse_fa/kernels``, issue 3): ``_attn_fwd`` (one program per query
+tile × batch·head; Q once, K/V per visited key block, writes O and LSE), ``_attn_bwd_preprocess``
+(reads O, dO, writes δ), ``_attn_bwd_dkdv`` (one program per key tile × batch·kv-head; K/V once,
+then per query head of the GQA group and per column-LUT entry Q, dO, LSE, δ; writes dK, dV) and
+``_attn_bwd_dq`` (one program per query tile × batch·head; Q, dO, LSE, δ once, K/V per entry,
+writes dQ). Lookup tables: each program reads 4 int32 row pointers and 4 bytes per entry. Only the
+valid rows/keys of ragged edge tiles are counted (masked loads move nothing).
+
+Standard attention is the paper's Algorithm 0 (forward ``4Nd + 4N²`` elements per head) and
+Algorithm 3 (backward ``8Nd + 7N²``), with S, P, dP, dS stored in the input dtype and all of it
+going through DRAM (they are N² per head, far beyond L2 at the lengths that matter). Its L2 → SM
+bytes are the same element counts, a lower bound (tiled matmuls re-read their operands from L2).
+Dense FlashAttention is this same model on the all-full layout of the same lengths and block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from .iosim import standard_attention, standard_attention_backward
+
+__all__ = ["TileSizes", "TrafficParams", "KernelTraffic", "Totals", "StandardTraffic", "TrafficReport",
+           "traffic_model", "dtype_bytes", "H100_L2_BYTES", "H100_SMS", "format_bytes"]
+
+H100_L2_BYTES = 50 * 2**20
+H100_SMS = 132
+
+_DTYPES = {"fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4, "float": 4}
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of ``"bf16"``/``"fp16"``/``"fp32"`` (or a ``torch.dtype``)."""
+    name = str(dtype).replace("torch.", "").lower()
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of fp16, bf16, fp32, got {dtype!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class TileSizes:
+    """Kernel tile sizes (each must divide the layout block along its axis)."""
+
+    fwd_block_m: int = 128
+    fwd_block_n: int = 64
+    dkdv_block_m: int = 64
+    dkdv_block_n: int = 64
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+    preprocess_block_m: int = 64
+
+
+@dataclass(frozen=True)
+class TrafficParams:
+    """Problem and machine. ``kv_heads`` defaults to ``heads`` (no GQA)."""
+
+    batch: int = 1
+    heads: int = 16
+    kv_heads: int | None = None
+    head_dim: int = 128
+    dtype: str = "bf16"
+    tiles: TileSizes = field(default_factory=TileSizes)
+    l2_bytes: int = H100_L2_BYTES
+    n_sm: int = H100_SMS
+    occupancy: int = 1
+    policy: str = "fraction"
+
+    @property
+    def hkv(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def elem(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def programs_in_flight(self) -> int:
+        return self.n_sm * self.occupancy
+
+    def check(self) -> None:
+        for name in ("batch", "heads", "head_dim", "n_sm", "occupancy", "l2_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.hkv < 1 or self.heads % self.hkv:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.hkv})")
+        if self.policy not in ("fraction", "lru"):
+            raise ValueError(f"policy must be 'fraction' or 'lru', got {self.policy!r}")
+        dtype_bytes(self.dtype)
+        for name, v in asdict(self.tiles).items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"tile size {name} must be a positive int, got {v!r}")
+
+
+@dataclass
+class KernelTraffic:
+    """Predicted traffic of one kernel launch.
+
+    Attributes:
+        name: kernel.
+        programs: grid size; waves: ``ceil(programs / programs_in_flight)``.
+        l2_to_sm_bytes: bytes loaded by the SMs (L2 → shared memory / registers).
+        sm_to_l2_bytes: bytes stored by the SMs.
+        loads, stores: the same by tensor.
+        dram_read_bytes: predicted DRAM reads; dram_write_bytes: outputs written once.
+        compulsory_read_bytes: inputs touched, each read once (the floor of dram_read_bytes).
+        reread_bytes: DRAM re-reads on top of the compulsory bytes (L2 misses of re-used data).
+        shared_in_wave_bytes: loads of re-used data served by L2 because programs of the same wave
+            share them.
+        reuse_bytes: loads of data an earlier wave already loaded (candidates for re-reads).
+        reuse_distance_max: largest reuse distance ``D`` (0 when nothing is re-used across waves).
+        wave_footprint_max: largest distinct bytes (re-used objects + streamed) of one wave.
+        fits_l2: every cross-wave reuse distance within the L2 capacity (no re-reads).
+    """
+
+    name: str
+    programs: int
+    waves: int
+    l2_to_sm_bytes: int
+    sm_to_l2_bytes: int
+    loads: dict
+    stores: dict
+    dram_read_bytes: float
+    dram_write_bytes: int
+    compulsory_read_bytes: int
+    reread_bytes: float = 0.0
+    shared_in_wave_bytes: int = 0
+    reuse_bytes: int = 0
+    reuse_distance_max: int = 0
+    wave_footprint_max: int = 0
+    fits_l2: bool = True
+
+    @property
+    def dram_bytes(self) -> float:
+        return self.dram_read_bytes + self.dram_write_bytes
+
+
+@dataclass
+class Totals:
+    """Sums over kernels."""
+
+    l2_to_sm_bytes: float = 0.0
+    sm_to_l2_bytes: float = 0.0
+    dram_read_bytes: float = 0.0
+    dram_write_bytes: float = 0.0
+    compulsory_read_bytes: float = 0.0
+
+    @property
+    def dram_bytes(self) -> float:
+        return self.dram_read_bytes + self.dram_write_bytes
+
+    @classmethod
+    def of(cls, kernels) -> "Totals":
+        t = cls()
+        for k in kernels:
+            t.l2_to_sm_bytes += k.l2_to_sm_bytes
+            t.sm_to_l2_bytes += k.sm_to_l2_bytes
+            t.dram_read_bytes += k.dram_read_bytes
+            t.dram_write_bytes += k.dram_write_bytes
+            t.compulsory_read_bytes += k.compulsory_read_bytes
+        return t
+
+
+@dataclass
+class StandardTraffic:
+    """Standard attention (Algorithm 0 forward, Algorithm 3 backward), all heads, in bytes."""
+
+    fwd_read_bytes: int
+    fwd_write_bytes: int
+    bwd_read_bytes: int
+    bwd_write_bytes: int
+
+    @property
+    def fwd_bytes(self) -> int:
+        return self.fwd_read_bytes + self.fwd_write_bytes
+
+    @property
+    def bwd_bytes(self) -> int:
+        return self.bwd_read_bytes + self.bwd_write_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fwd_bytes + self.bwd_bytes
+
+    @classmethod
+    def compute(cls, q_len: int, kv_len: int, p: TrafficParams) -> "StandardTraffic":
+        f = standard_attention(q_len, p.head_dim, kv_len)
+        b = standard_attention_backward(q_len, p.head_dim, kv_len)
+        n = p.batch * p.heads * p.elem  # K/V expanded per query head, as eager GQA does
+        return cls(f.total_reads * n, f.total_writes * n, b.total_reads * n, b.total_writes * n)
+
+
+@dataclass
+class TrafficReport:
+    """The model's prediction for one layout and problem.
+
+    ``forward``, ``bwd_preprocess``, ``bwd_dkdv``, ``bwd_dq`` are :class:`KernelTraffic`;
+    ``standard`` is :class:`StandardTraffic`; ``dense`` is the report of dense FlashAttention (the
+    all-full layout), or None.
+    """
+
+    mask: str
+    q_len: int
+    kv_len: int
+    block_size: tuple
+    density: float
+    visited_blocks: int
+    params: TrafficParams
+    forward: KernelTraffic
+    bwd_preprocess: KernelTraffic
+    bwd_dkdv: KernelTraffic
+    bwd_dq: KernelTraffic
+    standard: StandardTraffic
+    dense: "TrafficReport | None" = None
+
+    # -- sums --------------------------------------------------------------------------------------
+    @property
+    def kernels(self) -> list:
+        return [self.forward, self.bwd_preprocess, self.bwd_dkdv, self.bwd_dq]
+
+    @property
+    def fwd(self) -> Totals:
+        return Totals.of([self.forward])
+
+    @property
+    def bwd(self) -> Totals:
+        return Totals.of([self.bwd_preprocess, self.bwd_dkdv, self.bwd_dq])
+
+    @property
+    def total(self) -> Totals:
+        return Totals.of(self.kernels)
+
+    # -- ratios ------------------------------------------------------------------------------------
+    def ratios(self) -> dict:
+        """``{"vs_dense": {...}, "vs_standard": {...}}`` for fwd, bwd and total (L2 → SM and DRAM
+        vs dense FlashAttention; DRAM vs standard attention)."""
+        out: dict = {"vs_dense": {}, "vs_standard": {}}
+        std = {"fwd": self.standard.fwd_bytes, "bwd": self.standard.bwd_bytes, "total": self.standard.total_bytes}
+        for part in ("fwd", "bwd", "total"):
+            mine = getattr(self, part)
+            if self.dense is not None:
+                d = getattr(self.dense, part)
+                out["vs_dense"][part] = {"l2_to_sm": _ratio(mine.l2_to_sm_bytes, d.l2_to_sm_bytes),
+                                         "dram": _ratio(mine.dram_bytes, d.dram_bytes)}
+            out["vs_standard"][part] = {"l2_to_sm": _ratio(mine.l2_to_sm_bytes, std[part]),
+                                        "dram": _ratio(mine.dram_bytes, std[part])}
+        return out
+
+    def to_dict(self) -> dict:
+        d = {
+            "mask": self.mask, "q_len": self.q_len, "kv_len": self.kv_len, "block_size": list(self.block_size),
+            "density": self.density, "visited_blocks": self.visited_blocks, "params": asdict(self.params),
+            "kernels": {k.name: asdict(k) for k in self.kernels},
+            "fwd": asdict(self.fwd), "bwd": asdict(self.bwd), "total": asdict(self.total),
+            "standard": asdict(self.standard), "ratios": self.ratios(),
+        }
+        if self.dense is not None:
+            d["dense"] = {"fwd": asdict(self.dense.fwd), "bwd": asdict(self.dense.bwd), "total": asdict(self.dense.total)}
+        return d
+
+    # -- text --------------------------------------------------------------------------------------
+    def format_table(self) -> str:
+        p = self.params
+        bm, bn = self.block_size
+        t = p.tiles
+        lines = [
+            f"Traffic model: {self.mask}",
+            f"  q_len={self.q_len} kv_len={self.kv_len} block=({bm}, {bn})  B={p.batch} H={p.heads} Hkv={p.hkv} "
+            f"d={p.head_dim} {p.dtype}",
+            f"  block density s={self.density:.4f} ({self.visited_blocks} visited blocks per all heads)  "
+            f"L2={p.l2_bytes / 2**20:.1f} MiB  {p.n_sm} SMs x {p.occupancy} program(s) in flight  policy={p.policy}",
+            f"  tiles: fwd {t.fwd_block_m}x{t.fwd_block_n}, dK/dV {t.dkdv_block_m}x{t.dkdv_block_n}, "
+            f"dQ {t.dq_block_m}x{t.dq_block_n}",
+            "",
+            f"  {'kernel':<16}{'programs':>9}{'waves':>7}{'L2->SM':>11}{'SM->L2':>11}{'DRAM rd':>11}"
+            f"{'compuls.':>11}{'DRAM wr':>11}{'reuse dist':>12}  in L2",
+        ]
+        for k in self.kernels:
+            lines.append(
+                f"  {k.name:<16}{k.programs:>9}{k.waves:>7}{format_bytes(k.l2_to_sm_bytes):>11}"
+                f"{format_bytes(k.sm_to_l2_bytes):>11}{format_bytes(k.dram_read_bytes):>11}"
+                f"{format_bytes(k.compulsory_read_bytes):>11}{format_bytes(k.dram_write_bytes):>11}"
+                f"{format_bytes(k.reuse_distance_max):>12}  {'yes' if k.fits_l2 else 'NO'}")
+        lines.append("")
+        lines.append(f"  {'':<16}{'L2->SM':>11}{'SM->L2':>11}{'DRAM rd':>11}{'DRAM wr':>11}{'DRAM':>11}")
+        rows = [("forward", self.fwd), ("backward", self.bwd), ("fwd+bwd", self.total)]
+        if self.dense is not None:
+            rows += [("dense FA fwd", self.dense.fwd), ("dense FA bwd", self.dense.bwd),
+                     ("dense FA total", self.dense.total)]
+        for name, tt in rows:
+            lines.append(f"  {name:<16}{format_bytes(tt.l2_to_sm_bytes):>11}{format_bytes(tt.sm_to_l2_bytes):>11}"
+                         f"{format_bytes(tt.dram_read_bytes):>11}{format_bytes(tt.dram_write_bytes):>11}"
+                         f"{format_bytes(tt.dram_bytes):>11}")
+        s = self.standard
+        lines.append(f"  {'standard fwd':<16}{'':>11}{'':>11}{format_bytes(s.fwd_read_bytes):>11}"
+                     f"{format_bytes(s.fwd_write_bytes):>11}{format_bytes(s.fwd_bytes):>11}   (Algorithm 0: 4Nd+4N^2)")
+        lines.append(f"  {'standard bwd':<16}{'':>11}{'':>11}{format_bytes(s.bwd_read_bytes):>11}"
+                     f"{format_bytes(s.bwd_write_bytes):>11}{format_bytes(s.bwd_bytes):>11}   (Algorithm 3: 8Nd+7N^2)")
+        r = self.ratios()
+        lines.append("")
+        lines.append(f"  {'ratio':<30}{'fwd':>9}{'bwd':>9}{'total':>9}")
+        if r["vs_dense"]:
+            for key, label in (("l2_to_sm", "L2->SM vs dense FA"), ("dram", "DRAM vs dense FA")):
+                lines.append(f"  {label:<30}" + "".join(f"{_fmt_ratio(r['vs_dense'][q][key]):>9}"
+                                                        for q in ("fwd", "bwd", "total")))
+        lines.append(f"  {'DRAM vs standard attention':<30}" + "".join(
+            f"{_fmt_ratio(r['vs_standard'][q]['dram']):>9}" for q in ("fwd", "bwd", "total")))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format_table()
+
+
+def _ratio(a: float, b: float) -> float:
+    return float(a) / float(b) if b else float("nan")
+
+
+def _fmt_ratio(x: float) -> str:
+    if x != x:
+        return "n/a"
+    return f"{x:.3g}x"
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units (kB, MB, GB), as ncu reports them."""
+    n = float(n)
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= f:
+            return f"{n / f:.3g} {unit}" if n / f < 100 else f"{n / f:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ================================================================================================
+# layout geometry
+# ================================================================================================
+class _Geometry:
+    """Per-row / per-column sums of a layout's non-empty blocks, from its run-length segments."""
+
+    def __init__(self, layout):
+        self.q_len, self.kv_len = layout.q_len, layout.kv_len
+        self.bm, self.bn = layout.block_size
+        self.tr, self.tc = layout.shape[-2], layout.shape[-1]
+        bs = tuple(layout.batch_shape) or (1, 1)
+        self.zb, self.zh = bs
+        self.n_inst = self.zb * self.zh
+        segs = getattr(layout, "_segs", None)
+        if segs is not None:
+            sel = segs.state != 0
+            rows, starts, ends = segs.rows[sel], segs.starts[sel], segs.ends[sel]
+        else:  # fall back on the public view: one unit segment per block
+            rows, cols, _ = layout.nonempty_blocks()
+            rows, starts, ends = np.asarray(rows), np.asarray(cols), np.asarray(cols) + 1
+        order = np.argsort(rows * (self.tc + 1) + starts, kind="stable")
+        self.seg_row = np.asarray(rows, dtype=np.int64)[order]
+        self.seg_start = np.asarray(starts, dtype=np.int64)[order]
+        self.seg_end = np.asarray(ends, dtype=np.int64)[order]
+        # valid rows per layout row, valid keys per layout column (ragged edges)
+        r = np.arange(self.tr)
+        self.row_h = np.minimum((r + 1) * self.bm, self.q_len) - r * self.bm
+        c = np.arange(self.tc)
+        self.col_w = np.minimum((c + 1) * self.bn, self.kv_len) - c * self.bn
+        wpref = np.concatenate([[0], np.cumsum(self.col_w)])
+        nz = self.n_inst * self.tr
+        lens = self.seg_end - self.seg_start
+        self.row_cnt = np.bincount(self.seg_row, weights=lens, minlength=nz).reshape(self.n_inst, self.tr)
+        self.row_keys = np.bincount(self.seg_row, weights=wpref[self.seg_end] - wpref[self.seg_start],
+                                    minlength=nz).reshape(self.n_inst, self.tr)
+        z = self.seg_row // self.tr
+        hseg = self.row_h[self.seg_row % self.tr].astype(np.float64)
+        n1 = self.n_inst * (self.tc + 1)
+        diff_c = (np.bincount(z * (self.tc + 1) + self.seg_start, minlength=n1)
+                  - np.bincount(z * (self.tc + 1) + self.seg_end, minlength=n1)).reshape(self.n_inst, -1)
+        diff_q = (np.bincount(z * (self.tc + 1) + self.seg_start, weights=hseg, minlength=n1)
+                  - np.bincount(z * (self.tc + 1) + self.seg_end, weights=hseg, minlength=n1)).reshape(self.n_inst, -1)
+        self.col_cnt = np.cumsum(diff_c, axis=1)[:, : self.tc]
+        self.col_rows = np.cumsum(diff_q, axis=1)[:, : self.tc]
+        self.visited = int(lens.sum())
+        self.inst_ptr = np.searchsorted(self.seg_row, np.arange(self.n_inst + 1) * self.tr)
+        self._row_cache: dict = {}
+        self._col_cache: dict = {}
+
+    def instance(self, b: int, h: int) -> int:
+        return (b if self.zb > 1 else 0) * self.zh + (h if self.zh > 1 else 0)
+
+    def check_batch(self, B: int, H: int) -> None:
+        if self.zb not in (1, B) or self.zh not in (1, H):
+            raise ValueError(f"layout batch_shape {(self.zb, self.zh)} does not broadcast to (B, H) = {(B, H)}")
+
+    def cols_of_rows(self, z: int, r0: int, r1: int) -> np.ndarray:
+        """Columns with a non-empty block in layout rows ``r0..r1`` (inclusive) of instance z."""
+        key = (z, r0, r1)
+        hit = self._row_cache.get(key)
+        if hit is None:
+            lo = np.searchsorted(self.seg_row, z * self.tr + r0, side="left")
+            hi = np.searchsorted(self.seg_row, z * self.tr + r1, side="right")
+            cover = (np.bincount(self.seg_start[lo:hi], minlength=self.tc + 1)
+                     - np.bincount(self.seg_end[lo:hi], minlength=self.tc + 1))
+            hit = np.flatnonzero(np.cumsum(cover)[: self.tc] > 0)
+            if len(self._row_cache) < 4096:
+                self._row_cache[key] = hit
+        return hit
+
+    def rows_of_cols(self, z: int, c0: int, c1: int) -> np.ndarray:
+        """Layout rows with a non-empty block in columns ``c0..c1`` (inclusive) of instance z."""
+        key = (z, c0, c1)
+        hit = self._col_cache.get(key)
+        if hit is None:
+            lo, hi = self.inst_ptr[z], self.inst_ptr[z + 1]
+            s, e = self.seg_start[lo:hi], self.seg_end[lo:hi]
+            sel = (s <= c1) & (e > c0)
+            hit = np.unique(self.seg_row[lo:hi][sel] - z * self.tr)
+            if len(self._col_cache) < 4096:
+                self._col_cache[key] = hit
+        return hit
+
+
+def _tiles(n: int, tile: int, block: int):
+    """Tiles of ``tile`` items over ``n``: their layout block index and valid length."""
+    t = np.arange(-(-n // tile))
+    return (t * tile) // block, np.minimum((t + 1) * tile, n) - t * tile
+
+
+# ================================================================================================
+# DRAM estimate (waves + reuse distance)
+# ================================================================================================
+def _wave_segments(n_groups: int, per_group: int, P: int):
+    """Split programs ``g * per_group + t`` (grid order) into waves of P: yields (g, w, t0, t1)."""
+    for g in range(n_groups):
+        p0 = g * per_group
+        for w in range(p0 // P, (p0 + per_group - 1) // P + 1):
+            yield g, w, max(0, w * P - p0), min(per_group, (w + 1) * P - p0)
+
+
+def _reuse(ref_w: np.ndarray, ref_o: np.ndarray, obj_bytes: np.ndarray, stream_w: np.ndarray,
+           l2: int, policy: str) -> dict:
+    """Compulsory and re-read bytes of a wave-distinct reference stream (see the module doc)."""
+    n_waves = len(stream_w)
+    if not len(ref_w):
+        return {"compulsory": 0, "reread": 0.0, "reuse": 0, "reuse_max": 0,
+                "wave_distinct": 0, "footprint_max": int(stream_w.max(initial=0))}
+    n_obj = int(ref_o.max()) + 1
+    key = np.unique(ref_w.astype(np.int64) * n_obj + ref_o)
+    w, o = key // n_obj, key % n_obj
+    b = obj_bytes[o].astype(np.float64)
+    order = np.lexsort((w, o))
+    os_, ws_ = o[order], w[order]
+    prev = np.full(len(w), -1, dtype=np.int64)
+    same = os_[1:] == os_[:-1]
+    prev[order[1:][same]] = ws_[:-1][same]
+    first = prev < 0
+    footprint = np.bincount(w, weights=b, minlength=n_waves) + stream_w
+    out = {"compulsory": int(b[first].sum()), "wave_distinct": int(b.sum()),
+           "footprint_max": int(footprint.max()), "reuse": int(b[~first].sum())}
+    rr = np.flatnonzero(~first)
+    if not len(rr):
+        out.update(reread=0.0, reuse_max=0)
+        return out
+    S = np.concatenate([[0.0], np.cumsum(stream_w)])
+    wave_start = np.searchsorted(w, np.arange(n_waves + 1))
+    rr = rr[np.argsort(prev[rr], kind="stable")]
+    pa = prev[rr]
+    cuts = np.flatnonzero(np.diff(pa)) + 1
+    D = np.empty(len(rr))
+    for lo_i, hi_i in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rr)]])):
+        a = int(pa[lo_i])
+        idx = rr[lo_i:hi_i]
+        wq = w[idx]
+        wmax = int(wq.max())
+        lo, hi = wave_start[a + 1], wave_start[wmax + 1]
+        sel = prev[lo:hi] <= a  # first reference after wave a
+        cum = np.cumsum(np.bincount(w[lo:hi][sel] - a - 1, weights=b[lo:hi][sel], minlength=wmax - a))
+        D[lo_i:hi_i] = cum[wq - a - 1] + S[wq + 1] - S[a + 1]
+    if policy == "lru":
+        hit = (D <= l2).astype(np.float64)
+    else:
+        hit = np.minimum(1.0, l2 / D)
+    out.update(reread=float((b[rr] * (1.0 - hit)).sum()), reuse_max=int(D.max()))
+    return out
+
+
+# ================================================================================================
+# kernels
+# ================================================================================================
+def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_side_loads: dict,
+                q_side_stores: dict, lut_bytes: int) -> KernelTraffic:
+    """Forward and dQ: programs (query tile, batch·head) that visit the row LUT and load K/V per entry.
+
+    q_side_loads / q_side_stores: bytes per query row loaded once / stored by each program.
+    """
+    B, H, G = p.batch, p.heads, p.heads // p.hkv
+    D, e = p.head_dim, p.elem
+    t_row, t_h = _tiles(geo.q_len, block_m, geo.bm)
+    n_t = len(t_row)
+    P = p.programs_in_flight
+    per_row_load = sum(q_side_loads.values())
+    per_row_store = sum(q_side_stores.values())
+    mult = np.zeros(geo.n_inst, dtype=np.int64)
+    stream_p = np.empty(B * H * n_t)
+    for b in range(B):
+        for h in range(H):
+            z = geo.instance(b, h)
+            mult[z] += 1
+            lut = 16 + 4 * geo.row_cnt[z, t_row]
+            stream_p[(b * H + h) * n_t:(b * H + h + 1) * n_t] = t_h * (per_row_load + per_row_store) + lut
+    kv_loads = float(2 * D * e * (mult[:, None] * geo.row_keys[:, t_row]).sum())
+    lut_loads = float((mult[:, None] * (16 + 4 * geo.row_cnt[:, t_row])).sum())
+    rows_total = B * H * geo.q_len
+    loads = {k: v * rows_total for k, v in q_side_loads.items()}
+    loads["K+V"] = int(kv_loads)
+    loads["LUT"] = int(lut_loads)
+    stores = {k: v * rows_total for k, v in q_side_stores.items()}
+    n_prog = B * H * n_t
+    n_waves = -(-n_prog // P)
+    stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
+    # wave-distinct K/V objects: (b * Hkv + hk) * Tc + column
+    ws, os_ = [], []
+    for bh, w, t0, t1 in _wave_segments(B * H, n_t, P):
+        b, h = divmod(bh, H)
+        cols = geo.cols_of_rows(geo.instance(b, h), int(t_row[t0]), int(t_row[t1 - 1]))
+        if len(cols):
+            ws.append(np.full(len(cols), w, dtype=np.int64))
+            os_.append((b * p.hkv + h // G) * geo.tc + cols)
+    obj_bytes = np.tile(2.0 * D * e * geo.col_w, B * p.hkv)
+    ru = _reuse(np.concatenate(ws) if ws else np.zeros(0, np.int64),
+                np.concatenate(os_) if os_ else np.zeros(0, np.int64), obj_bytes, stream_w, p.l2_bytes, p.policy)
+    compulsory = sum(loads[k] for k in q_side_loads) + ru["compulsory"] + lut_bytes
+    return KernelTraffic(
+        name=name, programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
+        sm_to_l2_bytes=int(sum(stores.values())), loads=loads, stores=stores,
+        dram_read_bytes=compulsory + ru["reread"], dram_write_bytes=int(sum(stores.values())),
+        compulsory_read_bytes=int(compulsory), reread_bytes=ru["reread"],
+        shared_in_wave_bytes=int(kv_loads - ru["wave_distinct"]), reuse_bytes=ru["reuse"],
+        reuse_distance_max=ru["reuse_max"], wave_footprint_max=ru["footprint_max"],
+        fits_l2=ru["reuse_max"] <= p.l2_bytes)
+
+
+def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraffic:
+    B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
+    D, e = p.head_dim, p.elem
+    u_col, u_w = _tiles(geo.kv_len, p.tiles.dkdv_block_n, geo.bn)
+    n_u = len(u_col)
+    P = p.programs_in_flight
+    q_obj_row = 2 * D * e + 8  # Q, dO rows + LSE, delta (fp32)
+    mult = np.zeros(geo.n_inst, dtype=np.int64)
+    stream_p = np.empty(B * Hkv * n_u)
+    for b in range(B):
+        for hk in range(Hkv):
+            lut = np.zeros(n_u)
+            for g in range(G):
+                z = geo.instance(b, hk * G + g)
+                mult[z] += 1
+                lut += 16 + 4 * geo.col_cnt[z, u_col]
+            stream_p[(b * Hkv + hk) * n_u:(b * Hkv + hk + 1) * n_u] = 4 * D * e * u_w + lut
+    q_loads = float(q_obj_row * (mult[:, None] * geo.col_rows[:, u_col]).sum())
+    lut_loads = float((mult[:, None] * (16 + 4 * geo.col_cnt[:, u_col])).sum())
+    kv_total = B * Hkv * geo.kv_len * D * e
+    loads = {"K": kv_total, "V": kv_total, "Q+dO+LSE+delta": int(q_loads), "LUT": int(lut_loads)}
+    stores = {"dK": kv_total, "dV": kv_total}
+    n_prog = B * Hkv * n_u
+    n_waves = -(-n_prog // P)
+    stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
+    ws, os_ = [], []
+    for bkv, w, u0, u1 in _wave_segments(B * Hkv, n_u, P):
+        b, hk = divmod(bkv, Hkv)
+        for g in range(G):
+            h = hk * G + g
+            rows = geo.rows_of_cols(geo.instance(b, h), int(u_col[u0]), int(u_col[u1 - 1]))
+            if len(rows):
+                ws.append(np.full(len(rows), w, dtype=np.int64))
+                os_.append((b * H + h) * geo.tr + rows)
+    obj_bytes = np.tile(float(q_obj_row) * geo.row_h, B * H)
+    ru = _reuse(np.concatenate(ws) if ws else np.zeros(0, np.int64),
+                np.concatenate(os_) if os_ else np.zeros(0, np.int64), obj_bytes, stream_w, p.l2_bytes, p.policy)
+    compulsory = 2 * kv_total + ru["compulsory"] + lut_bytes
+    return KernelTraffic(
+        name="bwd_dkdv", programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
+        sm_to_l2_bytes=int(sum(stores.values())), loads=loads, stores=stores,
+        dram_read_bytes=compulsory + ru["reread"], dram_write_bytes=int(sum(stores.values())),
+        compulsory_read_bytes=int(compulsory), reread_bytes=ru["reread"],
+        shared_in_wave_bytes=int(q_loads - ru["wave_distinct"]), reuse_bytes=ru["reuse"],
+        reuse_distance_max=ru["reuse_max"], wave_footprint_max=ru["footprint_max"],
+        fits_l2=ru["reuse_max"] <= p.l2_bytes)
+
+
+def _preprocess_kernel(geo: _Geometry, p: TrafficParams) -> KernelTraffic:
+    rows = p.batch * p.heads * geo.q_len
+    od = rows * p.head_dim * p.elem
+    loads = {"O": od, "dO": od}
+    stores = {"delta": 4 * rows}
+    n_prog = p.batch * p.heads * -(-geo.q_len // p.tiles.preprocess_block_m)
+    return KernelTraffic(name="bwd_preprocess", programs=n_prog, waves=-(-n_prog // p.programs_in_flight),
+                         l2_to_sm_bytes=2 * od, sm_to_l2_bytes=4 * rows, loads=loads, stores=stores,
+                         dram_read_bytes=float(2 * od), dram_write_bytes=4 * rows, compulsory_read_bytes=2 * od)
+
+
+def _check_tiles(geo: _Geometry, t: TileSizes) -> None:
+    for name, tile, block in (("fwd_block_m", t.fwd_block_m, geo.bm), ("fwd_block_n", t.fwd_block_n, geo.bn),
+                              ("dkdv_block_m", t.dkdv_block_m, geo.bm), ("dkdv_block_n", t.dkdv_block_n, geo.bn),
+                              ("dq_block_m", t.dq_block_m, geo.bm), ("dq_block_n", t.dq_block_n, geo.bn)):
+        if block % tile:
+            raise ValueError(f"tile {name}={tile} must divide the layout block ({block}), as the kernels require")
+
+
+def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool = True, **overrides) -> TrafficReport:
+    """Predict the bytes each kernel moves for ``layout`` (a :class:`BlockLayout`).
+
+    Args:
+        layout: the compiled mask.
+        params: problem and machine (:class:`TrafficParams`); keyword ``overrides`` replace fields
+            (``heads=8, kv_heads=2, head_dim=64, dtype="fp16", l2_bytes=..., tiles=TileSizes(...)``).
+        compare: also model dense FlashAttention (the all-full layout of the same shape) for the
+            ratios (costs a second model evaluation).
+
+    Returns:
+        A :class:`TrafficReport`.
+    """
+    p = replace(params or TrafficParams(), **overrides)
+    p.check()
+    geo = _Geometry(layout)
+    geo.check_batch(p.batch, p.heads)
+    _check_tiles(geo, p.tiles)
+    D, e = p.head_dim, p.elem
+    row_lut_bytes = int(layout.row_lut.nbytes)
+    col_lut_bytes = int(layout.col_lut.nbytes)
+    fwd = _row_kernel("fwd", geo, p, p.tiles.fwd_block_m, q_side_loads={"Q": D * e},
+                      q_side_stores={"O": D * e, "LSE": 4}, lut_bytes=row_lut_bytes)
+    pre = _preprocess_kernel(geo, p)
+    dkdv = _dkdv_kernel(geo, p, col_lut_bytes)
+    dq = _row_kernel("bwd_dq", geo, p, p.tiles.dq_block_m, q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
+                     q_side_stores={"dQ": D * e}, lut_bytes=row_lut_bytes)
+    mult = np.zeros(geo.n_inst, dtype=np.int64)
+    for b in range(p.batch):
+        for h in range(p.heads):
+            mult[geo.instance(b, h)] += 1
+    visited = int((mult * geo.row_cnt.sum(axis=1)).sum())
+    rep = TrafficReport(
+        mask=str(layout.mask), q_len=geo.q_len, kv_len=geo.kv_len, block_size=(geo.bm, geo.bn),
+        density=float(layout.density), visited_blocks=visited, params=p, forward=fwd, bwd_preprocess=pre,
+        bwd_dkdv=dkdv, bwd_dq=dq, standard=StandardTraffic.compute(geo.q_len, geo.kv_len, p))
+    if compare:
+        from ..compiler.compile import compile_mask
+        from ..mask.primitives import full
+
+        dense = compile_mask(full(), geo.q_len, geo.kv_len, (geo.bm, geo.bn), cache=False)
+        rep.dense = traffic_model(dense, p, compare=False)
+    return rep

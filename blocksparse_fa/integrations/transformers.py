@@ -1,0 +1,215 @@
+"""Hugging Face ``transformers`` integration: run a model's attention on block-sparse attention.
+
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.integrations.transformers import register
+
+    register("longformer")                 # or any Mask / DSL text; name defaults to "blocksparse"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="blocksparse")
+
+:func:`register` adds two functions under ``name``:
+
+1. an **attention function** to ``transformers.AttentionInterface`` with the library's contract
+   ``fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)
+   -> (attn_output (B, Lq, H, D), None)``, where query is ``(B, H, Lq, D)`` and key/value
+   ``(B, Hkv, Lk, D)`` (grouped-query attention is handled by our kernels, no ``repeat_kv``);
+2. a **mask function** to ``transformers.masking_utils.AttentionMaskInterface``. Without one,
+   ``transformers`` treats an unknown implementation as needing no mask at all and passes
+   ``attention_mask=None`` to every layer -- padding would be silently ignored.
+
+How the model's mask is combined with the pattern
+-------------------------------------------------
+The attention computed is ``pattern & model_mask``, where the model's mask (causality, padding,
+sliding windows, packed sequences, ...) arrives in one of three forms:
+
+* ``None``: no padding and a plain causal (or bidirectional) model. The mask used is
+  ``pattern & causal`` when the layer is causal (``is_causal`` kwarg, else ``module.is_causal``,
+  default True), else ``pattern`` -- the same rule as ``transformers``' SDPA path.
+* **key-padding form** ``(B, 1, 1, Lk)`` bool, produced by our mask function for the common case: the
+  model's mask is the standard causal mask, queries are bottom-right aligned with the keys (no cache,
+  or a dynamic cache) and there is padding. The mask used is ``pattern & causal & document(ids)``
+  with per-batch ids ``0`` for every valid key and a distinct id for each padded token, so that a
+  valid query keeps exactly the valid keys (as in SDPA) and the layout stays block-sparse and
+  ``O(B * Lk)`` to describe -- the ``Lq x Lk`` mask is never built. Deliberate difference: a
+  *padded* query row attends only to itself (in SDPA it sees the valid keys, or nothing for a left-
+  padded row). Padded positions are ignored by losses and by generation, and no valid position can
+  see a padded one, so logits and gradients at valid positions are identical.
+* **any other 4D mask** ``(B, 1 or H, Lq, Lk)`` (bool, or additive with values 0 / very negative):
+  sliding-window models, packed sequences, static caches, user-supplied 4D masks. It is used
+  exactly, as ``pattern & dense_mask(keep)`` (``O(B * Lq * Lk)``, like SDPA's own mask). Additive
+  masks holding real biases (ALiBi-style) are rejected.
+
+Under ``torch.compile`` the attention itself is a custom op (no graph break), but building a layout
+from padding (the document ids come from tensor values) breaks the graph once per forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..mask.dsl import parse
+from ..mask.expr import Mask
+from ..mask.primitives import causal, dense_mask, document, full
+from ..ops.custom_op import attention_op
+
+__all__ = ["register", "unregister", "make_attention_function", "make_mask_function", "key_padding_ids"]
+
+_registered: dict = {}
+
+
+def _as_mask(mask) -> Mask:
+    if mask is None:
+        return full()
+    if isinstance(mask, str):
+        return parse(mask)
+    if isinstance(mask, Mask):
+        return mask
+    raise TypeError(f"mask must be a Mask, DSL text / pattern name or None, got {type(mask).__name__}")
+
+
+def key_padding_ids(valid: torch.Tensor) -> torch.Tensor:
+    """Document ids ``(B, Lk)`` that turn key validity into a ``document`` mask.
+
+    Valid keys get id 0; padded keys get distinct ids (negative before the first valid key, positive
+    after it), so left- and right-padded rows stay sorted (the compiler's fast path).
+    """
+    B, L = valid.shape
+    j = torch.arange(L, device=valid.device).expand(B, L)
+    first = torch.where(valid.any(1), valid.int().argmax(1), torch.full((B,), L, device=valid.device))
+    pad_ids = torch.where(j < first[:, None], j - L, j + 1)
+    return torch.where(valid, torch.zeros_like(pad_ids), pad_ids)
+
+
+def _keep_from_4d(am: torch.Tensor) -> torch.Tensor:
+    if am.dtype == torch.bool:
+        return am
+    if not am.dtype.is_floating_point:
+        return am != 0
+    neg = am <= torch.finfo(am.dtype).min / 2
+    if not bool(((am == 0) | neg | torch.isneginf(am)).all()):
+        raise ValueError("blocksparse attention: the additive attention_mask holds biases other than 0/-inf; "
+                         "only masking is supported")
+    return ~neg
+
+
+class _LastMask:
+    """One-entry cache: the mask built for the attention_mask tensor of the current forward pass."""
+
+    def __init__(self):
+        self.ref = None
+        self.key = None
+        self.mask = None
+
+    def get(self, am, key):
+        if self.ref is not None and self.ref() is am and self.key == key:
+            return self.mask
+        return None
+
+    def put(self, am, key, mask):
+        self.ref, self.key, self.mask = weakref.ref(am), key, mask
+
+
+def make_attention_function(mask, *, block_size=None, backend: str = "auto"):
+    """The ``AttentionInterface`` function running ``mask`` combined with the model's mask."""
+    pattern = _as_mask(mask)
+    pattern_causal = pattern & causal()
+    cache = _LastMask()
+
+    def blocksparse_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                      **kwargs):
+        if kwargs.get("softcap") is not None:
+            raise ValueError("blocksparse attention does not support `softcap`")
+        if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+            raise ValueError("blocksparse attention does not support attention sinks (`s_aux`)")
+        B, H, Lq, D = query.shape
+        Lk = key.shape[2]
+        is_causal = kwargs.get("is_causal")
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+        if attention_mask is None:
+            m = pattern_causal if is_causal else pattern
+        else:
+            if attention_mask.dim() != 4:
+                raise ValueError(f"blocksparse attention expects a 4D attention_mask or None, got shape "
+                                 f"{tuple(attention_mask.shape)}")
+            ck = (tuple(attention_mask.shape), attention_mask._version, Lq, Lk, str(query.device))
+            m = cache.get(attention_mask, ck)
+            if m is None:
+                keep = _keep_from_4d(attention_mask)
+                keep = keep[..., :Lk]  # as transformers' eager path: the first Lk key columns
+                if keep.shape[-1] != Lk:
+                    raise ValueError(f"attention_mask has {keep.shape[-1]} key columns, expected {Lk}")
+                if keep.shape[-2] == 1 and keep.shape[1] == 1:  # key-padding form (B, 1, 1, Lk)
+                    valid = keep[:, 0, 0, :].expand(B, Lk)
+                    m = pattern_causal & document(key_padding_ids(valid).to(query.device))
+                else:
+                    if keep.shape[-2] != Lq:
+                        raise ValueError(f"attention_mask has {keep.shape[-2]} query rows, expected {Lq}")
+                    m = pattern & dense_mask(keep.to(query.device).contiguous())
+                cache.put(attention_mask, ck, m)
+        out = attention_op(query, key, value, m, scale=scaling, dropout_p=float(dropout or 0.0),
+                           backend=backend, block_size=block_size)
+        return out.transpose(1, 2).contiguous(), None
+
+    blocksparse_attention_forward.pattern = pattern
+    return blocksparse_attention_forward
+
+
+def make_mask_function():
+    """The ``AttentionMaskInterface`` function: the compact key-padding form (or ``None``) for the
+    plain causal mask with aligned queries, SDPA's boolean 4D mask for everything else."""
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+
+    def blocksparse_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                         mask_function=causal_mask_function, attention_mask=None, **kwargs):
+        kwargs.pop("allow_is_causal_skip", None)
+        aligned = (not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
+                   and q_offset + q_length == kv_offset + kv_length)
+        if mask_function is causal_mask_function and aligned:
+            padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+            if padding is None:
+                return None
+            valid = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+            if bool(valid.all()):
+                return None
+            return valid[:, None, None, :]
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         allow_is_causal_skip=False, **kwargs)
+
+    return blocksparse_mask
+
+
+def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: str = "auto") -> str:
+    """Register ``mask`` as attention implementation ``name`` for ``transformers`` models.
+
+    Args:
+        mask: the pattern (Mask, DSL text or pattern name); ``None`` is dense (the model's own mask
+            only). Causality and padding come from the model and are combined with it.
+        name: the ``attn_implementation`` string to use in ``from_config``/``from_pretrained``.
+        block_size: layout block size (default 128).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``name``. Registering the same name again replaces the pattern.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+    fn = make_attention_function(mask, block_size=block_size, backend=backend)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, make_mask_function())
+    _registered[name] = fn
+    return name
+
+
+def unregister(name: str = "blocksparse") -> None:
+    """Remove an implementation added by :func:`register`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if _registered.pop(name, None) is not None:
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)

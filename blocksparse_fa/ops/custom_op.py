@@ -1,0 +1,390 @@
+"""Block-sparse attention as a ``torch.library`` custom op, so ``torch.compile`` traces it.
+
+Two ops are registered in the ``blocksparse_fa`` namespace::
+
+    blocksparse_fa::attention_fwd(Tensor q, Tensor k, Tensor v, int handle, float scale,
+                                  float dropout_p, Tensor seed, str backend) -> (Tensor out, Tensor lse)
+    blocksparse_fa::attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
+                                  int handle, float scale, float dropout_p, Tensor seed, str backend)
+                                  -> (Tensor dq, Tensor dk, Tensor dv)
+
+Each has a fake (meta) implementation, and ``attention_fwd`` has registered autograd whose backward
+*is* ``attention_bwd``: a graph compiled with ``torch.compile(fullgraph=True)`` (forward and the
+AOT-autograd backward) holds two opaque op calls and no Python. The ops run the PyTorch backend
+(``blocksparse_fa.ops.torch_backend``) on CPU (and for float64), and the Triton kernels of
+``blocksparse_fa.ops.triton_backend`` (``triton_forward``/``triton_backward``, imported lazily) for
+CUDA tensors.
+
+The layout registry (why ops take an ``int`` handle)
+---------------------------------------------------
+A custom op's arguments are tensors and scalars: a :class:`~blocksparse_fa.Mask` or a compiled
+:class:`~blocksparse_fa.BlockLayout` cannot cross the op boundary. So masks live in a process-wide
+:class:`LayoutRegistry` and the op receives an integer **handle**:
+
+* A handle names a *mask at a block size* — not a layout. The lengths come from q/k's shapes and
+  the device from the tensors, inside the op. One handle therefore serves every sequence length and
+  device, and a compiled graph does not have to be re-specialised when only shapes change (dynamic
+  shapes work: the fake implementations need shapes only).
+* Each registry entry caches the layouts compiled for it, keyed on ``(q_len, kv_len, device)``
+  (a small LRU per entry, on top of :func:`~blocksparse_fa.compile_mask`'s own cache). This is the
+  per-length/per-device layout cache used by :mod:`blocksparse_fa.nn`.
+* Registration is idempotent: an equal mask (masks compare structurally; tensor-backed masks by a
+  content hash) at the same block size gets the same handle, so re-creating ``causal() &
+  window(256)`` each step does not grow the registry. A compiled ``BlockLayout`` registers as itself
+  (it is used for its own lengths only).
+* Entries are held strongly (``Mask`` objects cannot be weakly referenced: they use ``__slots__``)
+  in an LRU of ``capacity`` entries; entries are touched on every op call, so live masks stay. An
+  entry can be **pinned** (never evicted); the :mod:`blocksparse_fa.nn` modules pin their handle
+  for the module's lifetime (released by a ``weakref.finalize`` on the module). Calling the op with
+  an evicted handle raises a clear error rather than running with the wrong mask.
+* Under ``torch.compile`` the Python-side lookup ``Mask -> handle`` is done at trace time
+  (``torch.compiler.assume_constant_result``): the handle is a constant of the graph and Dynamo
+  guards on the mask object, so a *different* mask object re-traces. Inside compiled code keep the
+  mask a long-lived object (e.g. a module attribute), or pass a handle from :func:`register_mask`.
+
+Dropout under compile: the seed is an ``int64`` scalar *tensor* argument, so drawing a fresh seed
+(``torch.randint``) is part of the graph rather than a graph-breaking ``.item()``.
+
+The logsumexp output is non-differentiable (its incoming gradient is ignored), as in
+:func:`blocksparse_fa.attention`. It is float32 (float64 for float64 inputs, so that the float64
+backward recomputes probabilities exactly); :func:`attention_op` returns it as float32.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compiler.compile import compile_mask
+from ..compiler.layout import BlockLayout
+from ..mask.dsl import parse
+from ..mask.expr import Mask
+from ..mask.primitives import full
+from .api import DEFAULT_BLOCK, resolve_backend
+from .validate import Shapes, check_layout, check_qkv, check_scalars
+
+__all__ = [
+    "attention_op", "register_mask", "LayoutRegistry", "registry", "attention_fwd", "attention_bwd",
+]
+
+
+def _block_pair(block_size) -> tuple[int, int]:
+    if block_size is None:
+        return (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        pair = (block_size, block_size)
+    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2:
+        pair = (block_size[0], block_size[1])
+    else:
+        raise ValueError(f"block_size must be an int or a pair (bm, bn), got {block_size!r}")
+    for b in pair:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"block_size entries must be positive ints, got {block_size!r}")
+    return pair
+
+
+@dataclass
+class _Entry:
+    source: object  # a Mask, or a BlockLayout registered as itself
+    block_size: tuple
+    layouts: "collections.OrderedDict[tuple, BlockLayout]" = field(default_factory=collections.OrderedDict)
+    pins: int = 0
+
+
+class LayoutRegistry:
+    """Process-wide map ``int handle -> (mask, block size)`` with per-entry layout caches.
+
+    Args:
+        capacity: unpinned entries kept (least recently used evicted first).
+        layouts_per_entry: compiled layouts cached per entry, keyed on ``(q_len, kv_len, device)``.
+    """
+
+    def __init__(self, capacity: int = 1024, layouts_per_entry: int = 8):
+        self.capacity = capacity
+        self.layouts_per_entry = layouts_per_entry
+        self._entries: "collections.OrderedDict[int, _Entry]" = collections.OrderedDict()
+        self._by_key: dict = {}
+        self._next = 1
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def _key(source, block_size):
+        if isinstance(source, BlockLayout):
+            return ("layout", id(source))
+        return ("mask", source, block_size)
+
+    def register(self, mask, block_size=None) -> int:
+        """Handle of ``mask`` (a Mask, DSL text / pattern name, BlockLayout or ``None`` = dense)."""
+        if mask is None:
+            mask = full()
+        if isinstance(mask, str):
+            mask = parse(mask)
+        if isinstance(mask, BlockLayout):
+            if block_size is not None and _block_pair(block_size) != tuple(mask.block_size):
+                raise ValueError(f"block_size={block_size!r} conflicts with the layout's block size {mask.block_size}")
+            bs = tuple(mask.block_size)
+        elif isinstance(mask, Mask):
+            bs = _block_pair(block_size)
+        else:
+            raise TypeError(f"mask must be a Mask, BlockLayout, DSL text or None, got {type(mask).__name__}")
+        key = self._key(mask, bs)
+        with self._lock:
+            h = self._by_key.get(key)
+            if h is not None:
+                self._entries.move_to_end(h)
+                return h
+            h = self._next
+            self._next += 1
+            self._entries[h] = _Entry(mask, bs)
+            self._by_key[key] = h
+            self._evict()
+            return h
+
+    def _evict(self) -> None:
+        unpinned = [h for h, e in self._entries.items() if e.pins == 0]
+        for h in unpinned[: max(0, len(unpinned) - self.capacity)]:
+            e = self._entries.pop(h)
+            self._by_key.pop(self._key(e.source, e.block_size), None)
+
+    def pin(self, handle: int) -> None:
+        """Keep ``handle`` registered until a matching :meth:`unpin`."""
+        with self._lock:
+            self._entry(handle).pins += 1
+
+    def unpin(self, handle: int) -> None:
+        with self._lock:
+            e = self._entries.get(handle)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
+                self._evict()
+
+    def _entry(self, handle: int) -> _Entry:
+        e = self._entries.get(handle)
+        if e is None:
+            raise KeyError(f"blocksparse_fa: unknown or evicted mask handle {handle}; register the mask again "
+                           f"(register_mask), pin it (registry.pin) or raise registry.capacity")
+        return e
+
+    def mask(self, handle: int) -> Mask:
+        """The mask registered under ``handle``."""
+        with self._lock:
+            src = self._entry(handle).source
+        return src.mask if isinstance(src, BlockLayout) else src
+
+    def block_size(self, handle: int) -> tuple:
+        with self._lock:
+            return self._entry(handle).block_size
+
+    def layout(self, handle: int, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
+        """The layout of ``handle`` for ``(q_len, kv_len)`` with lookup tables on ``device`` (cached)."""
+        kv_len = q_len if kv_len is None else kv_len
+        dev = torch.device("cpu" if device is None else device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        ckey = (int(q_len), int(kv_len), str(dev))
+        with self._lock:
+            e = self._entry(handle)
+            self._entries.move_to_end(handle)
+            lay = e.layouts.get(ckey)
+            if lay is not None:
+                e.layouts.move_to_end(ckey)
+                return lay
+            src, bs = e.source, e.block_size
+        if isinstance(src, BlockLayout):
+            if (src.q_len, src.kv_len) != (ckey[0], ckey[1]):
+                raise ValueError(f"mask layout was compiled for (q_len, kv_len) = ({src.q_len}, {src.kv_len}), "
+                                 f"but q/k have lengths ({ckey[0]}, {ckey[1]})")
+            lay = src if src.device == dev else compile_mask(src.mask, src.q_len, src.kv_len, bs, device=dev)
+        else:
+            lay = compile_mask(src, ckey[0], ckey[1], bs, device=dev)
+        with self._lock:
+            e.layouts[ckey] = lay
+            while len(e.layouts) > self.layouts_per_entry:
+                e.layouts.popitem(last=False)
+        return lay
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, handle) -> bool:
+        return handle in self._entries
+
+    def clear(self) -> None:
+        """Forget every unpinned entry."""
+        with self._lock:
+            for h in [h for h, e in self._entries.items() if e.pins == 0]:
+                e = self._entries.pop(h)
+                self._by_key.pop(self._key(e.source, e.block_size), None)
+
+
+registry = LayoutRegistry()
+"""The process-wide registry used by the ops."""
+
+
+def register_mask(mask, block_size=None, *, pin: bool = False, owner=None) -> int:
+    """Register ``mask`` (Mask, DSL text, BlockLayout or None) and return its int handle.
+
+    Args:
+        pin: keep the entry until ``registry.unpin(handle)``.
+        owner: pin while ``owner`` is alive (unpinned by ``weakref.finalize`` when it is collected).
+    """
+    h = registry.register(mask, block_size)
+    if pin or owner is not None:
+        registry.pin(h)
+    if owner is not None:
+        weakref.finalize(owner, registry.unpin, h)
+    return h
+
+
+@torch.compiler.assume_constant_result
+def _handle_for(mask, block_size):
+    # Trace-time constant under torch.compile (Dynamo guards on the mask object).
+    return registry.register(mask, block_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# the ops
+# ------------------------------------------------------------------------------------------------
+def _cdt(dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lse_dtype(dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(t: torch.Tensor, s: Shapes, cdt) -> torch.Tensor:
+    t = t.to(cdt)
+    return t.repeat_interleave(s.G, dim=1) if s.G > 1 else t
+
+
+def _prepare(q, k, v, handle, backend):
+    s = check_qkv(q, k, v)
+    be = resolve_backend(backend, q.device, q.dtype)
+    layout = registry.layout(handle, s.Lq, s.Lk, q.device)
+    check_layout(layout, s)
+    return s, be, layout
+
+
+@torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
+                  dropout_p: float, seed: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``."""
+    s, be, layout = _prepare(q, k, v, handle, backend)
+    sd = int(seed.item())
+    if be == "triton":
+        from .triton_backend import triton_forward
+
+        out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, sd)
+        return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
+    from .torch_backend import _forward
+
+    cdt = _cdt(q.dtype)
+    out, lse = _forward(q.to(cdt), _expand_kv(k, s, cdt), _expand_kv(v, s, cdt), layout, s, scale, dropout_p, sd)
+    return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend):
+    B, H, Lq, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=_lse_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("blocksparse_fa::attention_bwd", mutates_args=())
+def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dout: torch.Tensor, handle: int, scale: float, dropout_p: float, seed: torch.Tensor,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
+    s, be, layout = _prepare(q, k, v, handle, backend)
+    sd = int(seed.item())
+    if be == "triton":
+        from .triton_backend import triton_backward
+
+        dq, dk, dv = triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, sd)
+        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    from .torch_backend import _backward
+
+    cdt = _cdt(q.dtype)
+    dq, dk, dv = _backward(q.to(cdt), _expand_kv(k, s, cdt), _expand_kv(v, s, cdt), out.to(cdt), lse.to(cdt),
+                           dout.to(cdt), layout, s, scale, dropout_p, sd)
+    if s.G > 1:
+        dk = dk.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
+        dv = dv.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, out, lse, dout, handle, scale, dropout_p, seed, backend):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, handle, scale, dropout_p, seed, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.mark_non_differentiable(lse)
+    ctx.handle, ctx.scale, ctx.dropout_p, ctx.backend = handle, scale, dropout_p, backend
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.blocksparse_fa.attention_bwd(q, k, v, out, lse, dout, ctx.handle, ctx.scale,
+                                                        ctx.dropout_p, seed, ctx.backend)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# the public entry point
+# ------------------------------------------------------------------------------------------------
+def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
+                 return_lse: bool = False, backend: str = "auto", block_size=None):
+    """:func:`blocksparse_fa.attention` through the custom op (``torch.compile``-safe).
+
+    Args:
+        q: ``(B, H, Lq, D)``; k, v: ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0``.
+        mask: a :class:`Mask`, DSL text / pattern name, a :class:`BlockLayout`, ``None`` (dense) or
+            an int handle from :func:`register_mask`.
+        scale: softmax scale (default ``1/sqrt(D)``).
+        dropout_p: attention dropout probability in ``[0, 1)``.
+        dropout_seed: int seed of the counter-based dropout RNG (default: drawn from torch's RNG, as
+            a tensor op so that it stays inside a compiled graph).
+        return_lse: also return the logsumexp ``(B, H, Lq)`` (float32, non-differentiable).
+        backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+        block_size: layout block size (default 128).
+
+    Returns:
+        ``out`` ``(B, H, Lq, D)`` in q's dtype (and ``lse`` if asked).
+    """
+    s = check_qkv(q, k, v)
+    check_scalars(scale, dropout_p)
+    if isinstance(mask, int) and not isinstance(mask, bool):
+        handle = mask
+    else:
+        handle = _handle_for(mask, block_size)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    if dropout_p > 0.0:
+        if dropout_seed is None:
+            seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+        elif isinstance(dropout_seed, torch.Tensor):
+            seed = dropout_seed.to(device="cpu", dtype=torch.int64).reshape(())
+        elif isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**63:
+            raise ValueError(f"dropout_seed must be an int in [0, 2**63), got {dropout_seed!r}")
+        else:
+            seed = torch.tensor(dropout_seed, dtype=torch.int64)
+    else:
+        seed = torch.zeros((), dtype=torch.int64)
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, seed, backend)
+    return (out, lse.float()) if return_lse else out
