@@ -15,7 +15,7 @@ talks about then split:
 How the DRAM estimate works (simple on purpose; every assumption is listed):
 
 1. Programs start in grid order (tile index fastest, then batch·head — the kernels' launch grids)
-   and run in *waves* of ``P = n_sm × occupancy`` consecutive programs.
+   and run in *waves* of ``P = n_sm × occupancy`` consecutive programs (occupancy per kernel, default 1).
 2. Within a wave, programs that load the same tile share one DRAM fetch (they run concurrently
    and sweep their column-sorted lookup tables in step, so the second load comes shortly after the
    first): the *wave-distinct* objects are the candidates for DRAM traffic.
@@ -96,7 +96,9 @@ class TrafficParams:
     tiles: TileSizes = field(default_factory=TileSizes)
     l2_bytes: int = H100_L2_BYTES
     n_sm: int = H100_SMS
-    occupancy: int = 1
+    occupancy: int | dict = 1
+    """Programs resident per SM: one int, or a dict by kernel name (``"fwd"``, ``"bwd_preprocess"``,
+    ``"bwd_dkdv"``, ``"bwd_dq"``; missing names default to 1)."""
     policy: str = "fraction"
 
     @property
@@ -107,13 +109,22 @@ class TrafficParams:
     def elem(self) -> int:
         return dtype_bytes(self.dtype)
 
-    @property
-    def programs_in_flight(self) -> int:
-        return self.n_sm * self.occupancy
+    def occupancy_of(self, kernel: str) -> int:
+        if isinstance(self.occupancy, dict):
+            return int(self.occupancy.get(kernel, 1))
+        return int(self.occupancy)
+
+    def programs_in_flight(self, kernel: str = "fwd") -> int:
+        return self.n_sm * self.occupancy_of(kernel)
 
     def check(self) -> None:
-        for name in ("batch", "heads", "head_dim", "n_sm", "occupancy", "l2_bytes"):
-            v = getattr(self, name)
+        occ = self.occupancy.values() if isinstance(self.occupancy, dict) else [self.occupancy]
+        if isinstance(self.occupancy, dict):
+            bad = set(self.occupancy) - {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq"}
+            if bad:
+                raise ValueError(f"occupancy: unknown kernel names {sorted(bad)}")
+        for name, v in [(n, getattr(self, n)) for n in ("batch", "heads", "head_dim", "n_sm", "l2_bytes")] + \
+                [("occupancy", o) for o in occ]:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.hkv < 1 or self.heads % self.hkv:
@@ -302,7 +313,8 @@ class TrafficReport:
             f"  q_len={self.q_len} kv_len={self.kv_len} block=({bm}, {bn})  B={p.batch} H={p.heads} Hkv={p.hkv} "
             f"d={p.head_dim} {p.dtype}",
             f"  block density s={self.density:.4f} ({self.visited_blocks} visited blocks per all heads)  "
-            f"L2={p.l2_bytes / 2**20:.1f} MiB  {p.n_sm} SMs x {p.occupancy} program(s) in flight  policy={p.policy}",
+            f"L2={p.l2_bytes / 2**20:.1f} MiB  {p.n_sm} SMs x {_fmt_occ(p.occupancy)} program(s) in flight  "
+            f"policy={p.policy}",
             f"  tiles: fwd {t.fwd_block_m}x{t.fwd_block_n}, dK/dV {t.dkdv_block_m}x{t.dkdv_block_n}, "
             f"dQ {t.dq_block_m}x{t.dq_block_n}",
             "",
@@ -314,7 +326,7 @@ class TrafficReport:
                 f"  {k.name:<16}{k.programs:>9}{k.waves:>7}{format_bytes(k.l2_to_sm_bytes):>11}"
                 f"{format_bytes(k.sm_to_l2_bytes):>11}{format_bytes(k.dram_read_bytes):>11}"
                 f"{format_bytes(k.compulsory_read_bytes):>11}{format_bytes(k.dram_write_bytes):>11}"
-                f"{format_bytes(k.reuse_distance_max):>12}  {'yes' if k.fits_l2 else 'NO'}")
+                f"{format_bytes(k.reuse_distance_max) if k.reuse_bytes else '-':>12}  {'yes' if k.fits_l2 else 'NO'}")
         lines.append("")
         lines.append(f"  {'':<16}{'L2->SM':>11}{'SM->L2':>11}{'DRAM rd':>11}{'DRAM wr':>11}{'DRAM':>11}")
         rows = [("forward", self.fwd), ("backward", self.bwd), ("fwd+bwd", self.total)]
@@ -332,17 +344,23 @@ class TrafficReport:
                      f"{format_bytes(s.bwd_write_bytes):>11}{format_bytes(s.bwd_bytes):>11}   (Algorithm 3: 8Nd+7N^2)")
         r = self.ratios()
         lines.append("")
-        lines.append(f"  {'ratio':<30}{'fwd':>9}{'bwd':>9}{'total':>9}")
+        lines.append(f"  {'ratio':<30}{'fwd':>11}{'bwd':>11}{'total':>11}")
         if r["vs_dense"]:
             for key, label in (("l2_to_sm", "L2->SM vs dense FA"), ("dram", "DRAM vs dense FA")):
-                lines.append(f"  {label:<30}" + "".join(f"{_fmt_ratio(r['vs_dense'][q][key]):>9}"
+                lines.append(f"  {label:<30}" + "".join(f"{_fmt_ratio(r['vs_dense'][q][key]):>11}"
                                                         for q in ("fwd", "bwd", "total")))
         lines.append(f"  {'DRAM vs standard attention':<30}" + "".join(
-            f"{_fmt_ratio(r['vs_standard'][q]['dram']):>9}" for q in ("fwd", "bwd", "total")))
+            f"{_fmt_ratio(r['vs_standard'][q]['dram']):>11}" for q in ("fwd", "bwd", "total")))
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format_table()
+
+
+def _fmt_occ(occ) -> str:
+    if isinstance(occ, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in occ.items()) + "}"
+    return str(occ)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -442,7 +460,8 @@ class _Geometry:
             lo, hi = self.inst_ptr[z], self.inst_ptr[z + 1]
             s, e = self.seg_start[lo:hi], self.seg_end[lo:hi]
             sel = (s <= c1) & (e > c0)
-            hit = np.unique(self.seg_row[lo:hi][sel] - z * self.tr)
+            r = self.seg_row[lo:hi][sel] - z * self.tr  # sorted
+            hit = r[np.concatenate([[True], r[1:] != r[:-1]])] if len(r) else r
             if len(self._col_cache) < 4096:
                 self._col_cache[key] = hit
         return hit
@@ -465,22 +484,46 @@ def _wave_segments(n_groups: int, per_group: int, P: int):
             yield g, w, max(0, w * P - p0), min(per_group, (w + 1) * P - p0)
 
 
-def _reuse(ref_w: np.ndarray, ref_o: np.ndarray, obj_bytes: np.ndarray, stream_w: np.ndarray,
-           l2: int, policy: str) -> dict:
+class _WaveRefs:
+    """Collects the wave-distinct objects, wave by wave (segments arrive in grid order)."""
+
+    def __init__(self, n_waves: int, dedup: bool):
+        self.objs: list = [[] for _ in range(n_waves)]
+        self.dedup = dedup
+
+    def add(self, w: int, objs: np.ndarray) -> None:
+        if len(objs):
+            self.objs[w].append(objs)
+
+    def per_wave(self):
+        for parts in self.objs:
+            if not parts:
+                yield np.zeros(0, dtype=np.int64)
+            elif len(parts) == 1:
+                yield parts[0]
+            else:
+                cat = np.concatenate(parts)
+                yield np.unique(cat) if self.dedup else cat
+
+
+def _reuse(refs: _WaveRefs, obj_bytes: np.ndarray, stream_w: np.ndarray, l2: int, policy: str) -> dict:
     """Compulsory and re-read bytes of a wave-distinct reference stream (see the module doc)."""
     n_waves = len(stream_w)
-    if not len(ref_w):
+    last = np.full(len(obj_bytes), -1, dtype=np.int64)
+    os_, prevs, lens = [], [], np.zeros(n_waves, dtype=np.int64)
+    for w, objs in enumerate(refs.per_wave()):
+        objs = np.asarray(objs, dtype=np.int64)
+        os_.append(objs)
+        prevs.append(last[objs])
+        last[objs] = w
+        lens[w] = len(objs)
+    o = np.concatenate(os_) if os_ else np.zeros(0, np.int64)
+    if not len(o):
         return {"compulsory": 0, "reread": 0.0, "reuse": 0, "reuse_max": 0,
                 "wave_distinct": 0, "footprint_max": int(stream_w.max(initial=0))}
-    n_obj = int(ref_o.max()) + 1
-    key = np.unique(ref_w.astype(np.int64) * n_obj + ref_o)
-    w, o = key // n_obj, key % n_obj
+    prev = np.concatenate(prevs)
+    w = np.repeat(np.arange(n_waves, dtype=np.int64), lens)
     b = obj_bytes[o].astype(np.float64)
-    order = np.lexsort((w, o))
-    os_, ws_ = o[order], w[order]
-    prev = np.full(len(w), -1, dtype=np.int64)
-    same = os_[1:] == os_[:-1]
-    prev[order[1:][same]] = ws_[:-1][same]
     first = prev < 0
     footprint = np.bincount(w, weights=b, minlength=n_waves) + stream_w
     out = {"compulsory": int(b[first].sum()), "wave_distinct": int(b.sum()),
@@ -490,18 +533,17 @@ def _reuse(ref_w: np.ndarray, ref_o: np.ndarray, obj_bytes: np.ndarray, stream_w
         out.update(reread=0.0, reuse_max=0)
         return out
     S = np.concatenate([[0.0], np.cumsum(stream_w)])
-    wave_start = np.searchsorted(w, np.arange(n_waves + 1))
+    wave_start = np.concatenate([[0], np.cumsum(lens)])
     rr = rr[np.argsort(prev[rr], kind="stable")]
     pa = prev[rr]
     cuts = np.flatnonzero(np.diff(pa)) + 1
     D = np.empty(len(rr))
     for lo_i, hi_i in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rr)]])):
         a = int(pa[lo_i])
-        idx = rr[lo_i:hi_i]
-        wq = w[idx]
+        wq = w[rr[lo_i:hi_i]]
         wmax = int(wq.max())
         lo, hi = wave_start[a + 1], wave_start[wmax + 1]
-        sel = prev[lo:hi] <= a  # first reference after wave a
+        sel = prev[lo:hi] <= a  # first reference after wave a: distinct bytes in waves a+1 .. w
         cum = np.cumsum(np.bincount(w[lo:hi][sel] - a - 1, weights=b[lo:hi][sel], minlength=wmax - a))
         D[lo_i:hi_i] = cum[wq - a - 1] + S[wq + 1] - S[a + 1]
     if policy == "lru":
@@ -525,7 +567,7 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     D, e = p.head_dim, p.elem
     t_row, t_h = _tiles(geo.q_len, block_m, geo.bm)
     n_t = len(t_row)
-    P = p.programs_in_flight
+    P = p.programs_in_flight(name)
     per_row_load = sum(q_side_loads.values())
     per_row_store = sum(q_side_stores.values())
     mult = np.zeros(geo.n_inst, dtype=np.int64)
@@ -547,16 +589,13 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     n_waves = -(-n_prog // P)
     stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
     # wave-distinct K/V objects: (b * Hkv + hk) * Tc + column
-    ws, os_ = [], []
+    refs = _WaveRefs(n_waves, dedup=G > 1)  # query heads of a GQA group share K/V objects
     for bh, w, t0, t1 in _wave_segments(B * H, n_t, P):
         b, h = divmod(bh, H)
         cols = geo.cols_of_rows(geo.instance(b, h), int(t_row[t0]), int(t_row[t1 - 1]))
-        if len(cols):
-            ws.append(np.full(len(cols), w, dtype=np.int64))
-            os_.append((b * p.hkv + h // G) * geo.tc + cols)
+        refs.add(w, (b * p.hkv + h // G) * geo.tc + cols)
     obj_bytes = np.tile(2.0 * D * e * geo.col_w, B * p.hkv)
-    ru = _reuse(np.concatenate(ws) if ws else np.zeros(0, np.int64),
-                np.concatenate(os_) if os_ else np.zeros(0, np.int64), obj_bytes, stream_w, p.l2_bytes, p.policy)
+    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, p.policy)
     compulsory = sum(loads[k] for k in q_side_loads) + ru["compulsory"] + lut_bytes
     return KernelTraffic(
         name=name, programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
@@ -573,7 +612,7 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraf
     D, e = p.head_dim, p.elem
     u_col, u_w = _tiles(geo.kv_len, p.tiles.dkdv_block_n, geo.bn)
     n_u = len(u_col)
-    P = p.programs_in_flight
+    P = p.programs_in_flight("bwd_dkdv")
     q_obj_row = 2 * D * e + 8  # Q, dO rows + LSE, delta (fp32)
     mult = np.zeros(geo.n_inst, dtype=np.int64)
     stream_p = np.empty(B * Hkv * n_u)
@@ -593,18 +632,15 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraf
     n_prog = B * Hkv * n_u
     n_waves = -(-n_prog // P)
     stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
-    ws, os_ = [], []
+    refs = _WaveRefs(n_waves, dedup=False)  # objects are per query head: never shared
     for bkv, w, u0, u1 in _wave_segments(B * Hkv, n_u, P):
         b, hk = divmod(bkv, Hkv)
         for g in range(G):
             h = hk * G + g
             rows = geo.rows_of_cols(geo.instance(b, h), int(u_col[u0]), int(u_col[u1 - 1]))
-            if len(rows):
-                ws.append(np.full(len(rows), w, dtype=np.int64))
-                os_.append((b * H + h) * geo.tr + rows)
+            refs.add(w, (b * H + h) * geo.tr + rows)
     obj_bytes = np.tile(float(q_obj_row) * geo.row_h, B * H)
-    ru = _reuse(np.concatenate(ws) if ws else np.zeros(0, np.int64),
-                np.concatenate(os_) if os_ else np.zeros(0, np.int64), obj_bytes, stream_w, p.l2_bytes, p.policy)
+    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, p.policy)
     compulsory = 2 * kv_total + ru["compulsory"] + lut_bytes
     return KernelTraffic(
         name="bwd_dkdv", programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
@@ -622,7 +658,8 @@ def _preprocess_kernel(geo: _Geometry, p: TrafficParams) -> KernelTraffic:
     loads = {"O": od, "dO": od}
     stores = {"delta": 4 * rows}
     n_prog = p.batch * p.heads * -(-geo.q_len // p.tiles.preprocess_block_m)
-    return KernelTraffic(name="bwd_preprocess", programs=n_prog, waves=-(-n_prog // p.programs_in_flight),
+    waves = -(-n_prog // p.programs_in_flight("bwd_preprocess"))
+    return KernelTraffic(name="bwd_preprocess", programs=n_prog, waves=waves,
                          l2_to_sm_bytes=2 * od, sm_to_l2_bytes=4 * rows, loads=loads, stores=stores,
                          dram_read_bytes=float(2 * od), dram_write_bytes=4 * rows, compulsory_read_bytes=2 * od)
 
@@ -672,9 +709,26 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
         density=float(layout.density), visited_blocks=visited, params=p, forward=fwd, bwd_preprocess=pre,
         bwd_dkdv=dkdv, bwd_dq=dq, standard=StandardTraffic.compute(geo.q_len, geo.kv_len, p))
     if compare:
-        from ..compiler.compile import compile_mask
-        from ..mask.primitives import full
-
-        dense = compile_mask(full(), geo.q_len, geo.kv_len, (geo.bm, geo.bn), cache=False)
-        rep.dense = traffic_model(dense, p, compare=False)
+        rep.dense = traffic_model(_DenseLayout(geo.q_len, geo.kv_len, geo.bm, geo.bn), p, compare=False)
     return rep
+
+
+class _DenseLayout:
+    """The all-full layout, with just what the model reads (no LUT is built: dense FlashAttention
+    at a million tokens would need 8192² entries)."""
+
+    class _Nbytes:
+        def __init__(self, n: int):
+            self.nbytes = n
+
+    def __init__(self, q_len: int, kv_len: int, bm: int, bn: int):
+        from ..compiler.segments import FULL, Segments
+
+        self.mask = "full"
+        self.q_len, self.kv_len, self.block_size, self.batch_shape = q_len, kv_len, (bm, bn), ()
+        tr, tc = -(-q_len // bm), -(-kv_len // bn)
+        self.shape = (tr, tc)
+        self.density = 1.0
+        self._segs = Segments.uniform(tr, tc, FULL)
+        self.row_lut = self._Nbytes(8 * (tr + 1) + 4 * tr * tc)  # full/part ptr + full idx, int32
+        self.col_lut = self._Nbytes(8 * (tc + 1) + 4 * tr * tc)

@@ -120,8 +120,8 @@ class BlockLayout:
         out = out[:, : g.q_len, : g.kv_len]
         return out.reshape(*self.batch_shape, g.q_len, g.kv_len).contiguous().to(self.device)
 
-    def element_density(self) -> float:
-        """Exact fraction of kept (query, key) pairs, evaluated block-wise."""
+    def element_density(self, device="cpu") -> float:
+        """Exact fraction of kept (query, key) pairs, evaluated block-wise (on ``device``)."""
         g = self._grid
         rows, cols, st = self.nonempty_blocks()
         r = rows % g.tr
@@ -132,7 +132,7 @@ class BlockLayout:
         part = np.nonzero(~full)[0]
         for k0 in range(0, len(part), 4096):
             sel = part[k0:k0 + 4096]
-            vals, _ = self._block_values(rows[sel], cols[sel])
+            vals, _ = self._block_values(rows[sel], cols[sel], device)
             kept += float(vals.sum())
         return kept / (self._segs.n_instances * g.q_len * g.kv_len)
 

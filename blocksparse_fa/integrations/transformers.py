@@ -158,7 +158,7 @@ def make_attention_function(mask, *, block_size=None, backend: str = "auto"):
 def make_mask_function():
     """The ``AttentionMaskInterface`` function: the compact key-padding form (or ``None``) for the
     plain causal mask with aligned queries, SDPA's boolean 4D mask for everything else."""
-    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     def blocksparse_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                          mask_function=causal_mask_function, attention_mask=None, **kwargs):
@@ -166,10 +166,14 @@ def make_mask_function():
         aligned = (not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
                    and q_offset + q_length == kv_offset + kv_length)
         if mask_function is causal_mask_function and aligned:
-            padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-            if padding is None:
+            if attention_mask is None:
                 return None
-            valid = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+            # the 2D mask covers the absolute key positions seen so far; keys past its end are padding
+            am = attention_mask.to(torch.bool)
+            missing = kv_offset + kv_length - am.shape[-1]
+            if missing > 0:
+                am = torch.nn.functional.pad(am, (0, missing), value=False)
+            valid = am[:, kv_offset:kv_offset + kv_length]
             if bool(valid.all()):
                 return None
             return valid[:, None, None, :]

@@ -40,13 +40,11 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                stride_qm, stride_dom, LUT_PTR, LUT_IDX, col, q_len, kv_len, qk_scale,
+                stride_qm, stride_dom, LUT_IDX, start, end, q_len, kv_len, qk_scale,
                 PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    start = tl.load(LUT_PTR + col)
-    end = tl.load(LUT_PTR + col + 1)
     for e in tl.range(start, end, num_stages=STAGES):
         rblk = tl.load(LUT_IDX + e)
         for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
@@ -80,28 +78,40 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh"])
+@triton.jit(do_not_specialize=["TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX,
+                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
                    H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale,
                    seed_lo, seed_hi, drop_thresh, drop_scale,
-                   PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
+    """One program per key tile (or work item) and batch·kv-head; sums over the GQA group."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
-    pid_n = tl.program_id(0)
+    pid_w = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     HKV = H // G
     b = pid_bhk // HKV
     hk = pid_bhk % HKV
     b64 = b.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if USE_WORK:
+        item = WORK + pid_w * 6
+        tile = tl.load(item)
+        wf0 = tl.load(item + 1)
+        wf1 = tl.load(item + 2)
+        wp0 = tl.load(item + 3)
+        wp1 = tl.load(item + 4)
+        slot = tl.load(item + 5)
+    else:
+        tile = pid_w
+        slot = -1
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k = load_tile(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
                   offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -109,37 +119,51 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                   offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    cblk = (pid_n * BLOCK_N) // LAYOUT_BN
+    cblk = (tile * BLOCK_N) // LAYOUT_BN
     for g in range(0, G):
         h = hk * G + g
         h64 = h.to(tl.int64)
-        col = (b * LZB + h * LZH) * TC + cblk
+        if USE_WORK:
+            f0 = wf0
+            f1 = wf1
+            p0 = wp0
+            p1 = wp1
+        else:
+            col = (b * LZB + h * LZH) * TC + cblk
+            f0 = tl.load(FULL_PTR + col)
+            f1 = tl.load(FULL_PTR + col + 1)
+            p0 = tl.load(PART_PTR + col)
+            p1 = tl.load(PART_PTR + col + 1)
         Q_base = Q + b64 * stride_qb + h64 * stride_qh
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         LSE_row = LSE + (b64 * H + h64) * q_len
         DELTA_row = DELTA + (b64 * H + h64) * q_len
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                             stride_qm, stride_dom, FULL_PTR, FULL_IDX, col, q_len, kv_len, qk_scale,
+                             stride_qm, stride_dom, FULL_IDX, f0, f1, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION, STAGES)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                             stride_qm, stride_dom, PART_PTR, PART_IDX, col, q_len, kv_len, qk_scale,
+                             stride_qm, stride_dom, PART_IDX, p0, p1, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES)
-    store_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-               (dk * sm_scale).to(DK.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-    store_tile(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-               dv.to(DV.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    if slot < 0:
+        store_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+                   (dk * sm_scale).to(DK.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+        store_tile(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+                   dv.to(DV.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    else:
+        r = tl.arange(0, BLOCK_N)
+        base = (pid_bhk.to(tl.int64) * NSLOT + slot) * BLOCK_N
+        tl.store(DKPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dk * sm_scale)
+        tl.store(DVPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dv)
 
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-              LUT_PTR, LUT_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+              LUT_IDX, start, end, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    start = tl.load(LUT_PTR + row)
-    end = tl.load(LUT_PTR + row + 1)
     qp = offs_m + (kv_len - q_len)
     for e in tl.range(start, end, num_stages=STAGES):
         col = tl.load(LUT_IDX + e)
@@ -164,29 +188,45 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, s
     return dq
 
 
-@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh"])
+@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
 def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  stride_dqb, stride_dqh, stride_dqm,
-                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX,
+                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
                  H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale,
                  seed_lo, seed_hi, drop_thresh, drop_scale,
-                 PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
+    """One program per query tile (or work item) and batch·head."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
-    pid_m = tl.program_id(0)
+    pid_w = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
-    row = (b * LZB + h * LZH) * TR + (pid_m * BLOCK_M) // LAYOUT_BM
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if USE_WORK:
+        item = WORK + pid_w * 6
+        tile = tl.load(item)
+        f0 = tl.load(item + 1)
+        f1 = tl.load(item + 2)
+        p0 = tl.load(item + 3)
+        p1 = tl.load(item + 4)
+        slot = tl.load(item + 5)
+    else:
+        tile = pid_w
+        row = (b * LZB + h * LZH) * TR + (tile * BLOCK_M) // LAYOUT_BM
+        f0 = tl.load(FULL_PTR + row)
+        f1 = tl.load(FULL_PTR + row + 1)
+        p0 = tl.load(PART_PTR + row)
+        p1 = tl.load(PART_PTR + row + 1)
+        slot = -1
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -198,10 +238,37 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   FULL_PTR, FULL_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   PART_PTR, PART_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
-    store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
-               (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    if slot < 0:
+        store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+                   (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    else:
+        r = tl.arange(0, BLOCK_M)
+        base = (pid_bh.to(tl.int64) * NSLOT + slot) * BLOCK_M
+        tl.store(DQPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dq * sm_scale)
+
+
+@triton.jit(do_not_specialize=["n_rows", "NSLOT"])
+def _sum_partials(OUT, PART, COMBINE, NSLOT, stride_b, stride_h, stride_m, NH, n_rows,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Sum the fp32 pieces of split tiles into the gradient (deterministic: fixed order)."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    tile = tl.load(COMBINE + pid_c * 3)
+    first = tl.load(COMBINE + pid_c * 3 + 1)
+    n = tl.load(COMBINE + pid_c * 3 + 2)
+    r = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.zeros([BLOCK, HEAD_DIM_PAD], dtype=tl.float32)
+    for k in range(0, n):
+        base = (pid_bh.to(tl.int64) * NSLOT + first + k) * BLOCK
+        acc += tl.load(PART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+    offs = tile * BLOCK + r
+    b = (pid_bh // NH).to(tl.int64)
+    h = (pid_bh % NH).to(tl.int64)
+    store_tile(OUT + b * stride_b + h * stride_h + offs[:, None] * stride_m + offs_d[None, :],
+               acc.to(OUT.dtype.element_ty), offs, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD)

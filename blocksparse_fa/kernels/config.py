@@ -21,9 +21,11 @@ class TileConfig:
 
 
 # (head_dim_pad upper bound) -> config; chosen on an H100 (see benchmarks/NOTES.md)
-_FWD = {64: TileConfig(128, 64, 4, 3), 128: TileConfig(128, 64, 8, 3), 256: TileConfig(64, 32, 4, 2)}
-_BWD_DKDV = {64: TileConfig(64, 64, 4, 2), 128: TileConfig(32, 64, 4, 2), 256: TileConfig(32, 32, 4, 1)}
-_BWD_DQ = {64: TileConfig(64, 64, 4, 2), 128: TileConfig(64, 32, 4, 2), 256: TileConfig(32, 32, 4, 1)}
+# fwd: (BLOCK_M queries, BLOCK_N keys); dkdv: (BLOCK_M queries per step, BLOCK_N keys per program);
+# dq: (BLOCK_M queries per program, BLOCK_N keys per step). Measured: benchmarks/NOTES.md (v2 sweep).
+_FWD = {64: TileConfig(64, 128, 4, 3), 128: TileConfig(128, 128, 8, 3), 256: TileConfig(64, 32, 4, 2)}
+_BWD_DKDV = {64: TileConfig(64, 64, 4, 2), 128: TileConfig(64, 128, 8, 2), 256: TileConfig(32, 32, 4, 1)}
+_BWD_DQ = {64: TileConfig(128, 32, 8, 2), 128: TileConfig(128, 128, 8, 2), 256: TileConfig(32, 32, 4, 1)}
 _OVERRIDES: dict[str, TileConfig] = {}
 
 

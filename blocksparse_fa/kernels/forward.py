@@ -15,13 +15,11 @@ from .common import LN2, dropout_keep, load_tile, mma, store_tile
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
-               K_base, V_base, stride_kn, stride_vn, LUT_PTR, LUT_IDX, row,
+               K_base, V_base, stride_kn, stride_vn, LUT_IDX, start, end,
                q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    start = tl.load(LUT_PTR + row)
-    end = tl.load(LUT_PTR + row + 1)
     for e in tl.range(start, end, num_stages=STAGES):
         col = tl.load(LUT_IDX + e)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
@@ -51,30 +49,48 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh"])
+@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
               stride_ob, stride_oh, stride_om,
-              FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX,
+              FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, OPART, LPART, NSLOT,
               H, G, LZB, LZH, TR, q_len, kv_len, qk_scale,
               seed_lo, seed_hi, drop_thresh, drop_scale,
-              PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
+    """One program per work item (or query tile) and batch·head. With ``USE_WORK`` the item
+    ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
+    split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD, "HEAD_DIM_PAD must cover HEAD_DIM")
-    pid_m = tl.program_id(0)
+    pid_w = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
-    row = (b * LZB + h * LZH) * TR + (pid_m * BLOCK_M) // LAYOUT_BM
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if USE_WORK:
+        item = WORK + pid_w * 6
+        tile = tl.load(item)
+        f0 = tl.load(item + 1)
+        f1 = tl.load(item + 2)
+        p0 = tl.load(item + 3)
+        p1 = tl.load(item + 4)
+        slot = tl.load(item + 5)
+    else:
+        tile = pid_w
+        row = (b * LZB + h * LZH) * TR + (tile * BLOCK_M) // LAYOUT_BM
+        f0 = tl.load(FULL_PTR + row)
+        f1 = tl.load(FULL_PTR + row + 1)
+        p0 = tl.load(PART_PTR + row)
+        p1 = tl.load(PART_PTR + row + 1)
+        slot = -1
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     qp = offs_m + (kv_len - q_len)
 
@@ -88,16 +104,58 @@ def _attn_fwd(Q, K, V, O, LSE,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                               FULL_PTR, FULL_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX,
+                               FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                               PART_PTR, PART_IDX, row, q_len, kv_len, qk_scale, PARAMS, AUX,
+                               PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    store_tile(O + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+    if slot < 0:
+        store_tile(O + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                   out.to(O.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+        tl.store(LSE + pid_bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+    else:
+        r = tl.arange(0, BLOCK_M)
+        base = (pid_bh.to(tl.int64) * NSLOT + slot) * BLOCK_M
+        tl.store(OPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], out)
+        tl.store(LPART + base + r, lse)
+
+
+@triton.jit(do_not_specialize=["q_len", "NSLOT"])
+def _attn_fwd_combine(O, LSE, OPART, LPART, COMBINE, NSLOT, stride_ob, stride_oh, stride_om, H, q_len,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the pieces of split tiles: ``lse = logsumexp_k lse_k``, ``o = Σ_k exp(lse_k − lse) o_k``."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    tile = tl.load(COMBINE + pid_c * 3)
+    first = tl.load(COMBINE + pid_c * 3 + 1)
+    n = tl.load(COMBINE + pid_c * 3 + 2)
+    r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for k in range(0, n):
+        base = (pid_bh.to(tl.int64) * NSLOT + first + k) * BLOCK_M
+        lse_k = tl.load(LPART + base + r)
+        o_k = tl.load(OPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+        m_new = tl.maximum(m, lse_k)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        beta = tl.exp(lse_k - m_use)
+        acc = acc * alpha[:, None] + o_k * beta[:, None]
+        l = l * alpha + beta
+        m = m_new
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+    offs_m = tile * BLOCK_M + r
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    store_tile(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
                out.to(O.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
     tl.store(LSE + pid_bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)

@@ -8,9 +8,10 @@ import torch
 import triton
 
 from ..compiler.layout import BlockLayout
-from ..kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd
+from ..kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.config import bwd_configs, check_layout_block, fwd_config, head_dim_pad
 from ..kernels.predicate import Payload, build_payload
+from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
 from .validate import Shapes
 
@@ -64,6 +65,43 @@ def _dropout_args(dropout_p: float, seed: int):
     return s0, s1, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
+_SPLIT_OVERRIDE: dict = {}
+
+
+def set_split_chunk(chunk: float | None) -> None:
+    """Force the work-list chunk (tests exercise split tiles at tiny sizes); None restores the default."""
+    if chunk is None:
+        _SPLIT_OVERRIDE.clear()
+    else:
+        _SPLIT_OVERRIDE["chunk"] = chunk
+
+
+def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
+    """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size."""
+    if not worklists_enabled(layout):
+        return None
+    force = _SPLIT_OVERRIDE.get("chunk")
+    key = (side, tile, n_heads, str(device), force)
+    cache = layout.__dict__.setdefault("_worklists", {})
+    wl = cache.get(key)
+    if wl is None:
+        rows, cols = layout.kernel_luts()
+        lut = rows if side == "row" else cols
+        lb = layout.block_size[0] if side == "row" else layout.block_size[1]
+        length = layout.q_len if side == "row" else layout.kv_len
+        wl = build_worklist(lut.full_ptr.cpu().numpy(), lut.part_ptr.cpu().numpy(), lb // tile, -(-length // tile),
+                            n_heads, hw_slots(device), device=device, force_chunk=force)
+        cache[key] = wl
+    return wl
+
+
+def _grid_and_work(wl: WorkList | None, n_tiles: int, n_bh: int, device):
+    if wl is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return (n_tiles, n_bh), dummy, False
+    return (wl.n_items, n_bh), wl.work, True
+
+
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
     """Forward kernel; returns ``out (B, H, Lq, D)`` and ``lse (B, H, Lq)`` float32."""
     lbm, lbn = layout.block_size
@@ -75,19 +113,29 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
     lzb, lzh = _layout_strides(layout)
-    grid = (triton.cdiv(s.Lq, cfg.block_m), s.B * s.H)
+    n_tiles = triton.cdiv(s.Lq, cfg.block_m)
+    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device)
+    grid, work, use_work = _grid_and_work(wl, n_tiles, s.B * s.H, q.device)
+    nslot = wl.n_slots if wl is not None else 0
+    opart = torch.empty((max(1, s.B * s.H * nslot * cfg.block_m), d_pad), dtype=torch.float32, device=q.device)
+    lpart = torch.empty((max(1, s.B * s.H * nslot * cfg.block_m),), dtype=torch.float32, device=q.device)
     _attn_fwd[grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        *rows, pay.params, pay.aux,
+        *rows, pay.params, pay.aux, work, opart, lpart, nslot,
         s.H, s.G, lzb, lzh, -(-s.Lq // lbm), s.Lq, s.Lk, scale * _LOG2E,
         *_dropout_args(dropout_p, seed),
-        PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
+        PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, USE_WORK=use_work, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
         DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
         MASKED_STAGES=_masked_stages(pay, cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if nslot:
+        _attn_fwd_combine[(wl.n_combine, s.B * s.H)](
+            out, lse, opart, lpart, wl.combine, nslot, out.stride(0), out.stride(1), out.stride(2), s.H, s.Lq,
+            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, num_warps=4,
+        )
     return out, lse
 
 
@@ -98,7 +146,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     rows, cols, pay = _device_state(layout, q.device)
     d_pad = head_dim_pad(s.D)
     cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn)
-    delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
+    dev = q.device
+    delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
     pre_m = 64
     _attn_bwd_preprocess[(triton.cdiv(s.Lq, pre_m), s.B * s.H)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
@@ -110,27 +159,48 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     lzb, lzh = _layout_strides(layout)
     drop = _dropout_args(dropout_p, seed)
     common = dict(PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
-                  LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, q.device))
+                  LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, dev))
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-    _attn_bwd_dkdv[(triton.cdiv(s.Lk, cfg_kv.block_n), s.B * s.Hkv)](
+
+    # dK, dV
+    wl = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, dev)
+    grid, work, use_work = _grid_and_work(wl, triton.cdiv(s.Lk, cfg_kv.block_n), s.B * s.Hkv, dev)
+    nslot = wl.n_slots if wl is not None else 0
+    part_shape = (max(1, s.B * s.Hkv * nslot * cfg_kv.block_n), d_pad)
+    dkpart = torch.empty(part_shape, dtype=torch.float32, device=dev)
+    dvpart = torch.empty(part_shape, dtype=torch.float32, device=dev)
+    _attn_bwd_dkdv[grid](
         q, k, v, dout, dk, dv, lse, delta, *qkv_strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        *cols, pay.params, pay.aux,
+        *cols, pay.params, pay.aux, work, dkpart, dvpart, nslot,
         s.H, s.G, lzb, lzh, -(-s.Lk // lbn), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
-        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
-        STAGES=cfg_kv.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_kv),
-        **common,
+        USE_WORK=use_work, BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, num_warps=cfg_kv.num_warps,
+        num_stages=cfg_kv.num_stages, STAGES=cfg_kv.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_kv), **common,
     )
-    _attn_bwd_dq[(triton.cdiv(s.Lq, cfg_q.block_m), s.B * s.H)](
+    if nslot:
+        for t, part in ((dk, dkpart), (dv, dvpart)):
+            _sum_partials[(wl.n_combine, s.B * s.Hkv)](
+                t, part, wl.combine, nslot, t.stride(0), t.stride(1), t.stride(2), s.Hkv, s.Lk,
+                HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_kv.block_n, num_warps=4)
+
+    # dQ
+    wl = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, dev)
+    grid, work, use_work = _grid_and_work(wl, triton.cdiv(s.Lq, cfg_q.block_m), s.B * s.H, dev)
+    nslot = wl.n_slots if wl is not None else 0
+    dqpart = torch.empty((max(1, s.B * s.H * nslot * cfg_q.block_m), d_pad), dtype=torch.float32, device=dev)
+    _attn_bwd_dq[grid](
         q, k, v, dout, dq, lse, delta, *qkv_strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
-        *rows, pay.params, pay.aux,
+        *rows, pay.params, pay.aux, work, dqpart, nslot,
         s.H, s.G, lzb, lzh, -(-s.Lq // lbm), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
-        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
-        STAGES=cfg_q.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_q),
-        **common,
+        USE_WORK=use_work, BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, num_warps=cfg_q.num_warps,
+        num_stages=cfg_q.num_stages, STAGES=cfg_q.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_q), **common,
     )
+    if nslot:
+        _sum_partials[(wl.n_combine, s.B * s.H)](
+            dq, dqpart, wl.combine, nslot, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
+            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, num_warps=4)
     return dq, dk, dv
 
 

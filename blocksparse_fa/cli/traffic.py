@@ -1,0 +1,75 @@
+"""``bsfa traffic``: predicted bytes per kernel (L2 → SM, DRAM) vs dense FlashAttention and standard attention."""
+
+from __future__ import annotations
+
+from ..analysis.traffic import H100_L2_BYTES, H100_SMS, TileSizes, TrafficParams, traffic_model
+from ..compiler.compile import compile_mask
+from .common import add_length_args, mask_from_arg
+
+
+def _tile_pair(text: str) -> tuple[int, int]:
+    try:
+        m, n = (int(x) for x in text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        raise ValueError(f"tile sizes look like 128x64, got {text!r}") from None
+    return m, n
+
+
+def _occupancy(text: str):
+    try:
+        if "=" not in text:
+            return int(text)
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise ValueError(f"--occupancy takes N or kernel=N,... (fwd, bwd_preprocess, bwd_dkdv, bwd_dq), "
+                         f"got {text!r}") from None
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "traffic", help="predict the bytes each kernel moves (L2->SM and DRAM) for a pattern",
+        description="Three-level traffic model (DRAM / L2 / shared memory) of the block-sparse kernels for a "
+                    "pattern, with the ratio vs dense FlashAttention and vs standard attention. "
+                    "See docs/traffic.md for how it works.")
+    p.add_argument("pattern", help="pattern name (see 'bsfa patterns') or DSL text, e.g. \"causal & window(256)\"")
+    add_length_args(p)
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--heads", type=int, default=16, help="query heads H (default 16)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads for GQA/MQA (default: --heads)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="input dtype (default bf16)")
+    p.add_argument("--l2-mb", type=float, default=H100_L2_BYTES / 2**20, help="L2 capacity in MiB (default 50, H100)")
+    p.add_argument("--sms", type=int, default=H100_SMS, help="streaming multiprocessors (default 132, H100 SXM)")
+    p.add_argument("--occupancy", default="1",
+                   help="programs resident per SM: N, or per kernel, e.g. fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
+    p.add_argument("--policy", default="fraction", choices=["fraction", "lru"],
+                   help="L2 hit model for re-reads beyond capacity: C/D (fraction, default) or none (lru)")
+    p.add_argument("--fwd-tiles", default="128x64", help="forward BLOCK_MxBLOCK_N (default 128x64)")
+    p.add_argument("--dkdv-tiles", default="64x64", help="dK/dV kernel BLOCK_MxBLOCK_N (default 64x64)")
+    p.add_argument("--dq-tiles", default="64x64", help="dQ kernel BLOCK_MxBLOCK_N (default 64x64)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    mask = mask_from_arg(args.pattern)
+    kv = args.kv_len or args.q_len
+    fm, fn = _tile_pair(args.fwd_tiles)
+    km, kn = _tile_pair(args.dkdv_tiles)
+    qm, qn = _tile_pair(args.dq_tiles)
+    occ = _occupancy(args.occupancy)
+    if args.l2_mb <= 0:
+        raise ValueError(f"--l2-mb must be positive, got {args.l2_mb}")
+    params = TrafficParams(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                           dtype=args.dtype, tiles=TileSizes(fm, fn, km, kn, qm, qn),
+                           l2_bytes=int(args.l2_mb * 2**20), n_sm=args.sms, occupancy=occ,
+                           policy=args.policy)
+    lay = compile_mask(mask, args.q_len, kv, args.block)
+    rep = traffic_model(lay, params)
+    if args.json:
+        import json
+
+        print(json.dumps(rep.to_dict(), indent=1, default=str))
+    else:
+        print(rep.format_table())
+    return 0
