@@ -334,6 +334,9 @@ def main():
             print("ERROR", res, flush=True)
         cases.append(res)
         torch.cuda.empty_cache()
+        if os.environ.get("OUT"):  # partial results survive a timeout
+            with open(os.path.join(os.environ["OUT"], "bench_partial.json"), "w") as f:
+                json.dump(cases, f)
     sw = [] if args.no_sweep else sweep(r)
     data = dict(env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                          date=time.strftime("%Y-%m-%d")), cases=cases, sweep=sw, wall_s=time.time() - t0)

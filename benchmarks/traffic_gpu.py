@@ -60,7 +60,7 @@ METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_srcu
            "gpu__time_duration.sum")
 SECTOR_BYTES = 32
 MARKER_RE = re.compile(r"spin_kernel")
-OURS_RE = re.compile(r"_attn_(fwd|bwd_preprocess|bwd_dkdv|bwd_dq)")
+OURS_RE = re.compile(r"_attn_(fwd|bwd_preprocess|bwd_dkdv|bwd_dq)\b")  # not the *_combine kernels
 BEGIN, END = "<!-- GPU-RESULTS:BEGIN -->", "<!-- GPU-RESULTS:END -->"
 REGIMES = ("inl2", "beyondl2")
 IMPLS = ("ours", "flex")
@@ -414,14 +414,14 @@ def run_driver(args) -> int:
         print(f"wrote {path}")
     if not args.no_report:
         return report(argparse.Namespace(docs=args.docs, l2_mb=args.l2_mb, sms=args.sms, occupancy=args.occupancy,
-                                         policy=args.policy))
+                                         policy=args.policy, order=args.order))
     return 0
 
 
 # ================================================================================================
 # model + report
 # ================================================================================================
-def _model(cfg: dict, tiles: dict, l2_mb: float, sms: int, occupancy, policy: str):
+def _model(cfg: dict, tiles: dict, l2_mb: float, sms: int, occupancy, policy: str, order: str = "heavy_first"):
     from blocksparse_fa.analysis.traffic import TileSizes, TrafficParams, traffic_model
     from blocksparse_fa.cli.traffic import _occupancy
 
@@ -430,7 +430,7 @@ def _model(cfg: dict, tiles: dict, l2_mb: float, sms: int, occupancy, policy: st
     t = TileSizes(**{k: v for k, v in tiles.items() if k in TileSizes.__dataclass_fields__})
     p = TrafficParams(batch=cfg["batch"], heads=cfg["heads"], kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
                       dtype=cfg["dtype"], tiles=t, l2_bytes=int(l2_mb * 2**20), n_sm=sms, occupancy=occupancy,
-                      policy=policy)
+                      policy=policy, program_order=order)
     return traffic_model(_layout(cfg), p, compare=False)
 
 
@@ -452,12 +452,13 @@ def synth(args) -> int:
     for regime in args.regimes.split(","):
         data = {"regime": regime, "synthetic": True, "ncu": "synthetic", "metrics": list(METRICS), "runs": []}
         for cfg in regime_configs(regime, args.quick):
-            rep = _model(cfg, {}, 50, 132, 1, "fraction")
+            rep = _model(cfg, _kernel_tiles(cfg) or {}, 50, 132, 1, "fraction")
             for impl in IMPLS:
                 f = 1.0 if impl == "ours" else 1.1
 
                 def meas(kernels, time_ms):
-                    return {"dram_read": sum(k.dram_read_bytes for k in kernels) * f * (1 + 0.03 * rng.standard_normal()),
+                    noise = 1 + 0.03 * rng.standard_normal()
+                    return {"dram_read": sum(k.dram_read_bytes for k in kernels) * f * noise,
                             "dram_write": sum(k.dram_write_bytes for k in kernels) * f,
                             "l2_read": sum(k.l2_to_sm_bytes for k in kernels) * f * (1 + 0.02 * rng.standard_normal()),
                             "time_ns": time_ms * 1e6, "n_kernels": len(kernels)}
@@ -466,6 +467,7 @@ def synth(args) -> int:
                 tb = 0.05 + 15.0 * rep.density * f
                 fwd, bwd = meas([rep.forward], tf), meas([rep.bwd_preprocess, rep.bwd_dkdv, rep.bwd_dq], tb)
                 data["runs"].append({"config": cfg, "impl": impl, "rc": 0, "fwd": fwd, "bwd": bwd,
+                                     "tiles_from_grid": _kernel_tiles(cfg) or {},
                                      "total": {k: fwd[k] + bwd[k] for k in fwd}, "split_ok": True,
                                      "worker": {"density": rep.density, "time_fwd_ms": tf, "time_bwd_ms": tb},
                                      "kernels": []})
@@ -529,7 +531,7 @@ def report(args) -> int:
             ref = by.get("ours") or next(iter(by.values()))
             cfg = ref["config"]
             tiles = _tiles_for(ref)
-            mdl = _model(cfg, tiles, args.l2_mb, args.sms, args.occupancy, args.policy)
+            mdl = _model(cfg, tiles, args.l2_mb, args.sms, args.occupancy, args.policy, args.order)
             row = {"name": name, "mask": cfg["mask"], "s": mdl.density, "tiles": tiles,
                    "model": {"fwd_l2": mdl.fwd.l2_to_sm_bytes, "bwd_l2": mdl.bwd.l2_to_sm_bytes,
                              "fwd_dram": mdl.fwd.dram_read_bytes, "bwd_dram": mdl.bwd.dram_read_bytes,
@@ -548,6 +550,9 @@ def report(args) -> int:
                              "fwd_ncu_ms": r["fwd"]["time_ns"] / 1e6, "bwd_ncu_ms": r["bwd"]["time_ns"] / 1e6}
             rows.append(row)
         rows.sort(key=lambda r: r["s"])
+        if not rows:
+            sections.append(f"### Regime `{regime}`\n\nNo successful runs in `{path}` (see the logs of the run).\n")
+            continue
         s = np.array([r["s"] for r in rows])
 
         def col(impl, key):
@@ -661,7 +666,8 @@ def report(args) -> int:
               + ", ".join("n/a" if f is None else f"{f[2]:.4f} {'PASS' if f[2] >= 0.98 else 'FAIL'}" for f in r2_t),
               f"- ours ≤ FlexAttention bytes at every s: L2→SM {'PASS' if checks['ours_le_flex_l2'] else 'FAIL'}, "
               f"DRAM {'PASS' if checks['ours_le_flex_dram'] else 'FAIL'}",
-              f"- model tiles: {rows[0]['tiles'] or 'defaults (TileSizes())'}", ""]
+              f"- model: tiles {rows[0]['tiles'] or 'defaults (TileSizes())'}; L2 {args.l2_mb:g} MiB, {args.sms} SMs, "
+              f"occupancy {args.occupancy}, policy {args.policy}, program order {args.order}", ""]
         sections.append("\n".join(L))
     if not any_data:
         print(f"no data in {os.path.join(docs, 'data')} (run the 'run' mode on a GPU first)", file=sys.stderr)
@@ -684,13 +690,16 @@ def report(args) -> int:
 
 
 def list_configs(args) -> int:
+    print(f"model tiles (the kernels' config): {_kernel_tiles(regime_configs('inl2')[0]) or 'defaults'}; "
+          f"order {args.order}, policy {args.policy}, L2 {args.l2_mb:g} MiB")
     for regime in args.regimes.split(","):
         print(f"== {regime} ==")
         for cfg in regime_configs(regime, args.quick):
-            rep = _model(cfg, {}, args.l2_mb, args.sms, args.occupancy, args.policy)
+            rep = _model(cfg, _kernel_tiles(cfg) or {}, args.l2_mb, args.sms, args.occupancy, args.policy, args.order)
+            f, b = rep.fwd, rep.bwd
             print(f"  {cfg['name']:<8} {cfg['mask']:<28} s={rep.density:.4f}  model fwd L2->SM "
-                  f"{rep.fwd.l2_to_sm_bytes / 1e9:7.3f} GB DRAM rd {rep.fwd.dram_read_bytes / 1e9:6.3f} GB | bwd L2->SM "
-                  f"{rep.bwd.l2_to_sm_bytes / 1e9:7.3f} GB DRAM rd {rep.bwd.dram_read_bytes / 1e9:6.3f} GB")
+                  f"{f.l2_to_sm_bytes / 1e9:7.3f} GB DRAM rd {f.dram_read_bytes / 1e9:6.3f} GB | bwd L2->SM "
+                  f"{b.l2_to_sm_bytes / 1e9:7.3f} GB DRAM rd {b.dram_read_bytes / 1e9:6.3f} GB")
     return 0
 
 
@@ -705,6 +714,8 @@ def main(argv=None) -> int:
         p.add_argument("--occupancy", default="1",
                        help="programs per SM for the model: N or fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
         p.add_argument("--policy", default="fraction", choices=["fraction", "lru"])
+        p.add_argument("--order", default="heavy_first", choices=["grid", "heavy_first"],
+                       help="program order for the model (default heavy_first: the kernels' work lists)")
 
     p = sub.add_parser("run", help="profile every configuration under ncu, then report")
     p.add_argument("--out", required=True, help="directory for ncu reports, CSVs and logs")

@@ -14,8 +14,10 @@ talks about then split:
 
 How the DRAM estimate works (simple on purpose; every assumption is listed):
 
-1. Programs start in grid order (tile index fastest, then batch·head — the kernels' launch grids)
-   and run in *waves* of ``P = n_sm × occupancy`` consecutive programs (occupancy per kernel, default 1).
+1. Programs start in grid order (tile index fastest, then batch·head — the kernels' launch grids;
+   ``program_order="heavy_first"`` sorts each head's tiles by decreasing cost, as the kernels' work
+   lists do) and run in *waves* of ``P = n_sm × occupancy`` consecutive programs (occupancy per
+   kernel, default 1).
 2. Within a wave, programs that load the same tile share one DRAM fetch (they run concurrently
    and sweep their column-sorted lookup tables in step, so the second load comes shortly after the
    first): the *wave-distinct* objects are the candidates for DRAM traffic.
@@ -100,6 +102,11 @@ class TrafficParams:
     """Programs resident per SM: one int, or a dict by kernel name (``"fwd"``, ``"bwd_preprocess"``,
     ``"bwd_dkdv"``, ``"bwd_dq"``; missing names default to 1)."""
     policy: str = "fraction"
+    program_order: str = "grid"
+    """``"grid"``: tiles in index order; ``"heavy_first"``: tiles of each head sorted by decreasing
+    LUT cost (unmasked entries + 1.5 x masked + 1), as the kernels' work lists order them
+    (``blocksparse_fa/kernels/schedule.py``; layouts without batch dims only; split tiles and the
+    combine kernel are not modelled)."""
 
     @property
     def hkv(self) -> int:
@@ -131,6 +138,8 @@ class TrafficParams:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.hkv})")
         if self.policy not in ("fraction", "lru"):
             raise ValueError(f"policy must be 'fraction' or 'lru', got {self.policy!r}")
+        if self.program_order not in ("grid", "heavy_first"):
+            raise ValueError(f"program_order must be 'grid' or 'heavy_first', got {self.program_order!r}")
         dtype_bytes(self.dtype)
         for name, v in asdict(self.tiles).items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -300,7 +309,8 @@ class TrafficReport:
             "standard": asdict(self.standard), "ratios": self.ratios(),
         }
         if self.dense is not None:
-            d["dense"] = {"fwd": asdict(self.dense.fwd), "bwd": asdict(self.dense.bwd), "total": asdict(self.dense.total)}
+            dn = self.dense
+            d["dense"] = {"fwd": asdict(dn.fwd), "bwd": asdict(dn.bwd), "total": asdict(dn.total)}
         return d
 
     # -- text --------------------------------------------------------------------------------------
@@ -316,7 +326,7 @@ class TrafficReport:
             f"L2={p.l2_bytes / 2**20:.1f} MiB  {p.n_sm} SMs x {_fmt_occ(p.occupancy)} program(s) in flight  "
             f"policy={p.policy}",
             f"  tiles: fwd {t.fwd_block_m}x{t.fwd_block_n}, dK/dV {t.dkdv_block_m}x{t.dkdv_block_n}, "
-            f"dQ {t.dq_block_m}x{t.dq_block_n}",
+            f"dQ {t.dq_block_m}x{t.dq_block_n}; program order: {p.program_order}",
             "",
             f"  {'kernel':<16}{'programs':>9}{'waves':>7}{'L2->SM':>11}{'SM->L2':>11}{'DRAM rd':>11}"
             f"{'compuls.':>11}{'DRAM wr':>11}{'reuse dist':>12}  in L2",
@@ -399,13 +409,16 @@ class _Geometry:
         if segs is not None:
             sel = segs.state != 0
             rows, starts, ends = segs.rows[sel], segs.starts[sel], segs.ends[sel]
+            partial = segs.state[sel] == 1
         else:  # fall back on the public view: one unit segment per block
             rows, cols, _ = layout.nonempty_blocks()
+            partial = np.asarray(_) == 1
             rows, starts, ends = np.asarray(rows), np.asarray(cols), np.asarray(cols) + 1
         order = np.argsort(rows * (self.tc + 1) + starts, kind="stable")
         self.seg_row = np.asarray(rows, dtype=np.int64)[order]
         self.seg_start = np.asarray(starts, dtype=np.int64)[order]
         self.seg_end = np.asarray(ends, dtype=np.int64)[order]
+        self.seg_partial = np.asarray(partial, dtype=bool)[order]
         # valid rows per layout row, valid keys per layout column (ragged edges)
         r = np.arange(self.tr)
         self.row_h = np.minimum((r + 1) * self.bm, self.q_len) - r * self.bm
@@ -415,6 +428,8 @@ class _Geometry:
         nz = self.n_inst * self.tr
         lens = self.seg_end - self.seg_start
         self.row_cnt = np.bincount(self.seg_row, weights=lens, minlength=nz).reshape(self.n_inst, self.tr)
+        self.row_part = np.bincount(self.seg_row, weights=lens * self.seg_partial,
+                                    minlength=nz).reshape(self.n_inst, self.tr)
         self.row_keys = np.bincount(self.seg_row, weights=wpref[self.seg_end] - wpref[self.seg_start],
                                     minlength=nz).reshape(self.n_inst, self.tr)
         z = self.seg_row // self.tr
@@ -425,6 +440,11 @@ class _Geometry:
         diff_q = (np.bincount(z * (self.tc + 1) + self.seg_start, weights=hseg, minlength=n1)
                   - np.bincount(z * (self.tc + 1) + self.seg_end, weights=hseg, minlength=n1)).reshape(self.n_inst, -1)
         self.col_cnt = np.cumsum(diff_c, axis=1)[:, : self.tc]
+        pz = z[self.seg_partial] * (self.tc + 1)
+        diff_p = (np.bincount(pz + self.seg_start[self.seg_partial], minlength=n1)
+                  - np.bincount(pz + self.seg_end[self.seg_partial], minlength=n1)).reshape(self.n_inst, -1)
+        self.col_part = np.cumsum(diff_p, axis=1)[:, : self.tc]
+        self.row_ptr = np.searchsorted(self.seg_row, np.arange(nz + 1))
         self.col_rows = np.cumsum(diff_q, axis=1)[:, : self.tc]
         self.visited = int(lens.sum())
         self.inst_ptr = np.searchsorted(self.seg_row, np.arange(self.n_inst + 1) * self.tr)
@@ -452,6 +472,26 @@ class _Geometry:
                 self._row_cache[key] = hit
         return hit
 
+    def cols_of_row_set(self, z: int, rows: np.ndarray) -> np.ndarray:
+        """Columns with a non-empty block in any of ``rows`` (layout rows of instance z)."""
+        g = z * self.tr + np.unique(rows)
+        lo, hi = self.row_ptr[g], self.row_ptr[g + 1]
+        n = hi - lo
+        idx = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+        cover = (np.bincount(self.seg_start[idx], minlength=self.tc + 1)
+                 - np.bincount(self.seg_end[idx], minlength=self.tc + 1))
+        return np.flatnonzero(np.cumsum(cover)[: self.tc] > 0)
+
+    def rows_of_col_set(self, z: int, cols: np.ndarray) -> np.ndarray:
+        """Layout rows with a non-empty block in any of ``cols`` (instance z)."""
+        mark = np.zeros(self.tc + 1, dtype=np.int64)
+        mark[np.unique(cols) + 1] = 1
+        pref = np.cumsum(mark)
+        lo, hi = self.inst_ptr[z], self.inst_ptr[z + 1]
+        sel = pref[self.seg_end[lo:hi]] - pref[self.seg_start[lo:hi]] > 0
+        r = self.seg_row[lo:hi][sel] - z * self.tr
+        return r[np.concatenate([[True], r[1:] != r[:-1]])] if len(r) else r
+
     def rows_of_cols(self, z: int, c0: int, c1: int) -> np.ndarray:
         """Layout rows with a non-empty block in columns ``c0..c1`` (inclusive) of instance z."""
         key = (z, c0, c1)
@@ -465,6 +505,14 @@ class _Geometry:
             if len(self._col_cache) < 4096:
                 self._col_cache[key] = hit
         return hit
+
+
+def _order(p: TrafficParams, geo: _Geometry, cnt: np.ndarray, part: np.ndarray, blk: np.ndarray):
+    """Launch order of the tiles of one head (None: index order)."""
+    if p.program_order != "heavy_first" or geo.n_inst != 1:
+        return None
+    cost = (cnt[0] - part[0])[blk] + 1.5 * part[0][blk] + 1.0
+    return np.argsort(-cost, kind="stable")
 
 
 def _tiles(n: int, tile: int, block: int):
@@ -570,14 +618,15 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     P = p.programs_in_flight(name)
     per_row_load = sum(q_side_loads.values())
     per_row_store = sum(q_side_stores.values())
+    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row)
     mult = np.zeros(geo.n_inst, dtype=np.int64)
     stream_p = np.empty(B * H * n_t)
     for b in range(B):
         for h in range(H):
             z = geo.instance(b, h)
             mult[z] += 1
-            lut = 16 + 4 * geo.row_cnt[z, t_row]
-            stream_p[(b * H + h) * n_t:(b * H + h + 1) * n_t] = t_h * (per_row_load + per_row_store) + lut
+            st = t_h * (per_row_load + per_row_store) + 16 + 4 * geo.row_cnt[z, t_row]
+            stream_p[(b * H + h) * n_t:(b * H + h + 1) * n_t] = st if perm is None else st[perm]
     kv_loads = float(2 * D * e * (mult[:, None] * geo.row_keys[:, t_row]).sum())
     lut_loads = float((mult[:, None] * (16 + 4 * geo.row_cnt[:, t_row])).sum())
     rows_total = B * H * geo.q_len
@@ -592,7 +641,11 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     refs = _WaveRefs(n_waves, dedup=G > 1)  # query heads of a GQA group share K/V objects
     for bh, w, t0, t1 in _wave_segments(B * H, n_t, P):
         b, h = divmod(bh, H)
-        cols = geo.cols_of_rows(geo.instance(b, h), int(t_row[t0]), int(t_row[t1 - 1]))
+        z = geo.instance(b, h)
+        if perm is None:
+            cols = geo.cols_of_rows(z, int(t_row[t0]), int(t_row[t1 - 1]))
+        else:
+            cols = geo.cols_of_row_set(z, t_row[perm[t0:t1]])
         refs.add(w, (b * p.hkv + h // G) * geo.tc + cols)
     obj_bytes = np.tile(2.0 * D * e * geo.col_w, B * p.hkv)
     ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, p.policy)
@@ -614,6 +667,7 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraf
     n_u = len(u_col)
     P = p.programs_in_flight("bwd_dkdv")
     q_obj_row = 2 * D * e + 8  # Q, dO rows + LSE, delta (fp32)
+    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col)
     mult = np.zeros(geo.n_inst, dtype=np.int64)
     stream_p = np.empty(B * Hkv * n_u)
     for b in range(B):
@@ -623,7 +677,8 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraf
                 z = geo.instance(b, hk * G + g)
                 mult[z] += 1
                 lut += 16 + 4 * geo.col_cnt[z, u_col]
-            stream_p[(b * Hkv + hk) * n_u:(b * Hkv + hk + 1) * n_u] = 4 * D * e * u_w + lut
+            st = 4 * D * e * u_w + lut
+            stream_p[(b * Hkv + hk) * n_u:(b * Hkv + hk + 1) * n_u] = st if perm is None else st[perm]
     q_loads = float(q_obj_row * (mult[:, None] * geo.col_rows[:, u_col]).sum())
     lut_loads = float((mult[:, None] * (16 + 4 * geo.col_cnt[:, u_col])).sum())
     kv_total = B * Hkv * geo.kv_len * D * e
@@ -637,7 +692,11 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraf
         b, hk = divmod(bkv, Hkv)
         for g in range(G):
             h = hk * G + g
-            rows = geo.rows_of_cols(geo.instance(b, h), int(u_col[u0]), int(u_col[u1 - 1]))
+            z = geo.instance(b, h)
+            if perm is None:
+                rows = geo.rows_of_cols(z, int(u_col[u0]), int(u_col[u1 - 1]))
+            else:
+                rows = geo.rows_of_col_set(z, u_col[perm[u0:u1]])
             refs.add(w, (b * H + h) * geo.tr + rows)
     obj_bytes = np.tile(float(q_obj_row) * geo.row_h, B * H)
     ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, p.policy)

@@ -44,6 +44,9 @@ def register(sub) -> None:
                    help="programs resident per SM: N, or per kernel, e.g. fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
     p.add_argument("--policy", default="fraction", choices=["fraction", "lru"],
                    help="L2 hit model for re-reads beyond capacity: C/D (fraction, default) or none (lru)")
+    p.add_argument("--order", default="grid", choices=["grid", "heavy_first"],
+                   help="program launch order: tile index (grid, default) or heaviest tiles first (the kernels' "
+                        "work lists)")
     p.add_argument("--fwd-tiles", default="128x64", help="forward BLOCK_MxBLOCK_N (default 128x64)")
     p.add_argument("--dkdv-tiles", default="64x64", help="dK/dV kernel BLOCK_MxBLOCK_N (default 64x64)")
     p.add_argument("--dq-tiles", default="64x64", help="dQ kernel BLOCK_MxBLOCK_N (default 64x64)")
@@ -63,7 +66,7 @@ def run(args) -> int:
     params = TrafficParams(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                            dtype=args.dtype, tiles=TileSizes(fm, fn, km, kn, qm, qn),
                            l2_bytes=int(args.l2_mb * 2**20), n_sm=args.sms, occupancy=occ,
-                           policy=args.policy)
+                           policy=args.policy, program_order=args.order)
     lay = compile_mask(mask, args.q_len, kv, args.block)
     rep = traffic_model(lay, params)
     if args.json:

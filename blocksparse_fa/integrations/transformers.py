@@ -38,6 +38,11 @@ sliding windows, packed sequences, ...) arrives in one of three forms:
   exactly, as ``pattern & dense_mask(keep)`` (``O(B * Lq * Lk)``, like SDPA's own mask). Additive
   masks holding real biases (ALiBi-style) are rejected.
 
+Positions: patterns align queries bottom-right with the keys (query ``i`` at ``i + Lk - Lq``), which
+is exact without a cache and with a dynamic cache (prefill and decoding). With a ``StaticCache`` the
+model's own mask stays exact (dense path) but a position-dependent pattern (windows, ...) is placed
+as if the query sat at the end of the cache buffer: use a dynamic cache with such patterns.
+
 Under ``torch.compile`` the attention itself is a custom op (no graph break), but building a layout
 from padding (the document ids come from tensor values) breaks the graph once per forward.
 """
@@ -132,8 +137,12 @@ def make_attention_function(mask, *, block_size=None, backend: str = "auto"):
             if attention_mask.dim() != 4:
                 raise ValueError(f"blocksparse attention expects a 4D attention_mask or None, got shape "
                                  f"{tuple(attention_mask.shape)}")
-            ck = (tuple(attention_mask.shape), attention_mask._version, Lq, Lk, str(query.device))
-            m = cache.get(attention_mask, ck)
+            try:
+                version = attention_mask._version
+            except RuntimeError:  # inference-mode tensors have no version counter: do not cache
+                version = None
+            ck = (tuple(attention_mask.shape), version, Lq, Lk, str(query.device))
+            m = cache.get(attention_mask, ck) if version is not None else None
             if m is None:
                 keep = _keep_from_4d(attention_mask)
                 keep = keep[..., :Lk]  # as transformers' eager path: the first Lk key columns

@@ -55,7 +55,7 @@ class _Tok:
     pos: int
 
 
-_TOKEN_RE = re.compile(r"\s*(?:(?P<NAME>[A-Za-z_][A-Za-z0-9_]*)|(?P<INT>\d[\d_]*)|(?P<OP>[()&|~,=\-]))")
+_TOKEN_RE = re.compile(r"\s*(?:(?P<NAME>[A-Za-z_][A-Za-z0-9_]*)|(?P<INT>[0-9]+(?:_[0-9]+)*)|(?P<OP>[()&|~,=\-]))")
 
 
 def _tokenize(text: str) -> list[_Tok]:
@@ -208,16 +208,26 @@ class _Parser:
 
 def _resolve(name: str, args: list, kwargs: dict, variables: dict, depth: int) -> Mask:
     """Turn a name with arguments into a mask: a primitive first, then a named pattern."""
-    cls = PRIMITIVES.get(name)
-    if cls is not None:
-        if cls.TENSOR is None:
-            return cls(*args, **kwargs)
-        t = variables.get(cls.TENSOR)
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"'{name}' needs a tensor: pass it by keyword, e.g. parse(text, {cls.TENSOR}=tensor)")
-        return cls(t, *args, **kwargs)
     from .patterns import _pattern_names, _instantiate  # late import: patterns use this parser
 
+    cls = PRIMITIVES.get(name)
+    if cls is not None:
+        try:
+            if cls.TENSOR is None:
+                return cls(*args, **kwargs)
+            t = variables.get(cls.TENSOR)
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"'{name}' needs a tensor: pass it by keyword, e.g. parse(text, {cls.TENSOR}=tensor)")
+            return cls(t, *args, **kwargs)
+        except ValueError:
+            # a pattern of the same name (e.g. 'sliding_window', 'prefix_lm') takes what the primitive can't
+            if name not in _pattern_names():
+                raise
+            try:
+                return _instantiate(name, args, kwargs, {k: v for k, v in variables.items() if isinstance(v, torch.Tensor)}, depth)
+            except ValueError:
+                pass
+            raise
     if name in _pattern_names():
         tensors = {k: v for k, v in variables.items() if isinstance(v, torch.Tensor)}
         return _instantiate(name, args, kwargs, tensors, depth)

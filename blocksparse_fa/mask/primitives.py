@@ -292,6 +292,7 @@ class Document(_TensorPrimitive):
             raise ValueError(f"document(): ids must have shape (L,) or (B, L), got {tuple(ids.shape)}")
         if ids.numel() and (int(ids.min()) < -INT32_MAX or int(ids.max()) > INT32_MAX):
             raise ValueError("document(): ids must fit in int32")
+        ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
 
     @property
@@ -458,6 +459,7 @@ def _bool_grid(prim: str, t) -> torch.Tensor:
         raise ValueError(f"{prim}(): expected shape (Lq, Lk) or (B, H, Lq, Lk), got {tuple(t.shape)}")
     if t.dtype != torch.bool:
         raise ValueError(f"{prim}(): expected a torch.bool tensor, got {t.dtype}")
+    t = t.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
     return t if t.dim() == 4 else t.view(1, 1, *t.shape)
 
 

@@ -6,10 +6,11 @@ import math
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
-from ..kernels.config import bwd_configs, check_layout_block, fwd_config, head_dim_pad
+from ..kernels.config import TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
@@ -76,6 +77,36 @@ def set_split_chunk(chunk: float | None) -> None:
         _SPLIT_OVERRIDE["chunk"] = chunk
 
 
+_FALLBACK: dict = {}
+
+
+def _shrink(cfg: TileConfig) -> TileConfig | None:
+    """Next smaller config: fewer stages first, then the larger tile side halved (>= 16)."""
+    if cfg.num_stages > 1:
+        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+    if max(cfg.block_m, cfg.block_n) <= 16:
+        return None
+    if cfg.block_n >= cfg.block_m:
+        return TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 2)
+    return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 2)
+
+
+def _with_fallback(kernel: str, cfg: TileConfig, key: tuple, launch) -> None:
+    """Launch with ``cfg``; if the compiled kernel needs more shared memory than the GPU has, retry
+    with smaller configs and remember the one that fits (per kernel, head dim, dtype, layout block)."""
+    cfg = _FALLBACK.get((kernel, *key), cfg)
+    while True:
+        try:
+            launch(cfg)
+            return
+        except OutOfResources:
+            smaller = _shrink(cfg)
+            if smaller is None:
+                raise
+            cfg = smaller
+            _FALLBACK[(kernel, *key)] = cfg
+
+
 def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
     """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size."""
     if not worklists_enabled(layout):
@@ -109,10 +140,19 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     rows, _, pay = _device_state(layout, q.device)
     d_pad = head_dim_pad(s.D)
-    cfg = fwd_config(d_pad, q.dtype, lbm, lbn)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
     lzb, lzh = _layout_strides(layout)
+
+    def launch(cfg):
+        _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg)
+
+    _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn), (d_pad, q.dtype, lbm, lbn), launch)
+    return out, lse
+
+
+def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg):
+    lbm, lbn = layout.block_size
     n_tiles = triton.cdiv(s.Lq, cfg.block_m)
     wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device)
     grid, work, use_work = _grid_and_work(wl, n_tiles, s.B * s.H, q.device)
@@ -136,7 +176,6 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
             out, lse, opart, lpart, wl.combine, nslot, out.stride(0), out.stride(1), out.stride(2), s.H, s.Lq,
             HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, num_warps=4,
         )
-    return out, lse
 
 
 def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
@@ -163,7 +202,24 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
 
-    # dK, dV
+    def launch_dkdv(cfg_kv):
+        _dkdv_launch(q, k, v, dout, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh, drop,
+                     common, qkv_strides, cfg_kv)
+
+    def launch_dq(cfg_q):
+        _dq_launch(q, k, v, dout, dq, lse, delta, layout, s, scale, rows, pay, d_pad, lzb, lzh, drop, common,
+                   qkv_strides, cfg_q)
+
+    key = (d_pad, q.dtype, lbm, lbn)
+    _with_fallback("dkdv", cfg_kv, key, launch_dkdv)
+    _with_fallback("dq", cfg_q, key, launch_dq)
+    return dq, dk, dv
+
+
+def _dkdv_launch(q, k, v, dout, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh, drop, common,
+                 qkv_strides, cfg_kv):
+    dev = q.device
+    lbn = layout.block_size[1]
     wl = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, dev)
     grid, work, use_work = _grid_and_work(wl, triton.cdiv(s.Lk, cfg_kv.block_n), s.B * s.Hkv, dev)
     nslot = wl.n_slots if wl is not None else 0
@@ -184,7 +240,11 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                 t, part, wl.combine, nslot, t.stride(0), t.stride(1), t.stride(2), s.Hkv, s.Lk,
                 HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_kv.block_n, num_warps=4)
 
-    # dQ
+
+def _dq_launch(q, k, v, dout, dq, lse, delta, layout, s, scale, rows, pay, d_pad, lzb, lzh, drop, common, qkv_strides,
+               cfg_q):
+    dev = q.device
+    lbm = layout.block_size[0]
     wl = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, dev)
     grid, work, use_work = _grid_and_work(wl, triton.cdiv(s.Lq, cfg_q.block_m), s.B * s.H, dev)
     nslot = wl.n_slots if wl is not None else 0
@@ -201,7 +261,6 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         _sum_partials[(wl.n_combine, s.B * s.H)](
             dq, dqpart, wl.combine, nslot, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
             HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, num_warps=4)
-    return dq, dk, dv
 
 
 class _TritonAttention(torch.autograd.Function):

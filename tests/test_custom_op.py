@@ -1,0 +1,211 @@
+"""The torch.library custom op: eager vs the float64 reference, GQA, dropout, opcheck, the layout
+registry, and torch.compile(fullgraph=True) of a module calling it (forward and backward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.ops.custom_op import LayoutRegistry, attention_fwd, attention_op, register_mask, registry
+
+MASK = bsfa.causal() & (bsfa.window(20) | bsfa.global_tokens(5))
+
+
+def qkv(B=2, H=4, Hkv=2, Lq=70, Lk=70, D=16, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64),
+          torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64),
+          torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64),
+          torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)]
+    return [t.to(dtype) for t in ts]
+
+
+def out_and_grads(fn, q, k, v, do):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), do.to(out.dtype)))
+
+
+@pytest.mark.parametrize("mask", [MASK, "causal & longformer(window=9, n_global=3)", None], ids=str)
+@pytest.mark.parametrize("Lq,Lk", [(70, 70), (37, 70)])
+def test_eager_matches_float64_reference(mask, Lq, Lk):
+    q, k, v, do = qkv(Lq=Lq, Lk=Lk)
+    got = out_and_grads(lambda q, k, v: attention_op(q, k, v, mask, block_size=16), q, k, v, do)
+    ref = out_and_grads(lambda q, k, v: bsfa.reference_attention(q, k, v, mask), q, k, v, do)
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.float64
+        assert rel_err(a, b) < 1e-12
+
+
+def test_float32_gqa_matches_reference_and_attention():
+    q, k, v, do = qkv(H=6, Hkv=2, dtype=torch.float32)
+    got = out_and_grads(lambda q, k, v: attention_op(q, k, v, MASK, block_size=16), q, k, v, do)
+    ref = out_and_grads(lambda q, k, v: bsfa.reference_attention(q.double(), k.double(), v.double(), MASK), q, k, v, do)
+    api = out_and_grads(lambda q, k, v: bsfa.attention(q, k, v, mask=MASK, block_size=16), q, k, v, do)
+    for a, b, c in zip(got, ref, api):
+        assert a.dtype == torch.float32
+        assert rel_err(a, b) < 1e-5
+        assert rel_err(a, c) < 1e-6
+    assert got[2].shape == k.shape  # dk summed over the GQA group
+
+
+def test_lse_and_dropout_match_the_public_api():
+    q, k, v, _ = qkv()
+    out, lse = attention_op(q, k, v, MASK, block_size=16, dropout_p=0.3, dropout_seed=123, return_lse=True)
+    ref, ref_lse = bsfa.attention(q, k, v, mask=MASK, block_size=16, dropout_p=0.3, dropout_seed=123,
+                                  return_lse=True)
+    assert lse.dtype == torch.float32 and not lse.requires_grad
+    assert rel_err(out, ref) < 1e-12
+    assert rel_err(lse, ref_lse) < 1e-6
+    keep = bsfa.dropout_keep_mask(2, 4, 70, 70, 0.3, 123)
+    dense = bsfa.reference_attention(q, k, v, MASK, dropout_p=0.3, dropout_mask=keep)
+    assert rel_err(out, dense) < 1e-12
+    other = attention_op(q, k, v, MASK, block_size=16, dropout_p=0.3, dropout_seed=124)
+    assert rel_err(other, out) > 1e-3
+
+
+def test_opcheck():
+    q, k, v, _ = qkv(B=1, H=4, Hkv=2, Lq=40, Lk=40, D=8, dtype=torch.float32)
+    h = register_mask(MASK, 16)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), h, 0.3, 0.0,
+            torch.zeros((), dtype=torch.int64), "auto")
+    res = torch.library.opcheck(attention_fwd, args)
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_registry_handles_are_stable_and_cached():
+    reg = LayoutRegistry(capacity=2)
+    h1 = reg.register(bsfa.causal() & bsfa.window(8), 16)
+    assert reg.register(bsfa.causal() & bsfa.window(8), 16) == h1  # equal masks share a handle
+    assert reg.register(bsfa.causal() & bsfa.window(8), 32) != h1  # block size is part of the key
+    lay = reg.layout(h1, 64, 64, "cpu")
+    assert reg.layout(h1, 64, 64, "cpu") is lay
+    assert (lay.q_len, lay.kv_len, lay.block_size) == (64, 64, (16, 16))
+    assert reg.layout(h1, 32, 64).q_len == 32
+    reg.pin(h1)
+    for w in range(1, 6):
+        reg.register(bsfa.window(w), 16)
+    assert h1 in reg and len(reg) == 3  # capacity 2 unpinned + the pinned one
+    reg.unpin(h1)
+    reg.register(bsfa.window(99), 16)
+    assert h1 not in reg
+    with pytest.raises(KeyError, match="evicted"):
+        reg.layout(h1, 64)
+
+
+def test_compiled_layout_argument_and_errors():
+    q, k, v, _ = qkv(Lq=64, Lk=64)
+    lay = bsfa.compile_mask(MASK, 64, 64, 16)
+    assert rel_err(attention_op(q, k, v, lay), bsfa.reference_attention(q, k, v, MASK)) < 1e-12
+    with pytest.raises(ValueError, match="compiled for"):
+        attention_op(q[:, :, :32], k, v, lay)
+    with pytest.raises(ValueError, match="dropout_p"):
+        attention_op(q, k, v, MASK, dropout_p=1.0)
+    with pytest.raises(TypeError, match="mask must be"):
+        attention_op(q, k, v, 3.5)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16, dtype=torch.float64)
+        self.mask = mask
+
+    def forward(self, q, k, v):
+        o = attention_op(self.lin(q), k, v, self.mask, block_size=16)
+        return torch.tanh(o) * 2.0
+
+
+def _recording_backend(graphs):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm.code)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"))
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    torch._dynamo.reset()
+    net = _Net(MASK)
+    q, k, v, do = qkv()
+    graphs = {"fw": [], "bw": []}
+    cnet = torch.compile(net, fullgraph=True, backend=_recording_backend(graphs))
+    got = out_and_grads(cnet, q, k, v, do)
+    eager = out_and_grads(net, q, k, v, do)
+
+    def ref_fn(q, k, v):
+        return torch.tanh(bsfa.reference_attention(net.lin(q), k, v, MASK)) * 2.0
+
+    ref = out_and_grads(ref_fn, q, k, v, do)
+    for a, b, c in zip(got, eager, ref):
+        assert rel_err(a, b) < 1e-13
+        assert rel_err(a, c) < 1e-12
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1
+    assert "blocksparse_fa.attention_fwd" in graphs["fw"][0]
+    assert "blocksparse_fa.attention_bwd" in graphs["bw"][0]
+    assert "attention_fwd" not in graphs["bw"][0]  # the backward does not re-run the forward
+
+
+def test_torch_compile_inductor_with_dynamic_lengths_and_dropout():
+    torch._dynamo.reset()
+    net = _Net(MASK).float()
+    net.lin = net.lin.float()
+
+    def fn(q, k, v):
+        return attention_op(net.lin(q), k, v, net.mask, block_size=16, dropout_p=0.2, dropout_seed=7)
+
+    cfn = torch.compile(fn, fullgraph=True, dynamic=True)
+    for L in (48, 70):
+        q, k, v, do = qkv(Lq=L, Lk=L, dtype=torch.float32)
+        got = out_and_grads(cfn, q, k, v, do)
+        eager = out_and_grads(fn, q, k, v, do)
+        for a, b in zip(got, eager):
+            assert rel_err(a, b) < 1e-5
+
+
+def test_dropout_seed_drawn_inside_compiled_graph():
+    torch._dynamo.reset()
+    q, k, v, _ = qkv(dtype=torch.float32)
+
+    def fn(q, k, v):
+        return attention_op(q, k, v, MASK, block_size=16, dropout_p=0.5)
+
+    cfn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    a, b = cfn(q, k, v), cfn(q, k, v)
+    assert torch.isfinite(a).all() and rel_err(a, b) > 1e-3  # a fresh seed per call
+
+
+@pytest.mark.interpreter
+def test_triton_backend_through_the_op():
+    pytest.importorskip("blocksparse_fa.ops.triton_backend")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
+    q, k, v, do = qkv(B=1, H=4, Hkv=2, Lq=40, Lk=40, dtype=torch.float32)
+    mask = bsfa.causal() & bsfa.window(20)
+    got = out_and_grads(lambda q, k, v: attention_op(q, k, v, mask, block_size=16, backend="triton"), q, k, v, do)
+    ref = out_and_grads(lambda q, k, v: bsfa.reference_attention(q, k, v, mask), q, k, v, do)
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_registry_module_pin_released():
+    import gc
+
+    from blocksparse_fa.nn import BlockSparseAttention
+
+    m = BlockSparseAttention(bsfa.sliding_window(13), block_size=16)
+    h = m.handle
+    assert registry._entries[h].pins >= 1
+    pins = registry._entries[h].pins
+    del m
+    gc.collect()
+    assert h not in registry or registry._entries[h].pins == pins - 1
