@@ -76,6 +76,12 @@ class Runner:
     def __init__(self):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        # every (mask_mod, shape) is a new graph: keep Dynamo from falling back to eager after 8
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 100000)
+        if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):  # never time an eager fallback
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
         self.flex = torch.compile(flex_attention, dynamic=False)
         self.create_block_mask = create_block_mask
 

@@ -19,7 +19,6 @@ the cached one.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn

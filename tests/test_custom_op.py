@@ -95,6 +95,15 @@ def test_registry_handles_are_stable_and_cached():
         reg.layout(h1, 64)
 
 
+def test_registry_bounds_the_bytes_of_mask_tensors():
+    reg = LayoutRegistry(capacity=100, max_bytes=3000)
+    g = torch.Generator().manual_seed(0)
+    hs = [reg.register(bsfa.dense_mask(torch.rand(32, 32, generator=g) > 0.5), 16) for _ in range(5)]  # 1 KiB each
+    assert [h in reg for h in hs] == [False, False, False, True, True]
+    big = reg.register(bsfa.dense_mask(torch.rand(64, 64, generator=g) > 0.5), 16)  # 4 KiB alone: kept
+    assert big in reg and len(reg) == 1
+
+
 def test_compiled_layout_argument_and_errors():
     q, k, v, _ = qkv(Lq=64, Lk=64)
     lay = bsfa.compile_mask(MASK, 64, 64, 16)

@@ -33,7 +33,8 @@ A custom op's arguments are tensors and scalars: a :class:`~blocksparse_fa.Mask`
   window(256)`` each step does not grow the registry. A compiled ``BlockLayout`` registers as itself
   (it is used for its own lengths only).
 * Entries are held strongly (``Mask`` objects cannot be weakly referenced: they use ``__slots__``)
-  in an LRU of ``capacity`` entries; entries are touched on every op call, so live masks stay. An
+  in an LRU bounded by ``capacity`` entries and by ``max_bytes`` of mask tensors (document ids,
+  dense masks); entries are touched on every op call, so live masks stay. An
   entry can be **pinned** (never evicted); the :mod:`blocksparse_fa.nn` modules pin their handle
   for the module's lifetime (released by a ``weakref.finalize`` on the module). Calling the op with
   an evicted handle raises a clear error rather than running with the wrong mask.
@@ -94,6 +95,17 @@ class _Entry:
     block_size: tuple
     layouts: "collections.OrderedDict[tuple, BlockLayout]" = field(default_factory=collections.OrderedDict)
     pins: int = 0
+    nbytes: int = 0  # bytes of the tensors the mask holds (document ids, dense masks, ...)
+
+
+def _tensor_bytes(source) -> int:
+    mask = source.mask if isinstance(source, BlockLayout) else source
+    total = 0
+    for leaf in mask.leaves():
+        t = getattr(leaf, "tensor", None)
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
 
 
 class LayoutRegistry:
@@ -101,11 +113,14 @@ class LayoutRegistry:
 
     Args:
         capacity: unpinned entries kept (least recently used evicted first).
+        max_bytes: unpinned entries are also evicted while the tensors their masks hold (document ids,
+            dense masks) add up to more than this.
         layouts_per_entry: compiled layouts cached per entry, keyed on ``(q_len, kv_len, device)``.
     """
 
-    def __init__(self, capacity: int = 1024, layouts_per_entry: int = 8):
+    def __init__(self, capacity: int = 1024, max_bytes: int = 256 << 20, layouts_per_entry: int = 8):
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.layouts_per_entry = layouts_per_entry
         self._entries: "collections.OrderedDict[int, _Entry]" = collections.OrderedDict()
         self._by_key: dict = {}
@@ -140,16 +155,25 @@ class LayoutRegistry:
                 return h
             h = self._next
             self._next += 1
-            self._entries[h] = _Entry(mask, bs)
+            self._entries[h] = _Entry(mask, bs, nbytes=_tensor_bytes(mask))
             self._by_key[key] = h
-            self._evict()
+            self._evict(keep=h)
             return h
 
-    def _evict(self) -> None:
-        unpinned = [h for h, e in self._entries.items() if e.pins == 0]
-        for h in unpinned[: max(0, len(unpinned) - self.capacity)]:
+    def _evict(self, keep: int | None = None) -> None:
+        """Drop least recently used unpinned entries beyond ``capacity`` / ``max_bytes`` (never ``keep``)."""
+        unpinned = [h for h, e in self._entries.items() if e.pins == 0 and h != keep]
+        n = len(unpinned) + (keep is not None and self._entries[keep].pins == 0)
+        size = sum(self._entries[h].nbytes for h in unpinned)
+        if keep is not None and self._entries[keep].pins == 0:
+            size += self._entries[keep].nbytes
+        for h in unpinned:
+            if n <= self.capacity and size <= self.max_bytes:
+                break
             e = self._entries.pop(h)
             self._by_key.pop(self._key(e.source, e.block_size), None)
+            n -= 1
+            size -= e.nbytes
 
     def pin(self, handle: int) -> None:
         """Keep ``handle`` registered until a matching :meth:`unpin`."""
