@@ -43,7 +43,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
                 stride_qm, stride_dom, LUT_IDX, start, end, q_len, kv_len, qk_scale,
                 PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     for e in tl.range(start, end, num_stages=STAGES):
         rblk = tl.load(LUT_IDX + e)
@@ -59,22 +59,22 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
             else:
                 delta = tl.load(DELTA_row + offs_m)
             # transposed scores: (BLOCK_N, BLOCK_M)
-            s_t = mma(k, tl.trans(q), DOT_PRECISION) * qk_scale
-            p_t = tl.math.exp2(s_t - lse2[None, :])
+            s_t = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
+            p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
             if MASKED:
                 qp = offs_m + (kv_len - q_len)
                 keep = PREDICATE(qp[None, :], offs_n[:, None], offs_m[None, :], b, h, PARAMS, AUX)
                 keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
                 p_t = tl.where(keep, p_t, 0.0)
-            dp_t = mma(v, tl.trans(do), DOT_PRECISION)
+            dp_t = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
                 drop = dropout_keep(offs_m[None, :], offs_n[:, None], b * H + h, seed_lo, seed_hi, drop_thresh)
-                dv += mma(tl.where(drop, p_t * drop_scale, 0.0).to(do.dtype), do, DOT_PRECISION)
+                dv = mma(tl.where(drop, p_t * drop_scale, 0.0).to(do.dtype), do, dv, DOT_PRECISION)
                 dp_t = tl.where(drop, dp_t * drop_scale, 0.0)
             else:
-                dv += mma(p_t.to(do.dtype), do, DOT_PRECISION)
+                dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION)
+            dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
 
 
@@ -141,11 +141,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_IDX, f0, f1, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION, STAGES)
+                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, p0, p1, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES)
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES)
     if slot < 0:
         store_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
                    (dk * sm_scale).to(DK.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
@@ -162,7 +162,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
 def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
               LUT_IDX, start, end, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     qp = offs_m + (kv_len - q_len)
     for e in tl.range(start, end, num_stages=STAGES):
@@ -173,18 +173,18 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, s
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
             v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
-            s = mma(q, tl.trans(k), DOT_PRECISION) * qk_scale
-            p = tl.math.exp2(s - lse2[:, None])
+            s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
+            p = tl.math.exp2(s * qk_scale - lse2[:, None])
             if MASKED:
                 keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX)
                 keep = keep & (offs_n[None, :] < kv_len)
                 p = tl.where(keep, p, 0.0)
-            dp = mma(do, tl.trans(v), DOT_PRECISION)
+            dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
                 drop = dropout_keep(offs_m[:, None], offs_n[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 dp = tl.where(drop, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
-            dq += mma(ds.to(k.dtype), k, DOT_PRECISION)
+            dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
 
 
@@ -239,10 +239,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
+                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
+                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
     if slot < 0:
         store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
                    (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)

@@ -58,11 +58,12 @@ def dropout_keep(i, j, bh, seed_lo, seed_hi, threshold):
 
 
 @triton.jit
-def mma(a, b, DOT_PRECISION: tl.constexpr):
-    """``tl.dot`` with fp32 accumulation. ``DOT_PRECISION == "upcast"`` multiplies in fp32: the
-    launcher asks for it under the CPU interpreter, whose bf16 ``tl.dot`` is wrong (triton 3.9)."""
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` on the tensor cores, accumulating in place (fp32). ``DOT_PRECISION ==
+    "upcast"`` multiplies in fp32: the launcher asks for it under the CPU interpreter, whose bf16
+    ``tl.dot`` is wrong (triton 3.9)."""
     if DOT_PRECISION == "upcast":
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        c = tl.dot(a, b, input_precision=DOT_PRECISION)
+        c = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return c

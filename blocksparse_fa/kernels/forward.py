@@ -18,7 +18,7 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
                K_base, V_base, stride_kn, stride_vn, LUT_IDX, start, end,
                q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     for e in tl.range(start, end, num_stages=STAGES):
         col = tl.load(LUT_IDX + e)
@@ -26,17 +26,18 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
             offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
             k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
-            s = mma(q, tl.trans(k), DOT_PRECISION) * qk_scale
+            s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if MASKED:
                 keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX)
                 keep = keep & (offs_n[None, :] < kv_len)
-                s = tl.where(keep, s, float("-inf"))
+                s = tl.where(keep, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - m_use[:, None])
             else:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
                 m_use = m_new
-            p = tl.math.exp2(s - m_use[:, None])
+                p = tl.math.exp2(s * qk_scale - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             if HAS_DROPOUT:
@@ -44,7 +45,7 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
                 p = tl.where(drop, p * drop_scale, 0.0)
             v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION)
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
     return acc, l_i, m_i
 
@@ -106,11 +107,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)

@@ -12,6 +12,8 @@ from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.primitives import full
+from ..compiler.rewrite import plan, residue_permutation
+from .merge import merge_attention
 from .validate import Shapes, check_layout, check_qkv, check_scalars
 
 __all__ = ["attention", "BACKENDS", "resolve_backend"]
@@ -57,8 +59,23 @@ def _layout_for(mask, shapes: Shapes, device, block_size) -> BlockLayout:
     raise TypeError(f"mask must be a Mask, BlockLayout, DSL text or None, got {type(mask).__name__}")
 
 
+def _attention_parts(q, k, v, parts, shapes: Shapes, scale, backend, block_size):
+    """Attention over a rewritten mask: each part (optionally on regrouped tokens), merged exactly."""
+    results = []
+    for part in parts:
+        kw = dict(scale=scale, return_lse=True, backend=backend, block_size=block_size, rewrite=False)
+        if part.residue_stride:
+            perm, inv = residue_permutation(shapes.Lq, part.residue_stride, q.device)
+            o, l = attention(q.index_select(2, perm), k.index_select(2, perm), v.index_select(2, perm), part.mask, **kw)
+            o, l = o.index_select(2, inv), l.index_select(2, inv)
+        else:
+            o, l = attention(q, k, v, part.mask, **kw)
+        results.append((o, l))
+    return merge_attention(results)
+
+
 def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
-              return_lse: bool = False, backend: str = "auto", block_size=None):
+              return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True):
     """Block-sparse scaled-dot-product attention.
 
     Args:
@@ -69,9 +86,13 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
         scale: softmax scale, default ``1/sqrt(D)``.
         dropout_p: attention dropout probability in ``[0, 1)``.
         dropout_seed: int seed of the counter-based dropout RNG (default: drawn from torch's RNG).
-        return_lse: also return the logsumexp ``(B, H, Lq)`` (float32, natural log).
+        return_lse: also return the logsumexp ``(B, H, Lq)`` (float32, natural log); it is
+            differentiable.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
         block_size: layout block size when ``mask`` is compiled here (default 128).
+        rewrite: allow exact mask rewrites (``compiler.rewrite``: e.g. Sparse Transformer strided
+            masks are computed as a band plus a residue-regrouped part and merged); only for masks
+            given as expressions, without dropout.
 
     Returns:
         ``out`` ``(B, H, Lq, D)`` in q's dtype (and ``lse`` if asked). Fully masked query rows give
@@ -80,6 +101,13 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
     shapes = check_qkv(q, k, v)
     check_scalars(scale, dropout_p)
     be = resolve_backend(backend, q.device, q.dtype)
+    if isinstance(mask, str):
+        mask = parse(mask)
+    if rewrite and isinstance(mask, Mask) and float(dropout_p) == 0.0:
+        parts = plan(mask, shapes.Lq, shapes.Lk)
+        if parts:
+            out, lse = _attention_parts(q, k, v, parts, shapes, scale, backend, block_size)
+            return (out, lse) if return_lse else out
     layout = _layout_for(mask, shapes, q.device, block_size)
     check_layout(layout, shapes)
     scale = 1.0 / math.sqrt(shapes.D) if scale is None else float(scale)

@@ -100,9 +100,11 @@ def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed):
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed):
+def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed, dlse=None):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = (dout * out).sum(-1)
+    if dlse is not None:  # d lse / d s = p, so the lse gradient enters as delta - dlse
+        delta = delta - torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.to(delta.dtype))
     lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
     for item in _walk(layout, s):
         st = _Step(q, k, v, item, s, scale, dropout_p, seed)
@@ -133,11 +135,10 @@ class _TorchBlockSparseAttention(torch.autograd.Function):
         out, lse = _forward(qc, kc, vc, layout, shapes, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, shapes, scale, dropout_p, seed)
-        ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse.float()
+        return out.to(q.dtype), (lse if q.dtype == torch.float64 else lse.float())
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         layout, shapes, scale, dropout_p, seed = ctx.args
         cdt = out.dtype
@@ -145,7 +146,9 @@ class _TorchBlockSparseAttention(torch.autograd.Function):
         qc = q.to(cdt)
         kc = k.to(cdt).repeat_interleave(G, dim=1) if G > 1 else k.to(cdt)
         vc = v.to(cdt).repeat_interleave(G, dim=1) if G > 1 else v.to(cdt)
-        dq, dk, dv = _backward(qc, kc, vc, out, lse.to(cdt), dout.to(cdt), layout, shapes, scale, dropout_p, seed)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward(qc, kc, vc, out, lse.to(cdt), dout.to(cdt), layout, shapes, scale, dropout_p, seed, dlse)
         if G > 1:
             dk = dk.view(shapes.B, shapes.Hkv, G, shapes.Lk, shapes.D).sum(2)
             dv = dv.view(shapes.B, shapes.Hkv, G, shapes.Lk, shapes.D).sum(2)
@@ -153,5 +156,5 @@ class _TorchBlockSparseAttention(torch.autograd.Function):
 
 
 def torch_attention(q, k, v, layout: BlockLayout, shapes: Shapes, scale: float, dropout_p: float, seed: int):
-    """Block-sparse attention in PyTorch; returns ``(out, lse)`` (lse float32, natural log)."""
+    """Block-sparse attention in PyTorch; returns ``(out, lse)`` (lse float32, float64 for float64 inputs)."""
     return _TorchBlockSparseAttention.apply(q, k, v, layout, shapes, scale, dropout_p, seed)

@@ -178,8 +178,10 @@ def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay,
         )
 
 
-def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
-    """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype."""
+def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
+                    dlse=None):
+    """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype. ``dlse`` (gradient of the
+    returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``."""
     lbm, lbn = layout.block_size
     q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
     rows, cols, pay = _device_state(layout, q.device)
@@ -192,6 +194,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         s.H, s.Lq, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=pre_m,
     )
+    if dlse is not None:
+        delta.sub_(torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float()))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -269,13 +273,14 @@ class _TritonAttention(torch.autograd.Function):
         out, lse = triton_forward(q, k, v, layout, shapes, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, shapes, scale, dropout_p, seed)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = triton_backward(q, k, v, out, lse, dout, *ctx.args)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = triton_backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse)
         return dq, dk, dv, None, None, None, None, None
 
 

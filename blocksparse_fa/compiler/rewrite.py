@@ -1,0 +1,95 @@
+"""Mask rewrites: split a mask into disjoint parts that are block-dense in some token order.
+
+Some masks keep few elements per block at any block size. Sparse Transformer's strided pattern
+``causal & (sliding_window(w) | strided(s))`` is the standard case: the strided diagonals cross
+almost every block below the diagonal, so block-sparse kernels (ours and FlexAttention's) compute
+~N²/4 scores to keep ~N²/(2s) of them. Following the Sparse Transformer paper's observation that a
+strided pattern becomes local after regrouping tokens by ``position mod s``, the mask is split into
+
+* the band ``sliding_window(w)`` in the original order, and
+* the rest of the strided part, ``causal & strided(s) & ~sliding_window(w)``. Grouped by residue
+  class (class-major order: position ``r + s·t`` goes to index ``r·m + t``, ``m = ceil(N/s)``),
+  two tokens share a class iff their distance is a multiple of ``s``, and the part becomes
+  ``document(class) & causal & ~sliding_window(ceil(w/s))``: blocks of ``m`` tokens on the diagonal.
+
+The parts' outputs are merged exactly through their logsumexps (``ops.merge``). The dropout RNG
+is keyed on positions, so rewrites are skipped when dropout is on.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..mask import primitives as P
+from ..mask.expr import And, Mask, Or
+
+__all__ = ["Part", "plan", "residue_permutation"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a rewritten mask; ``residue_stride > 0``: computed on tokens grouped by
+    ``position mod residue_stride`` (see :func:`residue_permutation`)."""
+
+    mask: Mask
+    residue_stride: int = 0
+
+
+def _match_strided(mask: Mask):
+    """``(w, s)`` if mask is ``causal & (sliding_window(w) | strided(s))`` (any operand order;
+    ``window(v)`` counts as ``sliding_window(v + 1)`` under causal)."""
+    if not isinstance(mask, And) or len(mask.children) != 2:
+        return None
+    a, b = mask.children
+    if isinstance(b, P.Causal):
+        a, b = b, a
+    if not isinstance(a, P.Causal) or not isinstance(b, Or) or len(b.children) != 2:
+        return None
+    x, y = b.children
+    if isinstance(x, P.Strided):
+        x, y = y, x
+    if not isinstance(y, P.Strided):
+        return None
+    if isinstance(x, P.SlidingWindow):
+        return x.w, y.s
+    if isinstance(x, P.Window):
+        return x.w + 1, y.s
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _class_ids(n: int, s: int) -> torch.Tensor:
+    m = -(-n // s)
+    u = torch.arange(s * m)
+    r, t = u // m, u % m
+    valid = r + s * t < n
+    return torch.where(valid, r, s + u)  # padding tokens get ids of their own
+
+
+def residue_permutation(n: int, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, inv)``: permuted index ``u = r·m + t`` holds position ``perm[u] = r + s·t`` (0 for
+    padding, ``m = ceil(n/s)``); position ``p`` sits at ``inv[p] = (p mod s)·m + p div s``."""
+    m = -(-n // s)
+    u = torch.arange(s * m, device=device)
+    pos = (u // m) + s * (u % m)
+    perm = torch.where(pos < n, pos, torch.zeros_like(pos))
+    p = torch.arange(n, device=device)
+    inv = (p % s) * m + p // s
+    return perm, inv
+
+
+def plan(mask: Mask, q_len: int, kv_len: int) -> list[Part] | None:
+    """Disjoint parts whose union is ``mask``, or None when no rewrite applies (or helps)."""
+    hit = _match_strided(mask)
+    if hit is None or q_len != kv_len:
+        return None
+    w, s = hit
+    n = q_len
+    if s < 16 or n < 4 * s or w > s * 8:
+        return None  # little to gain: the strided diagonals are dense at block granularity anyway
+    c = -(-w // s)
+    strided_part = P.Document(_class_ids(n, s)) & P.Causal() & ~P.SlidingWindow(c)
+    return [Part(P.SlidingWindow(w)), Part(strided_part, residue_stride=s)]

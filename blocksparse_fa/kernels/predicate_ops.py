@@ -1,0 +1,50 @@
+"""Building blocks of generated predicates (imported by the generated modules).
+
+Parameters arrive at run time, so a ``% s`` or ``// c`` would be a real integer division on every
+element of a partial tile — slow on GPUs. Each helper takes a uniform branch to shifts and masks
+when the parameter is a power of two (the common case), and divides only otherwise.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def strided_keep(qp, kj, s):
+    """``(qp - kj) % s == 0``."""
+    d = qp - kj
+    if (s & (s - 1)) == 0:
+        r = (d & (s - 1)) == 0
+    else:
+        r = (d % s) == 0
+    return r
+
+
+@triton.jit
+def chunked_keep(qp, kj, c):
+    """``qp // c == kj // c`` (floor division; never for qp < 0)."""
+    if (c & (c - 1)) == 0:
+        r = (qp >= 0) & ((qp ^ kj) < c)
+    else:
+        r = (qp >= 0) & ((qp // c) == (kj // c))
+    return r
+
+
+@triton.jit
+def summary_keep(kj, stride, c):
+    """``kj % stride >= stride - c`` (kj >= 0)."""
+    if (stride & (stride - 1)) == 0:
+        r = (kj & (stride - 1)) >= (stride - c)
+    else:
+        r = (kj % stride) >= (stride - c)
+    return r
+
+
+@triton.jit
+def div_floor(x, d, shift):
+    """``x // d`` for ``x >= 0``; ``shift = log2(d)`` when d is a power of two, else -1."""
+    if shift >= 0:
+        r = x >> shift
+    else:
+        r = x // d
+    return r

@@ -1,0 +1,222 @@
+"""The Triton kernels under TRITON_INTERPRET=1 (set in conftest): outputs and all three gradients
+against the float64 reference, at small shapes."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.kernels.predicate import build_payload, generate_source, predicate_function, structure_key
+from blocksparse_fa.kernels.schedule import build_worklist
+from blocksparse_fa.ops.triton_backend import set_split_chunk
+from conftest import rel_err
+
+pytestmark = pytest.mark.interpreter
+warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy overflow in the interpreter's Philox
+
+TOL = 5e-6  # fp32 kernels vs the float64 reference
+
+
+def _qkv(B, H, Hkv, Lq, Lk, D, dtype=torch.float32):
+    mk = lambda *s: torch.randn(*s, dtype=dtype, requires_grad=True)
+    return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, D)
+
+
+def _check(mask, B=1, H=2, Hkv=2, Lq=70, Lk=70, D=16, block=16, dropout_p=0.0, seed=7, tol=TOL):
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D)
+    out, lse = bsfa.attention(q, k, v, mask=mask, block_size=block, backend="triton", dropout_p=dropout_p,
+                              dropout_seed=seed, return_lse=True)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    keep = bsfa.dropout_keep_mask(B, H, Lq, Lk, dropout_p, seed) if dropout_p else None
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, dropout_p=dropout_p, dropout_mask=keep, return_lse=True)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    for g, r, name in zip(grads, ref_grads, "qkv"):
+        assert rel_err(g, r) < tol, (name, rel_err(g, r))
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=1e-5)
+    return out, lse, grads
+
+
+PRIMITIVES = [
+    "full", "causal", "window(9)", "sliding_window(13)", "global_tokens(6)", "strided(7)", "strided(8)",
+    "chunked(21)", "chunked(16)", "prefix_lm(17)", "summary(12, 3)", "random_blocks(2, block_size=16, seed=3)",
+    "random_blocks(1, block_size=24)",
+]
+
+
+@pytest.mark.parametrize("text", PRIMITIVES)
+def test_every_primitive(text):
+    _check(bsfa.parse(text), Lq=70, Lk=83)
+
+
+def test_document_block_and_dense_masks():
+    ids = torch.randint(0, 4, (70,)).sort().values
+    _check(bsfa.causal() & bsfa.document(ids))
+    _check(bsfa.document(torch.randint(0, 3, (70,))))  # unsorted ids
+    bm = torch.rand(5, 5) > 0.5
+    _check(bsfa.block_mask(bm, block_size=16) | bsfa.window(3))
+    _check(bsfa.dense_mask(torch.rand(70, 70) > 0.7))
+
+
+@pytest.mark.parametrize("text", [
+    "causal & (window(20) | global_tokens(8))", "~causal", "~(window(5) | strided(11))",
+    "prefix_lm(10) & ~chunked(16) | summary(8, 2)",
+])
+def test_compositions(text):
+    _check(bsfa.parse(text))
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (4, 1)])
+def test_gqa_and_mqa(H, Hkv):
+    _check(bsfa.load_pattern("longformer", window=10, n_global=5), H=H, Hkv=Hkv)
+
+
+@pytest.mark.parametrize("Lq,Lk", [(37, 101), (101, 37), (1, 77), (97, 97)])
+def test_lengths(Lq, Lk):
+    _check(bsfa.causal() & bsfa.window(30), Lq=Lq, Lk=Lk)
+
+
+@pytest.mark.parametrize("D", [8, 24, 32, 64])
+def test_head_dims(D):
+    _check(bsfa.sliding_window(20), D=D, Lq=50, Lk=50)
+
+
+def test_block_sizes():
+    _check(bsfa.causal(), block=(16, 32), Lq=90, Lk=90)
+    _check(bsfa.causal(), block=32, Lq=90, Lk=90)
+
+
+def test_fully_masked_rows_are_zero_with_zero_grads():
+    # causal with Lq > Lk: the first Lq - Lk rows see nothing
+    out, lse, grads = _check(bsfa.causal(), Lq=60, Lk=25)
+    assert (out[:, :, :35] == 0).all() and (grads[0][:, :, :35] == 0).all()
+    assert torch.isinf(lse[:, :, :35]).all() and (lse[:, :, :35] < 0).all()
+    dm = torch.rand(40, 40) > 0.5
+    dm[3] = False
+    dm[:, 7] = False
+    out, lse, grads = _check(bsfa.dense_mask(dm), Lq=40, Lk=40)
+    assert (out[:, :, 3] == 0).all() and (grads[0][:, :, 3] == 0).all()
+    assert (grads[1][:, :, 7] == 0).all() and (grads[2][:, :, 7] == 0).all()
+
+
+def test_batch_and_head_dependent_layouts():
+    ids = torch.stack([torch.randint(0, 3, (64,)).sort().values, torch.randint(0, 5, (64,)).sort().values])
+    _check(bsfa.causal() & bsfa.document(ids), B=2, H=2, Hkv=1, Lq=64, Lk=64)
+    dm = torch.rand(1, 2, 40, 40) > 0.6
+    _check(bsfa.dense_mask(dm), B=1, H=2, Hkv=2, Lq=40, Lk=40)
+
+
+def test_dropout_matches_materialised_keep_mask():
+    _check(bsfa.causal() & bsfa.window(12), dropout_p=0.3, seed=1234)
+    _check(bsfa.full(), dropout_p=0.5, seed=99, H=4, Hkv=2)
+
+
+def test_dropout_rng_matches_numpy_twin():
+    """The in-kernel Philox keep decision equals ops.dropout's numpy implementation exactly: with
+    v = identity, out * (1 - p) * l equals keep ∘ exp-weights, so zero entries mark dropped keys."""
+    B, H, L = 1, 2, 48
+    q = torch.randn(B, H, L, 16) * 0.1
+    k = torch.randn(B, H, L, 16) * 0.1
+    v = torch.eye(L).expand(B, H, L, L).contiguous()[..., :16]  # head dim 16: first 16 keys
+    out = bsfa.attention(q, k, v, mask=bsfa.full(), backend="triton", dropout_p=0.4, dropout_seed=2**40 + 5, block_size=16)
+    keep = bsfa.dropout_keep_mask(B, H, L, L, 0.4, 2**40 + 5)[..., :16]
+    assert torch.equal(out != 0, keep)
+
+
+def test_split_work_lists_give_identical_results():
+    mask = bsfa.load_pattern("longformer", window=8, n_global=5)
+    q, k, v = _qkv(1, 2, 1, 96, 96, 16)
+    do = torch.randn(1, 2, 96, 16)
+    results = []
+    for chunk in (None, 1.5, 3.0):
+        set_split_chunk(chunk)
+        try:
+            out, lse = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16, return_lse=True)
+            results.append((out, lse, *torch.autograd.grad(out, (q, k, v), do)))
+        finally:
+            set_split_chunk(None)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_worklist_splits_heavy_tiles_and_covers_every_entry():
+    full_ptr = np.array([0, 40, 42, 44])  # tile 0 is heavy
+    part_ptr = np.array([0, 10, 11, 12])
+    wl = build_worklist(full_ptr, part_ptr, 1, 3, n_heads=1, hw_slots=4, min_chunk=4)
+    work = wl.work.view(-1, 6).numpy()
+    assert wl.n_slots > 1 and (work[:, 5] >= 0).sum() == wl.n_slots
+    # entries of tile 0 are covered exactly once by its pieces
+    t0 = work[work[:, 0] == 0]
+    covered_f = sorted(e for row in t0 for e in range(row[1], row[2]))
+    covered_p = sorted(e for row in t0 for e in range(row[3], row[4]))
+    assert covered_f == list(range(0, 40)) and covered_p == list(range(0, 10))
+    # heavy first
+    cost = (work[:, 2] - work[:, 1]) + 1.5 * (work[:, 4] - work[:, 3])
+    assert list(cost) == sorted(cost, reverse=True)
+
+
+def test_bf16_and_fp16_within_twice_eager_error():
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = _qkv(1, 2, 2, 64, 64, 32, dtype)
+        mask = bsfa.causal() & bsfa.window(20)
+        out = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16)
+        do = torch.randn_like(out)
+        g = torch.autograd.grad(out, (q, k, v), do)
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = bsfa.reference_attention(qd, kd, vd, mask)
+        gr = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+        eager = bsfa.reference_attention(q, k, v, mask, upcast=False)
+        ge = torch.autograd.grad(eager, (q, k, v), do)
+        assert out.dtype == dtype
+        for ours, e, r in zip((out, *g), (eager, *ge), (ref, *gr)):
+            assert rel_err(ours, r) <= 2 * rel_err(e, r) + 1e-3
+
+
+def test_lse_is_differentiable():
+    q, k, v = _qkv(1, 2, 2, 50, 50, 16)
+    mask = bsfa.causal() & bsfa.window(10)
+    out, lse = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16, return_lse=True)
+    w = torch.randn_like(lse)
+    g = torch.autograd.grad((lse * w).sum() + out.sum(), (q, k, v))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r, rl = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
+    gr = torch.autograd.grad((rl * w.double()).sum() + r.sum(), (qd, kd, vd))
+    for a, b in zip(g, gr):
+        assert rel_err(a, b) < TOL
+
+
+def test_strided_rewrite_matches_reference():
+    mask = bsfa.parse("causal & (sliding_window(20) | strided(16))")
+    _check(mask, Lq=150, Lk=150, H=2, Hkv=1)
+
+
+def test_predicate_depends_only_on_structure():
+    a = bsfa.causal() & bsfa.window(256)
+    b = bsfa.causal() & bsfa.window(1000)
+    assert structure_key(a) == structure_key(b)
+    assert generate_source(a) == generate_source(b)
+    assert predicate_function(a) is predicate_function(b)
+    assert predicate_function(a) is not predicate_function(bsfa.causal() & bsfa.sliding_window(3))
+    la = bsfa.compile_mask(a, 300, 300, 16)
+    lb = bsfa.compile_mask(b, 500, 500, 16)
+    pa, pb = build_payload(la, "cpu"), build_payload(lb, "cpu")
+    assert pa.fn is pb.fn and pa.params.tolist() == [256] and pb.params.tolist() == [1000]
+
+
+def test_triton_backend_errors(monkeypatch):
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16)
+    with pytest.raises(ValueError, match="power"):
+        bsfa.attention(q, k, v, mask=bsfa.causal(), backend="triton", block_size=24)
+    with pytest.raises(TypeError, match="float64"):
+        bsfa.attention(q.double(), k.double(), v.double(), backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        bsfa.attention(q, k, v, backend="triton")
