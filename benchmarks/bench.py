@@ -96,7 +96,7 @@ class Runner:
         mask, mm = make_case(name, n)
         q, k, v, do = self.inputs(n, d, h)
         lay = bsfa.compile_mask(mask, n, n, 128, device="cuda")
-        ours = lambda: bsfa.attention(q, k, v, mask=lay)
+        ours = lambda: bsfa.attention(q, k, v, mask=mask)  # the expression: compile cache + exact rewrites
         bm = None if mm is None else self.create_block_mask(mm, None, None, n, n, device="cuda", _compile=True)
         flex = lambda: self.flex(q, k, v, block_mask=bm)
         return dict(q=q, k=k, v=v, do=do, lay=lay, ours=ours, flex=flex, mask=mask)

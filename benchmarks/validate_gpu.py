@@ -79,7 +79,7 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     lay = bsfa.compile_mask(mask, Lq, Lk, block, device="cuda")
     poison()
     t0 = time.perf_counter()
-    out = bsfa.attention(q, k, v, mask=lay, dropout_p=dropout_p, dropout_seed=1234)
+    out = bsfa.attention(q, k, v, mask=mask, dropout_p=dropout_p, dropout_seed=1234)  # rewrites apply
     g = torch.autograd.grad(out, (q, k, v), do)
     torch.cuda.synchronize()
     t_first = time.perf_counter() - t0
