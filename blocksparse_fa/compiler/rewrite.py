@@ -69,20 +69,31 @@ def _class_ids(n: int, s: int) -> torch.Tensor:
     return torch.where(valid, r, s + u)  # padding tokens get ids of their own
 
 
+_PERMS: dict = {}
+
+
 def residue_permutation(n: int, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inv)``: permuted index ``u = r·m + t`` holds position ``perm[u] = r + s·t`` (0 for
     padding, ``m = ceil(n/s)``); position ``p`` sits at ``inv[p] = (p mod s)·m + p div s``."""
-    m = -(-n // s)
-    u = torch.arange(s * m, device=device)
-    pos = (u // m) + s * (u % m)
-    perm = torch.where(pos < n, pos, torch.zeros_like(pos))
-    p = torch.arange(n, device=device)
-    inv = (p % s) * m + p // s
-    return perm, inv
+    key = (n, s, str(device))
+    hit = _PERMS.get(key)
+    if hit is None:
+        m = -(-n // s)
+        u = torch.arange(s * m, device=device)
+        pos = (u // m) + s * (u % m)
+        perm = torch.where(pos < n, pos, torch.zeros_like(pos))
+        p = torch.arange(n, device=device)
+        inv = (p % s) * m + p // s
+        if len(_PERMS) > 64:
+            _PERMS.clear()
+        hit = _PERMS[key] = (perm, inv)
+    return hit
 
 
-def plan(mask: Mask, q_len: int, kv_len: int) -> list[Part] | None:
-    """Disjoint parts whose union is ``mask``, or None when no rewrite applies (or helps)."""
+@functools.lru_cache(maxsize=256)
+def plan(mask: Mask, q_len: int, kv_len: int) -> tuple[Part, ...] | None:
+    """Disjoint parts whose union is ``mask``, or None when no rewrite applies (or helps).
+    Memoised: the parts (and their tensors' fingerprints) are built once per (mask, lengths)."""
     hit = _match_strided(mask)
     if hit is None or q_len != kv_len:
         return None
@@ -92,4 +103,4 @@ def plan(mask: Mask, q_len: int, kv_len: int) -> list[Part] | None:
         return None  # little to gain: the strided diagonals are dense at block granularity anyway
     c = -(-w // s)
     strided_part = P.Document(_class_ids(n, s)) & P.Causal() & ~P.SlidingWindow(c)
-    return [Part(P.SlidingWindow(w)), Part(strided_part, residue_stride=s)]
+    return (Part(P.SlidingWindow(w)), Part(strided_part, residue_stride=s))
