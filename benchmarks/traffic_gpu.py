@@ -713,7 +713,7 @@ def main(argv=None) -> int:
         p.add_argument("--sms", type=int, default=132)
         p.add_argument("--occupancy", default="1",
                        help="programs per SM for the model: N or fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
-        p.add_argument("--policy", default="fraction", choices=["fraction", "lru"])
+        p.add_argument("--policy", default="lru", choices=["fraction", "lru"])
         p.add_argument("--order", default="heavy_first", choices=["grid", "heavy_first"],
                        help="program order for the model (default heavy_first: the kernels' work lists)")
 

@@ -14,12 +14,15 @@ from .mask import (
 
 from .compiler import BlockLayout, compile_mask
 from .ops import attention, dropout_keep_mask, reference_attention
+from .ops.custom_op import attention_op, register_mask
+from .ops.merge import merge_attention
+from . import nn  # noqa: E402  (BlockSparseAttention, BlockSparseMultiheadAttention)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Mask", "MaskSyntaxError", "BlockLayout", "compile_mask", "attention", "reference_attention",
-    "dropout_keep_mask", "parse", "load_pattern", "list_patterns", "pattern_info",
+    "dropout_keep_mask", "attention_op", "register_mask", "merge_attention", "nn", "parse", "load_pattern", "list_patterns", "pattern_info",
     "full", "causal", "window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm",
     "summary", "document", "random_blocks", "block_mask", "dense_mask",
 ]

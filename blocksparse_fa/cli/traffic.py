@@ -42,7 +42,7 @@ def register(sub) -> None:
     p.add_argument("--sms", type=int, default=H100_SMS, help="streaming multiprocessors (default 132, H100 SXM)")
     p.add_argument("--occupancy", default="1",
                    help="programs resident per SM: N, or per kernel, e.g. fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
-    p.add_argument("--policy", default="fraction", choices=["fraction", "lru"],
+    p.add_argument("--policy", default="lru", choices=["fraction", "lru"],
                    help="L2 hit model for re-reads beyond capacity: C/D (fraction, default) or none (lru)")
     p.add_argument("--order", default="grid", choices=["grid", "heavy_first"],
                    help="program launch order: tile index (grid, default) or heaviest tiles first (the kernels' "
