@@ -10,8 +10,10 @@ programs walk their long lists. The work list fixes both problems:
 * **heavy first**: work items are ordered by decreasing cost, so long items start early and short
   ones fill the tail.
 
-``chunk`` is the average work per hardware slot (``total cost / slots``), at least ``min_chunk``:
-tiles shorter than that are never split, so dense and causal layouts keep one program per tile.
+``chunk`` is half the average work per hardware slot (``total cost / slots / 2``), at least
+``min_chunk``; a tile costing more is cut into pieces of at most ``chunk``. A tile longer than the
+average slot's work is the kernel's critical path, so it must be cut below that average; dense and
+causal layouts (every tile far below the average) keep one program per tile.
 
 Each work item is ``(tile, f0, f1, p0, p1, slot)``: the tile index (query tile for forward/dQ,
 key tile for dK/dV), entry ranges into the full and partial index lists, and the partial-result
@@ -62,8 +64,8 @@ def build_worklist(full_ptr: np.ndarray, part_ptr: np.ndarray, tiles_per_block: 
     if force_chunk is not None:
         chunk = float(force_chunk)
     else:
-        chunk = max(min_chunk, float(cost.sum()) * n_heads / max(1, hw_slots))
-    n_split = np.where(cost > 2 * chunk, np.ceil(cost / chunk), 1).astype(np.int64)
+        chunk = max(min_chunk, 0.5 * float(cost.sum()) * n_heads / max(1, hw_slots))
+    n_split = np.where(cost > chunk, np.ceil(cost / chunk), 1).astype(np.int64)
     n_entries = f_len + p_len
     n_split = np.minimum(n_split, np.maximum(n_entries, 1))
     # expand items
