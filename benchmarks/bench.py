@@ -186,6 +186,7 @@ def run_case(r: Runner, name, n, d):
 def sweep(r: Runner, n=32768, d=128, h=8):
     """Time vs block density: sliding windows of growing width and random block masks."""
     import numpy as np
+    import triton
 
     import blocksparse_fa as bsfa
 
@@ -220,6 +221,11 @@ def sweep(r: Runner, n=32768, d=128, h=8):
         for impl, fn in (("ours", ours), ("flex", flex)):
             with torch.no_grad():
                 row[f"{impl}_fwd_ms"] = bench_ms(fn)
+                # the same forward replayed from a CUDA graph: GPU time without host launch cost
+                try:
+                    row[f"{impl}_fwd_graph_ms"] = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"cuda graph {impl}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             row[f"{impl}_fb_ms"] = bench_ms(fwd_bwd(fn, do))
         out.append(row)
         print(f"sweep {kind:8s} {p:6d} s={lay.density:.4f} ours {row['ours_fwd_ms']:.3f}/{row['ours_fb_ms']:.3f} ms "
@@ -258,15 +264,20 @@ def write_report(data: dict, docs: str) -> None:
             f"{r['ours_fb_peak_mib']:.0f} / {r['flex_fb_peak_mib']:.0f} | {r['err_vs_flex']:.1e} |")
     if data.get("sweep"):
         lines += ["", "## Time vs block density (N=32K, d=128, H=8)", "",
-                  "| mask | param | block density s | ours fwd ms | ours fwd+bwd ms | Flex fwd ms | Flex fwd+bwd ms | ours fwd (t/s)/(t/s)_dense | ours fb (t/s)/(t/s)_dense |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "`graph` columns: the forward replayed from a CUDA graph (`do_bench_cudagraph`), i.e. GPU time "
+                  "without the host's launch cost, which matters at small s.", "",
+                  "| mask | param | block density s | ours fwd ms | ours fwd+bwd ms | Flex fwd ms | Flex fwd+bwd ms | ours fwd (t/s)/(t/s)_dense | ours fb (t/s)/(t/s)_dense | ours / Flex fwd graph ms | ours fwd graph (t/s)/(t/s)_dense |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         sw = data["sweep"]
         dense = max(sw, key=lambda r: r["block_density"])
         for r in sw:
             nf = (r["ours_fwd_ms"] / r["block_density"]) / (dense["ours_fwd_ms"] / dense["block_density"])
             nb = (r["ours_fb_ms"] / r["block_density"]) / (dense["ours_fb_ms"] / dense["block_density"])
+            og, fg, dg = r.get("ours_fwd_graph_ms"), r.get("flex_fwd_graph_ms"), dense.get("ours_fwd_graph_ms")
+            graph = f"{og:.3f} / {fg:.3f}" if og and fg else "–"
+            ng = f"{(og / r['block_density']) / (dg / dense['block_density']):.2f}" if og and dg else "–"
             lines.append(f"| {r['kind']} | {r['param']} | {r['block_density']:.4f} | {r['ours_fwd_ms']:.3f} | {r['ours_fb_ms']:.3f} | "
-                         f"{r['flex_fwd_ms']:.3f} | {r['flex_fb_ms']:.3f} | {nf:.2f} | {nb:.2f} |")
+                         f"{r['flex_fwd_ms']:.3f} | {r['flex_fb_ms']:.3f} | {nf:.2f} | {nb:.2f} | {graph} | {ng} |")
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         for ax, mode in zip(axes, ("fwd", "fb")):
             for kind, mk in (("sliding", "o"), ("random", "s")):

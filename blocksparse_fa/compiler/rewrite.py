@@ -90,6 +90,11 @@ def residue_permutation(n: int, s: int, device) -> tuple[torch.Tensor, torch.Ten
     return hit
 
 
+MIN_PERIODS = 64
+"""Rewrite only when the sequence holds at least this many strides (measured on the H100: the
+rewrite wins 2.2x at 16K with stride 256, and loses at 4K, where its fixed costs dominate)."""
+
+
 @functools.lru_cache(maxsize=256)
 def plan(mask: Mask, q_len: int, kv_len: int) -> tuple[Part, ...] | None:
     """Disjoint parts whose union is ``mask``, or None when no rewrite applies (or helps).
@@ -99,8 +104,10 @@ def plan(mask: Mask, q_len: int, kv_len: int) -> tuple[Part, ...] | None:
         return None
     w, s = hit
     n = q_len
-    if s < 16 or n < 4 * s or w > s * 8:
-        return None  # little to gain: the strided diagonals are dense at block granularity anyway
+    if s < 16 or n < MIN_PERIODS * s or w > s * 8:
+        # little to gain: the strided diagonals are dense at block granularity anyway, or the
+        # sequence holds too few periods to pay for the permutations, second call and merge
+        return None
     c = -(-w // s)
     strided_part = P.Document(_class_ids(n, s)) & P.Causal() & ~P.SlidingWindow(c)
     return (Part(P.SlidingWindow(w)), Part(strided_part, residue_stride=s))

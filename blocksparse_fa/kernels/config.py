@@ -23,10 +23,23 @@ class TileConfig:
 # (head_dim_pad upper bound) -> config; chosen on an H100 (see benchmarks/NOTES.md)
 # fwd: (BLOCK_M queries, BLOCK_N keys); dkdv: (BLOCK_M queries per step, BLOCK_N keys per program);
 # dq: (BLOCK_M queries per program, BLOCK_N keys per step). Measured: benchmarks/NOTES.md (v2 sweep).
-_FWD = {64: TileConfig(64, 128, 4, 3), 128: TileConfig(128, 128, 8, 3), 256: TileConfig(64, 32, 4, 2)}
+_FWD = {64: TileConfig(64, 128, 4, 3), 128: TileConfig(128, 128, 8, 2), 256: TileConfig(64, 32, 4, 2)}
 _BWD_DKDV = {64: TileConfig(64, 64, 4, 2), 128: TileConfig(64, 128, 8, 2), 256: TileConfig(32, 32, 4, 1)}
 _BWD_DQ = {64: TileConfig(128, 32, 8, 2), 128: TileConfig(128, 128, 8, 2), 256: TileConfig(32, 32, 4, 1)}
+# Band-like layouts ("short rows": few blocks per row, mostly full) run faster with 64-key steps
+# in the forward and dQ (v6 sweep, benchmarks/NOTES.md: sliding_window(1024) fwd 0.472 -> 0.436 ms,
+# backward 1.338 -> 1.268 ms); dense/causal and partial-heavy patterns keep the tables above.
+_FWD_SHORT = {128: TileConfig(128, 64, 8, 2)}
+_BWD_DQ_SHORT = {128: TileConfig(128, 64, 8, 2)}
+SHORT_ROW_BLOCKS = 12.0
+SHORT_ROW_PARTIAL = 0.3
 _OVERRIDES: dict[str, TileConfig] = {}
+
+
+def short_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
+    """Whether a layout counts as band-like: at most ``SHORT_ROW_BLOCKS`` visited blocks per row
+    on average, at most ``SHORT_ROW_PARTIAL`` of them partial."""
+    return 0 < mean_row_blocks <= SHORT_ROW_BLOCKS and partial_fraction <= SHORT_ROW_PARTIAL
 
 
 def head_dim_pad(d: int) -> int:
@@ -45,19 +58,23 @@ def _pick(table, d_pad: int, layout_bm: int, layout_bn: int) -> TileConfig:
     return TileConfig(min(cfg.block_m, layout_bm), min(cfg.block_n, layout_bn), cfg.num_warps, cfg.num_stages)
 
 
-def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int) -> TileConfig:
+def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, band: bool = False) -> TileConfig:
+    """Forward tiles; ``band`` (see :func:`short_rows`) picks the band-like table where it has one."""
     if "fwd" in _OVERRIDES:
         c = _OVERRIDES["fwd"]
         return TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)
-    cfg = _pick(_FWD, d_pad, layout_bm, layout_bn)
+    cfg = _pick(_FWD_SHORT if band and d_pad in _FWD_SHORT else _FWD, d_pad, layout_bm, layout_bn)
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cfg = TileConfig(min(cfg.block_m, 64), min(cfg.block_n, 32), cfg.num_warps, 2)
     return cfg
 
 
-def bwd_configs(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int) -> tuple[TileConfig, TileConfig]:
+def bwd_configs(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int,
+                band: bool = False) -> tuple[TileConfig, TileConfig]:
+    """(dK/dV, dQ) tiles; ``band`` as in :func:`fwd_config`."""
     out = []
-    for name, table in (("dkdv", _BWD_DKDV), ("dq", _BWD_DQ)):
+    dq_table = _BWD_DQ_SHORT if band and d_pad in _BWD_DQ_SHORT else _BWD_DQ
+    for name, table in (("dkdv", _BWD_DKDV), ("dq", dq_table)):
         if name in _OVERRIDES:
             c = _OVERRIDES[name]
             cfg = TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..compiler.layout import BlockLayout
+from ..compiler.simplify import predicate_mask
 from ..mask import primitives as P
 from ..mask.expr import And, Mask, Not, Or
 
@@ -186,7 +187,13 @@ class Payload:
 
 
 def build_payload(layout: BlockLayout, device) -> Payload:
-    """Parameters and payload buffers for ``layout.mask`` at the layout's lengths."""
+    """Predicate, parameters and payload buffers for ``layout.mask`` at the layout's lengths.
+
+    The predicate is generated for the mask simplified against the blocks where it is evaluated
+    (:func:`blocksparse_fa.compiler.simplify.predicate_mask`): primitives constant on every masked
+    block (e.g. BigBird's block-aligned random and global terms) cost nothing per element.
+    """
+    pmask = predicate_mask(layout.mask, layout._segs, layout._grid)
     params: list[int] = []
     aux: list[np.ndarray] = []
     aux_len = [0]
@@ -199,7 +206,7 @@ def build_payload(layout: BlockLayout, device) -> Payload:
         return off
 
     q_len, kv_len = layout.q_len, layout.kv_len
-    for leaf in layout.mask.leaves():
+    for leaf in pmask.leaves():
         name = leaf.name
         if name in ("full", "causal"):
             continue
@@ -237,5 +244,5 @@ def build_payload(layout: BlockLayout, device) -> Payload:
         raise ValueError("mask payload exceeds 2**31 int32 words")
     params_t = torch.tensor(params or [0], dtype=torch.int32, device=device)
     aux_t = torch.from_numpy(np.concatenate(aux) if aux else np.zeros(1, np.int32)).to(device)
-    gathers = any(leaf.name in _GATHER_2D for leaf in layout.mask.leaves())
-    return Payload(predicate_function(layout.mask), params_t, aux_t, gathers)
+    gathers = any(leaf.name in _GATHER_2D for leaf in pmask.leaves())
+    return Payload(predicate_function(pmask), params_t, aux_t, gathers)

@@ -10,7 +10,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
-from ..kernels.config import TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad
+from ..kernels.config import TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
@@ -24,7 +24,7 @@ _LOG2E = 1.4426950408889634
 def _device_state(layout: BlockLayout, device: torch.device):
     """Kernel LUTs and predicate payload for ``device``, cached on the layout."""
     cache = layout.__dict__.setdefault("_triton_state", {})
-    key = str(device)
+    key = device
     st = cache.get(key)
     if st is None:
         rows, cols = layout.kernel_luts()
@@ -38,6 +38,16 @@ def _device_state(layout: BlockLayout, device: torch.device):
         st = (rows, cols, build_payload(layout, device))
         cache[key] = st
     return st
+
+
+def _is_band(layout: BlockLayout) -> bool:
+    """Band-like layout (few, mostly full blocks per row): picks the band tile tables."""
+    band = layout.__dict__.get("_band")
+    if band is None:
+        rows = max(1, layout._segs.n_rows)
+        band = short_rows(layout.n_nonempty / rows, layout.partial_fraction)
+        layout.__dict__["_band"] = band
+    return band
 
 
 def _layout_strides(layout: BlockLayout):
@@ -61,7 +71,12 @@ def _masked_stages(pay: Payload, cfg) -> int:
     return 1 if pay.gathers else cfg.num_stages
 
 
+_NO_DROPOUT = (0, 0, 0, 1.0)
+
+
 def _dropout_args(dropout_p: float, seed: int):
+    if dropout_p == 0.0:
+        return _NO_DROPOUT
     s0, s1 = seed_words(seed)
     return s0, s1, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
@@ -93,8 +108,10 @@ def _shrink(cfg: TileConfig) -> TileConfig | None:
 
 def _with_fallback(kernel: str, cfg: TileConfig, key: tuple, launch) -> None:
     """Launch with ``cfg``; if the compiled kernel needs more shared memory than the GPU has, retry
-    with smaller configs and remember the one that fits (per kernel, head dim, dtype, layout block)."""
-    cfg = _FALLBACK.get((kernel, *key), cfg)
+    with smaller configs and remember the one that fits (per kernel, requested config, head dim, dtype,
+    layout block and whether the predicate gathers words)."""
+    fkey = (kernel, cfg, *key)
+    cfg = _FALLBACK.get(fkey, cfg)
     while True:
         try:
             launch(cfg)
@@ -104,7 +121,7 @@ def _with_fallback(kernel: str, cfg: TileConfig, key: tuple, launch) -> None:
             if smaller is None:
                 raise
             cfg = smaller
-            _FALLBACK[(kernel, *key)] = cfg
+            _FALLBACK[fkey] = cfg
 
 
 def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
@@ -112,7 +129,7 @@ def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -
     if not worklists_enabled(layout):
         return None
     force = _SPLIT_OVERRIDE.get("chunk")
-    key = (side, tile, n_heads, str(device), force)
+    key = (side, tile, n_heads, device, force)
     cache = layout.__dict__.setdefault("_worklists", {})
     wl = cache.get(key)
     if wl is None:
@@ -147,7 +164,7 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     def launch(cfg):
         _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg)
 
-    _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn), (d_pad, q.dtype, lbm, lbn), launch)
+    _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn, _is_band(layout)), (d_pad, q.dtype, lbm, lbn, pay.gathers), launch)
     return out, lse
 
 
@@ -186,7 +203,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
     rows, cols, pay = _device_state(layout, q.device)
     d_pad = head_dim_pad(s.D)
-    cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn)
+    cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn, _is_band(layout))
     dev = q.device
     delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
     pre_m = 64
@@ -214,7 +231,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         _dq_launch(q, k, v, dout, dq, lse, delta, layout, s, scale, rows, pay, d_pad, lzb, lzh, drop, common,
                    qkv_strides, cfg_q)
 
-    key = (d_pad, q.dtype, lbm, lbn)
+    key = (d_pad, q.dtype, lbm, lbn, pay.gathers)
     _with_fallback("dkdv", cfg_kv, key, launch_dkdv)
     _with_fallback("dq", cfg_q, key, launch_dq)
     return dq, dk, dv
@@ -270,6 +287,7 @@ def _dq_launch(q, k, v, dout, dq, lse, delta, layout, s, scale, rows, pay, d_pad
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, shapes, scale, dropout_p, seed):
+        ctx.set_materialize_grads(False)  # an unused LSE (or output) brings no gradient work
         out, lse = triton_forward(q, k, v, layout, shapes, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, shapes, scale, dropout_p, seed)
