@@ -78,8 +78,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
+@triton.jit
+def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -91,11 +91,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
-    """One program per key tile (or work item) and batch·kv-head; sums over the GQA group."""
+    """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
+    GQA group."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
-    pid_w = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
     HKV = H // G
     b = pid_bhk // HKV
     hk = pid_bhk % HKV
@@ -188,8 +187,8 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, s
     return dq
 
 
-@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
+@triton.jit
+def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  stride_dqb, stride_dqh, stride_dqm,
@@ -201,11 +200,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
-    """One program per query tile (or work item) and batch·head."""
+    """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
-    pid_w = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
@@ -250,6 +247,98 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
         r = tl.arange(0, BLOCK_M)
         base = (pid_bh.to(tl.int64) * NSLOT + slot) * BLOCK_M
         tl.store(DQPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dq * sm_scale)
+
+
+@triton.jit(do_not_specialize=["TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
+                   H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale,
+                   seed_lo, seed_hi, drop_thresh, drop_scale,
+                   PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
+    """Grid ``(key tiles or work items, B·Hkv)``."""
+    _dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, DK, DV, LSE, DELTA,
+                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                  FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
+                  H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
+                  PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N,
+                  LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, STAGES, MASKED_STAGES)
+
+
+@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
+def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                 stride_dqb, stride_dqh, stride_dqm,
+                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
+                 H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale,
+                 seed_lo, seed_hi, drop_thresh, drop_scale,
+                 PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
+    """Grid ``(query tiles or work items, B·H)``."""
+    _dq_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, DQ, LSE, DELTA,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                stride_dqb, stride_dqh, stride_dqm,
+                FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
+                H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
+                PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N,
+                LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, STAGES, MASKED_STAGES)
+
+
+@triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",
+                               "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS"])
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
+              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+              stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn,
+              stride_dvb, stride_dvh, stride_dvn,
+              RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX,
+              PARAMS, AUX, KV_WORK, Q_WORK, DKPART, DVPART, DQPART, KV_NSLOT, Q_NSLOT,
+              N_KV_ITEMS, N_KV_PROGS, N_Q_ITEMS,
+              H, G, LZB, LZH, TR, TC, q_len, kv_len, qk_scale, sm_scale,
+              seed_lo, seed_hi, drop_thresh, drop_scale,
+              PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+              KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr, Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr,
+              LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
+              Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr):
+    """dK/dV and dQ in one launch: a 1-D grid of ``N_KV_PROGS`` dK/dV programs (key tiles or work
+    items fastest, then B·Hkv) followed by the dQ programs (query tiles or items, then B·H). The
+    heavier dK/dV programs start first and the dQ programs fill the tail of the machine, instead of
+    two launches that each end with idle SMs."""
+    pid = tl.program_id(0)
+    if pid < N_KV_PROGS:
+        _dkdv_program(pid % N_KV_ITEMS, pid // N_KV_ITEMS, Q, K, V, DO, DK, DV, LSE, DELTA,
+                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                      CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, KV_WORK, DKPART, DVPART, KV_NSLOT,
+                      H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                      drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N,
+                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES)
+    else:
+        pq = pid - N_KV_PROGS
+        _dq_program(pq % N_Q_ITEMS, pq // N_Q_ITEMS, Q, K, V, DO, DQ, LSE, DELTA,
+                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                    stride_dqb, stride_dqh, stride_dqm,
+                    RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, Q_WORK, DQPART, Q_NSLOT,
+                    H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                    drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N,
+                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

@@ -9,14 +9,15 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
-from ..kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
+from ..kernels import (_attn_bwd, _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine,
+                       _sum_partials)
 from ..kernels.config import TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
 from .validate import Shapes
 
-__all__ = ["triton_forward", "triton_backward", "triton_attention"]
+__all__ = ["triton_forward", "triton_backward", "triton_attention", "set_fused_backward"]
 
 _LOG2E = 1.4426950408889634
 
@@ -232,9 +233,67 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                    qkv_strides, cfg_q)
 
     key = (d_pad, q.dtype, lbm, lbn, pay.gathers)
+    fkey = ("bwd_fused", cfg_kv, cfg_q, *key)
+    if _FUSED_BWD["on"] and cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(fkey, True):
+        try:
+            _fused_bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb,
+                              lzh, drop, common, qkv_strides, cfg_kv, cfg_q)
+            return dq, dk, dv
+        except OutOfResources:
+            _FALLBACK[fkey] = False  # the two programs do not fit one kernel: launch them separately
     _with_fallback("dkdv", cfg_kv, key, launch_dkdv)
     _with_fallback("dq", cfg_q, key, launch_dq)
     return dq, dk, dv
+
+
+_FUSED_BWD = {"on": True}
+
+
+def set_fused_backward(on: bool) -> None:
+    """Run dK/dV and dQ in one launch (default) or in two (benchmarks and tests compare both)."""
+    _FUSED_BWD["on"] = bool(on)
+
+
+def _fused_bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
+                      drop, common, qkv_strides, cfg_kv, cfg_q):
+    """One launch: ``N_KV_PROGS`` dK/dV programs, then the dQ programs (``_attn_bwd``)."""
+    dev = q.device
+    lbm, lbn = layout.block_size
+    wl_kv = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, dev)
+    wl_q = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, dev)
+    _, kv_work, use_work = _grid_and_work(wl_kv, 0, 0, dev)
+    _, q_work, _ = _grid_and_work(wl_q, 0, 0, dev)
+    n_kv_items = wl_kv.n_items if wl_kv is not None else triton.cdiv(s.Lk, cfg_kv.block_n)
+    n_q_items = wl_q.n_items if wl_q is not None else triton.cdiv(s.Lq, cfg_q.block_m)
+    n_kv_progs = n_kv_items * s.B * s.Hkv
+    kv_nslot = wl_kv.n_slots if wl_kv is not None else 0
+    q_nslot = wl_q.n_slots if wl_q is not None else 0
+    kv_part = (max(1, s.B * s.Hkv * kv_nslot * cfg_kv.block_n), d_pad)
+    dkpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
+    dvpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
+    dqpart = torch.empty((max(1, s.B * s.H * q_nslot * cfg_q.block_m), d_pad), dtype=torch.float32, device=dev)
+    _attn_bwd[(n_kv_progs + n_q_items * s.B * s.H,)](
+        q, k, v, dout, dq, dk, dv, lse, delta, *qkv_strides,
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        *rows, *cols, pay.params, pay.aux, kv_work, q_work, dkpart, dvpart, dqpart, kv_nslot, q_nslot,
+        n_kv_items, n_kv_progs, n_q_items,
+        s.H, s.G, lzb, lzh, -(-s.Lq // lbm), -(-s.Lk // lbn), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
+        USE_WORK=use_work, KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
+        Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
+        KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
+        Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q),
+        num_warps=cfg_kv.num_warps, num_stages=max(cfg_kv.num_stages, cfg_q.num_stages), **common,
+    )
+    if kv_nslot:
+        for t, part in ((dk, dkpart), (dv, dvpart)):
+            _sum_partials[(wl_kv.n_combine, s.B * s.Hkv)](
+                t, part, wl_kv.combine, kv_nslot, t.stride(0), t.stride(1), t.stride(2), s.Hkv, s.Lk,
+                HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_kv.block_n, num_warps=4)
+    if q_nslot:
+        _sum_partials[(wl_q.n_combine, s.B * s.H)](
+            dq, dqpart, wl_q.combine, q_nslot, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
+            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, num_warps=4)
 
 
 def _dkdv_launch(q, k, v, dout, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh, drop, common,

@@ -1,0 +1,125 @@
+"""Profile ours vs FlexAttention (forward + backward, same inputs) under Nsight Compute and print a
+side-by-side table per kernel: time, registers, spills, occupancy, issue-slot use and stall reasons.
+
+    PYTHONPATH=. python benchmarks/ncu_compare.py --patterns document_causal sliding_window_1024 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SECTIONS = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis"]
+KEEP = {
+    "gpu__time_duration.sum": "us",
+    "launch__registers_per_thread": "regs",
+    "launch__grid_size": "grid",
+    "launch__shared_mem_per_block_dynamic": "dyn_smem",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occ%",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm%",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "mem%",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue%",
+    "smsp__inst_executed.sum": "inst",
+    "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum": "local_ld",
+    "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": "local_st",
+}
+
+
+def worker(pattern: str, impl: str, n: int, d: int) -> None:
+    import torch
+
+    sys.path.insert(0, HERE)
+    import bench
+
+    import blocksparse_fa as bsfa
+
+    mask, mm = bench.make_case(pattern, n)
+    h = 16
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    if impl == "ours":
+        lay = bsfa.compile_mask(mask, n, n, 128, device="cuda")
+        fwd = lambda: bsfa.attention(q, k, v, mask=lay)
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        bm = None if mm is None else create_block_mask(mm, None, None, n, n, device="cuda", _compile=True)
+        fwd = lambda: flex(q, k, v, block_mask=bm)
+    for _ in range(3):
+        torch.autograd.grad(fwd(), (q, k, v), do)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    torch.autograd.grad(fwd(), (q, k, v), do)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def parse(text: str) -> list[dict]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    head, body = rows[0], rows[2:]  # row 1 holds units
+    out = []
+    for r in body:
+        rec = dict(zip(head, r))
+        k = {"name": rec.get("Kernel Name", "")[:60]}
+        for m, short in KEEP.items():
+            if m in rec:
+                k[short] = rec[m]
+        stalls = {c.split("issue_stalled_")[1].split("_per_issue")[0]: rec[c] for c in head
+                  if "average_warps_issue_stalled_" in c and c.endswith("per_issue_active.ratio")}
+        top = sorted(((float(v.replace(",", "")), s) for s, v in stalls.items() if v not in ("", "n/a")), reverse=True)[:5]
+        k["stalls"] = ", ".join(f"{s} {v:.2f}" for v, s in top)
+        out.append(k)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", nargs="?", default="run")
+    ap.add_argument("--patterns", nargs="+", default=["document_causal", "sliding_window_1024"])
+    ap.add_argument("--impls", nargs="+", default=["ours", "flex"])
+    ap.add_argument("--pattern")
+    ap.add_argument("--impl")
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    if args.cmd == "worker":
+        return worker(args.pattern, args.impl, args.n, args.d)
+    results = {}
+    for p in args.patterns:
+        for impl in args.impls:
+            cmd = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes", "all",
+                   "--csv", "--page", "raw"]
+            for s in SECTIONS:
+                cmd += ["--section", s]
+            cmd += [sys.executable, __file__, "worker", "--pattern", p, "--impl", impl, "--n", str(args.n), "--d", str(args.d)]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+            with open(os.path.join(args.out, f"ncu_{p}_{impl}.csv"), "w") as f:
+                f.write(r.stdout)
+            try:
+                ks = parse(r.stdout)
+            except StopIteration:
+                print(p, impl, "no ncu output:", r.stderr[-800:], flush=True)
+                continue
+            results[f"{p}/{impl}"] = ks
+            print(f"== {p} {impl}", flush=True)
+            for k in ks:
+                print("  " + " ".join(f"{a}={b}" for a, b in k.items()), flush=True)
+    with open(os.path.join(args.out, "ncu_compare.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
