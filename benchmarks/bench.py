@@ -263,7 +263,10 @@ def write_report(data: dict, docs: str) -> None:
             f"{r['ours_fwd_tflops']:.0f} / {r['ours_fb_tflops']:.0f} | {r['flex_fwd_tflops']:.0f} / {r['flex_fb_tflops']:.0f} | {sd} | "
             f"{r['ours_fb_peak_mib']:.0f} / {r['flex_fb_peak_mib']:.0f} | {r['err_vs_flex']:.1e} |")
     if data.get("sweep"):
-        lines += ["", "## Time vs block density (N=32K, d=128, H=8)", "",
+        lines += ["", "## Time vs block density (N=32K, d=128, H=8)", ""]
+        if data.get("sweep_note"):
+            lines += [data["sweep_note"], ""]
+        lines += [
                   "`graph` columns: the forward replayed from a CUDA graph (`do_bench_cudagraph`), i.e. GPU time "
                   "without the host's launch cost, which matters at small s.", "",
                   "| mask | param | block density s | ours fwd ms | ours fwd+bwd ms | Flex fwd ms | Flex fwd+bwd ms | ours fwd (t/s)/(t/s)_dense | ours fb (t/s)/(t/s)_dense | ours / Flex fwd graph ms | ours fwd graph (t/s)/(t/s)_dense |",
@@ -319,6 +322,7 @@ def main():
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--patterns", nargs="+", default=PATTERNS)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="only the time-vs-density sweep")
     ap.add_argument("--warm-workers", type=int, default=12)
     ap.add_argument("--docs", default=DOCS)
     ap.add_argument("--report-only", default=None, help="rewrite the report from this JSON")
@@ -329,7 +333,7 @@ def main():
         return 0
     import triton
 
-    grid = [(p, n, d) for n in args.sizes for d in args.dims for p in args.patterns]
+    grid = [] if args.sweep_only else [(p, n, d) for n in args.sizes for d in args.dims for p in args.patterns]
     t0 = time.time()
     if args.warm_workers > 0:
         ctx = mp.get_context("spawn")

@@ -91,3 +91,27 @@ def test_missing_len_is_a_usage_error(capsys):
         main(["show", "causal"])
     assert ei.value.code == 2
     assert "--len" in capsys.readouterr().err
+
+
+def test_bench_times_a_pattern_on_cpu(capsys):
+    assert main(["bench", "causal & window(40)", "--len", "96", "--heads", "2", "--head-dim", "16",
+                 "--block", "32", "--reps", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"ours\s+fwd\s+([\d.]+) ms .* fwd\+bwd\s+([\d.]+) ms", out)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out
+    assert "element density" in out and "fp32 on cpu" in out
+
+
+def test_bench_rejects_flex_without_cuda_and_bad_reps(capsys):
+    assert main(["bench", "causal", "--len", "64", "--device", "cpu", "--flex"]) == 2
+    assert "--flex needs a CUDA device" in capsys.readouterr().err
+    assert main(["bench", "causal", "--len", "64", "--device", "cpu", "--reps", "0"]) == 2
+    assert "--reps must be >= 1" in capsys.readouterr().err
+
+
+def test_traffic_defaults_to_the_kernels_tiles(capsys):
+    assert main(["traffic", "sliding_window(1024)", "--len", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "tiles: fwd 128x64, dK/dV 64x128, dQ 128x64" in out  # band-like layout: the band table
+    assert main(["traffic", "causal", "--len", "4096"]) == 0
+    assert "tiles: fwd 128x128, dK/dV 64x128, dQ 128x128" in capsys.readouterr().out

@@ -25,6 +25,21 @@ def _occupancy(text: str):
                          f"got {text!r}") from None
 
 
+def _kernel_tiles(layout, head_dim: int, dtype: str):
+    """The (fwd, dK/dV, dQ) tiles the Triton kernels would use for this layout."""
+    import torch
+
+    from ..kernels.config import bwd_configs, fwd_config, head_dim_pad
+    from ..ops.triton_backend import _is_band
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    bm, bn = layout.block_size
+    band = _is_band(layout)
+    f = fwd_config(head_dim_pad(head_dim), dt, bm, bn, band)
+    kv, q = bwd_configs(head_dim_pad(head_dim), dt, bm, bn, band)
+    return (f.block_m, f.block_n), (kv.block_m, kv.block_n), (q.block_m, q.block_n)
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "traffic", help="predict the bytes each kernel moves (L2->SM and DRAM) for a pattern",
@@ -43,13 +58,14 @@ def register(sub) -> None:
     p.add_argument("--occupancy", default="1",
                    help="programs resident per SM: N, or per kernel, e.g. fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
     p.add_argument("--policy", default="lru", choices=["fraction", "lru"],
-                   help="L2 hit model for re-reads beyond capacity: C/D (fraction, default) or none (lru)")
+                   help="L2 hit model for re-reads beyond capacity: none (lru, default) or C/D (fraction)")
     p.add_argument("--order", default="grid", choices=["grid", "heavy_first"],
                    help="program launch order: tile index (grid, default) or heaviest tiles first (the kernels' "
                         "work lists)")
-    p.add_argument("--fwd-tiles", default="128x64", help="forward BLOCK_MxBLOCK_N (default 128x64)")
-    p.add_argument("--dkdv-tiles", default="64x64", help="dK/dV kernel BLOCK_MxBLOCK_N (default 64x64)")
-    p.add_argument("--dq-tiles", default="64x64", help="dQ kernel BLOCK_MxBLOCK_N (default 64x64)")
+    p.add_argument("--fwd-tiles", default=None,
+                   help="forward BLOCK_MxBLOCK_N, e.g. 128x64 (default: the kernels' own tiles for this layout)")
+    p.add_argument("--dkdv-tiles", default=None, help="dK/dV kernel BLOCK_MxBLOCK_N (default: the kernels' tiles)")
+    p.add_argument("--dq-tiles", default=None, help="dQ kernel BLOCK_MxBLOCK_N (default: the kernels' tiles)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -57,9 +73,11 @@ def register(sub) -> None:
 def run(args) -> int:
     mask = mask_from_arg(args.pattern)
     kv = args.kv_len or args.q_len
-    fm, fn = _tile_pair(args.fwd_tiles)
-    km, kn = _tile_pair(args.dkdv_tiles)
-    qm, qn = _tile_pair(args.dq_tiles)
+    lay = compile_mask(mask, args.q_len, kv, args.block)
+    default = _kernel_tiles(lay, args.head_dim, args.dtype)
+    fm, fn = _tile_pair(args.fwd_tiles) if args.fwd_tiles else default[0]
+    km, kn = _tile_pair(args.dkdv_tiles) if args.dkdv_tiles else default[1]
+    qm, qn = _tile_pair(args.dq_tiles) if args.dq_tiles else default[2]
     occ = _occupancy(args.occupancy)
     if args.l2_mb <= 0:
         raise ValueError(f"--l2-mb must be positive, got {args.l2_mb}")
@@ -67,7 +85,6 @@ def run(args) -> int:
                            dtype=args.dtype, tiles=TileSizes(fm, fn, km, kn, qm, qn),
                            l2_bytes=int(args.l2_mb * 2**20), n_sm=args.sms, occupancy=occ,
                            policy=args.policy, program_order=args.order)
-    lay = compile_mask(mask, args.q_len, kv, args.block)
     rep = traffic_model(lay, params)
     if args.json:
         import json
