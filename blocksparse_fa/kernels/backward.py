@@ -249,54 +249,6 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
         tl.store(DQPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dq * sm_scale)
 
 
-@triton.jit(do_not_specialize=["TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
-                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
-                   H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale,
-                   seed_lo, seed_hi, drop_thresh, drop_scale,
-                   PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
-    """Grid ``(key tiles or work items, B·Hkv)``."""
-    _dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, DK, DV, LSE, DELTA,
-                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
-                  H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
-                  PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N,
-                  LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, STAGES, MASKED_STAGES)
-
-
-@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
-                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                 stride_dqb, stride_dqh, stride_dqm,
-                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
-                 H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale,
-                 seed_lo, seed_hi, drop_thresh, drop_scale,
-                 PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
-    """Grid ``(query tiles or work items, B·H)``."""
-    _dq_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, DQ, LSE, DELTA,
-                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                stride_dqb, stride_dqh, stride_dqm,
-                FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
-                H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
-                PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N,
-                LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, STAGES, MASKED_STAGES)
-
-
 @triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",
                                "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS"])
 def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
@@ -314,13 +266,21 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr, Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
-              Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr):
-    """dK/dV and dQ in one launch: a 1-D grid of ``N_KV_PROGS`` dK/dV programs (key tiles or work
-    items fastest, then B·Hkv) followed by the dQ programs (query tiles or items, then B·H). The
-    heavier dK/dV programs start first and the dQ programs fill the tail of the machine, instead of
-    two launches that each end with idle SMs."""
+              Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr):
+    """The backward's main kernel on a 1-D grid: ``N_KV_PROGS`` dK/dV programs (key tiles or work
+    items fastest, then B·Hkv) followed by the dQ programs (query tiles or items, then B·H).
+
+    With ``RUN_KV`` and ``RUN_Q`` both set, dK/dV and dQ run in one launch: the heavier dK/dV
+    programs start first and the dQ programs fill the tail of the machine, instead of two launches
+    that each end with idle SMs. With one of them set (and ``N_KV_PROGS = 0`` for dQ alone) the
+    launch runs only that part, e.g. when the two parts want different warp counts."""
+    tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     pid = tl.program_id(0)
-    if pid < N_KV_PROGS:
+    if RUN_KV and RUN_Q:
+        is_kv = pid < N_KV_PROGS
+    else:
+        is_kv = RUN_KV
+    if is_kv:
         _dkdv_program(pid % N_KV_ITEMS, pid // N_KV_ITEMS, Q, K, V, DO, DK, DV, LSE, DELTA,
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
