@@ -7,7 +7,7 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, load_tile, mma, store_tile
+from .common import LOG2E, dropout_keep, load_tile, mma, store_tile, work_item
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -99,17 +99,8 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
     b = pid_bhk // HKV
     hk = pid_bhk % HKV
     b64 = b.to(tl.int64)
-    if USE_WORK:
-        item = WORK + pid_w * 6
-        tile = tl.load(item)
-        wf0 = tl.load(item + 1)
-        wf1 = tl.load(item + 2)
-        wp0 = tl.load(item + 3)
-        wp1 = tl.load(item + 4)
-        slot = tl.load(item + 5)
-    else:
-        tile = pid_w
-        slot = -1
+    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + hk * G * LZH) * TC, BLOCK_N,
+                                           LAYOUT_BN, USE_WORK)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k = load_tile(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
@@ -118,21 +109,12 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                   offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    cblk = (tile * BLOCK_N) // LAYOUT_BN
     for g in range(0, G):
         h = hk * G + g
         h64 = h.to(tl.int64)
-        if USE_WORK:
-            f0 = wf0
-            f1 = wf1
-            p0 = wp0
-            p1 = wp1
-        else:
-            col = (b * LZB + h * LZH) * TC + cblk
-            f0 = tl.load(FULL_PTR + col)
-            f1 = tl.load(FULL_PTR + col + 1)
-            p0 = tl.load(PART_PTR + col)
-            p1 = tl.load(PART_PTR + col + 1)
+        if not USE_WORK:  # each query head of the group has its own LUT line (head-dependent masks)
+            _, f0, f1, p0, p1, _ = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TC, BLOCK_N,
+                                             LAYOUT_BN, USE_WORK)
         Q_base = Q + b64 * stride_qb + h64 * stride_qh
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         LSE_row = LSE + (b64 * H + h64) * q_len
@@ -207,22 +189,8 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     h = pid_bh % H
     hk = h // G
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
-    if USE_WORK:
-        item = WORK + pid_w * 6
-        tile = tl.load(item)
-        f0 = tl.load(item + 1)
-        f1 = tl.load(item + 2)
-        p0 = tl.load(item + 3)
-        p1 = tl.load(item + 4)
-        slot = tl.load(item + 5)
-    else:
-        tile = pid_w
-        row = (b * LZB + h * LZH) * TR + (tile * BLOCK_M) // LAYOUT_BM
-        f0 = tl.load(FULL_PTR + row)
-        f1 = tl.load(FULL_PTR + row + 1)
-        p0 = tl.load(PART_PTR + row)
-        p1 = tl.load(PART_PTR + row + 1)
-        slot = -1
+    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TR, BLOCK_M,
+                                           LAYOUT_BM, USE_WORK)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
