@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 
-import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -17,10 +16,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def main():
     import bench
+    from tune_sparse import _setup
 
-    import blocksparse_fa as bsfa
     from blocksparse_fa.ops import triton_backend as tb
-    from blocksparse_fa.ops.validate import check_qkv
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=16384)
@@ -29,12 +27,7 @@ def main():
     args = ap.parse_args()
     n, d, h = args.n, args.d, 16
     for p in args.patterns:
-        mask, _ = bench.make_case(p, n)
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        do = torch.randn_like(q)
-        lay = bsfa.compile_mask(mask, n, n, 128, device="cuda")
-        s = check_qkv(q, k, v)
+        lay, q, k, v, do, s = _setup(p, n, d, h)  # same inputs as the tile sweep
         scale = d ** -0.5
         out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
         res = {}

@@ -173,6 +173,21 @@ def random_block_mask(tr: int, tc: int, density: float, seed: int = 0) -> np.nda
     return out.reshape(tr, tc)
 
 
+def _flash_setup(algo: str, N, d, M, kv_len, br, bc, mask, density, seed, reads, writes):
+    """Set-up shared by the tiled algorithms: block sizes (the ``algo`` "fa1"/"fa2" defaults unless
+    given), row/column block extents, the optional block mask, and an IOCount with zeroed keys."""
+    kv = _check(N, d, M, kv_len)
+    dbr, dbc = block_sizes(d, M, algo)
+    br, bc = br or dbr, bc or dbc
+    rows, cols = _sizes(N, br), _sizes(kv, bc)
+    grid = _mask_grid(mask, density, len(rows), len(cols), seed)
+    n = algo[-1]
+    c = IOCount(f"flash-{n}" if grid is None else f"block-sparse-flash-{n}", N, d, M, kv, br, bc)
+    c.reads.update(dict.fromkeys(reads, 0))
+    c.writes.update(dict.fromkeys(writes, 0))
+    return c, rows, cols, grid
+
+
 def flash_attention(N: int, d: int, M: int, kv_len: int | None = None, *, br: int | None = None,
                     bc: int | None = None, mask=None, density: float | None = None, seed: int = 0,
                     skip_empty_columns: bool = False, count_init: bool = False) -> IOCount:
@@ -188,17 +203,8 @@ def flash_attention(N: int, d: int, M: int, kv_len: int | None = None, *, br: in
             (Algorithm 5 as printed loads them anyway).
         count_init: count the initialisation of ``O, ℓ, m`` in HBM as writes.
     """
-    kv = _check(N, d, M, kv_len)
-    dbr, dbc = block_sizes(d, M, "fa1")
-    br, bc = br or dbr, bc or dbc
-    rows, cols = _sizes(N, br), _sizes(kv, bc)
-    grid = _mask_grid(mask, density, len(rows), len(cols), seed)
-    name = "flash-1" if grid is None else "block-sparse-flash-1"
-    c = IOCount(name, N, d, M, kv, br, bc)
-    for k in ("K", "V", "Q", "O", "l", "m"):
-        c.reads[k] = 0
-    for k in ("O", "l", "m"):
-        c.writes[k] = 0
+    c, rows, cols, grid = _flash_setup("fa1", N, d, M, kv_len, br, bc, mask, density, seed,
+                                       ("K", "V", "Q", "O", "l", "m"), ("O", "l", "m"))
     if count_init:
         c._add(c.writes, "O", N * d); c._add(c.writes, "l", N); c._add(c.writes, "m", N)
     for j, kb in enumerate(cols):                       # line 5: for 1 <= j <= Tc
@@ -222,17 +228,8 @@ def flash_attention2(N: int, d: int, M: int, kv_len: int | None = None, *, br: i
     """FlashAttention-2 loop order (Q outer): ``Q_i`` loaded once, ``K_j, V_j`` per inner iteration
     (only non-zero blocks with ``mask``/``density``), ``O_i`` and the logsumexp ``L_i`` written
     once. ``skip_empty_rows`` skips the load of ``Q_i`` and writes for rows with no block."""
-    kv = _check(N, d, M, kv_len)
-    dbr, dbc = block_sizes(d, M, "fa2")
-    br, bc = br or dbr, bc or dbc
-    rows, cols = _sizes(N, br), _sizes(kv, bc)
-    grid = _mask_grid(mask, density, len(rows), len(cols), seed)
-    name = "flash-2" if grid is None else "block-sparse-flash-2"
-    c = IOCount(name, N, d, M, kv, br, bc)
-    for k in ("Q", "K", "V"):
-        c.reads[k] = 0
-    for k in ("O", "L"):
-        c.writes[k] = 0
+    c, rows, cols, grid = _flash_setup("fa2", N, d, M, kv_len, br, bc, mask, density, seed, ("Q", "K", "V"),
+                                       ("O", "L"))
     for i, qb in enumerate(rows):                       # for 1 <= i <= Tr
         active = cols if grid is None else cols[grid[i]]
         if grid is not None and skip_empty_rows and not len(active):
