@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import blocksparse_fa as bsfa  # noqa: E402
-from blocksparse_fa.kernels import _attn_bwd, _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd  # noqa: E402
+from blocksparse_fa.kernels import _attn_bwd, _attn_fwd  # noqa: E402
 from blocksparse_fa.kernels.predicate import build_payload  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -40,7 +40,7 @@ def _sig(fn, types: dict, consts: dict):
 def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None, d=128, extra=None):
     lay = bsfa.compile_mask(mask, 4096, 4096, 128)
     pay = build_payload(lay, "cpu")
-    fn = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq, "bwd": _attn_bwd}[kernel]
+    fn = _attn_fwd if kernel == "fwd" else _attn_bwd
     ptr = "*bf16"
     types = {n: ptr for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
     types.update({n: "*fp32" for n in ("LSE", "DELTA", "OPART", "LPART", "DKPART", "DVPART", "DQPART")})
@@ -51,9 +51,13 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
     consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=False, USE_WORK=True, HEAD_DIM=d, HEAD_DIM_PAD=d,
                   BLOCK_M=bm, BLOCK_N=bn, LAYOUT_BM=128, LAYOUT_BN=128, DOT_PRECISION="tf32",
                   STAGES=stages, MASKED_STAGES=stages if masked_stages is None else masked_stages)
-    if kernel == "bwd":  # fused dK/dV + dQ: the dQ tiles of the tuned table
-        consts.update(KV_BLOCK_M=bm, KV_BLOCK_N=bn, Q_BLOCK_M=128, Q_BLOCK_N=128, KV_STAGES=stages,
-                      KV_MASKED_STAGES=consts["MASKED_STAGES"], Q_STAGES=stages, Q_MASKED_STAGES=consts["MASKED_STAGES"])
+    if kernel != "fwd":  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at 128x128)
+        ms = consts["MASKED_STAGES"]
+        kv = (bm, bn) if kernel != "dq" else (64, 128)
+        qt = (bm, bn) if kernel == "dq" else (128, 128)
+        consts.update(KV_BLOCK_M=kv[0], KV_BLOCK_N=kv[1], Q_BLOCK_M=qt[0], Q_BLOCK_N=qt[1], KV_STAGES=stages,
+                      KV_MASKED_STAGES=ms, Q_STAGES=stages, Q_MASKED_STAGES=ms,
+                      RUN_KV=kernel != "dq", RUN_Q=kernel != "dkdv")
     consts.update(extra or {})
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     consts.update({n: 1 for n in ("G",) if n in fn.arg_names})  # an int equal to 1 is specialised (MHA)

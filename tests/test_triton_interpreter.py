@@ -244,29 +244,30 @@ def test_fused_backward_matches_separate_launches(text, split):
     set_override("dkdv", TileConfig(16, 16, 4, 2))  # equal warps: the fused launch applies
     set_override("dq", TileConfig(16, 16, 4, 2))
     set_split_chunk(split)
-    calls = {"fused": 0}
-    real = tb._fused_bwd_launch
+    calls = {"fused": 0, "parts": 0}
+    real = tb._bwd_launch
 
     def spy(*a, **kw):
-        calls["fused"] += 1
+        run_kv, run_q = a[-2:]
+        calls["fused" if run_kv and run_q else "parts"] += 1
         return real(*a, **kw)
 
     try:
         grads = []
         for fused in (True, False):
             tb.set_fused_backward(fused)
-            tb._fused_bwd_launch = spy
+            tb._bwd_launch = spy
             torch.manual_seed(11)
             q, k, v = _qkv(1, 4, 2, 90, 90, 16)
             do = torch.randn(1, 4, 90, 16)
             out = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16)
             grads.append(torch.autograd.grad(out, (q, k, v), do))
-        assert calls["fused"] == 1
+        assert calls == {"fused": 1, "parts": 2}  # one launch, then dK/dV and dQ separately
         for a, b in zip(*grads):
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
         _check(mask, H=4, Hkv=2, Lq=90, Lk=90)
     finally:
-        tb._fused_bwd_launch = real
+        tb._bwd_launch = real
         tb.set_fused_backward(True)
         set_split_chunk(None)
         set_override("dkdv", None)

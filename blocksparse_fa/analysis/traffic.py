@@ -38,10 +38,10 @@ How the DRAM estimate works (simple on purpose; every assumption is listed):
 
 The kernels modelled (``blocksparse_fa/kernels``, issue 3): ``_attn_fwd`` (one program per query
 tile × batch·head; Q once, K/V per visited key block, writes O and LSE), ``_attn_bwd_preprocess``
-(reads O, dO, writes δ), ``_attn_bwd_dkdv`` (one program per key tile × batch·kv-head; K/V once,
-then per query head of the GQA group and per column-LUT entry Q, dO, LSE, δ; writes dK, dV) and
-``_attn_bwd_dq`` (one program per query tile × batch·head; Q, dO, LSE, δ once, K/V per entry,
-writes dQ). Lookup tables: each program reads 4 int32 row pointers and 4 bytes per entry. Only the
+(reads O, dO, writes δ), and ``_attn_bwd``, whose dK/dV programs (one per key tile ×
+batch·kv-head; K/V once, then per query head of the GQA group and per column-LUT entry Q, dO, LSE,
+δ; writes dK, dV) and dQ programs (one per query tile × batch·head; Q, dO, LSE, δ once, K/V per
+entry, writes dQ) run in one launch or two; the model counts them as ``bwd_dkdv`` and ``bwd_dq``. Lookup tables: each program reads 4 int32 row pointers and 4 bytes per entry. Only the
 valid rows/keys of ragged edge tiles are counted (masked loads move nothing).
 
 Standard attention is the paper's Algorithm 0 (forward ``4Nd + 4N²`` elements per head) and

@@ -4,8 +4,7 @@ Importing this package decorates the kernels; under ``TRITON_INTERPRET=1`` (set 
 they run in Triton's CPU interpreter.
 """
 
-from .backward import _attn_bwd, _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _sum_partials
+from .backward import _attn_bwd, _attn_bwd_preprocess, _sum_partials
 from .forward import _attn_fwd, _attn_fwd_combine
 
-__all__ = ["_attn_fwd", "_attn_fwd_combine", "_attn_bwd_preprocess", "_attn_bwd", "_attn_bwd_dkdv", "_attn_bwd_dq",
-           "_sum_partials"]
+__all__ = ["_attn_fwd", "_attn_fwd_combine", "_attn_bwd_preprocess", "_attn_bwd", "_sum_partials"]

@@ -7,7 +7,7 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, load_tile, mma, store_tile
+from .common import LOG2E, dropout_keep, load_tile, mma, store_tile, work_item
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -99,17 +99,8 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
     b = pid_bhk // HKV
     hk = pid_bhk % HKV
     b64 = b.to(tl.int64)
-    if USE_WORK:
-        item = WORK + pid_w * 6
-        tile = tl.load(item)
-        wf0 = tl.load(item + 1)
-        wf1 = tl.load(item + 2)
-        wp0 = tl.load(item + 3)
-        wp1 = tl.load(item + 4)
-        slot = tl.load(item + 5)
-    else:
-        tile = pid_w
-        slot = -1
+    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + hk * G * LZH) * TC, BLOCK_N,
+                                           LAYOUT_BN, USE_WORK)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k = load_tile(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
@@ -118,21 +109,12 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                   offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    cblk = (tile * BLOCK_N) // LAYOUT_BN
     for g in range(0, G):
         h = hk * G + g
         h64 = h.to(tl.int64)
-        if USE_WORK:
-            f0 = wf0
-            f1 = wf1
-            p0 = wp0
-            p1 = wp1
-        else:
-            col = (b * LZB + h * LZH) * TC + cblk
-            f0 = tl.load(FULL_PTR + col)
-            f1 = tl.load(FULL_PTR + col + 1)
-            p0 = tl.load(PART_PTR + col)
-            p1 = tl.load(PART_PTR + col + 1)
+        if not USE_WORK:  # each query head of the group has its own LUT line (head-dependent masks)
+            _, f0, f1, p0, p1, _ = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TC, BLOCK_N,
+                                             LAYOUT_BN, USE_WORK)
         Q_base = Q + b64 * stride_qb + h64 * stride_qh
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         LSE_row = LSE + (b64 * H + h64) * q_len
@@ -207,22 +189,8 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     h = pid_bh % H
     hk = h // G
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
-    if USE_WORK:
-        item = WORK + pid_w * 6
-        tile = tl.load(item)
-        f0 = tl.load(item + 1)
-        f1 = tl.load(item + 2)
-        p0 = tl.load(item + 3)
-        p1 = tl.load(item + 4)
-        slot = tl.load(item + 5)
-    else:
-        tile = pid_w
-        row = (b * LZB + h * LZH) * TR + (tile * BLOCK_M) // LAYOUT_BM
-        f0 = tl.load(FULL_PTR + row)
-        f1 = tl.load(FULL_PTR + row + 1)
-        p0 = tl.load(PART_PTR + row)
-        p1 = tl.load(PART_PTR + row + 1)
-        slot = -1
+    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TR, BLOCK_M,
+                                           LAYOUT_BM, USE_WORK)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
@@ -249,54 +217,6 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
         tl.store(DQPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dq * sm_scale)
 
 
-@triton.jit(do_not_specialize=["TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
-                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
-                   H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale,
-                   seed_lo, seed_hi, drop_thresh, drop_scale,
-                   PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
-    """Grid ``(key tiles or work items, B·Hkv)``."""
-    _dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, DK, DV, LSE, DELTA,
-                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
-                  H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
-                  PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N,
-                  LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, STAGES, MASKED_STAGES)
-
-
-@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
-                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                 stride_dqb, stride_dqh, stride_dqm,
-                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
-                 H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale,
-                 seed_lo, seed_hi, drop_thresh, drop_scale,
-                 PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr):
-    """Grid ``(query tiles or work items, B·H)``."""
-    _dq_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, DQ, LSE, DELTA,
-                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                stride_dqb, stride_dqh, stride_dqm,
-                FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
-                H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
-                PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N,
-                LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, STAGES, MASKED_STAGES)
-
-
 @triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",
                                "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS"])
 def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
@@ -314,13 +234,21 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr, Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
-              Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr):
-    """dK/dV and dQ in one launch: a 1-D grid of ``N_KV_PROGS`` dK/dV programs (key tiles or work
-    items fastest, then B·Hkv) followed by the dQ programs (query tiles or items, then B·H). The
-    heavier dK/dV programs start first and the dQ programs fill the tail of the machine, instead of
-    two launches that each end with idle SMs."""
+              Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr):
+    """The backward's main kernel on a 1-D grid: ``N_KV_PROGS`` dK/dV programs (key tiles or work
+    items fastest, then B·Hkv) followed by the dQ programs (query tiles or items, then B·H).
+
+    With ``RUN_KV`` and ``RUN_Q`` both set, dK/dV and dQ run in one launch: the heavier dK/dV
+    programs start first and the dQ programs fill the tail of the machine, instead of two launches
+    that each end with idle SMs. With one of them set (and ``N_KV_PROGS = 0`` for dQ alone) the
+    launch runs only that part, e.g. when the two parts want different warp counts."""
+    tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     pid = tl.program_id(0)
-    if pid < N_KV_PROGS:
+    if RUN_KV and RUN_Q:
+        is_kv = pid < N_KV_PROGS
+    else:
+        is_kv = RUN_KV
+    if is_kv:
         _dkdv_program(pid % N_KV_ITEMS, pid // N_KV_ITEMS, Q, K, V, DO, DK, DV, LSE, DELTA,
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,

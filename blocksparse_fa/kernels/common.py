@@ -34,6 +34,32 @@ def store_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_
 
 
 @triton.jit
+def work_item(WORK, pid_w, FULL_PTR, PART_PTR, lut_base, TILE: tl.constexpr, LAYOUT_B: tl.constexpr,
+              USE_WORK: tl.constexpr):
+    """``(tile, f0, f1, p0, p1, slot)`` of program ``pid_w``: the work-list item
+    ``WORK[6 * pid_w : 6 * pid_w + 6]``, or, without work lists, tile ``pid_w`` with the unmasked
+    ``[f0, f1)`` and masked ``[p0, p1)`` entry ranges of its LUT line ``lut_base + tile * TILE //
+    LAYOUT_B`` and slot -1 (write the result directly)."""
+    if USE_WORK:
+        item = WORK + pid_w * 6
+        tile = tl.load(item)
+        f0 = tl.load(item + 1)
+        f1 = tl.load(item + 2)
+        p0 = tl.load(item + 3)
+        p1 = tl.load(item + 4)
+        slot = tl.load(item + 5)
+    else:
+        tile = pid_w
+        line = lut_base + (tile * TILE) // LAYOUT_B
+        f0 = tl.load(FULL_PTR + line)
+        f1 = tl.load(FULL_PTR + line + 1)
+        p0 = tl.load(PART_PTR + line)
+        p1 = tl.load(PART_PTR + line + 1)
+        slot = pid_w * 0 - 1
+    return tile, f0, f1, p0, p1, slot
+
+
+@triton.jit
 def dropout_keep(i, j, bh, seed_lo, seed_hi, threshold):
     """Philox4x32-10 keep decision for query rows ``i`` and keys ``j`` (broadcastable) of head
     ``bh = b * H + h``: counter ``(i, j, bh, 0)``, key ``(seed_lo, seed_hi)``; keep when

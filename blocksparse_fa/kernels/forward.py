@@ -10,7 +10,7 @@ log, float32) saved for the backward. Fully masked rows produce 0 and LSE ``-inf
 import triton
 import triton.language as tl
 
-from .common import LN2, dropout_keep, load_tile, mma, store_tile
+from .common import LN2, dropout_keep, load_tile, mma, store_tile, work_item
 
 
 @triton.jit
@@ -75,22 +75,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
-    if USE_WORK:
-        item = WORK + pid_w * 6
-        tile = tl.load(item)
-        f0 = tl.load(item + 1)
-        f1 = tl.load(item + 2)
-        p0 = tl.load(item + 3)
-        p1 = tl.load(item + 4)
-        slot = tl.load(item + 5)
-    else:
-        tile = pid_w
-        row = (b * LZB + h * LZH) * TR + (tile * BLOCK_M) // LAYOUT_BM
-        f0 = tl.load(FULL_PTR + row)
-        f1 = tl.load(FULL_PTR + row + 1)
-        p0 = tl.load(PART_PTR + row)
-        p1 = tl.load(PART_PTR + row + 1)
-        slot = -1
+    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TR, BLOCK_M,
+                                           LAYOUT_BM, USE_WORK)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     qp = offs_m + (kv_len - q_len)

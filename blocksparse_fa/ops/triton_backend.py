@@ -9,8 +9,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
-from ..kernels import (_attn_bwd, _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine,
-                       _sum_partials)
+from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.config import TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
@@ -224,25 +223,20 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
 
-    def launch_dkdv(cfg_kv):
-        _dkdv_launch(q, k, v, dout, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh, drop,
-                     common, qkv_strides, cfg_kv)
-
-    def launch_dq(cfg_q):
-        _dq_launch(q, k, v, dout, dq, lse, delta, layout, s, scale, rows, pay, d_pad, lzb, lzh, drop, common,
-                   qkv_strides, cfg_q)
+    def launch(cfg_kv, cfg_q, run_kv, run_q):
+        _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
+                    drop, common, qkv_strides, cfg_kv, cfg_q, run_kv, run_q)
 
     key = (d_pad, q.dtype, lbm, lbn, pay.gathers)
     fkey = ("bwd_fused", cfg_kv, cfg_q, *key)
     if _FUSED_BWD["on"] and cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(fkey, True):
         try:
-            _fused_bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb,
-                              lzh, drop, common, qkv_strides, cfg_kv, cfg_q)
+            launch(cfg_kv, cfg_q, True, True)
             return dq, dk, dv
         except OutOfResources:
             _FALLBACK[fkey] = False  # the two programs do not fit one kernel: launch them separately
-    _with_fallback("dkdv", cfg_kv, key, launch_dkdv)
-    _with_fallback("dq", cfg_q, key, launch_dq)
+    _with_fallback("dkdv", cfg_kv, key, lambda c: launch(c, cfg_q, True, False))
+    _with_fallback("dq", cfg_q, key, lambda c: launch(cfg_kv, c, False, True))
     return dq, dk, dv
 
 
@@ -254,9 +248,10 @@ def set_fused_backward(on: bool) -> None:
     _FUSED_BWD["on"] = bool(on)
 
 
-def _fused_bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
-                      drop, common, qkv_strides, cfg_kv, cfg_q):
-    """One launch: ``N_KV_PROGS`` dK/dV programs, then the dQ programs (``_attn_bwd``)."""
+def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
+                drop, common, qkv_strides, cfg_kv, cfg_q, run_kv=True, run_q=True):
+    """``_attn_bwd``: the dK/dV programs (``run_kv``), then the dQ programs (``run_q``), on one 1-D
+    grid; then the sums of split tiles. Launch warps: the dK/dV config's, or dQ's when it runs alone."""
     dev = q.device
     lbm, lbn = layout.block_size
     wl_kv = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, dev)
@@ -265,14 +260,15 @@ def _fused_bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, r
     _, q_work, _ = _grid_and_work(wl_q, 0, 0, dev)
     n_kv_items = wl_kv.n_items if wl_kv is not None else triton.cdiv(s.Lk, cfg_kv.block_n)
     n_q_items = wl_q.n_items if wl_q is not None else triton.cdiv(s.Lq, cfg_q.block_m)
-    n_kv_progs = n_kv_items * s.B * s.Hkv
-    kv_nslot = wl_kv.n_slots if wl_kv is not None else 0
-    q_nslot = wl_q.n_slots if wl_q is not None else 0
+    n_kv_progs = n_kv_items * s.B * s.Hkv if run_kv else 0
+    n_progs = n_kv_progs + (n_q_items * s.B * s.H if run_q else 0)
+    kv_nslot = wl_kv.n_slots if wl_kv is not None and run_kv else 0
+    q_nslot = wl_q.n_slots if wl_q is not None and run_q else 0
     kv_part = (max(1, s.B * s.Hkv * kv_nslot * cfg_kv.block_n), d_pad)
     dkpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
     dvpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
     dqpart = torch.empty((max(1, s.B * s.H * q_nslot * cfg_q.block_m), d_pad), dtype=torch.float32, device=dev)
-    _attn_bwd[(n_kv_progs + n_q_items * s.B * s.H,)](
+    _attn_bwd[(n_progs,)](
         q, k, v, dout, dq, dk, dv, lse, delta, *qkv_strides,
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
@@ -282,8 +278,9 @@ def _fused_bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, r
         USE_WORK=use_work, KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
         Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
         KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
-        Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q),
-        num_warps=cfg_kv.num_warps, num_stages=max(cfg_kv.num_stages, cfg_q.num_stages), **common,
+        Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
+        num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
+        num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1), **common,
     )
     if kv_nslot:
         for t, part in ((dk, dkpart), (dv, dvpart)):
@@ -293,53 +290,6 @@ def _fused_bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, r
     if q_nslot:
         _sum_partials[(wl_q.n_combine, s.B * s.H)](
             dq, dqpart, wl_q.combine, q_nslot, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
-            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, num_warps=4)
-
-
-def _dkdv_launch(q, k, v, dout, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh, drop, common,
-                 qkv_strides, cfg_kv):
-    dev = q.device
-    lbn = layout.block_size[1]
-    wl = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, dev)
-    grid, work, use_work = _grid_and_work(wl, triton.cdiv(s.Lk, cfg_kv.block_n), s.B * s.Hkv, dev)
-    nslot = wl.n_slots if wl is not None else 0
-    part_shape = (max(1, s.B * s.Hkv * nslot * cfg_kv.block_n), d_pad)
-    dkpart = torch.empty(part_shape, dtype=torch.float32, device=dev)
-    dvpart = torch.empty(part_shape, dtype=torch.float32, device=dev)
-    _attn_bwd_dkdv[grid](
-        q, k, v, dout, dk, dv, lse, delta, *qkv_strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        *cols, pay.params, pay.aux, work, dkpart, dvpart, nslot,
-        s.H, s.G, lzb, lzh, -(-s.Lk // lbn), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
-        USE_WORK=use_work, BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, num_warps=cfg_kv.num_warps,
-        num_stages=cfg_kv.num_stages, STAGES=cfg_kv.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_kv), **common,
-    )
-    if nslot:
-        for t, part in ((dk, dkpart), (dv, dvpart)):
-            _sum_partials[(wl.n_combine, s.B * s.Hkv)](
-                t, part, wl.combine, nslot, t.stride(0), t.stride(1), t.stride(2), s.Hkv, s.Lk,
-                HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_kv.block_n, num_warps=4)
-
-
-def _dq_launch(q, k, v, dout, dq, lse, delta, layout, s, scale, rows, pay, d_pad, lzb, lzh, drop, common, qkv_strides,
-               cfg_q):
-    dev = q.device
-    lbm = layout.block_size[0]
-    wl = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, dev)
-    grid, work, use_work = _grid_and_work(wl, triton.cdiv(s.Lq, cfg_q.block_m), s.B * s.H, dev)
-    nslot = wl.n_slots if wl is not None else 0
-    dqpart = torch.empty((max(1, s.B * s.H * nslot * cfg_q.block_m), d_pad), dtype=torch.float32, device=dev)
-    _attn_bwd_dq[grid](
-        q, k, v, dout, dq, lse, delta, *qkv_strides,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        *rows, pay.params, pay.aux, work, dqpart, nslot,
-        s.H, s.G, lzb, lzh, -(-s.Lq // lbm), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
-        USE_WORK=use_work, BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, num_warps=cfg_q.num_warps,
-        num_stages=cfg_q.num_stages, STAGES=cfg_q.num_stages, MASKED_STAGES=_masked_stages(pay, cfg_q), **common,
-    )
-    if nslot:
-        _sum_partials[(wl.n_combine, s.B * s.H)](
-            dq, dqpart, wl.combine, nslot, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
             HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, num_warps=4)
 
 
