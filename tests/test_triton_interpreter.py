@@ -254,17 +254,18 @@ def test_fused_backward_matches_separate_launches(text, split):
 
     try:
         grads = []
-        for fused in (True, False):
-            tb.set_fused_backward(fused)
+        for fused, head_major in ((True, True), (True, False), (False, True)):
+            tb.set_fused_backward(fused, head_major)
             tb._bwd_launch = spy
             torch.manual_seed(11)
             q, k, v = _qkv(1, 4, 2, 90, 90, 16)
             do = torch.randn(1, 4, 90, 16)
             out = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16)
             grads.append(torch.autograd.grad(out, (q, k, v), do))
-        assert calls == {"fused": 1, "parts": 2}  # one launch, then dK/dV and dQ separately
-        for a, b in zip(*grads):
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+        assert calls == {"fused": 2, "parts": 2}  # one launch (two grid orders), then dK/dV and dQ separately
+        for other in grads[1:]:
+            for a, b in zip(grads[0], other):
+                assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
         _check(mask, H=4, Hkv=2, Lq=90, Lk=90)
     finally:
         tb._bwd_launch = real
@@ -272,3 +273,48 @@ def test_fused_backward_matches_separate_launches(text, split):
         set_split_chunk(None)
         set_override("dkdv", None)
         set_override("dq", None)
+
+
+def test_contiguous_lut_detection():
+    """Unmasked lists that are runs of consecutive blocks are detected per layout; a layout with one
+    gap anywhere (Longformer's global column beside its window) is not."""
+    from blocksparse_fa.ops.triton_backend import _contiguous_lists
+
+    def flags(mask, n=256):
+        rows, cols = bsfa.compile_mask(mask, n, n, 16).kernel_luts()
+        return _contiguous_lists(rows.full_ptr, rows.full_idx), _contiguous_lists(cols.full_ptr, cols.full_idx)
+
+    assert flags(bsfa.full()) == (True, True)
+    assert flags(bsfa.causal()) == (True, True)
+    assert flags(bsfa.sliding_window(64)) == (True, True)
+    assert flags(bsfa.global_tokens(16) | bsfa.window(40)) == (False, False)
+    ptr, idx = torch.tensor([0, 2, 2, 5]), torch.tensor([3, 4, 0, 1, 3])
+    assert not _contiguous_lists(ptr, idx)  # 1 -> 3 inside the last list
+    assert _contiguous_lists(ptr, torch.tensor([3, 4, 0, 1, 2]))  # 4 -> 0 crosses a list boundary
+
+
+@pytest.mark.parametrize("text", ["causal", "document"])
+def test_contiguous_luts_match_loaded_indices(text):
+    """Computing the block index of contiguous unmasked lists gives bit-identical outputs and
+    gradients to loading it from the LUT, with split work items."""
+    from blocksparse_fa.ops import triton_backend as tb
+
+    ids = torch.randint(0, 3, (80,)).sort().values
+    mask = bsfa.causal() & bsfa.document(ids) if text == "document" else bsfa.causal()
+    set_split_chunk(2)
+    try:
+        res = []
+        for on in (True, False):
+            tb.set_contiguous_luts(on)
+            lay = bsfa.compile_mask(mask, 80, 80, 16)
+            assert tb._device_state(lay, torch.device("cpu"))[3] == (on, on)
+            torch.manual_seed(5)
+            q, k, v = _qkv(1, 2, 2, 80, 80, 16)
+            do = torch.randn(1, 2, 80, 16)
+            out = bsfa.attention(q, k, v, mask=lay, backend="triton")
+            res.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+        for a, b in zip(*res):
+            assert torch.equal(a, b)
+    finally:
+        tb.set_contiguous_luts(True)
+        set_split_chunk(None)

@@ -34,6 +34,28 @@ def store_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_
 
 
 @triton.jit
+def lut_origin(LUT_IDX, start, end, CONTIG: tl.constexpr):
+    """For a contiguous LUT range (``CONTIG``: every list of this layout holds consecutive block
+    indices) the block of entry ``e`` is ``origin + e``; read once here, so the loop that walks the
+    range issues no dependent index load before each tile load and the pipeliner can prefetch."""
+    if CONTIG:
+        origin = tl.load(LUT_IDX + start, mask=start < end, other=0) - start
+    else:
+        origin = 0
+    return origin
+
+
+@triton.jit
+def lut_entry(LUT_IDX, e, origin, CONTIG: tl.constexpr):
+    """Block index of LUT entry ``e`` (see :func:`lut_origin`)."""
+    if CONTIG:
+        blk = origin + e
+    else:
+        blk = tl.load(LUT_IDX + e)
+    return blk
+
+
+@triton.jit
 def work_item(WORK, pid_w, FULL_PTR, PART_PTR, lut_base, TILE: tl.constexpr, LAYOUT_B: tl.constexpr,
               USE_WORK: tl.constexpr):
     """``(tile, f0, f1, p0, p1, slot)`` of program ``pid_w``: the work-list item

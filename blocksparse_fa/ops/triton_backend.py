@@ -24,7 +24,7 @@ _LOG2E = 1.4426950408889634
 def _device_state(layout: BlockLayout, device: torch.device):
     """Kernel LUTs and predicate payload for ``device``, cached on the layout."""
     cache = layout.__dict__.setdefault("_triton_state", {})
-    key = device
+    key = (device, _CONTIG["off"])
     st = cache.get(key)
     if st is None:
         rows, cols = layout.kernel_luts()
@@ -33,11 +33,31 @@ def _device_state(layout: BlockLayout, device: torch.device):
             t = t.to(device)
             return t if t.numel() else torch.zeros(1, dtype=torch.int32, device=device)
 
+        contig = (_contiguous_lists(rows.full_ptr, rows.full_idx), _contiguous_lists(cols.full_ptr, cols.full_idx))
         rows = tuple(prep(t) for t in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx))
         cols = tuple(prep(t) for t in (cols.full_ptr, cols.full_idx, cols.part_ptr, cols.part_idx))
-        st = (rows, cols, build_payload(layout, device))
+        st = (rows, cols, build_payload(layout, device), contig)
         cache[key] = st
     return st
+
+
+def _contiguous_lists(ptr: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether every CSR list ``idx[ptr[r]:ptr[r+1]]`` holds consecutive block indices (dense,
+    causal, sliding windows, documents: the unmasked blocks of a row or column form one run).
+    The kernels then compute block indices instead of loading them (``lut_origin``)."""
+    if _CONTIG["off"]:
+        return False
+    ptr, idx = ptr.cpu().long(), idx.cpu().long()
+    if idx.numel() < 2:
+        return True
+    step_ok = (idx[1:] - idx[:-1]) == 1
+    starts = torch.zeros(idx.numel(), dtype=torch.bool)
+    inner = ptr[(ptr > 0) & (ptr < idx.numel())]
+    starts[inner] = True  # entry j starts a new list: no step from j - 1 to j is required
+    return bool((step_ok | starts[1:]).all())
+
+
+_CONTIG = {"off": False}
 
 
 def _is_band(layout: BlockLayout) -> bool:
@@ -155,20 +175,20 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     lbm, lbn = layout.block_size
     check_layout_block(lbm, lbn)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    rows, _, pay = _device_state(layout, q.device)
+    rows, _, pay, contig = _device_state(layout, q.device)
     d_pad = head_dim_pad(s.D)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
     lzb, lzh = _layout_strides(layout)
 
     def launch(cfg):
-        _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg)
+        _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig[0])
 
     _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn, _is_band(layout)), (d_pad, q.dtype, lbm, lbn, pay.gathers), launch)
     return out, lse
 
 
-def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg):
+def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, full_contig):
     lbm, lbn = layout.block_size
     n_tiles = triton.cdiv(s.Lq, cfg.block_m)
     wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device)
@@ -186,7 +206,8 @@ def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay,
         PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, USE_WORK=use_work, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
         DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
-        MASKED_STAGES=_masked_stages(pay, cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MASKED_STAGES=_masked_stages(pay, cfg), FULL_CONTIG=full_contig, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if nslot:
         _attn_fwd_combine[(wl.n_combine, s.B * s.H)](
@@ -201,7 +222,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``."""
     lbm, lbn = layout.block_size
     q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
-    rows, cols, pay = _device_state(layout, q.device)
+    rows, cols, pay, contig = _device_state(layout, q.device)
     d_pad = head_dim_pad(s.D)
     cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn, _is_band(layout))
     dev = q.device
@@ -219,7 +240,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     lzb, lzh = _layout_strides(layout)
     drop = _dropout_args(dropout_p, seed)
     common = dict(PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
-                  LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, dev))
+                  LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, dev),
+                  ROW_CONTIG=contig[0], COL_CONTIG=contig[1])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
 
@@ -240,12 +262,21 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     return dq, dk, dv
 
 
-_FUSED_BWD = {"on": True}
+_FUSED_BWD = {"on": True, "head_major": True}
 
 
-def set_fused_backward(on: bool) -> None:
-    """Run dK/dV and dQ in one launch (default) or in two (benchmarks and tests compare both)."""
+def set_fused_backward(on: bool, head_major: bool = True) -> None:
+    """Run dK/dV and dQ in one launch (default) or in two (benchmarks and tests compare both).
+    ``head_major`` orders the one-launch grid head by head (default; see ``_attn_bwd``); False runs
+    every dK/dV program before every dQ program."""
     _FUSED_BWD["on"] = bool(on)
+    _FUSED_BWD["head_major"] = bool(head_major)
+
+
+def set_contiguous_luts(on: bool) -> None:
+    """Let the kernels compute block indices of contiguous unmasked lists (default) instead of
+    loading them from the LUT (benchmarks compare both)."""
+    _CONTIG["off"] = not on
 
 
 def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
@@ -279,6 +310,7 @@ def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, c
         Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
         KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
         Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
+        HEAD_MAJOR=_FUSED_BWD["head_major"],
         num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
         num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1), **common,
     )

@@ -1,0 +1,111 @@
+"""A/B of kernel variants on the same inputs (N=16K, d=128, bf16, H=16): index arithmetic for
+contiguous LUT lists on/off (forward and backward), and the one-launch backward's grid order
+(head by head vs all dK/dV programs first). Every variant is checked against the first one.
+
+    PYTHONPATH=. python benchmarks/ab_variants.py [--patterns ...] [--out DIR]
+    PYTHONPATH=. python benchmarks/ab_variants.py worker --pattern P --variant V   # one fwd+bwd, for ncu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+PATTERNS = ["dense", "causal", "sliding_window_1024", "document_causal", "longformer", "bigbird"]
+# name -> (contiguous LUT arithmetic, head-major backward grid)
+VARIANTS = {"base": (False, False), "contig": (True, False), "headmajor": (False, True), "both": (True, True)}
+
+
+def _apply(variant: str) -> None:
+    from blocksparse_fa.ops import triton_backend as tb
+
+    contig, head_major = VARIANTS[variant]
+    tb.set_contiguous_luts(contig)
+    tb.set_fused_backward(True, head_major)
+
+
+def _fns(p, n, variant, h=16, d=128):
+    from tune_sparse import _setup
+
+    from blocksparse_fa.ops import triton_backend as tb
+
+    _apply(variant)
+    lay, q, k, v, do, s = _setup(p, n, d, h)
+    scale = d ** -0.5
+    fwd = lambda: tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
+    out, lse = fwd()
+    bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0)
+    return fwd, bwd, out, bwd()
+
+
+def warm(job):
+    p, variant = job
+    try:
+        _fns(p, 2048, variant)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001 - report and go on
+        return f"{job}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", nargs="?", default="bench", choices=["bench", "worker"])
+    ap.add_argument("--patterns", nargs="+", default=PATTERNS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--pattern", default="sliding_window_1024")
+    ap.add_argument("--variant", default="both")
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    if args.mode == "worker":  # one forward + backward for a profiler, after a warm-up call
+        _fns(args.pattern, args.n, args.variant)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        fwd, bwd, _, _ = _fns(args.pattern, args.n, args.variant)
+        fwd()
+        bwd()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
+    t0 = time.time()
+    jobs = [(p, v) for p in args.patterns for v in args.variants]
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        for r in pool.imap_unordered(warm, jobs):
+            if r:
+                print("warm:", r, flush=True)
+    print(f"warm-up of {len(jobs)} variants: {time.time() - t0:.0f} s", flush=True)
+    res = {}
+    for p in args.patterns:
+        ref = None
+        for v in args.variants:
+            fwd, bwd, out, g = _fns(p, args.n, v)
+            if ref is None:
+                ref = (out[0].clone(), [t.clone() for t in g])
+            err = max([rel(out[0], ref[0])] + [rel(a, b) for a, b in zip(g, ref[1])])
+            tf = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+            tb_ = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
+            res[f"{p}/{v}"] = dict(fwd_ms=tf, bwd_ms=tb_, max_rel_diff_vs_first=err)
+            print(f"{p:20s} {v:10s} fwd {tf:.3f} ms  bwd {tb_:.3f} ms  diff vs {args.variants[0]} {err:.1e}", flush=True)
+        _apply("both")
+    with open(os.path.join(args.out, "ab_variants.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       n=args.n, d=128, h=16, variants=VARIANTS, results=res), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
