@@ -1,6 +1,7 @@
-"""A/B of kernel variants on the same inputs (N=16K, d=128, bf16, H=16): index arithmetic for
-contiguous LUT lists on/off (forward and backward), and the one-launch backward's grid order
-(head by head vs all dK/dV programs first). Every variant is checked against the first one.
+"""A/B of kernel variants on the same inputs (N=16K, d=128, bf16, H=16): how the loops find LUT
+block indices (loaded, prefetched, computed for contiguous lists; ``set_lut_policy``) and the
+one-launch backward's grid order (head by head vs all dK/dV programs first). Every variant is
+checked against the first one (bit-identical results expected).
 
     PYTHONPATH=. python benchmarks/ab_variants.py [--patterns ...] [--out DIR]
     PYTHONPATH=. python benchmarks/ab_variants.py worker --pattern P --variant V   # one fwd+bwd, for ncu
@@ -21,15 +22,23 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 
 PATTERNS = ["dense", "causal", "sliding_window_1024", "document_causal", "longformer", "bigbird"]
-# name -> (contiguous LUT arithmetic, head-major backward grid)
-VARIANTS = {"base": (False, False), "contig": (True, False), "headmajor": (False, True), "both": (True, True)}
+# name -> (LUT policy, head-major backward grid: None = automatic); the first is the reference
+DEFAULT_POLICY = dict(fwd_arith=True, fwd_other="load", dq_arith=False, dkdv_arith=False)
+VARIANTS = {
+    "default": ({}, None),
+    "load": (dict(fwd_arith=False), None),
+    "prefetch": (dict(fwd_other="prefetch"), None),
+    "dq_arith": (dict(dq_arith=True), None),
+    "phase": ({}, False),
+    "headmajor": ({}, True),
+}
 
 
 def _apply(variant: str) -> None:
     from blocksparse_fa.ops import triton_backend as tb
 
-    contig, head_major = VARIANTS[variant]
-    tb.set_contiguous_luts(contig)
+    policy, head_major = VARIANTS[variant]
+    tb.set_lut_policy(**{**DEFAULT_POLICY, **policy})
     tb.set_fused_backward(True, head_major)
 
 
@@ -67,7 +76,7 @@ def main():
     ap.add_argument("--patterns", nargs="+", default=PATTERNS)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--pattern", default="sliding_window_1024")
-    ap.add_argument("--variant", default="both")
+    ap.add_argument("--variant", default="default")
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -101,10 +110,11 @@ def main():
             tb_ = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
             res[f"{p}/{v}"] = dict(fwd_ms=tf, bwd_ms=tb_, max_rel_diff_vs_first=err)
             print(f"{p:20s} {v:10s} fwd {tf:.3f} ms  bwd {tb_:.3f} ms  diff vs {args.variants[0]} {err:.1e}", flush=True)
-        _apply("both")
+        _apply("default")
     with open(os.path.join(args.out, "ab_variants.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       n=args.n, d=128, h=16, variants=VARIANTS, results=res), f, indent=1)
+                       n=args.n, d=128, h=16, variants={k: [v[0], v[1]] for k, v in VARIANTS.items()},
+                       results=res), f, indent=1)
 
 
 if __name__ == "__main__":

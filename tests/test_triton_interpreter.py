@@ -269,7 +269,7 @@ def test_fused_backward_matches_separate_launches(text, split):
         _check(mask, H=4, Hkv=2, Lq=90, Lk=90)
     finally:
         tb._bwd_launch = real
-        tb.set_fused_backward(True)
+        tb.set_fused_backward(True, None)
         set_split_chunk(None)
         set_override("dkdv", None)
         set_override("dq", None)
@@ -293,21 +293,29 @@ def test_contiguous_lut_detection():
     assert _contiguous_lists(ptr, torch.tensor([3, 4, 0, 1, 2]))  # 4 -> 0 crosses a list boundary
 
 
-@pytest.mark.parametrize("text", ["causal", "document"])
-def test_contiguous_luts_match_loaded_indices(text):
-    """Computing the block index of contiguous unmasked lists gives bit-identical outputs and
-    gradients to loading it from the LUT, with split work items."""
+@pytest.mark.parametrize("text", ["causal", "document", "longformer"])
+def test_lut_modes_match(text):
+    """Every way of finding LUT block indices (loaded, prefetched one entry ahead, computed for
+    contiguous lists) gives bit-identical outputs and gradients, with split work items."""
     from blocksparse_fa.ops import triton_backend as tb
 
     ids = torch.randint(0, 3, (80,)).sort().values
-    mask = bsfa.causal() & bsfa.document(ids) if text == "document" else bsfa.causal()
+    mask = {"document": bsfa.causal() & bsfa.document(ids), "causal": bsfa.causal(),
+            "longformer": bsfa.global_tokens(16) | bsfa.window(20)}[text]
+    policies = [dict(fwd_arith=False, fwd_other="load", dq_arith=False, dkdv_arith=False),
+                dict(fwd_arith=True, fwd_other="prefetch", dq_arith=True, dkdv_arith=True)]
     set_split_chunk(2)
     try:
         res = []
-        for on in (True, False):
-            tb.set_contiguous_luts(on)
+        for pol in policies:
+            tb.set_lut_policy(**pol)
             lay = bsfa.compile_mask(mask, 80, 80, 16)
-            assert tb._device_state(lay, torch.device("cpu"))[3] == (on, on)
+            contig = tb._device_state(lay, torch.device("cpu"))[3]
+            modes = tb._lut_modes(contig)
+            if pol["fwd_arith"]:
+                assert modes["FULL_LUT"] == ("arith" if contig[0] else "prefetch")
+                assert modes["PART_LUT"] == "prefetch"
+                assert modes["COL_LUT"] == ("arith" if contig[1] else "load")
             torch.manual_seed(5)
             q, k, v = _qkv(1, 2, 2, 80, 80, 16)
             do = torch.randn(1, 2, 80, 16)
@@ -316,5 +324,5 @@ def test_contiguous_luts_match_loaded_indices(text):
         for a, b in zip(*res):
             assert torch.equal(a, b)
     finally:
-        tb.set_contiguous_luts(True)
+        tb.set_lut_policy(fwd_arith=True, fwd_other="load", dq_arith=False, dkdv_arith=False)
         set_split_chunk(None)

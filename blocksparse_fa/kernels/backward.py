@@ -7,7 +7,7 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, load_tile, lut_entry, lut_origin, mma, store_tile, work_item
+from .common import LOG2E, dropout_keep, load_tile, lut_first, lut_next, mma, store_tile, work_item
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -45,10 +45,10 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                CONTIG: tl.constexpr):
-    rblk0 = lut_origin(LUT_IDX, start, end, CONTIG)
+                LUT_MODE: tl.constexpr):
+    carry = lut_first(LUT_IDX, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
-        rblk = lut_entry(LUT_IDX, e, rblk0, CONTIG)
+        rblk, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
             offs_m = rblk * LAYOUT_BM + sub * BLOCK_M + tl.arange(0, BLOCK_M)
             q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
@@ -92,7 +92,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_CONTIG: tl.constexpr):
+                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -124,11 +124,11 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_IDX, f0, f1, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_CONTIG)
+                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, p0, p1, q_len, kv_len, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, False)
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load")
     if slot < 0:
         store_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
                    (dk * sm_scale).to(DK.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
@@ -147,11 +147,11 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, s
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-              CONTIG: tl.constexpr):
+              LUT_MODE: tl.constexpr):
     qp = offs_m + (kv_len - q_len)
-    col0 = lut_origin(LUT_IDX, start, end, CONTIG)
+    carry = lut_first(LUT_IDX, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
-        col = lut_entry(LUT_IDX, e, col0, CONTIG)
+        col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
             k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
@@ -185,7 +185,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_CONTIG: tl.constexpr):
+                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
@@ -208,10 +208,10 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_CONTIG)
+                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, False)
+                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load")
     if slot < 0:
         store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
                    (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
@@ -239,7 +239,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
               Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
-              HEAD_MAJOR: tl.constexpr, ROW_CONTIG: tl.constexpr, COL_CONTIG: tl.constexpr):
+              HEAD_MAJOR: tl.constexpr, ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -281,7 +281,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, KV_WORK, DKPART, DVPART, KV_NSLOT,
                       H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                       drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N,
-                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_CONTIG)
+                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -290,7 +290,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, Q_WORK, DQPART, Q_NSLOT,
                     H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                     drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N,
-                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_CONTIG)
+                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

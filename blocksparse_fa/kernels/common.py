@@ -34,25 +34,37 @@ def store_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_
 
 
 @triton.jit
-def lut_origin(LUT_IDX, start, end, CONTIG: tl.constexpr):
-    """For a contiguous LUT range (``CONTIG``: every list of this layout holds consecutive block
-    indices) the block of entry ``e`` is ``origin + e``; read once here, so the loop that walks the
-    range issues no dependent index load before each tile load and the pipeliner can prefetch."""
-    if CONTIG:
-        origin = tl.load(LUT_IDX + start, mask=start < end, other=0) - start
+def lut_first(LUT_IDX, start, end, MODE: tl.constexpr):
+    """Loop-carried state for walking LUT entries ``start .. end`` (see :func:`lut_next`).
+
+    ``MODE`` says how the block index of an entry is found:
+    ``"load"``: read it from the LUT inside the loop (the tile loads of that iteration wait on it);
+    ``"prefetch"``: read it one iteration ahead, so the tile loads use an index already in registers;
+    ``"arith"``: the lists of this layout are runs of consecutive blocks (dense, causal, sliding
+    windows, documents), so the index is ``first + (e - start)`` and the loop reads no index at all.
+    """
+    if MODE == "arith":
+        carry = tl.load(LUT_IDX + start, mask=start < end, other=0) - start
+    elif MODE == "prefetch":
+        carry = tl.load(LUT_IDX + start, mask=start < end, other=0)
     else:
-        origin = 0
-    return origin
+        carry = start * 0
+    return carry
 
 
 @triton.jit
-def lut_entry(LUT_IDX, e, origin, CONTIG: tl.constexpr):
-    """Block index of LUT entry ``e`` (see :func:`lut_origin`)."""
-    if CONTIG:
-        blk = origin + e
+def lut_next(LUT_IDX, e, end, carry, MODE: tl.constexpr):
+    """``(block index of entry e, carry for entry e + 1)``; see :func:`lut_first`."""
+    if MODE == "arith":
+        blk = carry + e
+        nxt = carry
+    elif MODE == "prefetch":
+        blk = carry
+        nxt = tl.load(LUT_IDX + e + 1, mask=e + 1 < end, other=0)
     else:
         blk = tl.load(LUT_IDX + e)
-    return blk
+        nxt = carry
+    return blk, nxt
 
 
 @triton.jit

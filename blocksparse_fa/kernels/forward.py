@@ -10,7 +10,7 @@ log, float32) saved for the backward. Fully masked rows produce 0 and LSE ``-inf
 import triton
 import triton.language as tl
 
-from .common import LN2, dropout_keep, load_tile, lut_entry, lut_origin, mma, store_tile, work_item
+from .common import LN2, dropout_keep, load_tile, lut_first, lut_next, mma, store_tile, work_item
 
 
 @triton.jit
@@ -20,10 +20,10 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-               CONTIG: tl.constexpr):
-    col0 = lut_origin(LUT_IDX, start, end, CONTIG)
+               LUT_MODE: tl.constexpr):
+    carry = lut_first(LUT_IDX, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
-        col = lut_entry(LUT_IDX, e, col0, CONTIG)
+        col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
             k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
@@ -65,7 +65,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_CONTIG: tl.constexpr):
+              STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
+              FULL_LUT: tl.constexpr, PART_LUT: tl.constexpr):
     """One program per work item (or query tile) and batch·head. With ``USE_WORK`` the item
     ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
     split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel."""
@@ -95,11 +96,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_CONTIG)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, False)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)

@@ -24,7 +24,7 @@ _LOG2E = 1.4426950408889634
 def _device_state(layout: BlockLayout, device: torch.device):
     """Kernel LUTs and predicate payload for ``device``, cached on the layout."""
     cache = layout.__dict__.setdefault("_triton_state", {})
-    key = (device, _CONTIG["off"])
+    key = device
     st = cache.get(key)
     if st is None:
         rows, cols = layout.kernel_luts()
@@ -43,10 +43,7 @@ def _device_state(layout: BlockLayout, device: torch.device):
 
 def _contiguous_lists(ptr: torch.Tensor, idx: torch.Tensor) -> bool:
     """Whether every CSR list ``idx[ptr[r]:ptr[r+1]]`` holds consecutive block indices (dense,
-    causal, sliding windows, documents: the unmasked blocks of a row or column form one run).
-    The kernels then compute block indices instead of loading them (``lut_origin``)."""
-    if _CONTIG["off"]:
-        return False
+    causal, sliding windows, documents: the unmasked blocks of a row or column form one run)."""
     ptr, idx = ptr.cpu().long(), idx.cpu().long()
     if idx.numel() < 2:
         return True
@@ -57,7 +54,30 @@ def _contiguous_lists(ptr: torch.Tensor, idx: torch.Tensor) -> bool:
     return bool((step_ok | starts[1:]).all())
 
 
-_CONTIG = {"off": False}
+# How each kernel loop finds the block index of a LUT entry (``kernels/common.lut_first``).
+# Measured on the H100 (benchmarks/NOTES.md v7): index arithmetic on contiguous unmasked lists
+# speeds the forward up (dense 4.84 -> 4.60 ms, causal 2.55 -> 2.44 ms) but slows dK/dV, whose
+# extra live registers spill; so the backward keeps the LUT load unless told otherwise.
+_LUT_POLICY = {"fwd_arith": True, "fwd_other": "load", "dq_arith": False, "dkdv_arith": False}
+
+
+def set_lut_policy(**kw) -> None:
+    """Change how the kernels read LUT indices (benchmarks compare the modes): ``fwd_arith``,
+    ``dq_arith``, ``dkdv_arith`` (bool: index arithmetic on contiguous unmasked lists) and
+    ``fwd_other`` (``"load"`` or ``"prefetch"``: the forward's other lists)."""
+    for k, v in kw.items():
+        if k not in _LUT_POLICY:
+            raise ValueError(f"unknown LUT policy {k!r}; expected one of {sorted(_LUT_POLICY)}")
+        _LUT_POLICY[k] = v
+
+
+def _lut_modes(contig: tuple[bool, bool]) -> dict:
+    """Constexpr LUT modes of the forward (``FULL_LUT``/``PART_LUT``) and backward (``ROW_LUT``
+    for dQ, ``COL_LUT`` for dK/dV) for a layout whose (row, column) unmasked lists are contiguous."""
+    other = _LUT_POLICY["fwd_other"]
+    return dict(FULL_LUT="arith" if contig[0] and _LUT_POLICY["fwd_arith"] else other, PART_LUT=other,
+                ROW_LUT="arith" if contig[0] and _LUT_POLICY["dq_arith"] else "load",
+                COL_LUT="arith" if contig[1] and _LUT_POLICY["dkdv_arith"] else "load")
 
 
 def _is_band(layout: BlockLayout) -> bool:
@@ -182,18 +202,19 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     lzb, lzh = _layout_strides(layout)
 
     def launch(cfg):
-        _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig[0])
+        _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig)
 
     _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn, _is_band(layout)), (d_pad, q.dtype, lbm, lbn, pay.gathers), launch)
     return out, lse
 
 
-def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, full_contig):
+def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig):
     lbm, lbn = layout.block_size
     n_tiles = triton.cdiv(s.Lq, cfg.block_m)
     wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device)
     grid, work, use_work = _grid_and_work(wl, n_tiles, s.B * s.H, q.device)
     nslot = wl.n_slots if wl is not None else 0
+    modes = _lut_modes(contig)
     opart = torch.empty((max(1, s.B * s.H * nslot * cfg.block_m), d_pad), dtype=torch.float32, device=q.device)
     lpart = torch.empty((max(1, s.B * s.H * nslot * cfg.block_m),), dtype=torch.float32, device=q.device)
     _attn_fwd[grid](
@@ -206,8 +227,8 @@ def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay,
         PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, USE_WORK=use_work, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
         DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
-        MASKED_STAGES=_masked_stages(pay, cfg), FULL_CONTIG=full_contig, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        MASKED_STAGES=_masked_stages(pay, cfg), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, FULL_LUT=modes["FULL_LUT"], PART_LUT=modes["PART_LUT"],
     )
     if nslot:
         _attn_fwd_combine[(wl.n_combine, s.B * s.H)](
@@ -239,9 +260,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     lzb, lzh = _layout_strides(layout)
     drop = _dropout_args(dropout_p, seed)
+    modes = _lut_modes(contig)
     common = dict(PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
                   LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, dev),
-                  ROW_CONTIG=contig[0], COL_CONTIG=contig[1])
+                  ROW_LUT=modes["ROW_LUT"], COL_LUT=modes["COL_LUT"])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
 
@@ -262,21 +284,18 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     return dq, dk, dv
 
 
-_FUSED_BWD = {"on": True, "head_major": True}
+_FUSED_BWD = {"on": True, "head_major": None}
 
 
-def set_fused_backward(on: bool, head_major: bool = True) -> None:
+def set_fused_backward(on: bool, head_major: bool | None = None) -> None:
     """Run dK/dV and dQ in one launch (default) or in two (benchmarks and tests compare both).
-    ``head_major`` orders the one-launch grid head by head (default; see ``_attn_bwd``); False runs
-    every dK/dV program before every dQ program."""
+
+    ``head_major`` orders the one-launch grid head by head (see ``_attn_bwd``): a head's Q, K, V
+    and dO are then read from DRAM once instead of twice. ``None`` (default) picks it when no tile
+    is split by the work lists; layouts with split tiles (global tokens) keep every dK/dV program
+    first, so the heavy ones of all heads start early (measured, benchmarks/NOTES.md v7)."""
     _FUSED_BWD["on"] = bool(on)
-    _FUSED_BWD["head_major"] = bool(head_major)
-
-
-def set_contiguous_luts(on: bool) -> None:
-    """Let the kernels compute block indices of contiguous unmasked lists (default) instead of
-    loading them from the LUT (benchmarks compare both)."""
-    _CONTIG["off"] = not on
+    _FUSED_BWD["head_major"] = head_major
 
 
 def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
@@ -310,7 +329,7 @@ def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, c
         Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
         KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
         Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
-        HEAD_MAJOR=_FUSED_BWD["head_major"],
+        HEAD_MAJOR=_FUSED_BWD["head_major"] if _FUSED_BWD["head_major"] is not None else not (kv_nslot or q_nslot),
         num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
         num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1), **common,
     )
