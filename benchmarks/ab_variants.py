@@ -23,12 +23,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 PATTERNS = ["dense", "causal", "sliding_window_1024", "document_causal", "longformer", "bigbird"]
 # name -> (LUT policy, head-major backward grid: None = automatic); the first is the reference
-DEFAULT_POLICY = dict(fwd_arith=True, fwd_other="load", dq_arith=False, dkdv_arith=False)
+DEFAULT_POLICY = dict(fwd_arith=True, fwd_other="prefetch", dq_arith=True, dkdv_arith=False)
 VARIANTS = {
     "default": ({}, None),
-    "load": (dict(fwd_arith=False), None),
-    "prefetch": (dict(fwd_other="prefetch"), None),
-    "dq_arith": (dict(dq_arith=True), None),
+    "load": (dict(fwd_arith=False, fwd_other="load", dq_arith=False), None),
+    "no_prefetch": (dict(fwd_other="load"), None),
+    "no_dq_arith": (dict(dq_arith=False), None),
     "phase": ({}, False),
     "headmajor": ({}, True),
 }

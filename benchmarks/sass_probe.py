@@ -37,7 +37,7 @@ def _sig(fn, types: dict, consts: dict):
     return sig
 
 
-def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None, d=128, extra=None, contig=False):
+def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None, d=128, extra=None, lut="load"):
     lay = bsfa.compile_mask(mask, 4096, 4096, 128)
     pay = build_payload(lay, "cpu")
     fn = _attn_fwd if kernel == "fwd" else _attn_bwd
@@ -51,7 +51,7 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
     consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=False, USE_WORK=True, HEAD_DIM=d, HEAD_DIM_PAD=d,
                   BLOCK_M=bm, BLOCK_N=bn, LAYOUT_BM=128, LAYOUT_BN=128, DOT_PRECISION="tf32",
                   STAGES=stages, MASKED_STAGES=stages if masked_stages is None else masked_stages,
-                  FULL_CONTIG=contig, ROW_CONTIG=contig, COL_CONTIG=contig, HEAD_MAJOR=True)
+                  FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut, HEAD_MAJOR=True)
     if kernel != "fwd":  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at 128x128)
         ms = consts["MASKED_STAGES"]
         kv = (bm, bn) if kernel != "dq" else (64, 128)
@@ -142,13 +142,13 @@ def main():
     ap.add_argument("--masked-stages", type=int, default=None)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--sass-out", default=None)
-    ap.add_argument("--contig", action="store_true", help="unmasked LUT lists are contiguous (index arithmetic)")
+    ap.add_argument("--lut", default="load", choices=["load", "prefetch", "arith"], help="LUT index mode of the loops")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
     mask = _mask(args.mask)
     ck = compile_kernel(args.kernel, mask, args.bm, args.bn, args.warps, args.stages, args.masked_stages, args.d,
-                        contig=args.contig)
+                        lut=args.lut)
     print(args.mask, args.kernel, (args.bm, args.bn, args.warps, args.stages), report(ck))
     if args.sass_out:
         with open(args.sass_out, "w") as f:

@@ -324,5 +324,5 @@ def test_lut_modes_match(text):
         for a, b in zip(*res):
             assert torch.equal(a, b)
     finally:
-        tb.set_lut_policy(fwd_arith=True, fwd_other="load", dq_arith=False, dkdv_arith=False)
+        tb.set_lut_policy(fwd_arith=True, fwd_other="prefetch", dq_arith=True, dkdv_arith=False)
         set_split_chunk(None)

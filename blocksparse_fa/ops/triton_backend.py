@@ -55,10 +55,11 @@ def _contiguous_lists(ptr: torch.Tensor, idx: torch.Tensor) -> bool:
 
 
 # How each kernel loop finds the block index of a LUT entry (``kernels/common.lut_first``).
-# Measured on the H100 (benchmarks/NOTES.md v7): index arithmetic on contiguous unmasked lists
-# speeds the forward up (dense 4.84 -> 4.60 ms, causal 2.55 -> 2.44 ms) but slows dK/dV, whose
-# extra live registers spill; so the backward keeps the LUT load unless told otherwise.
-_LUT_POLICY = {"fwd_arith": True, "fwd_other": "load", "dq_arith": False, "dkdv_arith": False}
+# Chosen from an A/B on the H100 (benchmarks/ab_variants.py, NOTES.md v7): index arithmetic on
+# contiguous unmasked lists speeds up the forward (sliding 0.456 -> 0.429 ms, causal 2.54 -> 2.44)
+# and dQ; prefetching the other lists one entry ahead speeds up BigBird's forward (0.629 -> 0.594).
+# dK/dV keeps the LUT load: the extra live registers of the other modes add spills there.
+_LUT_POLICY = {"fwd_arith": True, "fwd_other": "prefetch", "dq_arith": True, "dkdv_arith": False}
 
 
 def set_lut_policy(**kw) -> None:
