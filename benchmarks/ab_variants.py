@@ -29,6 +29,7 @@ VARIANTS = {
     "load": (dict(fwd_arith=False, fwd_other="load", dq_arith=False), None),
     "no_prefetch": (dict(fwd_other="load"), None),
     "no_dq_arith": (dict(dq_arith=False), None),
+    "doc_ids": (dict(document_runs=False), None),
     "phase": ({}, False),
     "headmajor": ({}, True),
 }
@@ -37,7 +38,11 @@ VARIANTS = {
 def _apply(variant: str) -> None:
     from blocksparse_fa.ops import triton_backend as tb
 
+    from blocksparse_fa.kernels.predicate import set_document_runs
+
     policy, head_major = VARIANTS[variant]
+    policy = dict(policy)
+    set_document_runs(policy.pop("document_runs", True))
     tb.set_lut_policy(**{**DEFAULT_POLICY, **policy})
     tb.set_fused_backward(True, head_major)
 

@@ -326,3 +326,32 @@ def test_lut_modes_match(text):
     finally:
         tb.set_lut_policy(fwd_arith=True, fwd_other="prefetch", dq_arith=True, dkdv_arith=False)
         set_split_chunk(None)
+
+
+def test_document_runs_form_matches_ids():
+    """Documents that are contiguous runs use the run-bounds predicate (no key-side gather); it gives
+    the same outputs and gradients as comparing ids, and split documents fall back to ids."""
+    from blocksparse_fa.kernels import predicate as pr
+
+    ids = torch.tensor([0] * 23 + [1] * 30 + [2] * 5 + [3] * 22)
+    mask = bsfa.causal() & bsfa.document(ids)
+    res = []
+    try:
+        for on in (True, False):
+            pr.set_document_runs(on)
+            lay = bsfa.compile_mask(mask, 80, 80, 16)
+            fn = pr.build_payload(lay, "cpu").fn
+            assert (fn is pr._functions["and(causal,document_runs)"]) == on
+            torch.manual_seed(3)
+            q, k, v = _qkv(1, 2, 1, 80, 80, 16)
+            do = torch.randn(1, 2, 80, 16)
+            out = bsfa.attention(q, k, v, mask=lay, backend="triton")
+            res.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    finally:
+        pr.set_document_runs(True)
+    for a, b in zip(*res):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    _check(mask, H=2, Hkv=1, Lq=80, Lk=80)
+    assert pr._document_runs(np.array([[0, 0, 1, 0]])) is None
+    start, end = pr._document_runs(np.array([[4, 4, 9, 9, 9], [1, 2, 2, 2, 3]]))
+    assert start.tolist() == [[0, 0, 2, 2, 2], [0, 1, 1, 1, 4]] and end.tolist() == [[2, 2, 5, 5, 5], [1, 4, 4, 4, 5]]
