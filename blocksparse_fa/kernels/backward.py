@@ -65,7 +65,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
             p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
             if MASKED:
                 qp = offs_m + (kv_len - q_len)
-                keep = PREDICATE(qp[None, :], offs_n[:, None], offs_m[None, :], b, h, PARAMS, AUX)
+                keep = PREDICATE(qp[None, :], offs_n[:, None], offs_m[None, :], b, h, PARAMS, AUX, True)
                 keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
                 p_t = tl.where(keep, p_t, 0.0)
             dp_t = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
@@ -161,7 +161,7 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, s
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
             if MASKED:
-                keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX)
+                keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
                 keep = keep & (offs_n[None, :] < kv_len)
                 p = tl.where(keep, p, 0.0)
             dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
@@ -222,7 +222,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
 
 
 @triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",
-                               "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS"])
+                               "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS", "HEAD_MAJOR"])
 def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -230,7 +230,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               stride_dvb, stride_dvh, stride_dvn,
               RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX,
               PARAMS, AUX, KV_WORK, Q_WORK, DKPART, DVPART, DQPART, KV_NSLOT, Q_NSLOT,
-              N_KV_ITEMS, N_KV_PROGS, N_Q_ITEMS,
+              N_KV_ITEMS, N_KV_PROGS, N_Q_ITEMS, HEAD_MAJOR,
               H, G, LZB, LZH, TR, TC, q_len, kv_len, qk_scale, sm_scale,
               seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
@@ -239,7 +239,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
               Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
-              HEAD_MAJOR: tl.constexpr, ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr):
+              ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -259,18 +259,17 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     q_item = pq % N_Q_ITEMS
     q_bh = pq // N_Q_ITEMS
     if RUN_KV and RUN_Q:
-        if HEAD_MAJOR:
+        is_kv = pid < N_KV_PROGS
+        if HEAD_MAJOR != 0:  # a run-time flag: switching order never compiles a new variant
             group = N_KV_ITEMS + G * N_Q_ITEMS
-            kv_bh = pid // group
             r = pid % group
             is_kv = r < N_KV_ITEMS
             kv_item = r
+            kv_bh = pid // group
             rq = tl.maximum(r - N_KV_ITEMS, 0)
             q_item = rq % N_Q_ITEMS
             HKV = H // G
             q_bh = (kv_bh // HKV) * H + (kv_bh % HKV) * G + rq // N_Q_ITEMS
-        else:
-            is_kv = pid < N_KV_PROGS
     else:
         is_kv = RUN_KV
     if is_kv:

@@ -48,3 +48,18 @@ def div_floor(x, d, shift):
     else:
         r = x // d
     return r
+
+
+@triton.jit
+def doc_run_keep(qp, kj, START, END, n, KEY_SIDE: tl.constexpr):
+    """Same document, for documents that are contiguous runs: position ``x`` belongs to the run
+    ``[START[x], END[x])`` (``n`` positions). The bounds are read on the side that stays fixed
+    inside the kernel's loop (``KEY_SIDE``: the key block of a dK/dV program, else the query
+    rows), so the compiler hoists the loads out of the loop."""
+    if KEY_SIDE:
+        ok = (kj >= 0) & (kj < n)
+        r = (qp >= tl.load(START + kj, mask=ok, other=1 << 30)) & (qp < tl.load(END + kj, mask=ok, other=0))
+    else:
+        ok = (qp >= 0) & (qp < n)
+        r = (kj >= tl.load(START + qp, mask=ok, other=1 << 30)) & (kj < tl.load(END + qp, mask=ok, other=0))
+    return r

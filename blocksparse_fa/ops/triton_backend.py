@@ -315,6 +315,9 @@ def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, c
     n_progs = n_kv_progs + (n_q_items * s.B * s.H if run_q else 0)
     kv_nslot = wl_kv.n_slots if wl_kv is not None and run_kv else 0
     q_nslot = wl_q.n_slots if wl_q is not None and run_q else 0
+    head_major = _FUSED_BWD["head_major"]
+    if head_major is None:
+        head_major = not (kv_nslot or q_nslot)
     kv_part = (max(1, s.B * s.Hkv * kv_nslot * cfg_kv.block_n), d_pad)
     dkpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
     dvpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
@@ -324,13 +327,12 @@ def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, c
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         *rows, *cols, pay.params, pay.aux, kv_work, q_work, dkpart, dvpart, dqpart, kv_nslot, q_nslot,
-        n_kv_items, n_kv_progs, n_q_items,
+        n_kv_items, n_kv_progs, n_q_items, int(head_major),
         s.H, s.G, lzb, lzh, -(-s.Lq // lbm), -(-s.Lk // lbn), s.Lq, s.Lk, scale * _LOG2E, scale, *drop,
         USE_WORK=use_work, KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
         Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
         KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
         Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
-        HEAD_MAJOR=_FUSED_BWD["head_major"] if _FUSED_BWD["head_major"] is not None else not (kv_nslot or q_nslot),
         num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
         num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1), **common,
     )
