@@ -9,7 +9,8 @@ Modes:
 * ``run`` (driver): for every configuration of the two regimes and every implementation (ours,
   FlexAttention) it launches *this script* in ``worker`` mode under
   ``ncu --clock-control none --cache-control all --profile-from-start off --metrics
-  dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,gpu__time_duration.sum``
+  dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,
+  l1tex__m_xbar2l1tex_read_bytes.sum,gpu__time_duration.sum``
   (ours filtered with ``-k regex:_attn``), exports the report to CSV, parses it, and writes the raw
   results to ``docs/data/traffic_<regime>.json`` (after every configuration, so an interrupted run
   keeps what it measured). ncu reports, CSVs and logs go under ``--out``. Then it runs ``report``.
@@ -57,7 +58,11 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
-           "gpu__time_duration.sum")
+           "l1tex__m_xbar2l1tex_read_bytes.sum", "gpu__time_duration.sum")
+# L2 -> SM bytes: the crossbar's delivered bytes (l1tex__m_xbar2l1tex_read_bytes). The L2-slice
+# counter (lts__t_sectors_srcunit_tex_op_read x 32) under-counts when many programs read one block
+# at once (dense: -38 %, docs/traffic.md); it is kept as l2_read_slice, and used for l2_read only
+# in results measured before the crossbar counter was added.
 SECTOR_BYTES = 32
 MARKER_RE = re.compile(r"spin_kernel")
 OURS_RE = re.compile(r"_attn_(fwd|bwd_preprocess|bwd_dkdv|bwd_dq)\b")  # not the *_combine kernels
@@ -301,9 +306,12 @@ def parse_ncu_csv(text: str) -> list[dict]:
     for kid in sorted(per_id):
         e = per_id[kid]
         m = e.pop("metrics")
+        slice_bytes = m.get("lts__t_sectors_srcunit_tex_op_read.sum", float("nan")) * SECTOR_BYTES
+        xbar = m.get("l1tex__m_xbar2l1tex_read_bytes.sum", float("nan"))
         e.update(dram_read=m.get("dram__bytes_read.sum", float("nan")),
                  dram_write=m.get("dram__bytes_write.sum", float("nan")),
-                 l2_read=m.get("lts__t_sectors_srcunit_tex_op_read.sum", float("nan")) * SECTOR_BYTES,
+                 l2_read=xbar if not math.isnan(xbar) else slice_bytes, l2_read_slice=slice_bytes,
+                 l2_counter="xbar" if not math.isnan(xbar) else "slice",
                  time_ns=m.get("gpu__time_duration.sum", float("nan")))
         out.append(e)
     return out
@@ -324,7 +332,11 @@ def split_phases(kernels: list[dict], impl: str) -> dict:
 
 def _sum(kernels: list[dict]) -> dict:
     keys = ("dram_read", "dram_write", "l2_read", "time_ns")
-    return {k: float(sum(x[k] for x in kernels)) for k in keys} | {"n_kernels": len(kernels)}
+    out = {k: float(sum(x[k] for x in kernels)) for k in keys} | {"n_kernels": len(kernels)}
+    if kernels and all("l2_read_slice" in x for x in kernels):
+        out["l2_read_slice"] = float(sum(x["l2_read_slice"] for x in kernels))
+        out["l2_counter"] = "xbar" if all(x.get("l2_counter") == "xbar" for x in kernels) else "slice"
+    return out
 
 
 def infer_tiles(kernels: list[dict], cfg: dict) -> dict:
@@ -606,7 +618,9 @@ def report(args) -> int:
             ax.set_ylabel(lab)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-        axes[0].set_title("L2 → SM (lts__t_sectors_srcunit_tex_op_read × 32)")
+        xbar = all(r[ph].get("l2_counter") == "xbar" for r in runs for ph in ("fwd", "bwd"))
+        axes[0].set_title("L2 → SM (l1tex__m_xbar2l1tex_read_bytes)" if xbar
+                          else "L2 → SM (lts__t_sectors_srcunit_tex_op_read × 32)")
         axes[1].set_title(f"DRAM read (dram__bytes_read), L2 = {args.l2_mb:g} MiB")
         axes[2].set_title("time")
         fig.suptitle(title)
