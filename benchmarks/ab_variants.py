@@ -54,6 +54,7 @@ def _fns(p, n, variant, h=16, d=128):
 
     _apply(variant)
     lay, q, k, v, do, s = _setup(p, n, d, h)
+    lay.__dict__.pop("_triton_state", None)  # compile_mask caches layouts: rebuild LUTs and predicate
     scale = d ** -0.5
     fwd = lambda: tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
     out, lse = fwd()

@@ -335,3 +335,24 @@ def test_gpu_driver_plumbing_with_a_fake_ncu(tmp_path):
                  "dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum"):
         assert flag in cmd
     assert "-k regex" not in (out / f"{flex['tag']}.log").read_text().splitlines()[0]
+
+
+def test_head_major_backward_reads_dq_inputs_from_l2():
+    """In the head-major one-launch backward, the dQ programs' Q/dO/K/V come from L2 when a head's
+    inputs fit there; beyond L2 (or in phase order) they are read from DRAM again."""
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.analysis.traffic import traffic_model
+
+    lay = bsfa.compile_mask(bsfa.sliding_window(1024), 16384, 16384, 128)
+    hm = traffic_model(lay, compare=False)
+    ph = traffic_model(lay, compare=False, bwd_order="phase")
+    lut = lay.row_lut.nbytes
+    assert hm.bwd_dq.dram_read_bytes == pytest.approx(lut)
+    qkvdo = 16 * 16384 * (4 * 128 * 2 + 8)  # Q, dO, K, V (bf16) + LSE, delta per head
+    assert ph.bwd_dq.dram_read_bytes - hm.bwd_dq.dram_read_bytes == pytest.approx(qkvdo, rel=1e-6)
+    assert hm.bwd_dq.l2_to_sm_bytes == ph.bwd_dq.l2_to_sm_bytes  # the order changes DRAM only
+    small = traffic_model(lay, compare=False, l2_bytes=8 * 2**20)  # a head's 16 MB no longer fits
+    assert small.bwd_dq.dram_read_bytes == traffic_model(lay, compare=False, l2_bytes=8 * 2**20,
+                                                         bwd_order="phase").bwd_dq.dram_read_bytes
+    with pytest.raises(ValueError, match="bwd_order"):
+        traffic_model(lay, compare=False, bwd_order="sideways")

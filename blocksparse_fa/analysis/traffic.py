@@ -41,8 +41,11 @@ tile × batch·head; Q once, K/V per visited key block, writes O and LSE), ``_at
 (reads O, dO, writes δ), and ``_attn_bwd``, whose dK/dV programs (one per key tile ×
 batch·kv-head; K/V once, then per query head of the GQA group and per column-LUT entry Q, dO, LSE,
 δ; writes dK, dV) and dQ programs (one per query tile × batch·head; Q, dO, LSE, δ once, K/V per
-entry, writes dQ) run in one launch or two; the model counts them as ``bwd_dkdv`` and ``bwd_dq``. Lookup tables: each program reads 4 int32 row pointers and 4 bytes per entry. Only the
-valid rows/keys of ragged edge tiles are counted (masked loads move nothing).
+entry, writes dQ) run in one launch or two; the model counts them as ``bwd_dkdv`` and ``bwd_dq``.
+In the one launch the grid goes head by head (``TrafficParams.bwd_order="head_major"``), so when
+one GQA group's Q, dO, LSE, δ, K, V fit in L2 the dQ programs find them there and read only their
+lookup tables from DRAM. Lookup tables: each program reads 4 int32 row pointers and 4 bytes per
+entry. Only the valid rows/keys of ragged edge tiles are counted (masked loads move nothing).
 
 Standard attention is the paper's Algorithm 0 (forward ``4Nd + 4N²`` elements per head) and
 Algorithm 3 (backward ``8Nd + 7N²``), with S, P, dP, dS stored in the input dtype and all of it
@@ -110,6 +113,12 @@ class TrafficParams:
     LUT cost (unmasked entries + 1.5 x masked + 1), as the kernels' work lists order them
     (``blocksparse_fa/kernels/schedule.py``; layouts without batch dims only; split tiles and the
     combine kernel are not modelled)."""
+    bwd_order: str = "head_major"
+    """Grid order of the one-launch backward (``_attn_bwd``): ``"head_major"`` (the default of the
+    kernels when no tile is split): the dQ programs of a head run right after its dK/dV programs,
+    so when one GQA group's Q, dO, LSE, δ, K and V fit in L2 the dQ programs read them from L2, not
+    DRAM; ``"phase"``: every dK/dV program first, then every dQ program (the dQ part re-reads its
+    inputs from DRAM as modelled for a separate kernel)."""
 
     @property
     def hkv(self) -> int:
@@ -141,6 +150,8 @@ class TrafficParams:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.hkv})")
         if self.policy not in ("fraction", "lru"):
             raise ValueError(f"policy must be 'fraction' or 'lru', got {self.policy!r}")
+        if self.bwd_order not in ("head_major", "phase"):
+            raise ValueError(f"bwd_order must be 'head_major' or 'phase', got {self.bwd_order!r}")
         if self.program_order not in ("grid", "heavy_first"):
             raise ValueError(f"program_order must be 'grid' or 'heavy_first', got {self.program_order!r}")
         dtype_bytes(self.dtype)
@@ -761,6 +772,12 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
     dkdv = _dkdv_kernel(geo, p, col_lut_bytes)
     dq = _row_kernel("bwd_dq", geo, p, p.tiles.dq_block_m, q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
                      q_side_stores={"dQ": D * e}, lut_bytes=row_lut_bytes)
+    G = p.heads // p.hkv
+    group_bytes = G * geo.q_len * (2 * D * e + 8) + 2 * geo.kv_len * D * e
+    if p.bwd_order == "head_major" and group_bytes <= p.l2_bytes:
+        # the dQ programs of a head follow its dK/dV programs: their inputs are still in L2
+        served = dq.compulsory_read_bytes - row_lut_bytes
+        dq = replace(dq, dram_read_bytes=dq.dram_read_bytes - served, compulsory_read_bytes=row_lut_bytes)
     mult = np.zeros(geo.n_inst, dtype=np.int64)
     for b in range(p.batch):
         for h in range(p.heads):
