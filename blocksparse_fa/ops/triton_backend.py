@@ -16,7 +16,7 @@ from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_ena
 from .dropout import dropout_threshold, seed_words
 from .validate import Shapes
 
-__all__ = ["triton_forward", "triton_backward", "triton_attention", "set_fused_backward"]
+__all__ = ["triton_forward", "triton_backward", "triton_attention", "set_fused_backward", "set_lut_policy"]
 
 _LOG2E = 1.4426950408889634
 
