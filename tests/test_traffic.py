@@ -356,3 +356,23 @@ def test_head_major_backward_reads_dq_inputs_from_l2():
                                                          bwd_order="phase").bwd_dq.dram_read_bytes
     with pytest.raises(ValueError, match="bwd_order"):
         traffic_model(lay, compare=False, bwd_order="sideways")
+
+
+XBAR_CSV = '''"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","dram__bytes_read.sum","l1tex__m_xbar2l1tex_read_bytes.sum","lts__t_sectors_srcunit_tex_op_read.sum","gpu__time_duration.sum"
+"","","","","","","","","","","","byte","byte","sector","nsecond"
+"0","9","python","h","_attn_fwd","1","7","(256, 1, 1)","(128, 16, 1)","0","9.0","201326592","17248216928","335059016","4836672"
+"1","9","python","h","_attn_bwd","1","7","(256, 1, 1)","(4096, 1, 1)","0","9.0","339000000","2721041824","85000000","1173280"
+'''
+
+
+def test_ncu_l2_bytes_come_from_the_crossbar_counter():
+    """With ``l1tex__m_xbar2l1tex_read_bytes`` in the export, L2 -> SM bytes are the crossbar's (the
+    slice counter under-counts shared reads); the slice bytes stay available."""
+    tg = _load_gpu_script()
+    ks = tg.parse_ncu_csv(XBAR_CSV)
+    assert ks[0]["l2_read"] == 17248216928 and ks[0]["l2_read_slice"] == 335059016 * 32
+    assert ks[0]["l2_counter"] == "xbar"
+    total = tg._sum(ks)
+    assert total["l2_read"] == 17248216928 + 2721041824 and total["l2_counter"] == "xbar"
+    old = tg._sum(tg.parse_ncu_csv(RAW_CSV))  # an export without the crossbar counter
+    assert old["l2_counter"] == "slice" and old["l2_read"] == old["l2_read_slice"]
