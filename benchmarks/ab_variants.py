@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
-import time
 
 import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from tune_sparse import parallel_warm, rel  # noqa: E402
 
 PATTERNS = ["dense", "causal", "sliding_window_1024", "document_causal", "longformer", "bigbird"]
 # name -> (LUT policy, head-major backward grid: None = automatic); the first is the reference
@@ -72,10 +72,6 @@ def warm(job):
         return f"{job}: {type(e).__name__}: {str(e)[:300]}"
 
 
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", nargs="?", default="bench", choices=["bench", "worker"])
@@ -97,13 +93,7 @@ def main():
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
         return
-    t0 = time.time()
-    jobs = [(p, v) for p in args.patterns for v in args.variants]
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        for r in pool.imap_unordered(warm, jobs):
-            if r:
-                print("warm:", r, flush=True)
-    print(f"warm-up of {len(jobs)} variants: {time.time() - t0:.0f} s", flush=True)
+    parallel_warm(warm, [(p, v) for p in args.patterns for v in args.variants], args.workers, "variants")
     res = {}
     for p in args.patterns:
         ref = None

@@ -75,6 +75,17 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def parallel_warm(warm_fn, jobs, workers: int, what: str = "kernels") -> None:
+    """Compile ahead in ``workers`` spawned processes (Triton's disk cache keeps the binaries);
+    ``warm_fn(job)`` returns None or an error line, which is printed."""
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for r in pool.imap_unordered(warm_fn, jobs):
+            if r:
+                print("warm:", r, flush=True)
+    print(f"warm-up of {len(jobs)} {what}: {time.time() - t0:.0f} s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--patterns", nargs="+", default=PATTERNS)
@@ -86,12 +97,7 @@ def main():
     h = 16
     jobs = [(p, kn, c, args.d, h) for p in args.patterns for kn, cs in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ))
             for c in cs]
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        for r in pool.imap_unordered(warm, jobs):
-            if r:
-                print("warm:", r, flush=True)
-    print(f"warm-up of {len(jobs)} kernels: {time.time() - t0:.0f} s", flush=True)
+    parallel_warm(warm, jobs, args.workers)
     results = {}
     for p in args.patterns:
         lay, q, k, v, do, s = _setup(p, args.n, args.d, h)
