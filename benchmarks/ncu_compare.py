@@ -18,7 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTIONS = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis"]
 KEEP = {
-    "gpu__time_duration.sum": "us",
+    "gpu__time_duration.sum": "us",  # ncu reports it in ns: the key is historical
     "launch__registers_per_thread": "regs",
     "launch__grid_size": "grid",
     "launch__shared_mem_per_block_dynamic": "dyn_smem",
@@ -29,7 +29,21 @@ KEEP = {
     "smsp__inst_executed.sum": "inst",
     "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum": "local_ld",
     "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": "local_st",
+    "l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_miss.sum": "local_ld_miss_sect",
+    "l1tex__m_xbar2l1tex_read_bytes.sum": "l2_to_sm",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor%",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "gmma%",
+    "sm__inst_executed_pipe_lsu.sum": "lsu_inst",
 }
+# Collected with --metrics next to the sections; names this ncu does not know are dropped first.
+EXTRA = [m for m in KEEP if m.startswith(("l1tex__", "sm__pipe", "sm__inst"))]
+
+
+def known_metrics(ncu: str, names: list[str]) -> list[str]:
+    """The subset of ``names`` that this ncu/GPU knows (``ncu --query-metrics``), by base name."""
+    r = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True, timeout=120)
+    have = {line.split()[0] for line in r.stdout.splitlines() if line.strip() and "__" in line.split()[0]}
+    return [m for m in names if m.split(".")[0] in have]
 
 
 def worker(pattern: str, impl: str, n: int, d: int) -> None:
@@ -98,12 +112,16 @@ def main():
     if args.cmd == "worker":
         return worker(args.pattern, args.impl, args.n, args.d)
     results = {}
+    extra = known_metrics(args.ncu, EXTRA)
+    print("extra metrics:", extra, "dropped:", sorted(set(EXTRA) - set(extra)), flush=True)
     for p in args.patterns:
         for impl in args.impls:
             cmd = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes", "all",
                    "--csv", "--page", "raw"]
             for s in SECTIONS:
                 cmd += ["--section", s]
+            if extra:
+                cmd += ["--metrics", ",".join(extra)]
             cmd += [sys.executable, __file__, "worker", "--pattern", p, "--impl", impl, "--n", str(args.n), "--d", str(args.d)]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
             with open(os.path.join(args.out, f"ncu_{p}_{impl}.csv"), "w") as f:

@@ -164,6 +164,9 @@ def main():
     record("fp32 longformer", N, 64, torch.float32, "fp32", mask=bsfa.load_pattern("longformer"), B=1, H=2, Hkv=2, Lq=N, Lk=N)
     for D in (16, 32, 96, 256):
         record("causal", N, D, torch.bfloat16, f"D={D}", mask=bsfa.causal(), B=1, H=2, Hkv=2, Lq=N, Lk=N)
+    st = bsfa.parse("causal & (sliding_window(128) | strided(128))")  # rewritten: band + residue classes
+    record("strided rewrite, class views", 8192, 128, torch.bfloat16, "B=2 s=128", mask=st, B=2, H=2, Hkv=2, Lq=8192, Lk=8192)
+    record("strided rewrite, GQA copies", 8192, 64, torch.bfloat16, "H=4 Hkv=2", mask=st, B=1, H=4, Hkv=2, Lq=8192, Lk=8192)
     dm = torch.rand(1, 2, 1500, 1500) > 0.6
     record("dense_mask per head", 1500, 64, torch.bfloat16, "B1H2", mask=bsfa.dense_mask(dm), B=1, H=2, Hkv=2, Lq=1500, Lk=1500)
 

@@ -355,3 +355,86 @@ def test_document_runs_form_matches_ids():
     assert pr._document_runs(np.array([[0, 0, 1, 0]])) is None
     start, end = pr._document_runs(np.array([[4, 4, 9, 9, 9], [1, 2, 2, 2, 3]]))
     assert start.tolist() == [[0, 0, 2, 2, 2], [0, 1, 1, 1, 4]] and end.tolist() == [[2, 2, 5, 5, 5], [1, 4, 4, 4, 5]]
+
+
+@pytest.mark.parametrize("B,H,Hkv,N,D,residue", [(2, 2, 2, 160, 24, True), (1, 2, 1, 160, 16, False),
+                                                (1, 2, 2, 150, 16, False)])
+def test_strided_rewrite_class_views(monkeypatch, B, H, Hkv, N, D, residue):
+    """The strided part runs on residue-class views (no copies) when N % stride == 0 and there is no
+    GQA, else on permuted copies; both match the float64 reference in out, lse and all gradients."""
+    from blocksparse_fa.compiler import rewrite
+    from blocksparse_fa.ops import api
+
+    monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
+    rewrite.plan.cache_clear()
+    calls = []
+    real = api.residue_attention
+    monkeypatch.setattr(api, "residue_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    try:
+        mask = bsfa.parse("causal & (sliding_window(20) | strided(16))")
+        q, k, v = _qkv(B, H, Hkv, N, N, D)
+        out, lse = bsfa.attention(q, k, v, mask=mask, block_size=16, backend="triton", return_lse=True)
+        assert bool(calls) == residue
+        do, w = torch.randn_like(out), torch.randn_like(lse)
+        g = torch.autograd.grad((out * do).sum() + (lse * w).sum(), (q, k, v))
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        r, rl = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
+        gr = torch.autograd.grad((r * do.double()).sum() + (rl * w.double()).sum(), (qd, kd, vd))
+        assert rel_err(out, r) < TOL and rel_err(lse, rl) < TOL
+        for a, b, name in zip(g, gr, "qkv"):
+            assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+    finally:
+        rewrite.plan.cache_clear()
+
+
+def test_merge_residue_masked_rows():
+    """The merge kernel: rows masked in both parts give 0 and -inf; one-sided rows copy that part."""
+    from blocksparse_fa.ops.residue import class_view
+    from blocksparse_fa.ops.triton_backend import merge_residue
+
+    B, H, N, D, S = 1, 2, 12, 8, 4
+    o1, o2 = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    l1, l2 = torch.randn(B, H, N), torch.randn(B, H, N)
+    l1[0, 0, :3] = float("-inf")
+    l2[0, 0, 1:5] = float("-inf")  # rows 1, 2: both parts empty
+    o2c = class_view(o2, S).contiguous()
+    l2c = l2.reshape(B * H, N // S, S).transpose(1, 2).contiguous()
+    out, lse = o1.clone(), l1.clone()
+    merge_residue(out, lse, o2c, l2c, S)
+    ref_lse = torch.logaddexp(l1, l2)
+    w1 = torch.nan_to_num(torch.exp(l1 - ref_lse), nan=0.0)
+    w2 = torch.nan_to_num(torch.exp(l2 - ref_lse), nan=0.0)
+    ref = w1[..., None] * o1 + w2[..., None] * o2
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert torch.equal(out[0, 0, 1:3], torch.zeros(2, D))
+    assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(lse[torch.isfinite(lse)], ref_lse[torch.isfinite(ref_lse)])
+
+
+@pytest.mark.parametrize("split", [None, 4])
+def test_backward_accumulate_adds_to_given_gradients(split):
+    """``triton_backward(accumulate=...)`` adds its gradients to the given tensors (non-contiguous
+    views too), also for split tiles summed by ``_sum_partials``; ``delta`` may be passed in."""
+    from blocksparse_fa.ops import triton_backend as tb
+    from blocksparse_fa.ops.validate import check_qkv
+
+    torch.manual_seed(3)
+    q, k, v = (t.detach() for t in _qkv(1, 2, 1, 96, 96, 16))
+    mask = bsfa.global_tokens(8) | bsfa.window(6)
+    lay = bsfa.compile_mask(mask, 96, 96, 16)
+    s = check_qkv(q, k, v)
+    set_split_chunk(split)
+    try:
+        out, lse = tb.triton_forward(q, k, v, lay, s, 0.25, 0.0, 0)
+        do = torch.randn_like(out)
+        ref = tb.triton_backward(q, k, v, out, lse, do, lay, s, 0.25, 0.0, 0)
+        base = [torch.randn(t.shape[0], t.shape[1], 2 * t.shape[2], t.shape[3])[:, :, ::2] for t in (q, k, v)]
+        acc = tuple(torch.empty(b.shape[0], b.shape[1], 2 * b.shape[2], b.shape[3])[:, :, ::2].copy_(b) for b in base)
+        delta = tb.backward_delta(out, do, lse, s)
+        got = tb.triton_backward(q, k, v, None, lse, do, lay, s, 0.25, 0.0, 0, delta=delta, accumulate=acc)
+    finally:
+        set_split_chunk(None)
+    for g, b, r in zip(got, base, ref):
+        assert not g.is_contiguous()
+        assert torch.allclose(g, b + r, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="accumulate: dq"):
+        tb.triton_backward(q, k, v, out, lse, do, lay, s, 0.25, 0.0, 0, accumulate=(base[0].transpose(2, 3), *base[1:]))

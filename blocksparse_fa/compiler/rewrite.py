@@ -32,10 +32,12 @@ __all__ = ["Part", "plan", "residue_permutation"]
 @dataclass(frozen=True)
 class Part:
     """One part of a rewritten mask; ``residue_stride > 0``: computed on tokens grouped by
-    ``position mod residue_stride`` (see :func:`residue_permutation`)."""
+    ``position mod residue_stride`` (see :func:`residue_permutation`). ``class_mask``: the same part
+    within one residue class, in class-local positions (``ops/residue.py`` runs each class as a head)."""
 
     mask: Mask
     residue_stride: int = 0
+    class_mask: Mask | None = None
 
 
 def _match_strided(mask: Mask):
@@ -110,4 +112,5 @@ def plan(mask: Mask, q_len: int, kv_len: int) -> tuple[Part, ...] | None:
         return None
     c = -(-w // s)
     strided_part = P.Document(_class_ids(n, s)) & P.Causal() & ~P.SlidingWindow(c)
-    return (Part(P.SlidingWindow(w)), Part(strided_part, residue_stride=s))
+    class_mask = P.Causal() & ~P.SlidingWindow(c)
+    return (Part(P.SlidingWindow(w)), Part(strided_part, residue_stride=s, class_mask=class_mask))

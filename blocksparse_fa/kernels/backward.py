@@ -7,7 +7,7 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, load_tile, lut_first, lut_next, mma, store_tile, work_item
+from .common import LOG2E, dropout_keep, load_tile, lut_first, lut_next, mma, store_grad_tile, work_item
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -92,7 +92,8 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr):
+                   STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
+                   ACCUMULATE: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -130,10 +131,10 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load")
     if slot < 0:
-        store_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-                   (dk * sm_scale).to(DK.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-        store_tile(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-                   dv.to(DV.dtype.element_ty), offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+        store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
+                        + offs_d[None, :], dk * sm_scale, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
+        store_grad_tile(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
+                        + offs_d[None, :], dv, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
     else:
         r = tl.arange(0, BLOCK_N)
         base = (pid_bhk.to(tl.int64) * NSLOT + slot) * BLOCK_N
@@ -185,7 +186,8 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr):
+                 STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
+                 ACCUMULATE: tl.constexpr):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
@@ -213,8 +215,8 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                    PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load")
     if slot < 0:
-        store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
-                   (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+        store_grad_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+                        dq * sm_scale, offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
     else:
         r = tl.arange(0, BLOCK_M)
         base = (pid_bh.to(tl.int64) * NSLOT + slot) * BLOCK_M
@@ -239,7 +241,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
               Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
-              ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr):
+              ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -250,7 +252,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     find them in L2 instead of reading them from DRAM twice. Without it, all dK/dV programs
     (``N_KV_PROGS``) come first, then all dQ programs. With one of ``RUN_KV``/``RUN_Q`` set (and
     ``N_KV_PROGS = 0`` for dQ alone) the launch runs only that part, e.g. when the two parts want
-    different warp counts."""
+    different warp counts. ``ACCUMULATE`` adds the gradients to what DQ/DK/DV hold instead of
+    overwriting them."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     pid = tl.program_id(0)
     kv_item = pid % N_KV_ITEMS
@@ -280,7 +283,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, KV_WORK, DKPART, DVPART, KV_NSLOT,
                       H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                       drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N,
-                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT)
+                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -289,13 +292,15 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, Q_WORK, DQPART, Q_NSLOT,
                     H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                     drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N,
-                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT)
+                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])
 def _sum_partials(OUT, PART, COMBINE, NSLOT, stride_b, stride_h, stride_m, NH, n_rows,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Sum the fp32 pieces of split tiles into the gradient (deterministic: fixed order)."""
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                  ACCUMULATE: tl.constexpr):
+    """Sum the fp32 pieces of split tiles into the gradient (deterministic: fixed order); with
+    ``ACCUMULATE`` also the gradient's previous contents."""
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     tile = tl.load(COMBINE + pid_c * 3)
@@ -310,5 +315,5 @@ def _sum_partials(OUT, PART, COMBINE, NSLOT, stride_b, stride_h, stride_m, NH, n
     offs = tile * BLOCK + r
     b = (pid_bh // NH).to(tl.int64)
     h = (pid_bh % NH).to(tl.int64)
-    store_tile(OUT + b * stride_b + h * stride_h + offs[:, None] * stride_m + offs_d[None, :],
-               acc.to(OUT.dtype.element_ty), offs, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    store_grad_tile(OUT + b * stride_b + h * stride_h + offs[:, None] * stride_m + offs_d[None, :],
+                    acc, offs, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)

@@ -34,6 +34,16 @@ def store_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_
 
 
 @triton.jit
+def store_grad_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    ACCUMULATE: tl.constexpr):
+    """Store an fp32 gradient tile in the output's dtype; with ``ACCUMULATE`` add it to what the
+    output holds (a second mask part's gradients, ``ops/residue.py``)."""
+    if ACCUMULATE:
+        x += load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
+    store_tile(ptrs, x.to(ptrs.dtype.element_ty), offs_rows, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
 def lut_first(LUT_IDX, start, end, MODE: tl.constexpr):
     """Loop-carried state for walking LUT entries ``start .. end`` (see :func:`lut_next`).
 

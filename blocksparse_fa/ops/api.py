@@ -14,6 +14,7 @@ from ..mask.expr import Mask
 from ..mask.primitives import full
 from ..compiler.rewrite import plan, residue_permutation
 from .merge import merge_attention
+from .residue import residue_applies, residue_attention
 from .validate import Shapes, check_layout, check_qkv, check_scalars
 
 __all__ = ["attention", "BACKENDS", "resolve_backend"]
@@ -60,7 +61,11 @@ def _layout_for(mask, shapes: Shapes, device, block_size) -> BlockLayout:
 
 
 def _attention_parts(q, k, v, parts, shapes: Shapes, scale, backend, block_size):
-    """Attention over a rewritten mask: each part (optionally on regrouped tokens), merged exactly."""
+    """Attention over a rewritten mask: each part (optionally on regrouped tokens), merged exactly.
+    On the Triton backend the strided part runs on residue-class views where it can (no copies,
+    ``ops/residue.py``); otherwise on permuted copies, merged by ``ops/merge.py``."""
+    if resolve_backend(backend, q.device, q.dtype) == "triton" and residue_applies(parts, shapes, q.dtype):
+        return residue_attention(q, k, v, parts, shapes, scale, block_size)
     results = []
     for part in parts:
         kw = dict(scale=scale, return_lse=True, backend=backend, block_size=block_size, rewrite=False)

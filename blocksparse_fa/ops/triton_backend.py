@@ -10,13 +10,15 @@ from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
+from ..kernels.merge import _merge_residue
 from ..kernels.config import TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
 from .validate import Shapes
 
-__all__ = ["triton_forward", "triton_backward", "triton_attention", "set_fused_backward", "set_lut_policy"]
+__all__ = ["triton_forward", "triton_backward", "triton_attention", "set_fused_backward", "set_lut_policy",
+           "merge_residue", "backward_delta"]
 
 _LOG2E = 1.4426950408889634
 
@@ -184,10 +186,29 @@ def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -
     return wl
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(dtype: torch.dtype, device) -> torch.Tensor:
+    """A cached one-element tensor for pointer arguments that a launch never touches (the work
+    list without work lists, partial buffers without split tiles): no allocation, no memset per call."""
+    key = (dtype, device)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+    return t
+
+
+def _partials(n_rows: int, width: int | None, device) -> torch.Tensor:
+    """float32 buffer of split-tile partial results (``n_rows`` rows of ``width``), or the placeholder."""
+    if n_rows == 0:
+        return _placeholder(torch.float32, device)
+    return torch.empty((n_rows, width) if width else (n_rows,), dtype=torch.float32, device=device)
+
+
 def _grid_and_work(wl: WorkList | None, n_tiles: int, n_bh: int, device):
     if wl is None:
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return (n_tiles, n_bh), dummy, False
+        return (n_tiles, n_bh), _placeholder(torch.int32, device), False
     return (wl.n_items, n_bh), wl.work, True
 
 
@@ -216,8 +237,8 @@ def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay,
     grid, work, use_work = _grid_and_work(wl, n_tiles, s.B * s.H, q.device)
     nslot = wl.n_slots if wl is not None else 0
     modes = _lut_modes(contig)
-    opart = torch.empty((max(1, s.B * s.H * nslot * cfg.block_m), d_pad), dtype=torch.float32, device=q.device)
-    lpart = torch.empty((max(1, s.B * s.H * nslot * cfg.block_m),), dtype=torch.float32, device=q.device)
+    opart = _partials(s.B * s.H * nslot * cfg.block_m, d_pad, q.device)
+    lpart = _partials(s.B * s.H * nslot * cfg.block_m, None, q.device)
     _attn_fwd[grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -238,33 +259,53 @@ def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay,
         )
 
 
+def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
+    """``delta = rowsum(dO ∘ O) − dlse`` ``(B, H, Lq)`` float32: the backward's per-row term
+    (``dlse``, the gradient of the returned logsumexp, enters because ``∂lse/∂s = p``)."""
+    out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
+    delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=out.device)
+    pre_m = 64
+    _attn_bwd_preprocess[(triton.cdiv(s.Lq, pre_m), s.B * s.H)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        s.H, s.Lq, HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=pre_m,
+    )
+    if dlse is not None:
+        delta.sub_(torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float()))
+    return delta
+
+
 def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-                    dlse=None):
+                    dlse=None, delta=None, accumulate=None):
     """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype. ``dlse`` (gradient of the
-    returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``."""
+    returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``.
+
+    ``delta``: precomputed :func:`backward_delta` (then ``out`` and ``dlse`` are not read).
+    ``accumulate``: ``(dq, dk, dv)`` tensors (any strides) to add this layout's gradients to; they
+    are returned."""
     lbm, lbn = layout.block_size
-    q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
+    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     rows, cols, pay, contig = _device_state(layout, q.device)
     d_pad = head_dim_pad(s.D)
     cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn, _is_band(layout))
     dev = q.device
-    delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
-    pre_m = 64
-    _attn_bwd_preprocess[(triton.cdiv(s.Lq, pre_m), s.B * s.H)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        s.H, s.Lq, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=pre_m,
-    )
-    if dlse is not None:
-        delta.sub_(torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float()))
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if delta is None:
+        delta = backward_delta(out, dout, lse, s, dlse)
+    if accumulate is None:
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    else:
+        dq, dk, dv = accumulate
+        for name, g, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            if g.shape != t.shape or g.dtype != t.dtype or g.stride(-1) != 1:
+                raise ValueError(f"accumulate: {name} must have shape {tuple(t.shape)}, dtype {t.dtype} and a "
+                                 f"contiguous last dim, got {tuple(g.shape)}, {g.dtype}, strides {g.stride()}")
     lzb, lzh = _layout_strides(layout)
     drop = _dropout_args(dropout_p, seed)
     modes = _lut_modes(contig)
     common = dict(PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
                   LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, dev),
-                  ROW_LUT=modes["ROW_LUT"], COL_LUT=modes["COL_LUT"])
+                  ROW_LUT=modes["ROW_LUT"], COL_LUT=modes["COL_LUT"], ACCUMULATE=accumulate is not None)
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
 
@@ -318,10 +359,9 @@ def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, c
     head_major = _FUSED_BWD["head_major"]
     if head_major is None:
         head_major = not (kv_nslot or q_nslot)
-    kv_part = (max(1, s.B * s.Hkv * kv_nslot * cfg_kv.block_n), d_pad)
-    dkpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
-    dvpart = torch.empty(kv_part, dtype=torch.float32, device=dev)
-    dqpart = torch.empty((max(1, s.B * s.H * q_nslot * cfg_q.block_m), d_pad), dtype=torch.float32, device=dev)
+    dkpart = _partials(s.B * s.Hkv * kv_nslot * cfg_kv.block_n, d_pad, dev)
+    dvpart = _partials(s.B * s.Hkv * kv_nslot * cfg_kv.block_n, d_pad, dev)
+    dqpart = _partials(s.B * s.H * q_nslot * cfg_q.block_m, d_pad, dev)
     _attn_bwd[(n_progs,)](
         q, k, v, dout, dq, dk, dv, lse, delta, *qkv_strides,
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
@@ -340,11 +380,21 @@ def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, c
         for t, part in ((dk, dkpart), (dv, dvpart)):
             _sum_partials[(wl_kv.n_combine, s.B * s.Hkv)](
                 t, part, wl_kv.combine, kv_nslot, t.stride(0), t.stride(1), t.stride(2), s.Hkv, s.Lk,
-                HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_kv.block_n, num_warps=4)
+                HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_kv.block_n, ACCUMULATE=common["ACCUMULATE"], num_warps=4)
     if q_nslot:
         _sum_partials[(wl_q.n_combine, s.B * s.H)](
             dq, dqpart, wl_q.combine, q_nslot, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
-            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, num_warps=4)
+            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, ACCUMULATE=common["ACCUMULATE"], num_warps=4)
+
+
+def merge_residue(out, lse, o2, l2, stride: int) -> None:
+    """Merge a part computed on residue-class views (``o2 (B·H, S, M, D)``, ``l2 (B·H, S, M)``) into
+    ``out (B, H, N, D)`` / ``lse (B, H, N)`` in place (``kernels/merge.py``)."""
+    B, H, N, D = out.shape
+    assert out.is_contiguous() and o2.is_contiguous() and lse.is_contiguous() and l2.is_contiguous()
+    block = 64
+    _merge_residue[(triton.cdiv(N, block), B * H)](out, lse, o2, l2, N, stride, N // stride, HEAD_DIM=D,
+                                                   HEAD_DIM_PAD=head_dim_pad(D), BLOCK=block, num_warps=4)
 
 
 class _TritonAttention(torch.autograd.Function):
