@@ -1,7 +1,8 @@
 """A/B of kernel variants on the same inputs (N=16K, d=128, bf16, H=16): how the loops find LUT
 block indices (loaded, prefetched, computed for contiguous lists; ``set_lut_policy``) and the
-one-launch backward's grid order (head by head vs all dK/dV programs first). Every variant is
-checked against the first one (bit-identical results expected).
+one-launch backward's grid order (head by head vs all dK/dV programs first), and backward tile
+sizes (register spills). Every variant is checked against the first one (bit-identical results
+expected, except for the tile variants, which sum in another order).
 
     PYTHONPATH=. python benchmarks/ab_variants.py [--patterns ...] [--out DIR]
     PYTHONPATH=. python benchmarks/ab_variants.py worker --pattern P --variant V   # one fwd+bwd, for ncu
@@ -32,6 +33,12 @@ VARIANTS = {
     "doc_ids": (dict(document_runs=False), None),
     "phase": ({}, False),
     "headmajor": ({}, True),
+    # backward tiles (not bit-identical to "default": another summation order, ~1e-3 in bf16).
+    # Local sm_90 compile (sass_probe.py --kernel bwd, documents): default 64x128 / dQ 128x128 has
+    # 208 B of stack and 167 spill ops; dQ 128x64: 160 B / 121; dK/dV 32x128 with dQ 128x64: none.
+    "dq64": ({}, None, {"dq": (128, 64, 8, 2)}),
+    "dkdv32": ({}, None, {"dkdv": (32, 128, 8, 2)}),
+    "dkdv32_dq64": ({}, None, {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
 }
 
 
@@ -40,7 +47,12 @@ def _apply(variant: str) -> None:
 
     from blocksparse_fa.kernels.predicate import set_document_runs
 
-    policy, head_major = VARIANTS[variant]
+    from blocksparse_fa.kernels.config import TileConfig, set_override
+
+    policy, head_major, *tiles = VARIANTS[variant]
+    tiles = tiles[0] if tiles else {}
+    for kernel in ("dkdv", "dq"):
+        set_override(kernel, TileConfig(*tiles[kernel]) if kernel in tiles else None)
     policy = dict(policy)
     set_document_runs(policy.pop("document_runs", True))
     tb.set_lut_policy(**{**DEFAULT_POLICY, **policy})

@@ -37,7 +37,8 @@ def _sig(fn, types: dict, consts: dict):
     return sig
 
 
-def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None, d=128, extra=None, lut="load"):
+def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None, d=128, extra=None, lut="load",
+                   dq_tile=(128, 128)):
     lay = bsfa.compile_mask(mask, 4096, 4096, 128)
     pay = build_payload(lay, "cpu")
     fn = _attn_fwd if kernel == "fwd" else _attn_bwd
@@ -51,11 +52,11 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
     consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=False, USE_WORK=True, HEAD_DIM=d, HEAD_DIM_PAD=d,
                   BLOCK_M=bm, BLOCK_N=bn, LAYOUT_BM=128, LAYOUT_BN=128, DOT_PRECISION="tf32",
                   STAGES=stages, MASKED_STAGES=stages if masked_stages is None else masked_stages,
-                  FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut)
-    if kernel != "fwd":  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at 128x128)
+                  FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut, ACCUMULATE=False)
+    if kernel != "fwd":  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at dq_tile)
         ms = consts["MASKED_STAGES"]
         kv = (bm, bn) if kernel != "dq" else (64, 128)
-        qt = (bm, bn) if kernel == "dq" else (128, 128)
+        qt = (bm, bn) if kernel == "dq" else dq_tile
         consts.update(KV_BLOCK_M=kv[0], KV_BLOCK_N=kv[1], Q_BLOCK_M=qt[0], Q_BLOCK_N=qt[1], KV_STAGES=stages,
                       KV_MASKED_STAGES=ms, Q_STAGES=stages, Q_MASKED_STAGES=ms,
                       RUN_KV=kernel != "dq", RUN_Q=kernel != "dkdv")
@@ -143,12 +144,14 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--sass-out", default=None)
     ap.add_argument("--lut", default="load", choices=["load", "prefetch", "arith"], help="LUT index mode of the loops")
+    ap.add_argument("--dq-tile", type=int, nargs=2, default=[128, 128], metavar=("BM", "BN"),
+                    help="with --kernel bwd: the dQ program's tile (the dK/dV tile is --bm/--bn)")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
     mask = _mask(args.mask)
     ck = compile_kernel(args.kernel, mask, args.bm, args.bn, args.warps, args.stages, args.masked_stages, args.d,
-                        lut=args.lut)
+                        lut=args.lut, dq_tile=tuple(args.dq_tile))
     print(args.mask, args.kernel, (args.bm, args.bn, args.warps, args.stages), report(ck))
     if args.sass_out:
         with open(args.sass_out, "w") as f:

@@ -438,3 +438,18 @@ def test_backward_accumulate_adds_to_given_gradients(split):
         assert torch.allclose(g, b + r, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="accumulate: dq"):
         tb.triton_backward(q, k, v, out, lse, do, lay, s, 0.25, 0.0, 0, accumulate=(base[0].transpose(2, 3), *base[1:]))
+
+
+@pytest.mark.parametrize("dkdv,dq", [((32, 128), (128, 64)), ((64, 128), (128, 64))])
+def test_backward_tile_candidates_match_reference(dkdv, dq):
+    """The backward tile shapes queued for the H100 A/B (``ab_variants.py``: fewer register spills)
+    give the float64 reference's gradients on a 128-block layout."""
+    from blocksparse_fa.kernels.config import TileConfig, set_override
+
+    set_override("dkdv", TileConfig(*dkdv, 8, 2))
+    set_override("dq", TileConfig(*dq, 8, 2))
+    try:
+        _check(bsfa.load_pattern("longformer", window=100, n_global=20), H=2, Hkv=1, Lq=300, Lk=300, block=128)
+    finally:
+        set_override("dkdv", None)
+        set_override("dq", None)
