@@ -2,7 +2,7 @@
 permuted copies (the previous path), vs FlexAttention, on the same inputs; forward and fwd+bwd,
 outputs and gradients compared in the same run.
 
-    PYTHONPATH=. python benchmarks/strided_check.py [--sizes 16384 65536] [--out DIR]
+    PYTHONPATH=. python benchmarks/strided_check.py [--sizes 16384 65536] [--kv-heads-ratio 4] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536])
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--kv-heads-ratio", type=int, default=1, help="GQA: H / Hkv (> 1 turns on set_residue_gqa)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from blocksparse_fa.ops import api
+    from blocksparse_fa.ops.residue import set_residue_gqa
 
+    g = args.kv_heads_ratio
+    set_residue_gqa(g > 1)
     real = api.residue_applies
     r = bench.Runner()
     rows = []
@@ -38,16 +42,23 @@ def main():
         h = bench.heads_for(n)
         f = r.fns("strided_256", n, args.d, h)
         q, k, v, do = f["q"], f["k"], f["v"], f["do"]
+        if g > 1:  # k/v with H / g heads; Flex on the same inputs with enable_gqa
+            k, v = (t.detach()[:, ::g].contiguous().requires_grad_() for t in (k, v))
+            import blocksparse_fa as bsfa
+
+            bm = r.create_block_mask(bench.make_case("strided_256", n)[1], None, None, n, n, device="cuda", _compile=True)
+            f["ours"] = lambda: bsfa.attention(q, k, v, mask=f["mask"])
+            f["flex"] = lambda: r.flex(q, k, v, block_mask=bm, enable_gqa=True)
         res = {}
         for name, fn, views in (("views", f["ours"], True), ("copies", f["ours"], False), ("flex", f["flex"], None)):
             api.residue_applies = real if views is not False else (lambda *a: False)
             out = fn()
-            g = torch.autograd.grad(out, (q, k, v), do)
+            grads = torch.autograd.grad(out, (q, k, v), do)
             fwd = bench.bench_ms(fn)
             fb = bench.bench_ms(bench.fwd_bwd(fn, do))
-            res[name] = dict(out=out.detach(), g=[x.detach() for x in g], fwd=fwd, fb=fb)
+            res[name] = dict(out=out.detach(), g=[x.detach() for x in grads], fwd=fwd, fb=fb)
         api.residue_applies = real
-        row = dict(n=n, h=h, d=args.d)
+        row = dict(n=n, h=h, hkv=h // g, d=args.d)
         for name in ("views", "copies", "flex"):
             row[f"{name}_fwd_ms"], row[f"{name}_fb_ms"] = res[name]["fwd"], res[name]["fb"]
         for name in ("views", "copies"):
@@ -58,7 +69,8 @@ def main():
         print(json.dumps(row), flush=True)
         del res, f
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "strided_check.json"), "w") as fh:
+    set_residue_gqa(False)
+    with open(os.path.join(args.out, f"strided_check{'_gqa' + str(g) if g > 1 else ''}.json"), "w") as fh:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=__import__("triton").__version__, rows=rows), fh, indent=1)
 

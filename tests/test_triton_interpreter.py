@@ -357,15 +357,18 @@ def test_document_runs_form_matches_ids():
     assert start.tolist() == [[0, 0, 2, 2, 2], [0, 1, 1, 1, 4]] and end.tolist() == [[2, 2, 5, 5, 5], [1, 4, 4, 4, 5]]
 
 
-@pytest.mark.parametrize("B,H,Hkv,N,D,residue", [(2, 2, 2, 160, 24, True), (1, 2, 1, 160, 16, False),
-                                                (1, 2, 2, 150, 16, False)])
-def test_strided_rewrite_class_views(monkeypatch, B, H, Hkv, N, D, residue):
-    """The strided part runs on residue-class views (no copies) when N % stride == 0 and there is no
-    GQA, else on permuted copies; both match the float64 reference in out, lse and all gradients."""
+@pytest.mark.parametrize("B,H,Hkv,N,D,gqa,residue", [(2, 2, 2, 160, 24, False, True), (1, 2, 1, 160, 16, False, False),
+                                                    (2, 4, 2, 160, 16, True, True), (1, 3, 1, 160, 16, True, True),
+                                                    (1, 2, 2, 150, 16, True, False)])
+def test_strided_rewrite_class_views(monkeypatch, B, H, Hkv, N, D, gqa, residue):
+    """The strided part runs on residue-class views (no copies) when N % stride == 0 (GQA/MQA only
+    with ``set_residue_gqa``, class-major views), else on permuted copies; both match the float64
+    reference in out, lse and all gradients."""
     from blocksparse_fa.compiler import rewrite
-    from blocksparse_fa.ops import api
+    from blocksparse_fa.ops import api, residue as res
 
     monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
+    monkeypatch.setitem(res._GQA, "on", gqa)
     rewrite.plan.cache_clear()
     calls = []
     real = api.residue_attention

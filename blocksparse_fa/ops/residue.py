@@ -13,9 +13,9 @@ logsumexp and ``delta = rowsum(dO ∘ O)`` of the merged output, so each part's 
 part's share of dQ and all of dK/dV for its keys. ``delta`` is computed once; the strided part's
 backward adds its gradients to the band's in its epilogue (``ACCUMULATE``), through the same views.
 
-Applies when the backend is Triton, ``N % S == 0``, there is no GQA (the class view merges the
-batch and head axes, which K/V with fewer heads do not share) and no dropout. Otherwise
-``ops/api._attention_parts`` permutes copies.
+Applies when the backend is Triton, ``N % S == 0`` and there is no dropout. Otherwise
+``ops/api._attention_parts`` permutes copies. GQA/MQA inputs need the class-major layout (see
+:func:`class_view`); it is off until it has run on the GPU (:func:`set_residue_gqa`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ from ..compiler.compile import compile_mask
 from ..compiler.rewrite import Part
 from .validate import Shapes
 
-__all__ = ["residue_applies", "residue_attention", "class_view"]
+__all__ = ["residue_applies", "residue_attention", "class_view", "set_residue_gqa"]
+
+
+_GQA = {"on": False}
+
+
+def set_residue_gqa(on: bool) -> None:
+    """Run GQA/MQA inputs through the class views too (class-major layout, below). Off by default
+    until it has run on the GPU; the interpreter tests cover it."""
+    _GQA["on"] = bool(on)
 
 
 def residue_applies(parts, shapes: Shapes, dtype: torch.dtype) -> bool:
@@ -37,19 +46,26 @@ def residue_applies(parts, shapes: Shapes, dtype: torch.dtype) -> bool:
     if len(parts) != 2 or parts[0].residue_stride or not parts[1].residue_stride or parts[1].class_mask is None:
         return False
     s = parts[1].residue_stride
-    return shapes.G == 1 and shapes.Lq == shapes.Lk and shapes.Lq % s == 0 and dtype != torch.float64
+    return ((shapes.G == 1 or _GQA["on"]) and shapes.Lq == shapes.Lk and shapes.Lq % s == 0
+            and dtype != torch.float64)
 
 
-def class_view(x: torch.Tensor, stride: int) -> torch.Tensor:
-    """``(B, H, N, D)`` contiguous -> ``(B·H, S, N/S, D)`` view: residue class ``r`` as head ``r``."""
+def class_view(x: torch.Tensor, stride: int, class_major: bool = False) -> torch.Tensor:
+    """``(B, H, N, D)`` contiguous -> ``(B·H, S, N/S, D)`` view: residue class ``r`` as head ``r``.
+
+    ``class_major``: ``(S, B·H, N/S, D)`` instead, class ``r`` as batch ``r`` and ``(b, h)`` as head
+    ``b·H + h``. The kernels map query head ``i`` to kv head ``i // G``, which for ``H = G·Hkv`` is
+    ``b·Hkv + h // G``: the GQA grouping survives, so k/v with fewer heads fit this layout."""
     B, H, N, D = x.shape
-    return x.view(B * H, N // stride, stride, D).transpose(1, 2)
+    v = x.view(B * H, N // stride, stride, D)
+    return v.permute(2, 0, 1, 3) if class_major else v.transpose(1, 2)
 
 
-def _class_rows(x: torch.Tensor, stride: int) -> torch.Tensor:
-    """``(B, H, N)`` -> ``(B·H, S, N/S)`` contiguous copy (logsumexp-sized tensors only)."""
+def _class_rows(x: torch.Tensor, stride: int, class_major: bool = False) -> torch.Tensor:
+    """``(B, H, N)`` -> ``(B·H, S, N/S)`` (or ``(S, B·H, N/S)``) contiguous copy (LSE-sized tensors)."""
     B, H, N = x.shape
-    return x.reshape(B * H, N // stride, stride).transpose(1, 2).contiguous()
+    v = x.reshape(B * H, N // stride, stride)
+    return (v.permute(2, 0, 1) if class_major else v.transpose(1, 2)).contiguous()
 
 
 def _class_block(m: int, block_size) -> tuple[int, int]:
@@ -59,27 +75,33 @@ def _class_block(m: int, block_size) -> tuple[int, int]:
     return (b, b)
 
 
-def _layouts(parts, shapes: Shapes, device, block_size):
+def _layouts(parts, shapes: Shapes, device, block_size, class_major: bool):
     s = parts[1].residue_stride
     m = shapes.Lq // s
     band = compile_mask(parts[0].mask, shapes.Lq, shapes.Lk, block_size or 128, device=device)
     cls = compile_mask(parts[1].class_mask, m, m, _class_block(m, block_size), device=device)
-    return band, cls, Shapes(shapes.B * shapes.H, s, s, m, m, shapes.D)
+    if class_major:
+        cshapes = Shapes(s, shapes.B * shapes.H, shapes.B * shapes.Hkv, m, m, shapes.D)
+    else:
+        cshapes = Shapes(shapes.B * shapes.H, s, s, m, m, shapes.D)
+    return band, cls, cshapes
 
 
 class _ResidueAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, band, cls, shapes, cshapes, stride, scale):
+    def forward(ctx, q, k, v, band, cls, shapes, cshapes, stride, scale, cm):
         from .triton_backend import merge_residue, triton_forward
 
         ctx.set_materialize_grads(False)
         q, k, v = (t.contiguous() for t in (q, k, v))
         out, lse = triton_forward(q, k, v, band, shapes, scale, 0.0, 0)
-        o2, l2 = triton_forward(class_view(q, stride), class_view(k, stride), class_view(v, stride), cls,
+        o2, l2 = triton_forward(class_view(q, stride, cm), class_view(k, stride, cm), class_view(v, stride, cm), cls,
                                 cshapes, scale, 0.0, 0)
+        if cm:  # the merge kernel reads the (B·H, S, N/S) order
+            o2, l2 = o2.transpose(0, 1).contiguous(), l2.transpose(0, 1).contiguous()
         merge_residue(out, lse, o2, l2, stride)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (band, cls, shapes, cshapes, stride, scale)
+        ctx.args = (band, cls, shapes, cshapes, stride, scale, cm)
         return out, lse
 
     @staticmethod
@@ -87,27 +109,29 @@ class _ResidueAttention(torch.autograd.Function):
         from .triton_backend import backward_delta, triton_backward
 
         q, k, v, out, lse = ctx.saved_tensors
-        band, cls, shapes, cshapes, stride, scale = ctx.args
+        band, cls, shapes, cshapes, stride, scale, cm = ctx.args
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         delta = backward_delta(out, dout, lse, shapes, dlse)  # once, for both parts
         dq, dk, dv = triton_backward(q, k, v, out, lse, dout, band, shapes, scale, 0.0, 0, delta=delta)
-        cq, ck, cv, cdout = (class_view(t, stride) for t in (q, k, v, dout))
+        cq, ck, cv, cdout = (class_view(t, stride, cm) for t in (q, k, v, dout))
         # the class part adds its gradients to the band's in place, through the same views
-        triton_backward(cq, ck, cv, None, _class_rows(lse, stride), cdout, cls, cshapes, scale, 0.0, 0,
-                        delta=_class_rows(delta, stride), accumulate=tuple(class_view(g, stride) for g in (dq, dk, dv)))
-        return dq, dk, dv, None, None, None, None, None, None
+        triton_backward(cq, ck, cv, None, _class_rows(lse, stride, cm), cdout, cls, cshapes, scale, 0.0, 0,
+                        delta=_class_rows(delta, stride, cm),
+                        accumulate=tuple(class_view(g, stride, cm) for g in (dq, dk, dv)))
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def residue_attention(q, k, v, parts: tuple[Part, Part], shapes: Shapes, scale: float | None, block_size=None):
     """Attention over ``parts`` (band, strided part) with the strided part on class views.
 
     Args:
-        q, k, v: ``(B, H, N, D)`` (``H`` for k/v too), ``N`` a multiple of the stride.
+        q: ``(B, H, N, D)``; k, v: ``(B, Hkv, N, D)``; ``N`` a multiple of the stride.
         parts: from :func:`blocksparse_fa.compiler.rewrite.plan`.
 
     Returns:
         ``(out (B, H, N, D), lse (B, H, N) float32)``; differentiable in q, k, v (and through lse).
     """
     scale = 1.0 / math.sqrt(shapes.D) if scale is None else float(scale)
-    band, cls, cshapes = _layouts(parts, shapes, q.device, block_size)
-    return _ResidueAttention.apply(q, k, v, band, cls, shapes, cshapes, parts[1].residue_stride, scale)
+    cm = shapes.G > 1  # GQA/MQA: the class-major layout keeps the head grouping
+    band, cls, cshapes = _layouts(parts, shapes, q.device, block_size, cm)
+    return _ResidueAttention.apply(q, k, v, band, cls, shapes, cshapes, parts[1].residue_stride, scale, cm)
