@@ -70,7 +70,7 @@ def patterns(n: int):
     return out
 
 
-def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128):
+def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128, op=False):
     torch.manual_seed(seed)
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dtype, requires_grad=True)
@@ -79,7 +79,8 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     lay = bsfa.compile_mask(mask, Lq, Lk, block, device="cuda")
     poison()
     t0 = time.perf_counter()
-    out = bsfa.attention(q, k, v, mask=mask, dropout_p=dropout_p, dropout_seed=1234)  # rewrites apply
+    fn = bsfa.attention_op if op else bsfa.attention  # the custom op (nn modules, transformers hook)
+    out = fn(q, k, v, mask, dropout_p=dropout_p, dropout_seed=1234)  # rewrites apply
     g = torch.autograd.grad(out, (q, k, v), do)
     torch.cuda.synchronize()
     t_first = time.perf_counter() - t0
@@ -169,6 +170,8 @@ def main():
     record("strided rewrite, GQA copies", 8192, 64, torch.bfloat16, "H=4 Hkv=2", mask=st, B=1, H=4, Hkv=2, Lq=8192, Lk=8192)
     from blocksparse_fa.ops.residue import set_residue_gqa
 
+    record("strided rewrite, custom op", 8192, 128, torch.bfloat16, "attention_op", mask=st, B=1, H=2, Hkv=2,
+           Lq=8192, Lk=8192, op=True)
     set_residue_gqa(True)  # class-major views for GQA/MQA (off by default until this passes)
     record("strided rewrite, GQA class-major", 8192, 128, torch.bfloat16, "B=2 H=4 Hkv=2", mask=st, B=2, H=4, Hkv=2,
            Lq=8192, Lk=8192)

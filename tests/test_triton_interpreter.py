@@ -456,3 +456,36 @@ def test_backward_tile_candidates_match_reference(dkdv, dq):
     finally:
         set_override("dkdv", None)
         set_override("dq", None)
+
+
+def test_custom_op_and_module_use_the_strided_rewrite(monkeypatch):
+    """``attention_op`` (and so ``nn`` modules and the transformers hook) computes strided masks
+    through the residue-class rewrite on the Triton backend, forward and backward, exactly."""
+    from blocksparse_fa.compiler import rewrite
+    from blocksparse_fa.ops import custom_op
+
+    monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
+    rewrite.plan.cache_clear()
+    calls = {"fwd": 0, "bwd": 0}
+    real_f, real_b = custom_op.residue_forward, custom_op.residue_backward
+    monkeypatch.setattr(custom_op, "residue_forward", lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or real_f(*a))
+    monkeypatch.setattr(custom_op, "residue_backward", lambda *a: calls.__setitem__("bwd", calls["bwd"] + 1) or real_b(*a))
+    try:
+        mask = bsfa.parse("causal & (sliding_window(20) | strided(16))")
+        q, k, v = _qkv(1, 2, 2, 160, 160, 16)
+        out = bsfa.attention_op(q, k, v, mask, backend="triton", block_size=16)
+        do = torch.randn_like(out)
+        g = torch.autograd.grad(out, (q, k, v), do)
+        assert calls == {"fwd": 1, "bwd": 1}
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        r = bsfa.reference_attention(qd, kd, vd, mask)
+        gr = torch.autograd.grad(r, (qd, kd, vd), do.double())
+        assert rel_err(out, r) < TOL
+        for a, b in zip(g, gr):
+            assert rel_err(a, b) < TOL
+        # a compiled layout is used as given: no rewrite
+        lay = bsfa.compile_mask(mask, 160, 160, 16)
+        bsfa.attention_op(q, k, v, lay, backend="triton")
+        assert calls["fwd"] == 1
+    finally:
+        rewrite.plan.cache_clear()

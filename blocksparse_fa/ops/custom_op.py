@@ -46,6 +46,10 @@ A custom op's arguments are tensors and scalars: a :class:`~blocksparse_fa.Mask`
 Dropout under compile: the seed is an ``int64`` scalar *tensor* argument, so drawing a fresh seed
 (``torch.randint``) is part of the graph rather than a graph-breaking ``.item()``.
 
+Exact mask rewrites apply inside the ops as in :func:`blocksparse_fa.attention`. On the Triton
+backend without dropout, a registered strided mask runs as band plus residue classes
+(``ops/residue.py``), in both ``attention_fwd`` and ``attention_bwd``.
+
 The logsumexp output is non-differentiable (its incoming gradient is ignored), as in
 :func:`blocksparse_fa.attention`. It is float32 (float64 for float64 inputs, so that the float64
 backward recomputes probabilities exactly); :func:`attention_op` returns it as float32.
@@ -63,10 +67,12 @@ import torch
 
 from ..compiler.compile import compile_mask
 from ..compiler.layout import BlockLayout
+from ..compiler.rewrite import plan
 from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.primitives import full
 from .api import DEFAULT_BLOCK, resolve_backend
+from .residue import residue_applies, residue_backward, residue_forward, residue_plan
 from .validate import Shapes, check_layout, check_qkv, check_scalars
 
 __all__ = [
@@ -194,6 +200,11 @@ class LayoutRegistry:
                            f"(register_mask), pin it (registry.pin) or raise registry.capacity")
         return e
 
+    def source(self, handle: int):
+        """What was registered under ``handle``: a Mask, or a BlockLayout registered as itself."""
+        with self._lock:
+            return self._entry(handle).source
+
     def mask(self, handle: int) -> Mask:
         """The mask registered under ``handle``."""
         with self._lock:
@@ -295,6 +306,20 @@ def _prepare(q, k, v, handle, backend):
     return s, be, layout
 
 
+def _rewritten(q, handle, s: Shapes, be: str, scale: float, dropout_p: float):
+    """The residue-class plan when the Triton backend computes this mask as an exact rewrite
+    (strided masks: ``compiler.rewrite``, ``ops.residue``), as ``attention`` does; else None."""
+    if be != "triton" or dropout_p > 0.0:
+        return None
+    src = registry.source(handle)
+    if not isinstance(src, Mask):  # a compiled layout is used as given
+        return None
+    parts = plan(src, s.Lq, s.Lk)
+    if not parts or not residue_applies(parts, s, q.dtype):
+        return None
+    return residue_plan(parts, s, q.device, scale, registry.block_size(handle))
+
+
 @torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,7 +329,11 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
     if be == "triton":
         from .triton_backend import triton_forward
 
-        out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, sd)
+        rp = _rewritten(q, handle, s, be, scale, dropout_p)
+        if rp is not None:
+            out, lse = residue_forward(q.contiguous(), k.contiguous(), v.contiguous(), rp)
+        else:
+            out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, sd)
         return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
     from .torch_backend import _forward
 
@@ -331,7 +360,11 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     if be == "triton":
         from .triton_backend import triton_backward
 
-        dq, dk, dv = triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, sd)
+        rp = _rewritten(q, handle, s, be, scale, dropout_p)
+        if rp is not None:
+            dq, dk, dv = residue_backward(*(t.contiguous() for t in (q, k, v, out)), lse.float(), dout.contiguous(), rp)
+        else:
+            dq, dk, dv = triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, sd)
         return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
     from .torch_backend import _backward
 

@@ -21,15 +21,18 @@ Applies when the backend is Triton, ``N % S == 0`` and there is no dropout. Othe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from ..compiler.compile import compile_mask
+from ..compiler.layout import BlockLayout
 from ..compiler.rewrite import Part
 from .validate import Shapes
 
-__all__ = ["residue_applies", "residue_attention", "class_view", "set_residue_gqa"]
+__all__ = ["residue_applies", "residue_attention", "class_view", "set_residue_gqa", "ResiduePlan", "residue_plan",
+           "residue_forward", "residue_backward"]
 
 
 _GQA = {"on": False}
@@ -75,50 +78,78 @@ def _class_block(m: int, block_size) -> tuple[int, int]:
     return (b, b)
 
 
-def _layouts(parts, shapes: Shapes, device, block_size, class_major: bool):
+@dataclass(frozen=True)
+class ResiduePlan:
+    """What both passes need: the band's and the class part's layouts and shapes."""
+
+    band: BlockLayout
+    cls: BlockLayout
+    shapes: Shapes
+    cshapes: Shapes
+    stride: int
+    scale: float
+    class_major: bool
+
+
+def residue_plan(parts, shapes: Shapes, device, scale: float, block_size=None) -> ResiduePlan:
+    """Layouts (cached by ``compile_mask``) for ``parts`` at these shapes. GQA/MQA take the
+    class-major layout, which keeps the head grouping."""
     s = parts[1].residue_stride
     m = shapes.Lq // s
+    cm = shapes.G > 1
     band = compile_mask(parts[0].mask, shapes.Lq, shapes.Lk, block_size or 128, device=device)
     cls = compile_mask(parts[1].class_mask, m, m, _class_block(m, block_size), device=device)
-    if class_major:
+    if cm:
         cshapes = Shapes(s, shapes.B * shapes.H, shapes.B * shapes.Hkv, m, m, shapes.D)
     else:
         cshapes = Shapes(shapes.B * shapes.H, s, s, m, m, shapes.D)
-    return band, cls, cshapes
+    return ResiduePlan(band, cls, shapes, cshapes, s, scale, cm)
+
+
+def residue_forward(q, k, v, rp: ResiduePlan):
+    """``(out (B, H, N, D), lse (B, H, N) float32)``: band, class part, merge. q/k/v contiguous."""
+    from .triton_backend import merge_residue, triton_forward
+
+    st, cm = rp.stride, rp.class_major
+    out, lse = triton_forward(q, k, v, rp.band, rp.shapes, rp.scale, 0.0, 0)
+    o2, l2 = triton_forward(class_view(q, st, cm), class_view(k, st, cm), class_view(v, st, cm), rp.cls,
+                            rp.cshapes, rp.scale, 0.0, 0)
+    if cm:  # the merge kernel reads the (B·H, S, N/S) order
+        o2, l2 = o2.transpose(0, 1).contiguous(), l2.transpose(0, 1).contiguous()
+    merge_residue(out, lse, o2, l2, st)
+    return out, lse
+
+
+def residue_backward(q, k, v, out, lse, dout, rp: ResiduePlan, dlse=None):
+    """``(dq, dk, dv)`` of :func:`residue_forward` (q/k/v/out/dout contiguous): ``delta`` once,
+    the band's backward, then the class part's, which adds its gradients through the views."""
+    from .triton_backend import backward_delta, triton_backward
+
+    st, cm = rp.stride, rp.class_major
+    delta = backward_delta(out, dout, lse, rp.shapes, dlse)
+    dq, dk, dv = triton_backward(q, k, v, out, lse, dout, rp.band, rp.shapes, rp.scale, 0.0, 0, delta=delta)
+    cq, ck, cv, cdout = (class_view(t, st, cm) for t in (q, k, v, dout))
+    triton_backward(cq, ck, cv, None, _class_rows(lse, st, cm), cdout, rp.cls, rp.cshapes, rp.scale, 0.0, 0,
+                    delta=_class_rows(delta, st, cm), accumulate=tuple(class_view(g, st, cm) for g in (dq, dk, dv)))
+    return dq, dk, dv
 
 
 class _ResidueAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, band, cls, shapes, cshapes, stride, scale, cm):
-        from .triton_backend import merge_residue, triton_forward
-
+    def forward(ctx, q, k, v, rp):
         ctx.set_materialize_grads(False)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        out, lse = triton_forward(q, k, v, band, shapes, scale, 0.0, 0)
-        o2, l2 = triton_forward(class_view(q, stride, cm), class_view(k, stride, cm), class_view(v, stride, cm), cls,
-                                cshapes, scale, 0.0, 0)
-        if cm:  # the merge kernel reads the (B·H, S, N/S) order
-            o2, l2 = o2.transpose(0, 1).contiguous(), l2.transpose(0, 1).contiguous()
-        merge_residue(out, lse, o2, l2, stride)
+        out, lse = residue_forward(q, k, v, rp)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (band, cls, shapes, cshapes, stride, scale, cm)
+        ctx.rp = rp
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from .triton_backend import backward_delta, triton_backward
-
         q, k, v, out, lse = ctx.saved_tensors
-        band, cls, shapes, cshapes, stride, scale, cm = ctx.args
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        delta = backward_delta(out, dout, lse, shapes, dlse)  # once, for both parts
-        dq, dk, dv = triton_backward(q, k, v, out, lse, dout, band, shapes, scale, 0.0, 0, delta=delta)
-        cq, ck, cv, cdout = (class_view(t, stride, cm) for t in (q, k, v, dout))
-        # the class part adds its gradients to the band's in place, through the same views
-        triton_backward(cq, ck, cv, None, _class_rows(lse, stride, cm), cdout, cls, cshapes, scale, 0.0, 0,
-                        delta=_class_rows(delta, stride, cm),
-                        accumulate=tuple(class_view(g, stride, cm) for g in (dq, dk, dv)))
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv = residue_backward(q, k, v, out, lse, dout, ctx.rp, dlse)
+        return dq, dk, dv, None
 
 
 def residue_attention(q, k, v, parts: tuple[Part, Part], shapes: Shapes, scale: float | None, block_size=None):
@@ -132,6 +163,4 @@ def residue_attention(q, k, v, parts: tuple[Part, Part], shapes: Shapes, scale: 
         ``(out (B, H, N, D), lse (B, H, N) float32)``; differentiable in q, k, v (and through lse).
     """
     scale = 1.0 / math.sqrt(shapes.D) if scale is None else float(scale)
-    cm = shapes.G > 1  # GQA/MQA: the class-major layout keeps the head grouping
-    band, cls, cshapes = _layouts(parts, shapes, q.device, block_size, cm)
-    return _ResidueAttention.apply(q, k, v, band, cls, shapes, cshapes, parts[1].residue_stride, scale, cm)
+    return _ResidueAttention.apply(q, k, v, residue_plan(parts, shapes, q.device, scale, block_size))
