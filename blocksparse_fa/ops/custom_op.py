@@ -298,12 +298,17 @@ def _expand_kv(t: torch.Tensor, s: Shapes, cdt) -> torch.Tensor:
     return t.repeat_interleave(s.G, dim=1) if s.G > 1 else t
 
 
-def _prepare(q, k, v, handle, backend):
+def _prepare(q, k, v, handle, backend, scale, dropout_p):
+    """``(shapes, backend, layout, residue plan)``: the layout of the whole mask is compiled only
+    when no rewrite computes it (``layout`` is None when the residue plan is used)."""
     s = check_qkv(q, k, v)
     be = resolve_backend(backend, q.device, q.dtype)
+    rp = _rewritten(q, handle, s, be, scale, dropout_p)
+    if rp is not None:
+        return s, be, None, rp
     layout = registry.layout(handle, s.Lq, s.Lk, q.device)
     check_layout(layout, s)
-    return s, be, layout
+    return s, be, layout, None
 
 
 def _rewritten(q, handle, s: Shapes, be: str, scale: float, dropout_p: float):
@@ -324,12 +329,11 @@ def _rewritten(q, handle, s: Shapes, be: str, scale: float, dropout_p: float):
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``."""
-    s, be, layout = _prepare(q, k, v, handle, backend)
+    s, be, layout, rp = _prepare(q, k, v, handle, backend, scale, dropout_p)
     sd = int(seed.item())
     if be == "triton":
         from .triton_backend import triton_forward
 
-        rp = _rewritten(q, handle, s, be, scale, dropout_p)
         if rp is not None:
             out, lse = residue_forward(q.contiguous(), k.contiguous(), v.contiguous(), rp)
         else:
@@ -355,12 +359,11 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   dout: torch.Tensor, handle: int, scale: float, dropout_p: float, seed: torch.Tensor,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
-    s, be, layout = _prepare(q, k, v, handle, backend)
+    s, be, layout, rp = _prepare(q, k, v, handle, backend, scale, dropout_p)
     sd = int(seed.item())
     if be == "triton":
         from .triton_backend import triton_backward
 
-        rp = _rewritten(q, handle, s, be, scale, dropout_p)
         if rp is not None:
             dq, dk, dv = residue_backward(*(t.contiguous() for t in (q, k, v, out)), lse.float(), dout.contiguous(), rp)
         else:
