@@ -17,6 +17,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -39,7 +40,24 @@ VARIANTS = {
     "dq64": ({}, None, {"dq": (128, 64, 8, 2)}),
     "dkdv32": ({}, None, {"dkdv": (32, 128, 8, 2)}),
     "dkdv32_dq64": ({}, None, {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
+    "dkdv32_dq64_s3": ({}, None, {"dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 3)}),
+    # forward loop: K/V through tensor descriptors (TMA), warp specialisation, masked-loop depth
+    "kv_desc": ({}, None, {}, dict(kv_desc=True)),
+    "kv_desc_ws": ({}, None, {}, dict(kv_desc=True, warp_specialize=True)),
+    "mstages1": ({}, None, {}, dict(masked_stages=1)),
+    "mstages3": ({}, None, {}, dict(masked_stages=3)),
+    "mixed": ({}, None, {}, dict(mixed=True)),
+    "mixed_s3": ({}, None, {}, dict(mixed=True, masked_stages=3)),
+    "mixed_kv_desc": ({}, None, {}, dict(mixed=True, kv_desc=True)),
+    "default_again": ({}, None, {}, {}),  # run-to-run noise
+    # diagnostic, wrong results: partial tiles keep every element (the predicate's cost)
+    "trivial_pred": ({}, None, {}, {}),
 }
+
+
+@triton.jit
+def _keep_all(qp, kj, i, b, h, PARAMS, AUX, KEY_SIDE: tl.constexpr):
+    return (qp + kj) >= -1
 
 
 def _apply(variant: str) -> None:
@@ -49,8 +67,10 @@ def _apply(variant: str) -> None:
 
     from blocksparse_fa.kernels.config import TileConfig, set_override
 
-    policy, head_major, *tiles = VARIANTS[variant]
-    tiles = tiles[0] if tiles else {}
+    policy, head_major, *rest = VARIANTS[variant]
+    tiles = rest[0] if rest else {}
+    tb.set_forward_options(kv_desc=False, warp_specialize=False, masked_stages=None, mixed=False)
+    tb.set_forward_options(**(rest[1] if len(rest) > 1 else {}))
     for kernel in ("dkdv", "dq"):
         set_override(kernel, TileConfig(*tiles[kernel]) if kernel in tiles else None)
     policy = dict(policy)
@@ -67,6 +87,9 @@ def _fns(p, n, variant, h=16, d=128):
     _apply(variant)
     lay, q, k, v, do, s = _setup(p, n, d, h)
     lay.__dict__.pop("_triton_state", None)  # compile_mask caches layouts: rebuild LUTs and predicate
+    if variant == "trivial_pred":
+        _, _, pay, _ = tb._device_state(lay, q.device)
+        pay.fn = _keep_all
     scale = d ** -0.5
     fwd = lambda: tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
     out, lse = fwd()
@@ -110,7 +133,12 @@ def main():
     for p in args.patterns:
         ref = None
         for v in args.variants:
-            fwd, bwd, out, g = _fns(p, args.n, v)
+            try:
+                fwd, bwd, out, g = _fns(p, args.n, v)
+            except Exception as exc:  # a variant that does not compile on this GPU/triton
+                print(f"{p:20s} {v:10s} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                res[f"{p}/{v}"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                continue
             if ref is None:
                 ref = (out[0].clone(), [t.clone() for t in g])
             err = max([rel(out[0], ref[0])] + [rel(a, b) for a, b in zip(g, ref[1])])
@@ -121,7 +149,7 @@ def main():
         _apply("default")
     with open(os.path.join(args.out, "ab_variants.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       n=args.n, d=128, h=16, variants={k: [v[0], v[1]] for k, v in VARIANTS.items()},
+                       n=args.n, d=128, h=16, variants={k: [repr(x) for x in v] for k, v in VARIANTS.items()},
                        results=res), f, indent=1)
 
 

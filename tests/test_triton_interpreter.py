@@ -10,6 +10,7 @@ import torch
 import blocksparse_fa as bsfa
 from blocksparse_fa.kernels.predicate import build_payload, generate_source, predicate_function, structure_key
 from blocksparse_fa.kernels.schedule import build_worklist
+from blocksparse_fa.ops import triton_backend as tb
 from blocksparse_fa.ops.triton_backend import set_split_chunk
 from conftest import rel_err
 
@@ -489,3 +490,45 @@ def test_custom_op_and_module_use_the_strided_rewrite(monkeypatch):
         assert calls["fwd"] == 1
     finally:
         rewrite.plan.cache_clear()
+
+
+@pytest.mark.parametrize("D", [16, 24])
+def test_forward_through_tensor_descriptors_matches_reference(monkeypatch, D):
+    """The forward's tensor-descriptor K/V loads (``set_forward_options(kv_desc=True)``, TMA on
+    Hopper) give the reference's outputs, with ragged last blocks (zero-filled rows) and a head dim
+    that is not a power of two (zero-filled columns)."""
+    monkeypatch.setattr(tb, "_tma_ok", lambda *ts: True)
+    tb.set_forward_options(kv_desc=True)
+    try:
+        _check(bsfa.parse("causal & (sliding_window(20) | global_tokens(5))"), H=2, Hkv=1, Lq=61, Lk=75, D=D)
+    finally:
+        tb.set_forward_options(kv_desc=False)
+
+
+def test_forward_options_reject_unknown_names():
+    with pytest.raises(ValueError, match="unknown forward option 'tma'"):
+        tb.set_forward_options(tma=True)
+
+
+@pytest.mark.parametrize("text,split", [("causal & (sliding_window(20) | global_tokens(5))", None),
+                                        ("window(9) | global_tokens(6)", 2.0)])
+def test_forward_mixed_loop_matches_reference(text, split):
+    """``set_forward_options(mixed=True)``: one loop over each row's masked and unmasked blocks in
+    column order (masked entries encoded as ``-1 - col``), also through split work items."""
+    tb.set_forward_options(mixed=True)
+    if split:
+        set_split_chunk(split)
+    try:
+        _check(bsfa.parse(text), H=2, Hkv=1, Lq=85 if split else 61, Lk=85 if split else 75)
+    finally:
+        tb.set_forward_options(mixed=False)
+        if split:
+            set_split_chunk(None)
+
+
+def test_mixed_rows_encode_masked_blocks():
+    lay = bsfa.compile_mask(bsfa.parse("causal"), 64, 64, 16)
+    lut, _ = tb._mixed_rows(lay, torch.device("cpu"))
+    assert lut.part_ptr.tolist() == [0, 1, 3, 6, 10]
+    assert lut.part_idx.tolist() == [-1, 0, -2, 0, 1, -3, 0, 1, 2, -4]
+    assert int(lut.full_ptr.abs().sum()) == 0

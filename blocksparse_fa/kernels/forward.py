@@ -14,25 +14,53 @@ from .common import LN2, dropout_keep, load_tile, lut_first, lut_next, mma, stor
 
 
 @triton.jit
+def _kv_tile(BASE, row0, offs_n, stride_n, kv_len, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+             CHECK_ROWS: tl.constexpr, KV_DESC: tl.constexpr):
+    """A ``(BLOCK_N, HEAD_DIM_PAD)`` key or value tile at rows ``offs_n = row0 + arange``: through a tensor
+    descriptor (TMA on Hopper; rows past ``kv_len`` and columns past ``HEAD_DIM`` read as 0) when
+    ``KV_DESC``, else through pointers."""
+    if KV_DESC:
+        x = BASE.load([row0, 0])
+    else:
+        x = load_tile(BASE + offs_n[:, None] * stride_n + offs_d[None, :], offs_n, kv_len, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, CHECK_ROWS)
+    return x
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
                K_base, V_base, stride_kn, stride_vn, LUT_IDX, start, end,
                q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-               LUT_MODE: tl.constexpr):
+               LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
+               MIXED: tl.constexpr = False):
+    """``MASKED``: every entry is masked; ``MIXED`` (with ``MASKED``): one list holds unmasked
+    entries as ``col`` and masked ones as ``-1 - col``, and only the latter evaluate the predicate."""
     carry = lut_first(LUT_IDX, start, end, LUT_MODE)
-    for e in tl.range(start, end, num_stages=STAGES):
+    for e in tl.range(start, end, num_stages=STAGES, warp_specialize=WARP_SPEC):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
+        is_part = col < 0
+        if MIXED:
+            col = tl.where(is_part, -1 - col, col)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
-            offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-            k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            row0 = col * LAYOUT_BN + sub * BLOCK_N
+            offs_n = row0 + tl.arange(0, BLOCK_N)
+            k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, KV_DESC)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if MASKED:
-                keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
-                keep = keep & (offs_n[None, :] < kv_len)
-                s = tl.where(keep, s * qk_scale, float("-inf"))
+                if MIXED:
+                    if is_part:
+                        keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
+                        keep = keep & (offs_n[None, :] < kv_len)
+                        s = tl.where(keep, s * qk_scale, float("-inf"))
+                    else:
+                        s = s * qk_scale
+                else:
+                    keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
+                    keep = keep & (offs_n[None, :] < kv_len)
+                    s = tl.where(keep, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.math.exp2(s - m_use[:, None])
@@ -45,8 +73,7 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
             if HAS_DROPOUT:
                 drop = dropout_keep(offs_m[:, None], offs_n[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 p = tl.where(drop, p * drop_scale, 0.0)
-            v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+            v = _kv_tile(V_base, row0, offs_n, stride_vn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, KV_DESC)
             acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
     return acc, l_i, m_i
@@ -66,7 +93,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
-              FULL_LUT: tl.constexpr, PART_LUT: tl.constexpr):
+              FULL_LUT: tl.constexpr, PART_LUT: tl.constexpr,
+              KV_DESC: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, MIXED: tl.constexpr = False):
     """One program per work item (or query tile) and batch·head. With ``USE_WORK`` the item
     ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
     split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel."""
@@ -89,6 +117,11 @@ def _attn_fwd(Q, K, V, O, LSE,
                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    if KV_DESC:  # the launcher checked the 16-byte alignment of base and row stride
+        K_base = tl.make_tensor_descriptor(K_base, shape=[kv_len, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
+        V_base = tl.make_tensor_descriptor(V_base, shape=[kv_len, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -96,11 +129,13 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
+                               KV_DESC, WARP_SPEC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                                PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT)
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
+                               KV_DESC, False, MIXED)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
+from ..compiler.luts import LUT
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.merge import _merge_residue
-from ..kernels.config import TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows
+from ..kernels.config import (TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows,
+                             PARTIAL_HEAVY)
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
 from .validate import Shapes
 
 __all__ = ["triton_forward", "triton_backward", "triton_attention", "set_fused_backward", "set_lut_policy",
-           "merge_residue", "backward_delta"]
+           "set_forward_options", "merge_residue", "backward_delta"]
 
 _LOG2E = 1.4426950408889634
 
@@ -83,6 +87,40 @@ def _lut_modes(contig: tuple[bool, bool]) -> dict:
                 COL_LUT="arith" if contig[1] and _LUT_POLICY["dkdv_arith"] else "load")
 
 
+# Forward loop options on Hopper (benchmarks/ab_variants.py compares them): K/V tiles through
+# tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
+_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "mixed": False}
+
+
+def set_forward_options(**kw) -> None:
+    """``kv_desc`` (bool: load K/V through tensor descriptors where the device and strides allow),
+    ``warp_specialize`` (bool, needs ``kv_desc``), ``masked_stages`` (int or None: pipelining
+    depth of the masked loop) and ``mixed`` (bool: one loop over each row's masked and unmasked
+    blocks in column order, the predicate evaluated only on the masked ones)."""
+    for k, v in kw.items():
+        if k not in _FWD_OPTS:
+            raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
+        _FWD_OPTS[k] = v
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Tensor descriptors need a Hopper-class GPU, 16-byte aligned bases and 16-byte row strides."""
+    if not all(t.is_cuda for t in ts) or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0
+               and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in ts)
+
+
+_ALLOCATOR_SET = [False]
+
+
+def _ensure_tma_allocator(device: torch.device) -> None:
+    """Descriptors built inside a kernel need global scratch from Triton's allocator hook."""
+    if not _ALLOCATOR_SET[0]:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        _ALLOCATOR_SET[0] = True
+
+
 def _is_band(layout: BlockLayout) -> bool:
     """Band-like layout (few, mostly full blocks per row): picks the band tile tables."""
     band = layout.__dict__.get("_band")
@@ -91,6 +129,11 @@ def _is_band(layout: BlockLayout) -> bool:
         band = short_rows(layout.n_nonempty / rows, layout.partial_fraction)
         layout.__dict__["_band"] = band
     return band
+
+
+def _is_partial_heavy(layout: BlockLayout) -> bool:
+    """At least ``PARTIAL_HEAVY`` of the visited blocks are partial: picks the spill-free backward tiles."""
+    return layout.n_nonempty > 0 and layout.partial_fraction >= PARTIAL_HEAVY
 
 
 def _layout_strides(layout: BlockLayout):
@@ -167,17 +210,42 @@ def _with_fallback(kernel: str, cfg: TileConfig, key: tuple, launch) -> None:
             _FALLBACK[fkey] = cfg
 
 
-def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
-    """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size."""
+def _mixed_rows(layout: BlockLayout, device):
+    """Row LUT with one list per row: unmasked blocks as ``c``, masked ones as ``-1 - c``, in column
+    order (the forward's ``MIXED`` loop); the unmasked lists are empty. Cached on the layout."""
+    cache = layout.__dict__.setdefault("_mixed_rows", {})
+    st = cache.get(device)
+    if st is None:
+        rows, _ = layout.kernel_luts()
+        fp, fi, pp, pi = (t.cpu().long() for t in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx))
+        n = fp.numel() - 1
+        owner = torch.cat([torch.repeat_interleave(torch.arange(n), fp[1:] - fp[:-1]),
+                           torch.repeat_interleave(torch.arange(n), pp[1:] - pp[:-1])])
+        cols = torch.cat([fi, pi])
+        code = torch.cat([fi, -1 - pi])
+        order = torch.from_numpy(np.lexsort((cols.numpy(), owner.numpy())))
+        ptr = torch.zeros(n + 1, dtype=torch.long)
+        ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=n), 0)
+        lut = LUT(torch.zeros(n + 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                  ptr.to(torch.int32), code[order].to(torch.int32))
+        dev = tuple(t.to(device) for t in (lut.full_ptr, lut.full_idx, lut.part_ptr, lut.part_idx))
+        st = cache[device] = (lut, dev)
+    return st
+
+
+def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device,
+              lut: LUT | None = None) -> WorkList | None:
+    """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size
+    (``lut``: the row LUT to split instead of the layout's, e.g. :func:`_mixed_rows`)."""
     if not worklists_enabled(layout):
         return None
     force = _SPLIT_OVERRIDE.get("chunk")
-    key = (side, tile, n_heads, device, force)
+    key = (side, tile, n_heads, device, force, lut is not None)
     cache = layout.__dict__.setdefault("_worklists", {})
     wl = cache.get(key)
     if wl is None:
         rows, cols = layout.kernel_luts()
-        lut = rows if side == "row" else cols
+        lut = lut if lut is not None else rows if side == "row" else cols
         lb = layout.block_size[0] if side == "row" else layout.block_size[1]
         length = layout.q_len if side == "row" else layout.kv_len
         wl = build_worklist(lut.full_ptr.cpu().numpy(), lut.part_ptr.cpu().numpy(), lb // tile, -(-length // tile),
@@ -233,12 +301,20 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
 def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig):
     lbm, lbn = layout.block_size
     n_tiles = triton.cdiv(s.Lq, cfg.block_m)
-    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device)
+    mixed = _FWD_OPTS["mixed"] and layout.partial_fraction > 0
+    mixed_lut = None
+    if mixed:
+        mixed_lut, rows = _mixed_rows(layout, q.device)
+    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device, mixed_lut)
     grid, work, use_work = _grid_and_work(wl, n_tiles, s.B * s.H, q.device)
     nslot = wl.n_slots if wl is not None else 0
     modes = _lut_modes(contig)
     opart = _partials(s.B * s.H * nslot * cfg.block_m, d_pad, q.device)
     lpart = _partials(s.B * s.H * nslot * cfg.block_m, None, q.device)
+    kv_desc = _FWD_OPTS["kv_desc"] and _tma_ok(k, v)
+    if kv_desc:
+        _ensure_tma_allocator(q.device)
+    masked_stages = _FWD_OPTS["masked_stages"] or _masked_stages(pay, cfg)
     _attn_fwd[grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -249,8 +325,9 @@ def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay,
         PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, USE_WORK=use_work, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
         DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
-        MASKED_STAGES=_masked_stages(pay, cfg), num_warps=cfg.num_warps,
+        MASKED_STAGES=masked_stages, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, FULL_LUT=modes["FULL_LUT"], PART_LUT=modes["PART_LUT"],
+        KV_DESC=kv_desc, WARP_SPEC=kv_desc and _FWD_OPTS["warp_specialize"], MIXED=mixed,
     )
     if nslot:
         _attn_fwd_combine[(wl.n_combine, s.B * s.H)](
@@ -286,7 +363,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     rows, cols, pay, contig = _device_state(layout, q.device)
     d_pad = head_dim_pad(s.D)
-    cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn, _is_band(layout))
+    cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout))
     dev = q.device
     if delta is None:
         delta = backward_delta(out, dout, lse, s, dlse)
