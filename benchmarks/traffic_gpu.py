@@ -58,7 +58,9 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
-           "l1tex__m_xbar2l1tex_read_bytes.sum", "gpu__time_duration.sum")
+           "l1tex__m_xbar2l1tex_read_bytes.sum", "gpu__time_duration.sum",
+           "l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_miss.sum")
+# the last one: register-spill reloads that miss L1 (sectors), part of the crossbar's bytes
 # L2 -> SM bytes: the crossbar's delivered bytes (l1tex__m_xbar2l1tex_read_bytes). The L2-slice
 # counter (lts__t_sectors_srcunit_tex_op_read x 32) under-counts when many programs read one block
 # at once (dense: -38 %, docs/traffic.md); it is kept as l2_read_slice, and used for l2_read only

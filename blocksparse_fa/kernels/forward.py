@@ -37,30 +37,25 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
                LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
                MIXED: tl.constexpr = False):
     """``MASKED``: every entry is masked; ``MIXED`` (with ``MASKED``): one list holds unmasked
-    entries as ``col`` and masked ones as ``-1 - col``, and only the latter evaluate the predicate."""
+    entries as ``col`` and masked ones as ``-1 - col``; the predicate is evaluated on every tile and
+    ignored on the unmasked ones (those are never ragged: edge blocks are in the masked lists)."""
     carry = lut_first(LUT_IDX, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES, warp_specialize=WARP_SPEC):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
-        is_part = col < 0
+        col_code = col
         if MIXED:
-            col = tl.where(is_part, -1 - col, col)
+            col = tl.where(col_code < 0, -1 - col_code, col_code)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             row0 = col * LAYOUT_BN + sub * BLOCK_N
             offs_n = row0 + tl.arange(0, BLOCK_N)
             k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, KV_DESC)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if MASKED:
-                if MIXED:
-                    if is_part:
-                        keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
-                        keep = keep & (offs_n[None, :] < kv_len)
-                        s = tl.where(keep, s * qk_scale, float("-inf"))
-                    else:
-                        s = s * qk_scale
-                else:
-                    keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
-                    keep = keep & (offs_n[None, :] < kv_len)
-                    s = tl.where(keep, s * qk_scale, float("-inf"))
+                keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
+                keep = keep & (offs_n[None, :] < kv_len)
+                if MIXED:  # branch-free: a runtime `if` here breaks triton 3.6's pipeliner
+                    keep = keep | (col_code >= 0)
+                s = tl.where(keep, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.math.exp2(s - m_use[:, None])
