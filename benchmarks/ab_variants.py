@@ -46,9 +46,6 @@ VARIANTS = {
     "kv_desc_ws": ({}, None, {}, dict(kv_desc=True, warp_specialize=True)),
     "mstages1": ({}, None, {}, dict(masked_stages=1)),
     "mstages3": ({}, None, {}, dict(masked_stages=3)),
-    "mixed": ({}, None, {}, dict(mixed=True)),
-    "mixed_s3": ({}, None, {}, dict(mixed=True, masked_stages=3)),
-    "mixed_kv_desc": ({}, None, {}, dict(mixed=True, kv_desc=True)),
     "default_again": ({}, None, {}, {}),  # run-to-run noise
     # diagnostic, wrong results: partial tiles keep every element (the predicate's cost)
     "trivial_pred": ({}, None, {}, {}),
@@ -69,7 +66,7 @@ def _apply(variant: str) -> None:
 
     policy, head_major, *rest = VARIANTS[variant]
     tiles = rest[0] if rest else {}
-    tb.set_forward_options(kv_desc=False, warp_specialize=False, masked_stages=None, mixed=False)
+    tb.set_forward_options(kv_desc=False, warp_specialize=False, masked_stages=None)
     tb.set_forward_options(**(rest[1] if len(rest) > 1 else {}))
     for kernel in ("dkdv", "dq"):
         set_override(kernel, TileConfig(*tiles[kernel]) if kernel in tiles else None)

@@ -27,14 +27,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536])
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--kv-heads-ratio", type=int, default=1, help="GQA: H / Hkv (> 1 turns on set_residue_gqa)")
+    ap.add_argument("--kv-heads-ratio", type=int, default=1, help="GQA: H / Hkv (class-major views)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from blocksparse_fa.ops import api
     from blocksparse_fa.ops.residue import set_residue_gqa
 
     g = args.kv_heads_ratio
-    set_residue_gqa(g > 1)
+    set_residue_gqa(True)
     real = api.residue_applies
     r = bench.Runner()
     rows = []
@@ -69,7 +69,6 @@ def main():
         print(json.dumps(row), flush=True)
         del res, f
         torch.cuda.empty_cache()
-    set_residue_gqa(False)
     with open(os.path.join(args.out, f"strided_check{'_gqa' + str(g) if g > 1 else ''}.json"), "w") as fh:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=__import__("triton").__version__, rows=rows), fh, indent=1)

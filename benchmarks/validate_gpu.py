@@ -167,17 +167,18 @@ def main():
         record("causal", N, D, torch.bfloat16, f"D={D}", mask=bsfa.causal(), B=1, H=2, Hkv=2, Lq=N, Lk=N)
     st = bsfa.parse("causal & (sliding_window(128) | strided(128))")  # rewritten: band + residue classes
     record("strided rewrite, class views", 8192, 128, torch.bfloat16, "B=2 s=128", mask=st, B=2, H=2, Hkv=2, Lq=8192, Lk=8192)
-    record("strided rewrite, GQA copies", 8192, 64, torch.bfloat16, "H=4 Hkv=2", mask=st, B=1, H=4, Hkv=2, Lq=8192, Lk=8192)
     from blocksparse_fa.ops.residue import set_residue_gqa
+
+    set_residue_gqa(False)  # GQA through permuted copies
+    record("strided rewrite, GQA copies", 8192, 64, torch.bfloat16, "H=4 Hkv=2", mask=st, B=1, H=4, Hkv=2, Lq=8192, Lk=8192)
 
     record("strided rewrite, custom op", 8192, 128, torch.bfloat16, "attention_op", mask=st, B=1, H=2, Hkv=2,
            Lq=8192, Lk=8192, op=True)
-    set_residue_gqa(True)  # class-major views for GQA/MQA (off by default until this passes)
+    set_residue_gqa(True)  # class-major views for GQA/MQA (the default)
     record("strided rewrite, GQA class-major", 8192, 128, torch.bfloat16, "B=2 H=4 Hkv=2", mask=st, B=2, H=4, Hkv=2,
            Lq=8192, Lk=8192)
     record("strided rewrite, MQA class-major", 8192, 64, torch.bfloat16, "H=3 Hkv=1", mask=st, B=1, H=3, Hkv=1,
            Lq=8192, Lk=8192)
-    set_residue_gqa(False)
     dm = torch.rand(1, 2, 1500, 1500) > 0.6
     record("dense_mask per head", 1500, 64, torch.bfloat16, "B1H2", mask=bsfa.dense_mask(dm), B=1, H=2, Hkv=2, Lq=1500, Lk=1500)
 

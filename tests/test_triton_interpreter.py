@@ -508,27 +508,3 @@ def test_forward_through_tensor_descriptors_matches_reference(monkeypatch, D):
 def test_forward_options_reject_unknown_names():
     with pytest.raises(ValueError, match="unknown forward option 'tma'"):
         tb.set_forward_options(tma=True)
-
-
-@pytest.mark.parametrize("text,split", [("causal & (sliding_window(20) | global_tokens(5))", None),
-                                        ("window(9) | global_tokens(6)", 2.0)])
-def test_forward_mixed_loop_matches_reference(text, split):
-    """``set_forward_options(mixed=True)``: one loop over each row's masked and unmasked blocks in
-    column order (masked entries encoded as ``-1 - col``), also through split work items."""
-    tb.set_forward_options(mixed=True)
-    if split:
-        set_split_chunk(split)
-    try:
-        _check(bsfa.parse(text), H=2, Hkv=1, Lq=85 if split else 61, Lk=85 if split else 75)
-    finally:
-        tb.set_forward_options(mixed=False)
-        if split:
-            set_split_chunk(None)
-
-
-def test_mixed_rows_encode_masked_blocks():
-    lay = bsfa.compile_mask(bsfa.parse("causal"), 64, 64, 16)
-    lut, _ = tb._mixed_rows(lay, torch.device("cpu"))
-    assert lut.part_ptr.tolist() == [0, 1, 3, 6, 10]
-    assert lut.part_idx.tolist() == [-1, 0, -2, 0, 1, -3, 0, 1, 2, -4]
-    assert int(lut.full_ptr.abs().sum()) == 0

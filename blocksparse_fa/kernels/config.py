@@ -33,12 +33,14 @@ _FWD_SHORT = {128: TileConfig(128, 64, 8, 2)}
 _BWD_DQ_SHORT = {128: TileConfig(128, 64, 8, 2)}
 SHORT_ROW_BLOCKS = 12.0
 SHORT_ROW_PARTIAL = 0.3
-# Partial-heavy layouts (Longformer, BigBird: many half-used blocks) run their backward faster with
-# 32-query dK/dV steps and 64-key dQ steps: no register spills (local loads 602 MB -> 8 MB per
-# backward on documents, ncu) and Longformer 1.447 -> 1.332 ms, BigBird 1.673 -> 1.605 ms. Dense,
-# causal and band layouts lose 1-6 % with them (A/B v9, benchmarks/NOTES.md), so they keep the tables.
+# Sparse layouts with many partial blocks (sliding windows, documents, Longformer, BigBird) run
+# their backward with 32-query dK/dV steps and 64-key dQ steps: no register spills (ncu, 16K:
+# local loads 602 -> 8 MB on documents; Longformer 389 MB -> 2 MB of spill fills), L2->SM bytes at
+# the traffic model, Longformer 1.447 -> 1.332 ms, BigBird 1.673 -> 1.605 ms, documents and the
+# 1024 window unchanged within 1 %. Dense and causal lose 3-6 % with them and keep the tables above
+# (A/B v9, benchmarks/NOTES.md).
 _BWD_PARTIAL = {128: (TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2))}
-PARTIAL_HEAVY = 0.35
+PARTIAL_HEAVY = 0.2
 _OVERRIDES: dict[str, TileConfig] = {}
 
 
@@ -82,7 +84,7 @@ def bwd_configs(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int,
     out = []
     dq_table = _BWD_DQ_SHORT if band and d_pad in _BWD_DQ_SHORT else _BWD_DQ
     kv_table = _BWD_DKDV
-    if partial_heavy and not band and d_pad in _BWD_PARTIAL:
+    if partial_heavy and d_pad in _BWD_PARTIAL:
         kv_table = {d_pad: _BWD_PARTIAL[d_pad][0]}
         dq_table = {d_pad: _BWD_PARTIAL[d_pad][1]}
     for name, table in (("dkdv", kv_table), ("dq", dq_table)):

@@ -34,17 +34,10 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-               LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
-               MIXED: tl.constexpr = False):
-    """``MASKED``: every entry is masked; ``MIXED`` (with ``MASKED``): one list holds unmasked
-    entries as ``col`` and masked ones as ``-1 - col``; the predicate is evaluated on every tile and
-    ignored on the unmasked ones (those are never ragged: edge blocks are in the masked lists)."""
+               LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr):
     carry = lut_first(LUT_IDX, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES, warp_specialize=WARP_SPEC):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
-        col_code = col
-        if MIXED:
-            col = tl.where(col_code < 0, -1 - col_code, col_code)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             row0 = col * LAYOUT_BN + sub * BLOCK_N
             offs_n = row0 + tl.arange(0, BLOCK_N)
@@ -53,8 +46,6 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
             if MASKED:
                 keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
                 keep = keep & (offs_n[None, :] < kv_len)
-                if MIXED:  # branch-free: a runtime `if` here breaks triton 3.6's pipeliner
-                    keep = keep | (col_code >= 0)
                 s = tl.where(keep, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -89,7 +80,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
               FULL_LUT: tl.constexpr, PART_LUT: tl.constexpr,
-              KV_DESC: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, MIXED: tl.constexpr = False):
+              KV_DESC: tl.constexpr = False, WARP_SPEC: tl.constexpr = False):
     """One program per work item (or query tile) and batch·head. With ``USE_WORK`` the item
     ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
     split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel."""
@@ -130,7 +121,7 @@ def _attn_fwd(Q, K, V, O, LSE,
                                PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
-                               KV_DESC, False, MIXED)
+                               KV_DESC, False)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)

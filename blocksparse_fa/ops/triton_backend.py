@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
-from ..compiler.luts import LUT
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.merge import _merge_residue
 from ..kernels.config import (TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows,
@@ -89,14 +86,13 @@ def _lut_modes(contig: tuple[bool, bool]) -> dict:
 
 # Forward loop options on Hopper (benchmarks/ab_variants.py compares them): K/V tiles through
 # tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
-_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "mixed": False}
+_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None}
 
 
 def set_forward_options(**kw) -> None:
     """``kv_desc`` (bool: load K/V through tensor descriptors where the device and strides allow),
-    ``warp_specialize`` (bool, needs ``kv_desc``), ``masked_stages`` (int or None: pipelining
-    depth of the masked loop) and ``mixed`` (bool: one loop over each row's masked and unmasked
-    blocks in column order, the predicate evaluated only on the masked ones)."""
+    ``warp_specialize`` (bool, needs ``kv_desc``) and ``masked_stages`` (int or None: pipelining
+    depth of the masked loop). All off by default: none was faster on the H100 (NOTES.md v9)."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
@@ -210,42 +206,17 @@ def _with_fallback(kernel: str, cfg: TileConfig, key: tuple, launch) -> None:
             _FALLBACK[fkey] = cfg
 
 
-def _mixed_rows(layout: BlockLayout, device):
-    """Row LUT with one list per row: unmasked blocks as ``c``, masked ones as ``-1 - c``, in column
-    order (the forward's ``MIXED`` loop); the unmasked lists are empty. Cached on the layout."""
-    cache = layout.__dict__.setdefault("_mixed_rows", {})
-    st = cache.get(device)
-    if st is None:
-        rows, _ = layout.kernel_luts()
-        fp, fi, pp, pi = (t.cpu().long() for t in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx))
-        n = fp.numel() - 1
-        owner = torch.cat([torch.repeat_interleave(torch.arange(n), fp[1:] - fp[:-1]),
-                           torch.repeat_interleave(torch.arange(n), pp[1:] - pp[:-1])])
-        cols = torch.cat([fi, pi])
-        code = torch.cat([fi, -1 - pi])
-        order = torch.from_numpy(np.lexsort((cols.numpy(), owner.numpy())))
-        ptr = torch.zeros(n + 1, dtype=torch.long)
-        ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=n), 0)
-        lut = LUT(torch.zeros(n + 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                  ptr.to(torch.int32), code[order].to(torch.int32))
-        dev = tuple(t.to(device) for t in (lut.full_ptr, lut.full_idx, lut.part_ptr, lut.part_idx))
-        st = cache[device] = (lut, dev)
-    return st
-
-
-def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device,
-              lut: LUT | None = None) -> WorkList | None:
-    """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size
-    (``lut``: the row LUT to split instead of the layout's, e.g. :func:`_mixed_rows`)."""
+def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
+    """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size."""
     if not worklists_enabled(layout):
         return None
     force = _SPLIT_OVERRIDE.get("chunk")
-    key = (side, tile, n_heads, device, force, lut is not None)
+    key = (side, tile, n_heads, device, force)
     cache = layout.__dict__.setdefault("_worklists", {})
     wl = cache.get(key)
     if wl is None:
         rows, cols = layout.kernel_luts()
-        lut = lut if lut is not None else rows if side == "row" else cols
+        lut = rows if side == "row" else cols
         lb = layout.block_size[0] if side == "row" else layout.block_size[1]
         length = layout.q_len if side == "row" else layout.kv_len
         wl = build_worklist(lut.full_ptr.cpu().numpy(), lut.part_ptr.cpu().numpy(), lb // tile, -(-length // tile),
@@ -301,11 +272,7 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
 def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig):
     lbm, lbn = layout.block_size
     n_tiles = triton.cdiv(s.Lq, cfg.block_m)
-    mixed = _FWD_OPTS["mixed"] and layout.partial_fraction > 0
-    mixed_lut = None
-    if mixed:
-        mixed_lut, rows = _mixed_rows(layout, q.device)
-    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device, mixed_lut)
+    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device)
     grid, work, use_work = _grid_and_work(wl, n_tiles, s.B * s.H, q.device)
     nslot = wl.n_slots if wl is not None else 0
     modes = _lut_modes(contig)
@@ -327,7 +294,7 @@ def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay,
         DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
         MASKED_STAGES=masked_stages, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, FULL_LUT=modes["FULL_LUT"], PART_LUT=modes["PART_LUT"],
-        KV_DESC=kv_desc, WARP_SPEC=kv_desc and _FWD_OPTS["warp_specialize"], MIXED=mixed,
+        KV_DESC=kv_desc, WARP_SPEC=kv_desc and _FWD_OPTS["warp_specialize"],
     )
     if nslot:
         _attn_fwd_combine[(wl.n_combine, s.B * s.H)](
