@@ -40,6 +40,7 @@ VARIANTS = {
     "dq64": ({}, None, {"dq": (128, 64, 8, 2)}),
     "dkdv32": ({}, None, {"dkdv": (32, 128, 8, 2)}),
     "dkdv32_dq64": ({}, None, {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
+    "old_tiles": ({}, None, {"dkdv": (64, 128, 8, 2), "dq": (128, 128, 8, 2)}),  # before v9, non-band
     "dkdv32_dq64_s3": ({}, None, {"dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 3)}),
     # forward loop: K/V through tensor descriptors (TMA), warp specialisation, masked-loop depth
     "kv_desc": ({}, None, {}, dict(kv_desc=True)),

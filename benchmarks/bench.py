@@ -44,8 +44,9 @@ def make_case(name: str, n: int):
         return bsfa.full(), None
     if name == "causal":
         return bsfa.causal(), lambda b, h, q, k: q >= k
-    if name == "sliding_window_1024":
-        return bsfa.sliding_window(1024), lambda b, h, q, k: (q >= k) & (q - k < 1024)
+    if name.startswith("sliding_window_"):  # sliding_window_W, e.g. the table's 1024
+        w = int(name.rsplit("_", 1)[1])
+        return bsfa.sliding_window(w), lambda b, h, q, k: (q >= k) & (q - k < w)
     if name == "longformer":
         return bsfa.load_pattern("longformer"), lambda b, h, q, k: ((q - k).abs() <= 256) | (q < 64) | (k < 64)
     if name == "bigbird":

@@ -40,7 +40,7 @@ SHORT_ROW_PARTIAL = 0.3
 # 1024 window unchanged within 1 %. Dense and causal lose 3-6 % with them and keep the tables above
 # (A/B v9, benchmarks/NOTES.md).
 _BWD_PARTIAL = {128: (TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2))}
-PARTIAL_HEAVY = 0.2
+PARTIAL_HEAVY = 0.1
 _OVERRIDES: dict[str, TileConfig] = {}
 
 
