@@ -2,7 +2,7 @@
 block indices (loaded, prefetched, computed for contiguous lists; ``set_lut_policy``) and the
 one-launch backward's grid order (head by head vs all dK/dV programs first), and backward tile
 sizes (register spills). Every variant is checked against the first one (bit-identical results
-expected, except for the tile variants, which sum in another order).
+expected; the tile variants are too on the H100, as the MMAs walk the reduction in the same order).
 
     PYTHONPATH=. python benchmarks/ab_variants.py [--patterns ...] [--out DIR]
     PYTHONPATH=. python benchmarks/ab_variants.py worker --pattern P --variant V   # one fwd+bwd, for ncu
@@ -34,7 +34,7 @@ VARIANTS = {
     "doc_ids": (dict(document_runs=False), None),
     "phase": ({}, False),
     "headmajor": ({}, True),
-    # backward tiles (not bit-identical to "default": another summation order, ~1e-3 in bf16).
+    # backward tiles (bit-identical to "default" on the H100, NOTES.md v9).
     # Local sm_90 compile (sass_probe.py --kernel bwd, documents): default 64x128 / dQ 128x128 has
     # 208 B of stack and 167 spill ops; dQ 128x64: 160 B / 121; dK/dV 32x128 with dQ 128x64: none.
     "dq64": ({}, None, {"dq": (128, 64, 8, 2)}),
