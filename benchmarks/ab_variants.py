@@ -31,6 +31,7 @@ VARIANTS = {
     "load": (dict(fwd_arith=False, fwd_other="load", dq_arith=False), None),
     "no_prefetch": (dict(fwd_other="load"), None),
     "no_dq_arith": (dict(dq_arith=False), None),
+    "dkdv_arith": (dict(dkdv_arith=True), None),
     "doc_ids": (dict(document_runs=False), None),
     "phase": ({}, False),
     "headmajor": ({}, True),
@@ -40,6 +41,8 @@ VARIANTS = {
     "dq64": ({}, None, {"dq": (128, 64, 8, 2)}),
     "dkdv32": ({}, None, {"dkdv": (32, 128, 8, 2)}),
     "dkdv32_dq64": ({}, None, {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
+    "fwd64": ({}, None, {"fwd": (128, 64, 8, 2)}),
+    "fwd64_s3": ({}, None, {"fwd": (128, 64, 8, 3)}),
     "old_tiles": ({}, None, {"dkdv": (64, 128, 8, 2), "dq": (128, 128, 8, 2)}),  # before v9, non-band
     "dkdv32_dq64_s3": ({}, None, {"dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 3)}),
     # forward loop: K/V through tensor descriptors (TMA), warp specialisation, masked-loop depth
@@ -69,7 +72,7 @@ def _apply(variant: str) -> None:
     tiles = rest[0] if rest else {}
     tb.set_forward_options(kv_desc=False, warp_specialize=False, masked_stages=None)
     tb.set_forward_options(**(rest[1] if len(rest) > 1 else {}))
-    for kernel in ("dkdv", "dq"):
+    for kernel in ("fwd", "dkdv", "dq"):
         set_override(kernel, TileConfig(*tiles[kernel]) if kernel in tiles else None)
     policy = dict(policy)
     set_document_runs(policy.pop("document_runs", True))

@@ -508,3 +508,22 @@ def test_forward_through_tensor_descriptors_matches_reference(monkeypatch, D):
 def test_forward_options_reject_unknown_names():
     with pytest.raises(ValueError, match="unknown forward option 'tma'"):
         tb.set_forward_options(tma=True)
+
+
+def test_tile_classes_follow_the_layout_shape():
+    """Forward and backward tiles per layout class (H100 A/B, NOTES.md v9): short rows mostly
+    partial get 128x64 forward steps with three stages; >= 10 % partial blocks get the spill-free
+    backward pair; dense and causal keep the default tables."""
+    from blocksparse_fa.kernels.config import TileConfig, bwd_configs, fwd_config
+
+    def tiles(mask, n=16384):
+        lay = bsfa.compile_mask(mask, n, n, 128)
+        band, sp, ph = tb._is_band(lay), tb._is_short_partial(lay), tb._is_partial_heavy(lay)
+        return fwd_config(128, torch.bfloat16, 128, 128, band, sp), bwd_configs(128, torch.bfloat16, 128, 128, band, ph)
+
+    f, (kv, q) = tiles(bsfa.load_pattern("longformer"))
+    assert f == TileConfig(128, 64, 8, 3) and kv == TileConfig(32, 128, 8, 2) and q == TileConfig(128, 64, 8, 2)
+    f, (kv, q) = tiles(bsfa.sliding_window(1024))
+    assert f == TileConfig(128, 64, 8, 2) and kv.block_m == 32
+    f, (kv, q) = tiles(bsfa.causal())
+    assert f == TileConfig(128, 128, 8, 2) and kv == TileConfig(64, 128, 8, 2) and q == TileConfig(128, 128, 8, 2)

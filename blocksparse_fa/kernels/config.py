@@ -30,6 +30,11 @@ _BWD_DQ = {64: TileConfig(128, 32, 8, 2), 128: TileConfig(128, 128, 8, 2), 256: 
 # in the forward and dQ (v6 sweep, benchmarks/NOTES.md: sliding_window(1024) fwd 0.472 -> 0.436 ms,
 # backward 1.338 -> 1.268 ms); dense/causal and partial-heavy patterns keep the tables above.
 _FWD_SHORT = {128: TileConfig(128, 64, 8, 2)}
+# Short rows with many partial blocks (narrow windows, Longformer, BigBird): 64-key steps with three
+# stages; the 128x128 tiles spill there (sliding_window(128): 88 MB of local loads per forward).
+# A/B v9 (NOTES.md), fwd ms: window 128 0.213 -> 0.202, 256 0.247 -> 0.235, 512 0.313 -> 0.298,
+# Longformer 0.546 -> 0.525, BigBird 0.600 -> 0.579.
+_FWD_SHORT_PARTIAL = {128: TileConfig(128, 64, 8, 3)}
 _BWD_DQ_SHORT = {128: TileConfig(128, 64, 8, 2)}
 SHORT_ROW_BLOCKS = 12.0
 SHORT_ROW_PARTIAL = 0.3
@@ -50,6 +55,11 @@ def short_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
     return 0 < mean_row_blocks <= SHORT_ROW_BLOCKS and partial_fraction <= SHORT_ROW_PARTIAL
 
 
+def short_partial_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
+    """Short rows (as in :func:`short_rows`) of which more than ``SHORT_ROW_PARTIAL`` are partial."""
+    return 0 < mean_row_blocks <= SHORT_ROW_BLOCKS and partial_fraction > SHORT_ROW_PARTIAL
+
+
 def head_dim_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -66,12 +76,19 @@ def _pick(table, d_pad: int, layout_bm: int, layout_bn: int) -> TileConfig:
     return TileConfig(min(cfg.block_m, layout_bm), min(cfg.block_n, layout_bn), cfg.num_warps, cfg.num_stages)
 
 
-def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, band: bool = False) -> TileConfig:
-    """Forward tiles; ``band`` (see :func:`short_rows`) picks the band-like table where it has one."""
+def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, band: bool = False,
+               short_partial: bool = False) -> TileConfig:
+    """Forward tiles; ``band`` (see :func:`short_rows`) and ``short_partial`` (see
+    :func:`short_partial_rows`) pick their tables where they have one."""
     if "fwd" in _OVERRIDES:
         c = _OVERRIDES["fwd"]
         return TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)
-    cfg = _pick(_FWD_SHORT if band and d_pad in _FWD_SHORT else _FWD, d_pad, layout_bm, layout_bn)
+    table = _FWD
+    if band and d_pad in _FWD_SHORT:
+        table = _FWD_SHORT
+    elif short_partial and d_pad in _FWD_SHORT_PARTIAL:
+        table = _FWD_SHORT_PARTIAL
+    cfg = _pick(table, d_pad, layout_bm, layout_bn)
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cfg = TileConfig(min(cfg.block_m, 64), min(cfg.block_n, 32), cfg.num_warps, 2)
     return cfg

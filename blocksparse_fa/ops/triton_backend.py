@@ -12,7 +12,7 @@ from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.merge import _merge_residue
 from ..kernels.config import (TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows,
-                             PARTIAL_HEAVY)
+                             short_partial_rows, PARTIAL_HEAVY)
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
@@ -125,6 +125,11 @@ def _is_band(layout: BlockLayout) -> bool:
         band = short_rows(layout.n_nonempty / rows, layout.partial_fraction)
         layout.__dict__["_band"] = band
     return band
+
+
+def _is_short_partial(layout: BlockLayout) -> bool:
+    """Short rows, mostly partial (narrow windows, Longformer, BigBird): their own forward tiles."""
+    return short_partial_rows(layout.n_nonempty / max(1, layout._segs.n_rows), layout.partial_fraction)
 
 
 def _is_partial_heavy(layout: BlockLayout) -> bool:
@@ -265,7 +270,8 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     def launch(cfg):
         _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig)
 
-    _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn, _is_band(layout)), (d_pad, q.dtype, lbm, lbn, pay.gathers), launch)
+    _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn, _is_band(layout), _is_short_partial(layout)),
+                   (d_pad, q.dtype, lbm, lbn, pay.gathers), launch)
     return out, lse
 
 
