@@ -263,6 +263,8 @@ def write_report(data: dict, docs: str) -> None:
             f"**{r['speedup_fwd']:.2f}×** | {r['ours_fb_ms']:.3f} | {r['flex_fb_ms']:.3f} | **{r['speedup_fb']:.2f}×** | "
             f"{r['ours_fwd_tflops']:.0f} / {r['ours_fb_tflops']:.0f} | {r['flex_fwd_tflops']:.0f} / {r['flex_fb_tflops']:.0f} | {sd} | "
             f"{r['ours_fb_peak_mib']:.0f} / {r['flex_fb_peak_mib']:.0f} | {r['err_vs_flex']:.1e} |")
+    if data.get("table_note"):  # what changed in the code after the run (written by hand into the JSON)
+        lines += ["", data["table_note"]]
     if data.get("sweep"):
         lines += ["", "## Time vs block density (N=32K, d=128, H=8)", ""]
         if data.get("sweep_note"):
