@@ -527,3 +527,11 @@ def test_tile_classes_follow_the_layout_shape():
     assert f == TileConfig(128, 64, 8, 2) and kv.block_m == 32
     f, (kv, q) = tiles(bsfa.causal())
     assert f == TileConfig(128, 128, 8, 2) and kv == TileConfig(64, 128, 8, 2) and q == TileConfig(128, 128, 8, 2)
+
+
+def test_short_partial_forward_tiles_need_128_blocks():
+    """The short-partial forward table was measured on 128-token layout blocks only."""
+    from blocksparse_fa.kernels.config import TileConfig, fwd_config
+
+    assert fwd_config(128, torch.bfloat16, 128, 128, False, True) == TileConfig(128, 64, 8, 3)
+    assert fwd_config(128, torch.bfloat16, 64, 64, False, True) == TileConfig(64, 64, 8, 2)

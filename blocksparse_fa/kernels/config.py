@@ -86,8 +86,8 @@ def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, b
     table = _FWD
     if band and d_pad in _FWD_SHORT:
         table = _FWD_SHORT
-    elif short_partial and d_pad in _FWD_SHORT_PARTIAL:
-        table = _FWD_SHORT_PARTIAL
+    elif short_partial and d_pad in _FWD_SHORT_PARTIAL and min(layout_bm, layout_bn) >= 128:
+        table = _FWD_SHORT_PARTIAL  # measured on 128-blocks only; smaller layout blocks keep _FWD
     cfg = _pick(table, d_pad, layout_bm, layout_bn)
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cfg = TileConfig(min(cfg.block_m, 64), min(cfg.block_n, 32), cfg.num_warps, 2)
