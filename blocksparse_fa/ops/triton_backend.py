@@ -113,28 +113,37 @@ _ALLOCATOR_SET = [False]
 def _ensure_tma_allocator(device: torch.device) -> None:
     """Descriptors built inside a kernel need global scratch from Triton's allocator hook."""
     if not _ALLOCATOR_SET[0]:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        # the device type only: "cuda" is the current device when the kernel launches
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device.type))
         _ALLOCATOR_SET[0] = True
+
+
+def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool]:
+    """``(band, short_partial, partial_heavy)`` of a layout's shape (``kernels/config.py``), cached
+    on the layout: the launchers ask on every call."""
+    cls = layout.__dict__.get("_tile_class")
+    if cls is None:
+        mean_row = layout.n_nonempty / max(1, layout._segs.n_rows)
+        pf = layout.partial_fraction
+        cls = (short_rows(mean_row, pf), short_partial_rows(mean_row, pf),
+               layout.n_nonempty > 0 and pf >= PARTIAL_HEAVY)
+        layout.__dict__["_tile_class"] = cls
+    return cls
 
 
 def _is_band(layout: BlockLayout) -> bool:
     """Band-like layout (few, mostly full blocks per row): picks the band tile tables."""
-    band = layout.__dict__.get("_band")
-    if band is None:
-        rows = max(1, layout._segs.n_rows)
-        band = short_rows(layout.n_nonempty / rows, layout.partial_fraction)
-        layout.__dict__["_band"] = band
-    return band
+    return _tile_class(layout)[0]
 
 
 def _is_short_partial(layout: BlockLayout) -> bool:
     """Short rows, mostly partial (narrow windows, Longformer, BigBird): their own forward tiles."""
-    return short_partial_rows(layout.n_nonempty / max(1, layout._segs.n_rows), layout.partial_fraction)
+    return _tile_class(layout)[1]
 
 
 def _is_partial_heavy(layout: BlockLayout) -> bool:
     """At least ``PARTIAL_HEAVY`` of the visited blocks are partial: picks the spill-free backward tiles."""
-    return layout.n_nonempty > 0 and layout.partial_fraction >= PARTIAL_HEAVY
+    return _tile_class(layout)[2]
 
 
 def _layout_strides(layout: BlockLayout):
