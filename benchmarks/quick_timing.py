@@ -1,5 +1,5 @@
 """Quick side-by-side timing (ours vs FlexAttention vs SDPA) for a few patterns; a smoke version of bench.py."""
-import sys, torch, triton
+import torch, triton
 import blocksparse_fa as bsfa
 from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 from torch.nn.attention import sdpa_kernel, SDPBackend

@@ -152,6 +152,7 @@ def _kernel_tiles(cfg: dict) -> dict | None:
 
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
         dp = kc.head_dim_pad(cfg["head_dim"])
+        _apply_bwd_variant(cfg.get("bwd_variant", "default"))
         lay = _layout(cfg, device="cpu")
         band = _is_band(lay)  # band-like and partial-heavy layouts get their own tile tables
         f = kc.fwd_config(dp, dt, cfg["block"], cfg["block"], band, _is_short_partial(lay))
@@ -160,6 +161,25 @@ def _kernel_tiles(cfg: dict) -> dict | None:
                     dq_block_m=b.block_m, dq_block_n=b.block_n)
     except Exception:  # noqa: BLE001 - best effort
         return None
+
+
+# Backward variants for experiments (``run --bwd-variant``): the spill-free tiles of partial-heavy
+# layouts on any layout, and/or dK/dV and dQ in two launches (ncu then reports each part).
+BWD_VARIANTS = ("default", "spill_free", "two_launch", "spill_free_two_launch")
+
+
+def _apply_bwd_variant(variant: str) -> None:
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"unknown backward variant {variant!r}; expected one of {BWD_VARIANTS}")
+    from blocksparse_fa.kernels import config as kc
+    from blocksparse_fa.ops.triton_backend import set_fused_backward
+
+    if variant.startswith("spill_free"):
+        kv, dq = kc._BWD_PARTIAL[128]
+        kc.set_override("dkdv", kv)
+        kc.set_override("dq", dq)
+    if variant.endswith("two_launch"):
+        set_fused_backward(False)
 
 
 def worker(args) -> int:
@@ -176,6 +196,7 @@ def worker(args) -> int:
     v = torch.randn(B, Hkv, cfg["kv_len"], D, device="cuda", dtype=dt, requires_grad=True)
     dout = torch.randn_like(q)
     layout = _layout(cfg, device="cuda")
+    _apply_bwd_variant(cfg.get("bwd_variant", "default"))
     if args.impl == "ours":
         def fwd():
             return bsfa.attention(q, k, v, mask=layout, backend="triton")
@@ -382,9 +403,14 @@ def run_driver(args) -> int:
         path = _data_path(args.docs, regime)
         data = {"regime": regime, "synthetic": False, "ncu": ver[-1] if ver else "", "metrics": list(METRICS),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+        names = set(args.names.split(",")) if args.names else None
         for cfg in regime_configs(regime, args.quick):
+            if names is not None and cfg["name"] not in names:
+                continue
+            if args.bwd_variant != "default":
+                cfg = dict(cfg, bwd_variant=args.bwd_variant)
             for impl in args.impls.split(","):
-                tag = f"{regime}_{cfg['name']}_{impl}"
+                tag = f"{regime}_{cfg['name']}_{impl}" + ("" if args.bwd_variant == "default" else f"_{args.bwd_variant}")
                 rep = os.path.join(out, tag)
                 wres = os.path.join(out, tag + ".worker.json")
                 cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off",
@@ -448,7 +474,8 @@ def _model(cfg: dict, tiles: dict, l2_mb: float, sms: int, occupancy, policy: st
     t = TileSizes(**{k: v for k, v in tiles.items() if k in TileSizes.__dataclass_fields__})
     p = TrafficParams(batch=cfg["batch"], heads=cfg["heads"], kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
                       dtype=cfg["dtype"], tiles=t, l2_bytes=int(l2_mb * 2**20), n_sm=sms, occupancy=occupancy,
-                      policy=policy, program_order=order)
+                      policy=policy, program_order=order,
+                      bwd_fused=not cfg.get("bwd_variant", "default").endswith("two_launch"))
     return traffic_model(_layout(cfg), p, compare=False)
 
 
@@ -678,11 +705,11 @@ def report(args) -> int:
                          f"{'none' if me is None else f's = {me:.4f}'}")
         L += ["", "Checks against the issue's targets (computed from the data above):", "",
               f"- L2→SM within ±10 % of the model at every point: {'PASS' if checks['l2_within_10pct'] else 'FAIL'}",
-              f"- L2→SM linear in s with R² ≥ 0.99 (ours fwd, bwd): "
+              "- L2→SM linear in s with R² ≥ 0.99 (ours fwd, bwd): "
               + ", ".join("n/a" if f is None else f"{f[2]:.4f} {'PASS' if f[2] >= 0.99 else 'FAIL'}" for f in r2_l2),
               f"- DRAM within ±15 % of the model: {'PASS' if checks['dram_within_15pct'] else 'FAIL'}",
               f"- DRAM crossover (first s with DRAM > 1.15 × compulsory): {'; '.join(cross)}",
-              f"- time linear in s, R² ≥ 0.98 for s ≥ 0.02 (ours fwd, bwd): "
+              "- time linear in s, R² ≥ 0.98 for s ≥ 0.02 (ours fwd, bwd): "
               + ", ".join("n/a" if f is None else f"{f[2]:.4f} {'PASS' if f[2] >= 0.98 else 'FAIL'}" for f in r2_t),
               f"- ours ≤ FlexAttention bytes at every s: L2→SM {'PASS' if checks['ours_le_flex_l2'] else 'FAIL'}, "
               f"DRAM {'PASS' if checks['ours_le_flex_dram'] else 'FAIL'}",
@@ -733,7 +760,9 @@ def main(argv=None) -> int:
         p.add_argument("--sms", type=int, default=132)
         p.add_argument("--occupancy", default="1",
                        help="programs per SM for the model: N or fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
-        p.add_argument("--policy", default="lru", choices=["fraction", "lru"])
+        p.add_argument("--policy", default="lru", choices=["fraction", "lru", "trace"],
+                       help="DRAM model: wave model (lru, fraction) or trace-driven LRU simulation (trace; the "
+                            "backward as one launch, as _attn_bwd runs it)")
         p.add_argument("--order", default="heavy_first", choices=["grid", "heavy_first"],
                        help="program order for the model (default heavy_first: the kernels' work lists)")
 
@@ -748,6 +777,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=900, help="seconds per ncu run")
     p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     p.add_argument("--no-report", action="store_true")
+    p.add_argument("--names", default=None, help="only these configurations (comma-separated, e.g. dense,causal)")
+    p.add_argument("--bwd-variant", default="default", choices=BWD_VARIANTS,
+                   help="backward experiment: spill-free tiles and/or two launches (ours only)")
     model_args(p)
     p.set_defaults(func=run_driver)
 

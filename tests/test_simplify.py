@@ -1,6 +1,5 @@
 """The predicate simplification is exact on every block where the kernels evaluate the predicate."""
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

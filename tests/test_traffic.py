@@ -395,3 +395,204 @@ def test_model_matches_measured_l2_to_sm_once_spill_fills_are_removed():
         assert abs(r["flex_bwd"] / r["model_bwd"] - 1) < 0.01, r["pattern"]
         assert r["ours_bwd"] / r["model_bwd"] - 1 > 0.04, r["pattern"]
         assert abs((r["ours_bwd"] - r["ours_spill"]) / r["model_bwd"] - 1) < 0.01, r["pattern"]
+
+
+# ------------------------------------------------------------------------------------------------
+# policy="trace": the trace-driven LRU simulation
+# ------------------------------------------------------------------------------------------------
+TILES_128 = TileSizes(128, 128, 128, 128, 128, 128)
+
+
+def test_trace_hand_computed():
+    """full 512 x 512, one head, d = 64, 2 programs in flight, 128-row tiles: programs 0 and 1 walk
+    K/V blocks 0..3 in step (steps 1-4), then programs 2 and 3 (steps 6-9). Between the two walks the
+    stream holds 3 other K/V blocks, two O+LSE tiles, two Q tiles and two LUT lines."""
+    lay = layout("full", 512)
+    kv, q, o, lut = 2 * 128 * 64 * 2, 128 * 64 * 2, 128 * (64 * 2 + 4), 16 + 4 * 4
+    compulsory = 4 * q + 4 * kv
+    d_block3 = 3 * kv + o + 2 * q + 2 * lut + kv       # block 3: the first walk's last store came before it
+    d = 3 * kv + 2 * o + 2 * q + 2 * lut + kv          # blocks 0-2: both stores came after them
+    assert d_block3 < d == 197696
+
+    def fwd(cap):
+        rep = traffic_model(lay, heads=1, head_dim=64, n_sm=2, l2_bytes=cap, tiles=TILES_128, policy="trace",
+                            compare=False)
+        f = rep.forward
+        assert f.compulsory_read_bytes == compulsory + lay.row_lut.nbytes
+        return f.dram_read_bytes - lay.row_lut.nbytes, f
+
+    dram, f = fwd(d)
+    assert dram == compulsory and f.fits_l2 and f.reread_bytes == 0
+    dram, f = fwd(d - 1)                                # blocks 0-2 are read again, block 3 still hits
+    assert dram == compulsory + 3 * kv and not f.fits_l2 and f.reread_bytes == 3 * kv
+    # a cache of one block: the two programs of a step share it, except block 3 (an O+LSE store
+    # comes between the two loads); nothing survives to the second walk
+    assert fwd(kv)[0] == 10 * kv + 4 * q
+    assert fwd(kv - 1)[0] == 16 * kv + 4 * q            # no block fits: every load misses
+
+
+def _lut_lists(lut, n):
+    fp, fi, pp, pi = (t.tolist() for t in (lut.full_ptr, lut.full_idx, lut.part_ptr, lut.part_idx))
+    return [fi[fp[i]:fp[i + 1]] + pi[pp[i]:pp[i + 1]] for i in range(n)]
+
+
+def _simulate(programs, P, cap):
+    """Explicit slot-by-slot reference: programs are lists of steps, a step a list of (key, bytes,
+    kind or None); returns the missed bytes by kind."""
+    from collections import OrderedDict
+
+    cache, used, out, slots, nxt = OrderedDict(), 0, {}, [[] for _ in range(P)], 0
+    while True:
+        busy = False
+        for s in range(P):
+            if not slots[s] and nxt < len(programs):
+                slots[s], nxt = list(programs[nxt]), nxt + 1
+            if slots[s]:
+                busy = True
+                for key, b, kind in slots[s].pop(0):
+                    if key in cache:
+                        cache.move_to_end(key)
+                        continue
+                    if kind is not None:
+                        out[kind] = out.get(kind, 0) + b
+                    cache[key] = b
+                    used += b
+                    while used > cap:
+                        used -= cache.popitem(last=False)[1]
+        if not busy:
+            return out
+
+
+def _reference_programs(lay, H, G, D, e, tm, tn, fused, head_major):
+    """Forward and backward programs (grid order) with tiles tm (forward and dQ rows), tn (dK/dV keys)."""
+    (tr, tc), (bm, bn) = lay.shape, lay.block_size
+    rows, cols = _lut_lists(lay.row_lut, tr), _lut_lists(lay.col_lut, tc)
+    R, kr, kc = 2 * D * e + 8, bm // tm, bn // tn
+    fwd = []
+    for h in range(H):
+        for t in range(tr * kr):
+            st = [[(("Q", h, t), D * e * tm, "fwd"), (("fl", h, t), 16 + 4 * len(rows[t // kr]), None)]]
+            st += [[(("KV", h // G, c), 2 * D * e * bn, "fwd")] for c in rows[t // kr]]
+            st[-1] = st[-1] + [(("O", h, t), (D * e + 4) * tm, None)]
+            fwd.append(st)
+    kv, dq = {}, {}
+    for hk in range(H // G):
+        kv[hk] = []
+        for u in range(tc * kc):
+            c = cols[u // kc]
+            st = [[(("kv", hk, u), 2 * D * e * tn, "dkdv"), (("cl", hk, u), G * (16 + 4 * len(c)), None)]]
+            for g in range(G):
+                st += [[(("R", hk * G + g, r * kr + j), R * tm, "dkdv") for j in range(kr)] for r in c]
+            st[-1] = st[-1] + [(("dKV", hk, u), 2 * D * e * tn, None)]
+            kv[hk].append(st)
+    for h in range(H):
+        dq[h] = []
+        for t in range(tr * kr):
+            st = [[(("R", h, t), R * tm, "dq"), (("rl", h, t), 16 + 4 * len(rows[t // kr]), None)]]
+            st += [[(("kv", h // G, c * kc + j), 2 * D * e * tn, "dq") for j in range(kc)] for c in rows[t // kr]]
+            st[-1] = st[-1] + [(("dQ", h, t), D * e * tm, None)]
+            dq[h].append(st)
+    kv_all, dq_all = sum(kv.values(), []), sum(dq.values(), [])
+    if not fused:
+        return [fwd, kv_all, dq_all]
+    if head_major:
+        return [fwd, sum((kv[hk] + sum((dq[hk * G + g] for g in range(G)), []) for hk in range(H // G)), [])]
+    return [fwd, kv_all + dq_all]
+
+
+@pytest.mark.parametrize("mask,n,H,Hkv,tm,tn,P,cap,fused,order", [
+    ("random_blocks(3)", 2048, 2, 2, 128, 128, 3, 40_000, True, "head_major"),
+    ("random_blocks(3)", 2048, 4, 2, 64, 64, 3, 150_000, True, "phase"),
+    ("causal", 1536, 4, 2, 128, 32, 5, 200_000, True, "head_major"),
+    ("causal & window(200) | global_tokens(130)", 1536, 2, 2, 64, 128, 3, 60_000, False, "head_major"),
+    ("sliding_window(300)", 2048, 4, 1, 128, 64, 4, 300_000, True, "head_major"),
+])
+def test_trace_matches_an_explicit_simulation(mask, n, H, Hkv, tm, tn, P, cap, fused, order):
+    """The vectorised stream (schedule, interleaving, sub-tile objects, GQA, one or two backward
+    launches) agrees exactly with a slot-by-slot simulation built from the layout's own LUTs."""
+    lay = layout(mask, n)
+    D, e = 32, 2
+    rep = traffic_model(lay, heads=H, kv_heads=Hkv, head_dim=D, n_sm=P, l2_bytes=cap, policy="trace",
+                        tiles=TileSizes(tm, 64, 64, tn, tm, 64), bwd_fused=fused, bwd_order=order, compare=False)
+    want: dict = {}
+    for progs in _reference_programs(lay, H, H // Hkv, D, e, tm, tn, fused, order == "head_major"):
+        for k, v in _simulate(progs, P, cap).items():
+            want[k] = want.get(k, 0) + v
+    assert rep.forward.dram_read_bytes - lay.row_lut.nbytes == want["fwd"]
+    assert rep.bwd_dkdv.dram_read_bytes - lay.col_lut.nbytes == want["dkdv"]
+    assert rep.bwd_dq.dram_read_bytes - lay.row_lut.nbytes == want.get("dq", 0)
+    assert want["fwd"] > rep.forward.compulsory_read_bytes - lay.row_lut.nbytes   # the cap forces re-reads
+
+
+def test_trace_compulsory_floor_and_inside_l2():
+    for lay, kw in ((layout(bsfa.random_blocks(6), 4096), dict(heads=2, head_dim=64)),
+                    (layout("causal", 1000, 1500), dict(heads=4, kv_heads=2, head_dim=32)),
+                    (layout("sliding_window(700) | global_tokens(64)", 4096), dict(heads=2, program_order="heavy_first"))):
+        lru_big = traffic_model(lay, **kw, l2_bytes=1 << 40, bwd_fused=False, compare=False)
+        big = traffic_model(lay, **kw, l2_bytes=1 << 40, policy="trace", bwd_fused=False, compare=False)
+        fused = traffic_model(lay, **kw, l2_bytes=1 << 40, policy="trace", compare=False)
+        small = traffic_model(lay, **kw, l2_bytes=256 * 1024, n_sm=16, policy="trace", compare=False)
+        for a, b in zip(lru_big.kernels, big.kernels):       # same objects, same first touches
+            assert b.compulsory_read_bytes == a.compulsory_read_bytes
+            assert b.dram_read_bytes == b.compulsory_read_bytes and b.fits_l2
+            assert b.l2_to_sm_bytes == a.l2_to_sm_bytes
+        # one launch, everything in L2: dQ finds all its data loaded by dK/dV (every row has blocks)
+        assert fused.bwd_dq.dram_read_bytes == fused.bwd_dq.compulsory_read_bytes
+        assert fused.bwd.dram_read_bytes < big.bwd.dram_read_bytes
+        for k in small.kernels:
+            assert k.dram_read_bytes >= k.compulsory_read_bytes
+        assert small.total.dram_read_bytes > small.total.compulsory_read_bytes
+        assert small.total.compulsory_read_bytes == fused.total.compulsory_read_bytes
+
+
+def test_trace_one_launch_backward_reuses_a_heads_inputs():
+    """Head by head in one launch, a head's Q, dO, LSE, δ, K, V (16 MB) stay in L2 from its dK/dV
+    programs to its dQ programs; in phase order or two launches dQ reads them again."""
+    lay = layout(bsfa.sliding_window(1024), 16384)
+    lut = lay.row_lut.nbytes
+    hm = traffic_model(lay, policy="trace", compare=False)
+    ph = traffic_model(lay, policy="trace", bwd_order="phase", compare=False)
+    two = traffic_model(lay, policy="trace", bwd_fused=False, compare=False)
+    assert hm.bwd_dq.dram_read_bytes == lut
+    qkvdo = 16 * 16384 * (4 * 128 * 2 + 8)
+    assert ph.bwd_dq.dram_read_bytes - lut == pytest.approx(qkvdo, rel=1e-6)
+    assert ph.bwd_dq.compulsory_read_bytes == lut          # loaded before, evicted by the other heads
+    assert two.bwd_dq.dram_read_bytes == two.bwd_dq.compulsory_read_bytes == hm.bwd_dkdv.compulsory_read_bytes - \
+        lay.col_lut.nbytes + lut
+    assert "backward: one launch, head_major" in hm.format_table()
+
+
+def test_trace_monotone_in_l2_size():
+    lay = layout(bsfa.random_blocks(8), 8192)
+    kw = dict(heads=2, head_dim=64, n_sm=16, policy="trace", compare=False)
+    reads = [traffic_model(lay, **kw, l2_bytes=int(mb * MiB)) for mb in (0.25, 0.5, 1, 2, 4, 8, 16)]
+    for part in ("fwd", "bwd"):
+        ys = [getattr(r, part).dram_read_bytes for r in reads]
+        assert all(b <= a for a, b in zip(ys, ys[1:]))
+        assert ys[0] > 2 * ys[-1] and ys[-1] == getattr(reads[-1], part).compulsory_read_bytes
+
+
+def test_trace_programs_of_unequal_length_drift_apart():
+    """Causal rows in grid order: a short program's slot is taken by the next one, which starts its
+    K/V walk from block 0 while the others are far along theirs, so the programs in flight stop
+    sharing their loads. The wave model assumes they stay in step and predicts ~3x fewer bytes;
+    with equal programs (a full layout) the two agree."""
+    kw = dict(heads=4, head_dim=64, l2_bytes=512 * 1024, n_sm=8, compare=False)
+    causal = layout("causal", 4096)
+    wave = traffic_model(causal, **kw).forward.dram_read_bytes
+    trace = traffic_model(causal, **kw, policy="trace").forward.dram_read_bytes
+    assert trace > 2.5 * wave
+    full = layout("full", 2048)
+    assert traffic_model(full, **kw, policy="trace").forward.dram_read_bytes == \
+        traffic_model(full, **kw).forward.dram_read_bytes
+
+
+def test_trace_parameters_and_cli(capsys):
+    lay = layout("causal", 512)
+    with pytest.raises(ValueError, match="bwd_fused"):
+        traffic_model(lay, policy="trace", bwd_fused="yes", compare=False)
+    assert cli_main(["traffic", "causal", "--len", "2048", "--policy", "trace", "--bwd-launches", "2"]) == 0
+    assert "policy=trace (backward: two launches)" in capsys.readouterr().out
+    tg = _load_gpu_script()
+    assert tg.main(["list", "--quick", "--regimes", "beyondl2", "--policy", "trace"]) == 0
+    assert "policy trace" in capsys.readouterr().out

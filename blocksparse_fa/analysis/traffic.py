@@ -36,6 +36,41 @@ How the DRAM estimate works (simple on purpose; every assumption is listed):
 5. DRAM reads = compulsory bytes + Σ re-read bytes × miss probability. DRAM writes = outputs,
    written once (write-back; ncu may see less when dirty lines are still in L2 at kernel end).
 
+``policy="trace"`` replaces steps 1–5 for the DRAM reads by a trace-driven simulation (the wave
+numbers ``shared_in_wave_bytes``, ``reuse_bytes``, ``reuse_distance_max``, ``wave_footprint_max``
+are still reported, from the wave analysis under "lru"):
+
+* Programs start in launch order (as above, ``program_order``), at most ``P`` at once; a program
+  that has issued its last step frees its slot and the next program in launch order starts on the
+  following step (so short programs free their slot early and the programs in flight drift apart).
+* A program issues one *step* per unit of time, every step taking the same time: step 0 loads its
+  own tile (forward: Q; dQ: Q, dO, LSE, δ; dK/dV: K, V) and its lookup-table line; step ``k ≥ 1``
+  loads the objects of its ``k``-th lookup-table entry (unmasked entries first, then masked, each
+  by increasing index, as the kernels walk them; dK/dV walks the lines of the G query heads of its
+  group one after the other); its outputs are stored at its last step. The programs in flight are
+  interleaved round-robin: all of step ``t`` (slot by slot) before step ``t + 1``.
+* That reference stream goes through one LRU cache of ``l2_bytes``, at object granularity: a
+  reference hits iff the object's bytes plus those of the distinct objects referenced since its
+  previous reference fit in the cache. Objects are the wave model's (forward and dQ: K+V of a
+  layout block per batch·kv-head; dK/dV: Q+dO+LSE+δ of a layout block per batch·head), split into
+  the kernels' own tiles where those are smaller (dQ's BLOCK_M rows, dK/dV's BLOCK_N keys), so a
+  program's own tile is an object too (the forward's Q tiles are). Lookup-table lines and stored
+  outputs pass through the cache as objects of their own (write-allocate) but are not counted as
+  reads; lookup tables count once, as under the other policies.
+* DRAM reads = bytes of the references that miss (+ lookup tables); the compulsory part is the
+  bytes of each object's first reference.
+* The backward's dK/dV and dQ programs form one stream when ``bwd_fused`` (the default, as
+  ``_attn_bwd`` runs them in one launch): in ``bwd_order`` ``"head_major"`` (the kernels' order
+  without split tiles: per batch·kv-head its dK/dV programs, then the dQ programs of its G query
+  heads) or ``"phase"`` (every dK/dV program, then every dQ program), with the dK/dV occupancy, one
+  cold L2 for the launch (ncu's ``--cache-control all``). A dQ program's own Q/dO/LSE/δ and its K/V
+  entries are then the objects dK/dV programs loaded. ``bwd_fused=False``: two launches, each cold.
+* Not modelled: unequal time per step (masked entries, misses that stall a program), the order in
+  which the hardware really dispatches programs, work-list splits, L2 sectors / partial lines,
+  and the two L2 partitions of the H100. The cost is one Python LRU step per reference: about
+  10⁷ references per second when most hit, 2·10⁶ when most miss (N = 131072, H = 4, all blocks:
+  4.2·10⁶ forward and 8.4·10⁶ backward references, about 3 s in all).
+
 The kernels modelled (``blocksparse_fa/kernels``, issue 3): ``_attn_fwd`` (one program per query
 tile × batch·head; Q once, K/V per visited key block, writes O and LSE), ``_attn_bwd_preprocess``
 (reads O, dO, writes δ), and ``_attn_bwd``, whose dK/dV programs (one per key tile ×
@@ -108,6 +143,8 @@ class TrafficParams:
     """Programs resident per SM: one int, or a dict by kernel name (``"fwd"``, ``"bwd_preprocess"``,
     ``"bwd_dkdv"``, ``"bwd_dq"``; missing names default to 1)."""
     policy: str = "lru"
+    """DRAM level: ``"lru"`` (default) or ``"fraction"`` (the wave model), or ``"trace"`` (a
+    trace-driven LRU simulation of the programs' interleaved loads; see the module doc)."""
     program_order: str = "grid"
     """``"grid"``: tiles in index order; ``"heavy_first"``: tiles of each head sorted by decreasing
     LUT cost (unmasked entries + 1.5 x masked + 1), as the kernels' work lists order them
@@ -118,7 +155,14 @@ class TrafficParams:
     kernels when no tile is split): the dQ programs of a head run right after its dK/dV programs,
     so when one GQA group's Q, dO, LSE, δ, K and V fit in L2 the dQ programs read them from L2, not
     DRAM; ``"phase"``: every dK/dV program first, then every dQ program (the dQ part re-reads its
-    inputs from DRAM as modelled for a separate kernel)."""
+    inputs from DRAM as modelled for a separate kernel). Under ``policy="trace"`` both orders are
+    played through the simulated L2 (with ``bwd_fused``), not by this all-or-nothing rule."""
+    bwd_fused: bool = True
+    """dK/dV and dQ run in one launch (``_attn_bwd`` with both parts, what the kernels do unless
+    ``set_fused_backward(False)``): under ``policy="trace"`` their programs form one reference stream
+    in ``bwd_order`` with one L2, so dQ programs can find what dK/dV programs loaded (and with
+    ``"phase"`` the first dQ programs overlap the last dK/dV ones). ``False``: two launches, each
+    starting with a cold L2 (no head-major rule under the wave policies either)."""
 
     @property
     def hkv(self) -> int:
@@ -148,8 +192,10 @@ class TrafficParams:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.hkv < 1 or self.heads % self.hkv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.hkv})")
-        if self.policy not in ("fraction", "lru"):
-            raise ValueError(f"policy must be 'fraction' or 'lru', got {self.policy!r}")
+        if self.policy not in ("fraction", "lru", "trace"):
+            raise ValueError(f"policy must be 'fraction', 'lru' or 'trace', got {self.policy!r}")
+        if not isinstance(self.bwd_fused, (bool, np.bool_)):
+            raise ValueError(f"bwd_fused must be a bool, got {self.bwd_fused!r}")
         if self.bwd_order not in ("head_major", "phase"):
             raise ValueError(f"bwd_order must be 'head_major' or 'phase', got {self.bwd_order!r}")
         if self.program_order not in ("grid", "heavy_first"):
@@ -338,7 +384,8 @@ class TrafficReport:
             f"d={p.head_dim} {p.dtype}",
             f"  block density s={self.density:.4f} ({self.visited_blocks} visited blocks per all heads)  "
             f"L2={p.l2_bytes / 2**20:.1f} MiB  {p.n_sm} SMs x {_fmt_occ(p.occupancy)} program(s) in flight  "
-            f"policy={p.policy}",
+            f"policy={p.policy}" + (("" if p.policy != "trace" else
+                                     f" (backward: {'one launch, ' + p.bwd_order if p.bwd_fused else 'two launches'})")),
             f"  tiles: fwd {t.fwd_block_m}x{t.fwd_block_n}, dK/dV {t.dkdv_block_m}x{t.dkdv_block_n}, "
             f"dQ {t.dq_block_m}x{t.dq_block_n}; program order: {p.program_order}",
             "",
@@ -568,6 +615,11 @@ class _WaveRefs:
                 yield np.unique(cat) if self.dedup else cat
 
 
+def _wave_policy(p: TrafficParams) -> str:
+    """The wave model's policy (under "trace" it still gives the wave diagnostics, as "lru")."""
+    return "lru" if p.policy == "trace" else p.policy
+
+
 def _reuse(refs: _WaveRefs, obj_bytes: np.ndarray, stream_w: np.ndarray, l2: int, policy: str) -> dict:
     """Compulsory and re-read bytes of a wave-distinct reference stream (see the module doc)."""
     n_waves = len(stream_w)
@@ -662,7 +714,7 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
             cols = geo.cols_of_row_set(z, t_row[perm[t0:t1]])
         refs.add(w, (b * p.hkv + h // G) * geo.tc + cols)
     obj_bytes = np.tile(2.0 * D * e * geo.col_w, B * p.hkv)
-    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, p.policy)
+    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, _wave_policy(p))
     compulsory = sum(loads[k] for k in q_side_loads) + ru["compulsory"] + lut_bytes
     return KernelTraffic(
         name=name, programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
@@ -713,7 +765,7 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraf
                 rows = geo.rows_of_col_set(z, u_col[perm[u0:u1]])
             refs.add(w, (b * H + h) * geo.tr + rows)
     obj_bytes = np.tile(float(q_obj_row) * geo.row_h, B * H)
-    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, p.policy)
+    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, _wave_policy(p))
     compulsory = 2 * kv_total + ru["compulsory"] + lut_bytes
     return KernelTraffic(
         name="bwd_dkdv", programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
@@ -774,7 +826,15 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
                      q_side_stores={"dQ": D * e}, lut_bytes=row_lut_bytes)
     G = p.heads // p.hkv
     group_bytes = G * geo.q_len * (2 * D * e + 8) + 2 * geo.kv_len * D * e
-    if p.bwd_order == "head_major" and group_bytes <= p.l2_bytes:
+    if p.policy == "trace":
+        from .trace import _trace_backward, _trace_forward, _with_trace
+
+        tr = _trace_forward(geo, p)
+        fwd = _with_trace(fwd, tr["fwd"], row_lut_bytes)
+        tr = _trace_backward(geo, p)
+        dkdv = _with_trace(dkdv, tr["bwd_dkdv"], col_lut_bytes)
+        dq = _with_trace(dq, tr["bwd_dq"], row_lut_bytes)
+    elif p.bwd_fused and p.bwd_order == "head_major" and group_bytes <= p.l2_bytes:
         # the dQ programs of a head follow its dK/dV programs: their inputs are still in L2
         served = dq.compulsory_read_bytes - row_lut_bytes
         dq = replace(dq, dram_read_bytes=dq.dram_read_bytes - served, compulsory_read_bytes=row_lut_bytes)

@@ -35,7 +35,6 @@ import torch
 
 from ..compiler.layout import BlockLayout
 from ..compiler.simplify import predicate_mask
-from ..mask import primitives as P
 from ..mask.expr import And, Mask, Not, Or
 
 _lock = threading.Lock()

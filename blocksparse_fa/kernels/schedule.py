@@ -22,7 +22,6 @@ slot (-1: write the final result directly). Combine items are ``(tile, first_slo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import ClassVar
 
 import numpy as np

@@ -1,0 +1,285 @@
+"""Trace-driven DRAM estimate of the traffic model (``TrafficParams(policy="trace")``).
+
+An LRU simulation of the reference stream the kernels' programs issue, step by step; its
+assumptions are listed in the docstring of :mod:`blocksparse_fa.analysis.traffic`. The wave model
+there gives every other number of the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .traffic import KernelTraffic, TrafficParams, _Geometry, _order, _tiles  # noqa: F401
+
+_TRACE_INTRA = 1 << 15  # references per program step are ordered by an index below this
+
+
+@dataclass
+class _Visits:
+    """The lookup-table lines of one side, expanded into the sub-objects each entry loads.
+
+    Line ``z * n_lines + i`` (instance z, layout row i for the row side, column i for the column
+    side) owns ``obj[ptr[l]:ptr[l + 1]]``: for every entry in the kernels' visiting order (unmasked
+    blocks first, then masked ones, each by increasing index) the sub-objects of the other side that
+    the entry covers (``unit`` rows or keys each), with ``step`` the entry's ordinal in the line and
+    ``intra`` the sub-object's ordinal in the entry."""
+
+    ptr: np.ndarray
+    obj: np.ndarray
+    step: np.ndarray
+    intra: np.ndarray
+
+
+def _visits(geo: "_Geometry", side: str, unit: int) -> _Visits:
+    key = ("visits", side, unit)
+    hit = geo._row_cache.get(key)
+    if hit is not None:
+        return hit
+    lens = geo.seg_end - geo.seg_start
+    n = int(lens.sum())
+    first = np.cumsum(lens) - lens
+    sid = np.repeat(np.arange(len(lens)), lens)
+    other = np.repeat(geo.seg_start, lens) + np.arange(n) - np.repeat(first, lens)  # layout column
+    rowg = geo.seg_row[sid]  # z * tr + row
+    part = geo.seg_partial[sid]
+    if side == "row":  # row LUT: entries are columns, they load key sub-objects
+        line, ent, n_lines = rowg, other, geo.n_inst * geo.tr
+        block, length = geo.bn, geo.kv_len
+    else:  # column LUT: entries are rows, they load query sub-objects
+        line, ent, n_lines = (rowg // geo.tr) * geo.tc + other, rowg % geo.tr, geo.n_inst * geo.tc
+        block, length = geo.bm, geo.q_len
+    order = np.lexsort((ent, part, line))
+    line, ent = line[order], ent[order]
+    lptr = np.searchsorted(line, np.arange(n_lines + 1))
+    k = block // unit
+    n_sub = -(-length // unit)
+    cnt = np.minimum(k, n_sub - ent * k)
+    tot = int(cnt.sum())
+    cfirst = np.cumsum(cnt) - cnt
+    intra = np.arange(tot) - np.repeat(cfirst, cnt)
+    vis = _Visits(ptr=np.concatenate([cfirst, [tot]])[lptr] if n else np.zeros(n_lines + 1, np.int64),
+                  obj=np.repeat(ent * k, cnt) + intra,
+                  step=np.repeat(np.arange(n) - lptr[line], cnt),
+                  intra=intra)
+    geo._row_cache[key] = vis
+    return vis
+
+
+def _schedule(n_steps: np.ndarray, P: int):
+    """Start step and slot of each program (launch order) when P run at once and a slot takes the
+    next program as soon as its program has issued its last step (list scheduling, ties to the
+    lowest slot)."""
+    import heapq
+
+    n = len(n_steps)
+    start = np.zeros(n, dtype=np.int64)
+    slot = np.arange(n, dtype=np.int64) % max(P, 1)
+    if n <= P:
+        return start, slot
+    heap = [(0, s) for s in range(P)]
+    for i, L in enumerate(n_steps.tolist()):
+        t, s = heap[0]
+        start[i], slot[i] = t, s
+        heapq.heapreplace(heap, (t + L, s))
+    return start, slot
+
+
+def _lru_misses(ids: np.ndarray, size: list, cap: int) -> np.ndarray:
+    """Miss flags of a reference stream of object ids through a byte-capacity LRU cache (an object
+    larger than the cache never stays)."""
+    from collections import OrderedDict
+
+    cache: OrderedDict = OrderedDict()
+    touch, evict = cache.move_to_end, cache.popitem
+    miss = np.zeros(len(ids), dtype=bool)
+    used = 0
+    step = 1 << 20
+    for c0 in range(0, len(ids), step):
+        flags = []
+        add = flags.append
+        for i, x in enumerate(ids[c0:c0 + step].tolist()):
+            if x in cache:
+                touch(x)
+            else:
+                add(i)
+                s = size[x]
+                cache[x] = s
+                used += s
+                while used > cap:
+                    used -= evict(False)[1]
+        miss[np.asarray(flags, dtype=np.int64) + c0] = True
+    return miss
+
+
+def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray, n_kinds: int) -> dict:
+    """Play the programs through an LRU cache of ``cap`` bytes (see the module doc, policy "trace").
+
+    progs (arrays in launch order): ``kind`` (index of the kernel the program counts for), ``own``
+    (data object of its own tile, loaded at step 0), ``lut`` and ``store`` (bytes streamed at step 0
+    and at its last step), ``steps`` (1 + LUT entries). segs: ``(visits, prog, line, base, step0)``:
+    program ``prog`` walks line ``line`` of ``visits`` from its step ``step0 + 1`` on, the
+    sub-objects offset by ``base``. data_bytes: size of every data object.
+
+    Returns per kind: ``miss`` (data bytes read from DRAM), ``first`` (data bytes referenced for
+    the first time: the compulsory part of ``miss``)."""
+    n = len(progs["kind"])
+    n_data = len(data_bytes)
+    start, slot = _schedule(progs["steps"], P)
+    ar = np.arange(n, dtype=np.int64)
+    P_, I_ = max(P, 1), _TRACE_INTRA
+    t_base = (start * P_ + slot) * I_  # key of (program, step s, intra i) = t_base + (s * P + ...)
+
+    def key(pr, step, intra):
+        return t_base[pr] + (step * P_) * I_ + intra
+
+    keys = [key(ar, 0, 0), key(ar, 0, 1), key(ar, progs["steps"] - 1, I_ - 1)]
+    objs = [np.asarray(progs["own"], dtype=np.int64), n_data + ar, n_data + n + ar]
+    kinds = [progs["kind"]] * 3
+    for vis, pr, line, base, step0 in segs:
+        lo, hi = vis.ptr[line], vis.ptr[line + 1]
+        ln = hi - lo
+        tot = int(ln.sum())
+        if not tot:
+            continue
+        idx = np.repeat(lo - (np.cumsum(ln) - ln), ln) + np.arange(tot)
+        prr = np.repeat(pr, ln)
+        if int(vis.intra[idx].max(initial=0)) >= I_ - 1:
+            raise ValueError("trace: too many sub-objects per lookup-table entry")
+        keys.append(key(prr, np.repeat(step0, ln) + 1 + vis.step[idx], vis.intra[idx]))
+        objs.append(np.repeat(base, ln) + vis.obj[idx])
+        kinds.append(progs["kind"][prr])
+        del idx, prr
+    order = np.argsort(np.concatenate(keys), kind="stable")
+    del keys
+    obj = np.concatenate(objs)[order]
+    kind = np.concatenate(kinds).astype(np.int8)[order]
+    del objs, kinds, order
+    size = np.concatenate([data_bytes, progs["lut"], progs["store"]]).astype(np.int64)
+    miss = _lru_misses(obj, size.tolist(), cap)
+    data = obj < n_data
+    m = miss & data
+    out = {"miss": np.bincount(kind[m], weights=size[obj[m]], minlength=n_kinds)}
+    _, fi = np.unique(obj, return_index=True)
+    fi = fi[data[fi]]
+    out["first"] = np.bincount(kind[fi], weights=size[obj[fi]], minlength=n_kinds)
+    return out
+
+
+def _sub_sizes(length: int, unit: int, per_item: float) -> np.ndarray:
+    """Bytes of the sub-objects of ``unit`` rows (keys) over ``length``, ``per_item`` bytes each."""
+    t = np.arange(-(-length // unit))
+    return (np.minimum((t + 1) * unit, length) - t * unit) * float(per_item)
+
+
+def _trace_forward(geo: "_Geometry", p: TrafficParams) -> dict:
+    """Forward as one trace: data objects Q tiles (own) and K+V layout blocks (per batch·kv-head)."""
+    B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
+    D, e = p.head_dim, p.elem
+    bm_t = p.tiles.fwd_block_m
+    t_row, t_h = _tiles(geo.q_len, bm_t, geo.bm)
+    n_t = len(t_row)
+    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row)
+    tiles = np.arange(n_t) if perm is None else perm
+    q_sz = _sub_sizes(geo.q_len, bm_t, D * e)
+    kv_sz = _sub_sizes(geo.kv_len, geo.bn, 2 * D * e)
+    n_q, n_kv = len(q_sz), len(kv_sz)
+    vis = _visits(geo, "row", geo.bn)
+    bh = np.repeat(np.arange(B * H), n_t)
+    b, h = bh // H, bh % H
+    t = np.tile(tiles, B * H)
+    z = _instances(geo, b, h)
+    cnt = geo.row_cnt[z, t_row[t]].astype(np.int64)
+    progs = {"kind": np.zeros(len(t), dtype=np.int64), "own": bh * n_q + t,
+             "lut": 16.0 + 4 * cnt, "store": (D * e + 4.0) * t_h[t], "steps": 1 + cnt}
+    segs = [(vis, np.arange(len(t)), z * geo.tr + t_row[t], B * H * n_q + (b * Hkv + h // G) * n_kv,
+             np.zeros(len(t), dtype=np.int64))]
+    data = np.concatenate([np.tile(q_sz, B * H), np.tile(kv_sz, B * Hkv)])
+    r = _run_trace(p.programs_in_flight("fwd"), p.l2_bytes, progs, segs, data, 1)
+    return {"fwd": (float(r["miss"][0]), float(r["first"][0]))}
+
+
+def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
+    """dK/dV and dQ programs as one trace (``bwd_fused``, in ``bwd_order``) or as two. Data objects:
+    Q+dO+LSE+δ of ``dq_block_m`` rows (per batch·head) and K+V of ``dkdv_block_n`` keys (per
+    batch·kv-head); each program's own tile is one of them."""
+    B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
+    D, e = p.head_dim, p.elem
+    ur, uc = p.tiles.dq_block_m, p.tiles.dkdv_block_n
+    q_sz = _sub_sizes(geo.q_len, ur, 2 * D * e + 8)
+    kv_sz = _sub_sizes(geo.kv_len, uc, 2 * D * e)
+    n_q, n_kv = len(q_sz), len(kv_sz)
+    kv_base = B * H * n_q
+    data = np.concatenate([np.tile(q_sz, B * H), np.tile(kv_sz, B * Hkv)])
+    # dK/dV programs (kind 0): key tile u of batch·kv-head bk; G line walks, one per query head
+    u_col, u_w = _tiles(geo.kv_len, uc, geo.bn)
+    n_u = len(u_col)
+    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col)
+    u = np.tile(np.arange(n_u) if perm is None else perm, B * Hkv)
+    bk = np.repeat(np.arange(B * Hkv), n_u)
+    vis_c = _visits(geo, "col", ur)
+    kv = {"kind": np.zeros(len(u), dtype=np.int64), "own": kv_base + bk * n_kv + u,
+          "store": 2.0 * D * e * u_w[u]}
+    n_ent = np.zeros(len(u), dtype=np.int64)
+    kv_segs = []
+    for g in range(G):
+        b, h = bk // Hkv, (bk % Hkv) * G + g
+        z = _instances(geo, b, h)
+        c = geo.col_cnt[z, u_col[u]].astype(np.int64)
+        kv_segs.append((vis_c, z * geo.tc + u_col[u], (b * H + h) * n_q, n_ent.copy()))
+        n_ent += c
+    kv.update(lut=16.0 * G + 4 * n_ent, steps=1 + n_ent)
+    # dQ programs (kind 1): query tile t of batch·head bh
+    t_row, t_h = _tiles(geo.q_len, ur, geo.bm)
+    n_t = len(t_row)
+    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row)
+    t = np.tile(np.arange(n_t) if perm is None else perm, B * H)
+    bh = np.repeat(np.arange(B * H), n_t)
+    b, h = bh // H, bh % H
+    z = _instances(geo, b, h)
+    cnt = geo.row_cnt[z, t_row[t]].astype(np.int64)
+    vis_r = _visits(geo, "row", uc)
+    dq = {"kind": np.ones(len(t), dtype=np.int64), "own": bh * n_q + t, "lut": 16.0 + 4 * cnt,
+          "store": float(D * e) * t_h[t], "steps": 1 + cnt}
+    dq_segs = [(vis_r, z * geo.tr + t_row[t], kv_base + (b * Hkv + h // G) * n_kv, np.zeros(len(t), np.int64))]
+
+    def run(parts, P):
+        """parts: [(progs, segs, program index in the stream)]."""
+        n = sum(len(pr["kind"]) for pr, _, _ in parts)
+        progs = {k: np.empty(n, dtype=np.float64 if k in ("lut", "store") else np.int64)
+                 for k in ("kind", "own", "lut", "store", "steps")}
+        segs = []
+        for pr, sg, pos in parts:
+            for k in progs:
+                progs[k][pos] = pr[k]
+            segs += [(vis, pos, line, base, s0) for vis, line, base, s0 in sg]
+        return _run_trace(P, p.l2_bytes, progs, segs, data, 2)
+
+    n_kvp, n_qp = len(u), len(t)
+    if not p.bwd_fused:
+        r0 = run([(kv, kv_segs, np.arange(n_kvp))], p.programs_in_flight("bwd_dkdv"))
+        r1 = run([(dq, dq_segs, np.arange(n_qp))], p.programs_in_flight("bwd_dq"))
+        return {"bwd_dkdv": (float(r0["miss"][0]), float(r0["first"][0])),
+                "bwd_dq": (float(r1["miss"][1]), float(r1["first"][1]))}
+    if p.bwd_order == "head_major":  # _attn_bwd: per batch·kv-head, its dK/dV items, then its G heads' dQ items
+        grp = n_u + G * n_t
+        pos_kv = (np.arange(n_kvp) // n_u) * grp + np.arange(n_kvp) % n_u
+        pos_q = (bh // G) * grp + n_u + (bh % G) * n_t + np.arange(n_qp) % n_t
+    else:  # every dK/dV program, then every dQ program
+        pos_kv, pos_q = np.arange(n_kvp), n_kvp + np.arange(n_qp)
+    r = run([(kv, kv_segs, pos_kv), (dq, dq_segs, pos_q)], p.programs_in_flight("bwd_dkdv"))
+    return {"bwd_dkdv": (float(r["miss"][0]), float(r["first"][0])),
+            "bwd_dq": (float(r["miss"][1]), float(r["first"][1]))}
+
+
+def _instances(geo: "_Geometry", b: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Vectorised :meth:`_Geometry.instance`."""
+    return (b if geo.zb > 1 else 0 * b) * geo.zh + (h if geo.zh > 1 else 0 * h)
+
+
+def _with_trace(k: KernelTraffic, miss_first: tuple, lut_bytes: int) -> KernelTraffic:
+    miss, first = miss_first
+    dram, comp = miss + lut_bytes, first + lut_bytes
+    return replace(k, dram_read_bytes=float(dram), compulsory_read_bytes=int(round(comp)),
+                   reread_bytes=float(dram - comp), fits_l2=bool(miss <= first))
