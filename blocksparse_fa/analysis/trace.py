@@ -7,6 +7,8 @@ there gives every other number of the report.
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -71,8 +73,6 @@ def _schedule(n_steps: np.ndarray, P: int):
     """Start step and slot of each program (launch order) when P run at once and a slot takes the
     next program as soon as its program has issued its last step (list scheduling, ties to the
     lowest slot)."""
-    import heapq
-
     n = len(n_steps)
     start = np.zeros(n, dtype=np.int64)
     slot = np.arange(n, dtype=np.int64) % max(P, 1)
@@ -89,8 +89,6 @@ def _schedule(n_steps: np.ndarray, P: int):
 def _lru_misses(ids: np.ndarray, size: list, cap: int) -> np.ndarray:
     """Miss flags of a reference stream of object ids through a byte-capacity LRU cache (an object
     larger than the cache never stays)."""
-    from collections import OrderedDict
-
     cache: OrderedDict = OrderedDict()
     touch, evict = cache.move_to_end, cache.popitem
     miss = np.zeros(len(ids), dtype=bool)
