@@ -152,7 +152,6 @@ def _kernel_tiles(cfg: dict) -> dict | None:
 
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
         dp = kc.head_dim_pad(cfg["head_dim"])
-        _apply_bwd_variant(cfg.get("bwd_variant", "default"))
         lay = _layout(cfg, device="cpu")
         band = _is_band(lay)  # band-like and partial-heavy layouts get their own tile tables
         f = kc.fwd_config(dp, dt, cfg["block"], cfg["block"], band, _is_short_partial(lay))
