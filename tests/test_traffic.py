@@ -401,6 +401,7 @@ def test_model_matches_measured_l2_to_sm_once_spill_fills_are_removed():
 # policy="trace": the trace-driven LRU simulation
 # ------------------------------------------------------------------------------------------------
 TILES_128 = TileSizes(128, 128, 128, 128, 128, 128)
+ONE_LRU = dict(l2_partitions=1, step_time={})  # one LRU, every step the same time: the exact references below
 
 
 def test_trace_hand_computed():
@@ -416,7 +417,7 @@ def test_trace_hand_computed():
 
     def fwd(cap):
         rep = traffic_model(lay, heads=1, head_dim=64, n_sm=2, l2_bytes=cap, tiles=TILES_128, policy="trace",
-                            compare=False)
+                            compare=False, **ONE_LRU)
         f = rep.forward
         assert f.compulsory_read_bytes == compulsory + lay.row_lut.nbytes
         return f.dram_read_bytes - lay.row_lut.nbytes, f
@@ -513,7 +514,8 @@ def test_trace_matches_an_explicit_simulation(mask, n, H, Hkv, tm, tn, P, cap, f
     lay = layout(mask, n)
     D, e = 32, 2
     rep = traffic_model(lay, heads=H, kv_heads=Hkv, head_dim=D, n_sm=P, l2_bytes=cap, policy="trace",
-                        tiles=TileSizes(tm, 64, 64, tn, tm, 64), bwd_fused=fused, bwd_order=order, compare=False)
+                        tiles=TileSizes(tm, 64, 64, tn, tm, 64), bwd_fused=fused, bwd_order=order, compare=False,
+                        **ONE_LRU)
     want: dict = {}
     for progs in _reference_programs(lay, H, H // Hkv, D, e, tm, tn, fused, order == "head_major"):
         for k, v in _simulate(progs, P, cap).items():
@@ -550,16 +552,16 @@ def test_trace_one_launch_backward_reuses_a_heads_inputs():
     programs to its dQ programs; in phase order or two launches dQ reads them again."""
     lay = layout(bsfa.sliding_window(1024), 16384)
     lut = lay.row_lut.nbytes
-    hm = traffic_model(lay, policy="trace", compare=False)
-    ph = traffic_model(lay, policy="trace", bwd_order="phase", compare=False)
-    two = traffic_model(lay, policy="trace", bwd_fused=False, compare=False)
+    hm = traffic_model(lay, policy="trace", compare=False, **ONE_LRU)
+    ph = traffic_model(lay, policy="trace", bwd_order="phase", compare=False, **ONE_LRU)
+    two = traffic_model(lay, policy="trace", bwd_fused=False, compare=False, **ONE_LRU)
     assert hm.bwd_dq.dram_read_bytes == lut
     qkvdo = 16 * 16384 * (4 * 128 * 2 + 8)
     assert ph.bwd_dq.dram_read_bytes - lut == pytest.approx(qkvdo, rel=1e-6)
     assert ph.bwd_dq.compulsory_read_bytes == lut          # loaded before, evicted by the other heads
     assert two.bwd_dq.dram_read_bytes == two.bwd_dq.compulsory_read_bytes == hm.bwd_dkdv.compulsory_read_bytes - \
         lay.col_lut.nbytes + lut
-    assert "backward: one launch, head_major" in hm.format_table()
+    assert "backward: one launch, head_major; 1 L2 partition)" in hm.format_table()
 
 
 def test_trace_monotone_in_l2_size():
@@ -577,7 +579,7 @@ def test_trace_programs_of_unequal_length_drift_apart():
     K/V walk from block 0 while the others are far along theirs, so the programs in flight stop
     sharing their loads. The wave model assumes they stay in step and predicts ~3x fewer bytes;
     with equal programs (a full layout) the two agree."""
-    kw = dict(heads=4, head_dim=64, l2_bytes=512 * 1024, n_sm=8, compare=False)
+    kw = dict(heads=4, head_dim=64, l2_bytes=512 * 1024, n_sm=8, compare=False, **ONE_LRU)
     causal = layout("causal", 4096)
     wave = traffic_model(causal, **kw).forward.dram_read_bytes
     trace = traffic_model(causal, **kw, policy="trace").forward.dram_read_bytes
@@ -592,7 +594,104 @@ def test_trace_parameters_and_cli(capsys):
     with pytest.raises(ValueError, match="bwd_fused"):
         traffic_model(lay, policy="trace", bwd_fused="yes", compare=False)
     assert cli_main(["traffic", "causal", "--len", "2048", "--policy", "trace", "--bwd-launches", "2"]) == 0
-    assert "policy=trace (backward: two launches)" in capsys.readouterr().out
+    assert "policy=trace (backward: two launches; 2 L2 partitions)" in capsys.readouterr().out
     tg = _load_gpu_script()
     assert tg.main(["list", "--quick", "--regimes", "beyondl2", "--policy", "trace"]) == 0
     assert "policy trace" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# policy="trace" with the H100's two L2 partitions, step times and local memory
+# ------------------------------------------------------------------------------------------------
+def _sweep_misses(n_obj: int, obj_bytes: int, cap: int, shared: bool) -> float:
+    """DRAM/one-pass of the calibration sweep: two passes over n_obj objects, read by programs on
+    both partitions (shared) or each object by one program (private), through two partitions of
+    ``cap`` bytes each."""
+    from blocksparse_fa.analysis.trace import _lru_partitioned
+
+    ids = np.tile(np.arange(n_obj), 2)
+    if shared:  # every object read from partition 0 then from partition 1, in each pass
+        ids = np.repeat(ids, 2)
+        part = np.tile([0, 1], len(ids) // 2)
+    else:  # object i always read by the program on partition i % 2
+        part = ids % 2
+    miss = _lru_partitioned(ids, part, [obj_bytes] * n_obj, cap)
+    return float(miss.sum()) / n_obj
+
+
+def test_partitions_reproduce_the_calibration_thresholds():
+    """Two partitions of 25 MB: a sweep every SM reads is re-read from L2 up to 25 MB (each line
+    held twice), a sweep of private slices up to 33 MB (half the lines held twice): the thresholds
+    benchmarks/l2_calibration.py measured on the H100 (between 20 and 24 MiB, and 28 and 32 MiB)."""
+    cap, ob = 25 * 2**20, 64 * 1024
+    for mb, shared, want in ((20, True, 1.0), (24, True, 1.0), (27, True, 2.0), (32, True, 2.0),
+                             (28, False, 1.0), (32, False, 1.0), (35, False, 2.0), (48, False, 2.0)):
+        got = _sweep_misses(mb * 2**20 // ob, ob, cap, shared)
+        assert got == pytest.approx(want), (mb, shared, got)
+    # the measurement (docs/data/l2_calibration.json) shows the same two steps
+    with open(os.path.join(REPO, "docs", "data", "l2_calibration.json")) as f:
+        cal = json.load(f)
+
+    def ratio(mode, mib):
+        r = next(r for r in cal["results"] if r["mode"] == mode and r["mib"] == mib)
+        per_pass = mib * 2**20 if mode != "private" else (mib * 2**20 // 2 // cal["n_sm"]) // 4096 * 4096 * 2 * cal["n_sm"]
+        return r["dram__bytes_read.sum"] / per_pass
+
+    assert ratio("shared", 20) < 1.05 and ratio("shared", 32) > 1.9
+    assert ratio("private", 28) < 1.05 and ratio("private", 40) > 1.8
+
+
+def test_trace_partitions_between_one_lru_of_half_and_of_all():
+    lay = layout(bsfa.random_blocks(16), 8192)
+    kw = dict(heads=2, head_dim=64, n_sm=16, policy="trace", step_time={}, compare=False)
+    for mb in (0.5, 1, 2, 4):
+        two = traffic_model(lay, **kw, l2_bytes=int(mb * MiB))
+        one_all = traffic_model(lay, **kw, l2_bytes=int(mb * MiB), l2_partitions=1)
+        one_half = traffic_model(lay, **kw, l2_bytes=int(mb * MiB / 2), l2_partitions=1)
+        for part in ("fwd", "bwd"):
+            t, a, h = (getattr(r, part).dram_read_bytes for r in (two, one_all, one_half))
+            assert a <= t <= h * 1.02, (mb, part, a, t, h)
+        assert two.forward.compulsory_read_bytes == one_all.forward.compulsory_read_bytes
+
+
+def test_trace_step_time_desynchronises_the_one_launch_backward():
+    """Dense rows beyond L2: with equal step times the dK/dV and dQ programs of the one launch stay
+    in step and share every load of a wave; when dK/dV steps take 1.6 x longer the dQ programs
+    that start beside the last dK/dV ones drift apart from the rest and fetch again: more DRAM,
+    while two launches (each in step) are not affected."""
+    lay = layout("full", 8192)  # 64 dK/dV programs per head: not a whole number of waves of 20
+    kw = dict(heads=2, head_dim=64, n_sm=20, l2_bytes=1 * MiB, policy="trace", compare=False)
+    same = traffic_model(lay, **kw, step_time={})
+    slow = traffic_model(lay, **kw, step_time={"bwd_dkdv": 1.6})
+    assert slow.bwd.dram_read_bytes > 1.5 * same.bwd.dram_read_bytes
+    assert slow.bwd.compulsory_read_bytes == same.bwd.compulsory_read_bytes
+    two = [traffic_model(lay, **kw, step_time=st, bwd_fused=False).bwd.dram_read_bytes
+           for st in ({}, {"bwd_dkdv": 1.6})]
+    assert two[0] == two[1]
+    assert same.forward.dram_read_bytes == slow.forward.dram_read_bytes
+
+
+def test_trace_step_time_parameters():
+    lay = layout(bsfa.sliding_window(2048), 8192)
+    kw = dict(heads=4, head_dim=64, n_sm=16, l2_bytes=3 * MiB, policy="trace", compare=False)
+    for bad, match in (({"step_time": {"bwd": 1.0}}, "unknown kernel"), ({"step_time": {"fwd": 0}}, "positive"),
+                       ({"l2_partitions": 3}, "l2_partitions"), ({"step_time": [1.0]}, "dict")):
+        with pytest.raises(ValueError, match=match):
+            traffic_model(lay, **{**kw, **bad})
+    # the forward is one kernel: its step time changes nothing
+    assert traffic_model(lay, **kw, step_time={"fwd": 3.0}).forward.dram_read_bytes == \
+        traffic_model(lay, **kw).forward.dram_read_bytes
+
+
+def test_l2_calibration_csv_and_report(capsys):
+    spec = importlib.util.spec_from_file_location("l2cal", os.path.join(REPO, "benchmarks", "l2_calibration.py"))
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    text = ('==PROF== noise\n"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum","device__attribute_x"\n'
+            '"","","byte","nsecond",""\n"0","_l2_sweep","1,024","5","7"\n"1","_l2_sweep","2048","6","7"\n')
+    rows = cal._csv_rows(text, {"dram__bytes_read.sum", "gpu__time_duration.sum"})
+    assert rows == [{"id": 0, "dram__bytes_read.sum": 1024.0, "gpu__time_duration.sum": 5.0},
+                    {"id": 1, "dram__bytes_read.sum": 2048.0, "gpu__time_duration.sum": 6.0}]
+    assert cal.main(["report", "--docs", os.path.join(REPO, "docs")]) == 0
+    out = capsys.readouterr().out
+    assert "| shared | 24 |" in out and "| private | 32 |" in out

@@ -69,17 +69,17 @@ def _visits(geo: "_Geometry", side: str, unit: int) -> _Visits:
     return vis
 
 
-def _schedule(n_steps: np.ndarray, P: int):
-    """Start step and slot of each program (launch order) when P run at once and a slot takes the
-    next program as soon as its program has issued its last step (list scheduling, ties to the
-    lowest slot)."""
-    n = len(n_steps)
-    start = np.zeros(n, dtype=np.int64)
+def _schedule(dur: np.ndarray, P: int):
+    """Start time and slot of each program (launch order) when P run at once and a slot takes the
+    next program as soon as its program ends (list scheduling, ties to the lowest slot); ``dur`` is
+    each program's duration (its steps × its kernel's step time)."""
+    n = len(dur)
+    start = np.zeros(n, dtype=np.float64)
     slot = np.arange(n, dtype=np.int64) % max(P, 1)
     if n <= P:
         return start, slot
-    heap = [(0, s) for s in range(P)]
-    for i, L in enumerate(n_steps.tolist()):
+    heap = [(0.0, s) for s in range(P)]
+    for i, L in enumerate(dur.tolist()):
         t, s = heap[0]
         start[i], slot[i] = t, s
         heapq.heapreplace(heap, (t + L, s))
@@ -111,30 +111,71 @@ def _lru_misses(ids: np.ndarray, size: list, cap: int) -> np.ndarray:
     return miss
 
 
-def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray, n_kinds: int) -> dict:
-    """Play the programs through an LRU cache of ``cap`` bytes (see the module doc, policy "trace").
+def _lru_partitioned(ids: np.ndarray, part: np.ndarray, size: list, cap: int) -> np.ndarray:
+    """Fraction of each reference read from DRAM under two L2 partitions of ``cap`` bytes each.
+
+    Every object is split in two halves, half ``h`` homed in partition ``h`` (addresses are hashed
+    over both). A program on partition ``p`` reads through ``p``: a half homed there hits or is
+    filled from DRAM; a half homed in the other partition is served by a near copy in ``p`` if one
+    is there, else by its home (filled from DRAM if absent there too), and leaves a near copy in
+    ``p``. Data that programs on both partitions read is thus held twice, private data 1.5 times:
+    the 25 MB and 33 MB thresholds that ``benchmarks/l2_calibration.py`` measured on the H100."""
+    caches = (OrderedDict(), OrderedDict())
+    used = [0, 0]
+    miss = np.zeros(len(ids), dtype=np.float64)
+
+    def put(q: int, key: int, nbytes: float) -> None:
+        c = caches[q]
+        c[key] = nbytes
+        used[q] += nbytes
+        while used[q] > cap:
+            used[q] -= c.popitem(False)[1]
+
+    for i, (x, p) in enumerate(zip(ids.tolist(), part.tolist())):
+        half = size[x] / 2
+        for h in (0, 1):
+            key = 2 * x + h
+            near = caches[p]
+            if key in near:
+                near.move_to_end(key)
+                continue
+            if h != p:
+                home = caches[h]
+                if key in home:
+                    home.move_to_end(key)
+                    put(p, key, half)
+                    continue
+                put(h, key, half)
+            miss[i] += 0.5
+            put(p, key, half)
+    return miss
+
+
+def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray, n_kinds: int,
+               step_time=None, partitions: int = 1) -> dict:
+    """Play the programs through the simulated L2 (see the module doc, policy "trace").
 
     progs (arrays in launch order): ``kind`` (index of the kernel the program counts for), ``own``
     (data object of its own tile, loaded at step 0), ``lut`` and ``store`` (bytes streamed at step 0
     and at its last step), ``steps`` (1 + LUT entries). segs: ``(visits, prog, line, base, step0)``:
     program ``prog`` walks line ``line`` of ``visits`` from its step ``step0 + 1`` on, the
-    sub-objects offset by ``base``. data_bytes: size of every data object.
+    sub-objects offset by ``base``. data_bytes: size of every data object. step_time: time of one
+    step per kind (default 1 for all). partitions: 1 (one LRU of ``cap`` bytes) or 2 (two of
+    ``cap / 2``, programs on alternate slots, :func:`_lru_partitioned`).
 
     Returns per kind: ``miss`` (data bytes read from DRAM), ``first`` (data bytes referenced for
     the first time: the compulsory part of ``miss``)."""
     n = len(progs["kind"])
     n_data = len(data_bytes)
-    start, slot = _schedule(progs["steps"], P)
+    cost = np.ones(n_kinds) if step_time is None else np.asarray(step_time, dtype=np.float64)
+    pcost = cost[progs["kind"]]
+    start, slot = _schedule(progs["steps"] * pcost, P)
     ar = np.arange(n, dtype=np.int64)
-    P_, I_ = max(P, 1), _TRACE_INTRA
-    t_base = (start * P_ + slot) * I_  # key of (program, step s, intra i) = t_base + (s * P + ...)
-
-    def key(pr, step, intra):
-        return t_base[pr] + (step * P_) * I_ + intra
-
-    keys = [key(ar, 0, 0), key(ar, 0, 1), key(ar, progs["steps"] - 1, I_ - 1)]
+    I_ = _TRACE_INTRA
+    times = [start, start, start + (progs["steps"] - 1) * pcost]
+    intras = [np.zeros(n, np.int64), np.ones(n, np.int64), np.full(n, I_ - 1, np.int64)]
+    progs_of = [ar, ar, ar]
     objs = [np.asarray(progs["own"], dtype=np.int64), n_data + ar, n_data + n + ar]
-    kinds = [progs["kind"]] * 3
     for vis, pr, line, base, step0 in segs:
         lo, hi = vis.ptr[line], vis.ptr[line + 1]
         ln = hi - lo
@@ -145,20 +186,27 @@ def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray
         prr = np.repeat(pr, ln)
         if int(vis.intra[idx].max(initial=0)) >= I_ - 1:
             raise ValueError("trace: too many sub-objects per lookup-table entry")
-        keys.append(key(prr, np.repeat(step0, ln) + 1 + vis.step[idx], vis.intra[idx]))
+        times.append(start[prr] + (np.repeat(step0, ln) + 1 + vis.step[idx]) * pcost[prr])
+        intras.append(vis.intra[idx])
+        progs_of.append(prr)
         objs.append(np.repeat(base, ln) + vis.obj[idx])
-        kinds.append(progs["kind"][prr])
-        del idx, prr
-    order = np.argsort(np.concatenate(keys), kind="stable")
-    del keys
+        del idx
+    prog = np.concatenate(progs_of)
+    del progs_of
+    # time, then slot (round-robin within a time), then the sub-object ordinal
+    order = np.lexsort((np.concatenate(intras), slot[prog], np.concatenate(times)))
+    del times, intras
     obj = np.concatenate(objs)[order]
-    kind = np.concatenate(kinds).astype(np.int8)[order]
-    del objs, kinds, order
+    prog = prog[order]
+    del objs, order
+    kind = progs["kind"][prog].astype(np.int8)
     size = np.concatenate([data_bytes, progs["lut"], progs["store"]]).astype(np.int64)
-    miss = _lru_misses(obj, size.tolist(), cap)
+    if partitions == 1:
+        miss = _lru_misses(obj, size.tolist(), cap).astype(np.float64)
+    else:
+        miss = _lru_partitioned(obj, slot[prog] % 2, size.tolist(), cap // 2)
     data = obj < n_data
-    m = miss & data
-    out = {"miss": np.bincount(kind[m], weights=size[obj[m]], minlength=n_kinds)}
+    out = {"miss": np.bincount(kind, weights=np.where(data, miss * size[obj], 0.0), minlength=n_kinds)}
     _, fi = np.unique(obj, return_index=True)
     fi = fi[data[fi]]
     out["first"] = np.bincount(kind[fi], weights=size[obj[fi]], minlength=n_kinds)
@@ -194,7 +242,8 @@ def _trace_forward(geo: "_Geometry", p: TrafficParams) -> dict:
     segs = [(vis, np.arange(len(t)), z * geo.tr + t_row[t], B * H * n_q + (b * Hkv + h // G) * n_kv,
              np.zeros(len(t), dtype=np.int64))]
     data = np.concatenate([np.tile(q_sz, B * H), np.tile(kv_sz, B * Hkv)])
-    r = _run_trace(p.programs_in_flight("fwd"), p.l2_bytes, progs, segs, data, 1)
+    P = p.programs_in_flight("fwd")
+    r = _run_trace(P, p.l2_bytes, progs, segs, data, 1, partitions=p.l2_partitions)
     return {"fwd": (float(r["miss"][0]), float(r["first"][0]))}
 
 
@@ -242,8 +291,8 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
           "store": float(D * e) * t_h[t], "steps": 1 + cnt}
     dq_segs = [(vis_r, z * geo.tr + t_row[t], kv_base + (b * Hkv + h // G) * n_kv, np.zeros(len(t), np.int64))]
 
-    def run(parts, P):
-        """parts: [(progs, segs, program index in the stream)]."""
+    def run(parts, P, names=("bwd_dkdv", "bwd_dq")):
+        """parts: [(progs, segs, program index in the stream)]; names: the kernels of kinds 0 and 1."""
         n = sum(len(pr["kind"]) for pr, _, _ in parts)
         progs = {k: np.empty(n, dtype=np.float64 if k in ("lut", "store") else np.int64)
                  for k in ("kind", "own", "lut", "store", "steps")}
@@ -252,7 +301,8 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
             for k in progs:
                 progs[k][pos] = pr[k]
             segs += [(vis, pos, line, base, s0) for vis, line, base, s0 in sg]
-        return _run_trace(P, p.l2_bytes, progs, segs, data, 2)
+        return _run_trace(P, p.l2_bytes, progs, segs, data, 2, partitions=p.l2_partitions,
+                          step_time=[p.step_time_of(k) for k in names])
 
     n_kvp, n_qp = len(u), len(t)
     if not p.bwd_fused:
@@ -280,4 +330,4 @@ def _with_trace(k: KernelTraffic, miss_first: tuple, lut_bytes: int) -> KernelTr
     miss, first = miss_first
     dram, comp = miss + lut_bytes, first + lut_bytes
     return replace(k, dram_read_bytes=float(dram), compulsory_read_bytes=int(round(comp)),
-                   reread_bytes=float(dram - comp), fits_l2=bool(miss <= first))
+                   reread_bytes=float(dram - comp), fits_l2=bool(miss <= 1.01 * first))  # re-reads < 1 %

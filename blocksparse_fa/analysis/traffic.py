@@ -43,15 +43,26 @@ are still reported, from the wave analysis under "lru"):
 * Programs start in launch order (as above, ``program_order``), at most ``P`` at once; a program
   that has issued its last step frees its slot and the next program in launch order starts on the
   following step (so short programs free their slot early and the programs in flight drift apart).
-* A program issues one *step* per unit of time, every step taking the same time: step 0 loads its
+* A program issues one *step* per unit of its kernel's step time (``step_time``: 1 for the forward
+  and dQ, 1.6 for dK/dV, the H100's measured ratio; only programs of different kernels sharing a
+  launch, the one-launch backward, are affected by it): step 0 loads its
   own tile (forward: Q; dQ: Q, dO, LSE, δ; dK/dV: K, V) and its lookup-table line; step ``k ≥ 1``
   loads the objects of its ``k``-th lookup-table entry (unmasked entries first, then masked, each
   by increasing index, as the kernels walk them; dK/dV walks the lines of the G query heads of its
-  group one after the other); its outputs are stored at its last step. The programs in flight are
-  interleaved round-robin: all of step ``t`` (slot by slot) before step ``t + 1``.
-* That reference stream goes through one LRU cache of ``l2_bytes``, at object granularity: a
-  reference hits iff the object's bytes plus those of the distinct objects referenced since its
-  previous reference fit in the cache. Objects are the wave model's (forward and dQ: K+V of a
+  group one after the other); its outputs are stored at its last step. The references of the
+  programs in flight are merged by time, ties slot by slot (with equal step times: all of step
+  ``t`` before step ``t + 1``).
+* That reference stream goes through the simulated L2 at object granularity. ``l2_partitions=1``:
+  one LRU cache of ``l2_bytes``; a reference hits iff the object's bytes plus those of the
+  distinct objects referenced since its previous reference fit. ``l2_partitions=2`` (the
+  default, the H100): two LRU caches of ``l2_bytes / 2``; programs on even slots read through one,
+  odd slots through the other; every object is half homed in each partition (addresses are hashed
+  over both); a half homed in the reader's partition hits or is filled from DRAM there; a half
+  homed in the other one is served by a near copy if the reader's partition has one, else by its
+  home (filled from DRAM if absent), and leaves a near copy. So data that both partitions read is
+  held twice and private data 1.5 times: re-reads hit up to 25 MB and 33 MB of distinct data,
+  the thresholds ``benchmarks/l2_calibration.py`` measured on the H100 (20–24 MiB and 28–32 MiB).
+  Objects are the wave model's (forward and dQ: K+V of a
   layout block per batch·kv-head; dK/dV: Q+dO+LSE+δ of a layout block per batch·head), split into
   the kernels' own tiles where those are smaller (dQ's BLOCK_M rows, dK/dV's BLOCK_N keys), so a
   program's own tile is an object too (the forward's Q tiles are). Lookup-table lines and stored
@@ -59,17 +70,20 @@ are still reported, from the wave analysis under "lru"):
   reads; lookup tables count once, as under the other policies.
 * DRAM reads = bytes of the references that miss (+ lookup tables); the compulsory part is the
   bytes of each object's first reference.
+* Register spills: local memory is not modelled. Its reloads that miss L1 come on top of the L2 →
+  SM bytes (ncu's local-load L1 misses account for the whole measured excess, docs/traffic.md)
+  and some of them reach DRAM.
 * The backward's dK/dV and dQ programs form one stream when ``bwd_fused`` (the default, as
   ``_attn_bwd`` runs them in one launch): in ``bwd_order`` ``"head_major"`` (the kernels' order
   without split tiles: per batch·kv-head its dK/dV programs, then the dQ programs of its G query
   heads) or ``"phase"`` (every dK/dV program, then every dQ program), with the dK/dV occupancy, one
   cold L2 for the launch (ncu's ``--cache-control all``). A dQ program's own Q/dO/LSE/δ and its K/V
   entries are then the objects dK/dV programs loaded. ``bwd_fused=False``: two launches, each cold.
-* Not modelled: unequal time per step (masked entries, misses that stall a program), the order in
-  which the hardware really dispatches programs, work-list splits, L2 sectors / partial lines,
-  and the two L2 partitions of the H100. The cost is one Python LRU step per reference: about
-  10⁷ references per second when most hit, 2·10⁶ when most miss (N = 131072, H = 4, all blocks:
-  4.2·10⁶ forward and 8.4·10⁶ backward references, about 3 s in all).
+* Not modelled: unequal time per step within a kernel (masked entries, misses that stall a
+  program), the order in which the hardware really dispatches programs and which SMs sit on which
+  partition, work-list splits, L2 sectors / partial lines, set associativity. The cost is one or
+  two Python LRU steps per reference: N = 131072, H = 4, all blocks (4.2·10⁶ forward and 8.4·10⁶
+  backward references) take about 10 s with two partitions.
 
 The kernels modelled (``blocksparse_fa/kernels``, issue 3): ``_attn_fwd`` (one program per query
 tile × batch·head; Q once, K/V per visited key block, writes O and LSE), ``_attn_bwd_preprocess``
@@ -102,6 +116,7 @@ __all__ = ["TileSizes", "TrafficParams", "KernelTraffic", "Totals", "StandardTra
 
 H100_L2_BYTES = 50 * 2**20
 H100_SMS = 132
+H100_STEP_TIME = {"bwd_dkdv": 1.6, "bwd_dq": 1.0}  # relative time per LUT entry, see TrafficParams.step_time
 
 _DTYPES = {"fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4, "float": 4}
 
@@ -143,8 +158,10 @@ class TrafficParams:
     """Programs resident per SM: one int, or a dict by kernel name (``"fwd"``, ``"bwd_preprocess"``,
     ``"bwd_dkdv"``, ``"bwd_dq"``; missing names default to 1)."""
     policy: str = "lru"
-    """DRAM level: ``"lru"`` (default) or ``"fraction"`` (the wave model), or ``"trace"`` (a
-    trace-driven LRU simulation of the programs' interleaved loads; see the module doc)."""
+    """DRAM level: ``"lru"`` (default; fast) or ``"fraction"`` (the wave model), or ``"trace"`` (a
+    simulation of the programs' interleaved loads through the L2; see the module doc). ``"trace"``
+    is what matches the H100 in both regimes of docs/traffic.md (the CLI and the GPU report use it
+    by default); the wave model runs in milliseconds at any size and suits quick what-ifs."""
     program_order: str = "grid"
     """``"grid"``: tiles in index order; ``"heavy_first"``: tiles of each head sorted by decreasing
     LUT cost (unmasked entries + 1.5 x masked + 1), as the kernels' work lists order them
@@ -163,6 +180,18 @@ class TrafficParams:
     in ``bwd_order`` with one L2, so dQ programs can find what dK/dV programs loaded (and with
     ``"phase"`` the first dQ programs overlap the last dK/dV ones). ``False``: two launches, each
     starting with a cold L2 (no head-major rule under the wave policies either)."""
+    l2_partitions: int = 2
+    """``policy="trace"`` only: ``2`` plays the H100's two L2 partitions of ``l2_bytes / 2`` each,
+    every object half homed in each, with near copies of the far half (so data read from both
+    partitions is held twice); ``1``: one LRU of ``l2_bytes``. Measured by
+    ``benchmarks/l2_calibration.py``: a sweep read by every SM is re-read from L2 up to 20–24 MiB,
+    one read by a single SM per slice up to 28–32 MiB (two partitions predict 25 and 33 MB)."""
+    step_time: dict = field(default_factory=lambda: dict(H100_STEP_TIME))
+    """``policy="trace"`` only: time of one lookup-table entry by kernel (``"fwd"``, ``"bwd_dkdv"``,
+    ``"bwd_dq"``; missing names 1.0). It matters where programs of two kernels share a launch (the
+    one-launch backward): their different speeds desynchronise the waves. Default: dK/dV 1.6 × dQ,
+    the ratio of the two kernels' times run apart at s = 1 on the H100 (142.5 / 88.8 ms, equal
+    program and entry counts; docs/traffic.md)."""
 
     @property
     def hkv(self) -> int:
@@ -176,6 +205,9 @@ class TrafficParams:
         if isinstance(self.occupancy, dict):
             return int(self.occupancy.get(kernel, 1))
         return int(self.occupancy)
+
+    def step_time_of(self, kernel: str) -> float:
+        return float(self.step_time.get(kernel, 1.0))
 
     def programs_in_flight(self, kernel: str = "fwd") -> int:
         return self.n_sm * self.occupancy_of(kernel)
@@ -196,6 +228,16 @@ class TrafficParams:
             raise ValueError(f"policy must be 'fraction', 'lru' or 'trace', got {self.policy!r}")
         if not isinstance(self.bwd_fused, (bool, np.bool_)):
             raise ValueError(f"bwd_fused must be a bool, got {self.bwd_fused!r}")
+        if self.l2_partitions not in (1, 2):
+            raise ValueError(f"l2_partitions must be 1 or 2, got {self.l2_partitions!r}")
+        if not isinstance(self.step_time, dict):
+            raise ValueError(f"step_time must be a dict by kernel name, got {self.step_time!r}")
+        bad = set(self.step_time) - {"fwd", "bwd_dkdv", "bwd_dq"}
+        if bad:
+            raise ValueError(f"step_time: unknown kernel names {sorted(bad)} (expected fwd, bwd_dkdv, bwd_dq)")
+        for k, v in self.step_time.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not v > 0:
+                raise ValueError(f"step_time[{k!r}] must be a positive number, got {v!r}")
         if self.bwd_order not in ("head_major", "phase"):
             raise ValueError(f"bwd_order must be 'head_major' or 'phase', got {self.bwd_order!r}")
         if self.program_order not in ("grid", "heavy_first"):
@@ -385,7 +427,8 @@ class TrafficReport:
             f"  block density s={self.density:.4f} ({self.visited_blocks} visited blocks per all heads)  "
             f"L2={p.l2_bytes / 2**20:.1f} MiB  {p.n_sm} SMs x {_fmt_occ(p.occupancy)} program(s) in flight  "
             f"policy={p.policy}" + (("" if p.policy != "trace" else
-                                     f" (backward: {'one launch, ' + p.bwd_order if p.bwd_fused else 'two launches'})")),
+                                     f" (backward: {'one launch, ' + p.bwd_order if p.bwd_fused else 'two launches'}; "
+                                     f"{p.l2_partitions} L2 partition{'s' if p.l2_partitions > 1 else ''})")),
             f"  tiles: fwd {t.fwd_block_m}x{t.fwd_block_n}, dK/dV {t.dkdv_block_m}x{t.dkdv_block_n}, "
             f"dQ {t.dq_block_m}x{t.dq_block_n}; program order: {p.program_order}",
             "",

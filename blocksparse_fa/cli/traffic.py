@@ -57,16 +57,19 @@ def register(sub) -> None:
     p.add_argument("--sms", type=int, default=H100_SMS, help="streaming multiprocessors (default 132, H100 SXM)")
     p.add_argument("--occupancy", default="1",
                    help="programs resident per SM: N, or per kernel, e.g. fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
-    p.add_argument("--policy", default="lru", choices=["fraction", "lru", "trace"],
-                   help="DRAM model: wave model where re-reads beyond capacity never hit (lru, default) or hit "
-                        "with probability C/D (fraction), or an LRU simulation of the programs' interleaved "
-                        "loads (trace)")
+    p.add_argument("--policy", default="trace", choices=["fraction", "lru", "trace"],
+                   help="DRAM model: a simulation of the programs' interleaved loads through the L2 (trace, "
+                        "default; checked against ncu on the H100, docs/traffic.md), or the wave model where "
+                        "re-reads beyond capacity never hit (lru) or hit with probability C/D (fraction)")
+    p.add_argument("--l2-partitions", type=int, default=2, choices=[1, 2],
+                   help="trace: two L2 partitions of half the capacity with near copies (2, default, H100) or "
+                        "one LRU cache (1)")
     p.add_argument("--bwd-launches", type=int, default=1, choices=[1, 2],
                    help="the backward's dK/dV and dQ programs in one launch sharing L2 (1, the kernels' default) "
                         "or two launches, each with a cold L2 (2)")
-    p.add_argument("--order", default="grid", choices=["grid", "heavy_first"],
-                   help="program launch order: tile index (grid, default) or heaviest tiles first (the kernels' "
-                        "work lists)")
+    p.add_argument("--order", default="heavy_first", choices=["grid", "heavy_first"],
+                   help="program launch order: heaviest tiles first (heavy_first, default: the kernels' work "
+                        "lists) or tile index (grid)")
     p.add_argument("--fwd-tiles", default=None,
                    help="forward BLOCK_MxBLOCK_N, e.g. 128x64 (default: the kernels' own tiles for this layout)")
     p.add_argument("--dkdv-tiles", default=None, help="dK/dV kernel BLOCK_MxBLOCK_N (default: the kernels' tiles)")
@@ -89,7 +92,8 @@ def run(args) -> int:
     params = TrafficParams(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                            dtype=args.dtype, tiles=TileSizes(fm, fn, km, kn, qm, qn),
                            l2_bytes=int(args.l2_mb * 2**20), n_sm=args.sms, occupancy=occ,
-                           policy=args.policy, program_order=args.order, bwd_fused=args.bwd_launches == 1)
+                           policy=args.policy, program_order=args.order, bwd_fused=args.bwd_launches == 1,
+                           l2_partitions=args.l2_partitions)
     rep = traffic_model(lay, params)
     if args.json:
         import json
