@@ -695,3 +695,23 @@ def test_l2_calibration_csv_and_report(capsys):
     assert cal.main(["report", "--docs", os.path.join(REPO, "docs")]) == 0
     out = capsys.readouterr().out
     assert "| shared | 24 |" in out and "| private | 32 |" in out
+
+
+def test_trace_size_limit_and_cli_fallback(monkeypatch, capsys):
+    import blocksparse_fa.analysis.traffic as tm
+
+    lay = layout("causal", 2048)
+    monkeypatch.setattr(tm, "TRACE_MAX_REFERENCES", 500)
+    with pytest.raises(tm.TraceTooLargeError, match="policy='lru'"):
+        traffic_model(lay, heads=2, policy="trace", compare=False)
+    assert traffic_model(lay, heads=2, policy="lru", compare=False).forward.dram_read_bytes > 0
+    # the CLI's default falls back to the wave model with a note; an explicit --policy trace does not
+    assert cli_main(["traffic", "causal", "--len", "2048", "--heads", "2"]) == 0
+    cap = capsys.readouterr()
+    assert "using --policy lru" in cap.err and "policy=lru" in cap.out
+    assert cli_main(["traffic", "causal", "--len", "2048", "--heads", "2", "--policy", "trace"]) == 2
+    # a sparse layout within the limit whose dense comparison is not: dense rows use the wave model
+    monkeypatch.setattr(tm, "TRACE_MAX_REFERENCES", 1000)  # sparse: 450 loads, dense: 2560 (64-row sub-tiles)
+    rep = traffic_model(layout("sliding_window(256)", 2048), heads=2, policy="trace")
+    assert rep.params.policy == "trace" and rep.dense.params.policy == "lru"
+    assert "dense FA rows: policy=lru" in rep.format_table()

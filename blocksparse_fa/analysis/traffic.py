@@ -112,11 +112,20 @@ import numpy as np
 from .iosim import standard_attention, standard_attention_backward
 
 __all__ = ["TileSizes", "TrafficParams", "KernelTraffic", "Totals", "StandardTraffic", "TrafficReport",
-           "traffic_model", "dtype_bytes", "H100_L2_BYTES", "H100_SMS", "format_bytes"]
+           "traffic_model", "dtype_bytes", "H100_L2_BYTES", "H100_SMS", "format_bytes", "TRACE_MAX_REFERENCES",
+           "TraceTooLargeError"]
 
 H100_L2_BYTES = 50 * 2**20
 H100_SMS = 132
 H100_STEP_TIME = {"bwd_dkdv": 1.6, "bwd_dq": 1.0}  # relative time per LUT entry, see TrafficParams.step_time
+TRACE_MAX_REFERENCES = 60_000_000
+"""``policy="trace"`` simulates every object load in Python (about 10⁶ per second with two
+partitions); above this many it refuses with :class:`TraceTooLargeError` (the wave policies have
+no such limit)."""
+
+
+class TraceTooLargeError(ValueError):
+    """``policy="trace"`` would simulate more than :data:`TRACE_MAX_REFERENCES` loads."""
 
 _DTYPES = {"fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4, "float": 4}
 
@@ -451,6 +460,9 @@ class TrafficReport:
             lines.append(f"  {name:<16}{format_bytes(tt.l2_to_sm_bytes):>11}{format_bytes(tt.sm_to_l2_bytes):>11}"
                          f"{format_bytes(tt.dram_read_bytes):>11}{format_bytes(tt.dram_write_bytes):>11}"
                          f"{format_bytes(tt.dram_bytes):>11}")
+        if self.dense is not None and self.dense.params.policy != self.params.policy:
+            lines.append(f"  (dense FA rows: policy={self.dense.params.policy}, the wave model; the trace of the "
+                         "dense layout is over TRACE_MAX_REFERENCES)")
         s = self.standard
         lines.append(f"  {'standard fwd':<16}{'':>11}{'':>11}{format_bytes(s.fwd_read_bytes):>11}"
                      f"{format_bytes(s.fwd_write_bytes):>11}{format_bytes(s.fwd_bytes):>11}   (Algorithm 0: 4Nd+4N^2)")
@@ -869,6 +881,17 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
                      q_side_stores={"dQ": D * e}, lut_bytes=row_lut_bytes)
     G = p.heads // p.hkv
     group_bytes = G * geo.q_len * (2 * D * e + 8) + 2 * geo.kv_len * D * e
+    mult = np.zeros(geo.n_inst, dtype=np.int64)
+    for b in range(p.batch):
+        for h in range(p.heads):
+            mult[geo.instance(b, h)] += 1
+    visited = int((mult * geo.row_cnt.sum(axis=1)).sum())
+    if p.policy == "trace":
+        refs = _trace_references(geo, p, visited)
+        if refs > TRACE_MAX_REFERENCES:
+            raise TraceTooLargeError(
+                f"policy='trace' would simulate about {refs:.2e} loads (limit TRACE_MAX_REFERENCES = "
+                f"{TRACE_MAX_REFERENCES:.1e}, about a minute); use policy='lru' (the wave model) for this size")
     if p.policy == "trace":
         from .trace import _trace_backward, _trace_forward, _with_trace
 
@@ -881,18 +904,25 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
         # the dQ programs of a head follow its dK/dV programs: their inputs are still in L2
         served = dq.compulsory_read_bytes - row_lut_bytes
         dq = replace(dq, dram_read_bytes=dq.dram_read_bytes - served, compulsory_read_bytes=row_lut_bytes)
-    mult = np.zeros(geo.n_inst, dtype=np.int64)
-    for b in range(p.batch):
-        for h in range(p.heads):
-            mult[geo.instance(b, h)] += 1
-    visited = int((mult * geo.row_cnt.sum(axis=1)).sum())
     rep = TrafficReport(
         mask=str(layout.mask), q_len=geo.q_len, kv_len=geo.kv_len, block_size=(geo.bm, geo.bn),
         density=float(layout.density), visited_blocks=visited, params=p, forward=fwd, bwd_preprocess=pre,
         bwd_dkdv=dkdv, bwd_dq=dq, standard=StandardTraffic.compute(geo.q_len, geo.kv_len, p))
     if compare:
-        rep.dense = traffic_model(_DenseLayout(geo.q_len, geo.kv_len, geo.bm, geo.bn), p, compare=False)
+        dense = _DenseLayout(geo.q_len, geo.kv_len, geo.bm, geo.bn)
+        dp = p
+        if p.policy == "trace" and _trace_references(
+                _Geometry(dense), p, p.batch * p.heads * dense.shape[0] * dense.shape[1]) > TRACE_MAX_REFERENCES:
+            dp = replace(p, policy="lru")  # dense FA at this size: the wave model (its rows say so)
+        rep.dense = traffic_model(dense, dp, compare=False)
     return rep
+
+
+def _trace_references(geo: "_Geometry", p: TrafficParams, visited: int) -> int:
+    """About how many object loads ``policy="trace"`` simulates: per visited block one K+V load in
+    the forward and the sub-tiles dK/dV and dQ load in the backward."""
+    per = 1 + max(1, geo.bm // p.tiles.dq_block_m) + max(1, geo.bn // p.tiles.dkdv_block_n)
+    return int(visited) * per
 
 
 class _DenseLayout:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ..analysis.traffic import H100_L2_BYTES, H100_SMS, TileSizes, TrafficParams, traffic_model
+import sys
+from dataclasses import replace
+
+from ..analysis.traffic import H100_L2_BYTES, H100_SMS, TileSizes, TraceTooLargeError, TrafficParams, traffic_model
 from ..compiler.compile import compile_mask
 from .common import add_length_args, mask_from_arg
 
@@ -57,10 +60,11 @@ def register(sub) -> None:
     p.add_argument("--sms", type=int, default=H100_SMS, help="streaming multiprocessors (default 132, H100 SXM)")
     p.add_argument("--occupancy", default="1",
                    help="programs resident per SM: N, or per kernel, e.g. fwd=1,bwd_dkdv=2,bwd_dq=2 (default 1)")
-    p.add_argument("--policy", default="trace", choices=["fraction", "lru", "trace"],
+    p.add_argument("--policy", default=None, choices=["fraction", "lru", "trace"],
                    help="DRAM model: a simulation of the programs' interleaved loads through the L2 (trace, "
                         "default; checked against ncu on the H100, docs/traffic.md), or the wave model where "
-                        "re-reads beyond capacity never hit (lru) or hit with probability C/D (fraction)")
+                        "re-reads beyond capacity never hit (lru) or hit with probability C/D (fraction); by "
+                        "default trace, or lru where the trace would exceed TRACE_MAX_REFERENCES loads")
     p.add_argument("--l2-partitions", type=int, default=2, choices=[1, 2],
                    help="trace: two L2 partitions of half the capacity with near copies (2, default, H100) or "
                         "one LRU cache (1)")
@@ -87,6 +91,8 @@ def run(args) -> int:
     km, kn = _tile_pair(args.dkdv_tiles) if args.dkdv_tiles else default[1]
     qm, qn = _tile_pair(args.dq_tiles) if args.dq_tiles else default[2]
     occ = _occupancy(args.occupancy)
+    args.policy_given = args.policy is not None
+    args.policy = args.policy or "trace"
     if args.l2_mb <= 0:
         raise ValueError(f"--l2-mb must be positive, got {args.l2_mb}")
     params = TrafficParams(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -94,7 +100,13 @@ def run(args) -> int:
                            l2_bytes=int(args.l2_mb * 2**20), n_sm=args.sms, occupancy=occ,
                            policy=args.policy, program_order=args.order, bwd_fused=args.bwd_launches == 1,
                            l2_partitions=args.l2_partitions)
-    rep = traffic_model(lay, params)
+    try:
+        rep = traffic_model(lay, params)
+    except TraceTooLargeError as e:
+        if args.policy_given:
+            raise
+        print(f"note: {e}; using --policy lru", file=sys.stderr)
+        rep = traffic_model(lay, replace(params, policy="lru"))
     if args.json:
         import json
 
