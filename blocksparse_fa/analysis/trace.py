@@ -242,8 +242,7 @@ def _trace_forward(geo: "_Geometry", p: TrafficParams) -> dict:
     segs = [(vis, np.arange(len(t)), z * geo.tr + t_row[t], B * H * n_q + (b * Hkv + h // G) * n_kv,
              np.zeros(len(t), dtype=np.int64))]
     data = np.concatenate([np.tile(q_sz, B * H), np.tile(kv_sz, B * Hkv)])
-    P = p.programs_in_flight("fwd")
-    r = _run_trace(P, p.l2_bytes, progs, segs, data, 1, partitions=p.l2_partitions)
+    r = _run_trace(p.programs_in_flight("fwd"), p.l2_bytes, progs, segs, data, 1, partitions=p.l2_partitions)
     return {"fwd": (float(r["miss"][0]), float(r["first"][0]))}
 
 
@@ -291,8 +290,8 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
           "store": float(D * e) * t_h[t], "steps": 1 + cnt}
     dq_segs = [(vis_r, z * geo.tr + t_row[t], kv_base + (b * Hkv + h // G) * n_kv, np.zeros(len(t), np.int64))]
 
-    def run(parts, P, names=("bwd_dkdv", "bwd_dq")):
-        """parts: [(progs, segs, program index in the stream)]; names: the kernels of kinds 0 and 1."""
+    def run(parts, P):
+        """parts: [(progs, segs, program index in the stream)]; kinds 0 and 1 are dK/dV and dQ."""
         n = sum(len(pr["kind"]) for pr, _, _ in parts)
         progs = {k: np.empty(n, dtype=np.float64 if k in ("lut", "store") else np.int64)
                  for k in ("kind", "own", "lut", "store", "steps")}
@@ -302,7 +301,7 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
                 progs[k][pos] = pr[k]
             segs += [(vis, pos, line, base, s0) for vis, line, base, s0 in sg]
         return _run_trace(P, p.l2_bytes, progs, segs, data, 2, partitions=p.l2_partitions,
-                          step_time=[p.step_time_of(k) for k in names])
+                          step_time=[p.step_time_of("bwd_dkdv"), p.step_time_of("bwd_dq")])
 
     n_kvp, n_qp = len(u), len(t)
     if not p.bwd_fused:

@@ -892,7 +892,6 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
             raise TraceTooLargeError(
                 f"policy='trace' would simulate about {refs:.2e} loads (limit TRACE_MAX_REFERENCES = "
                 f"{TRACE_MAX_REFERENCES:.1e}, about a minute); use policy='lru' (the wave model) for this size")
-    if p.policy == "trace":
         from .trace import _trace_backward, _trace_forward, _with_trace
 
         tr = _trace_forward(geo, p)
@@ -910,11 +909,10 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
         bwd_dkdv=dkdv, bwd_dq=dq, standard=StandardTraffic.compute(geo.q_len, geo.kv_len, p))
     if compare:
         dense = _DenseLayout(geo.q_len, geo.kv_len, geo.bm, geo.bn)
-        dp = p
-        if p.policy == "trace" and _trace_references(
-                _Geometry(dense), p, p.batch * p.heads * dense.shape[0] * dense.shape[1]) > TRACE_MAX_REFERENCES:
-            dp = replace(p, policy="lru")  # dense FA at this size: the wave model (its rows say so)
-        rep.dense = traffic_model(dense, dp, compare=False)
+        try:
+            rep.dense = traffic_model(dense, p, compare=False)
+        except TraceTooLargeError:  # dense FA at this size: the wave model (its rows say so)
+            rep.dense = traffic_model(dense, replace(p, policy="lru"), compare=False)
     return rep
 
 
