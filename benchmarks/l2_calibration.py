@@ -123,15 +123,14 @@ def worker(args) -> int:
 
 
 def _csv_rows(text: str, keep: set) -> list[dict]:
+    """The ``keep`` metrics of every kernel in an ncu ``--page raw --print-units base`` CSV (the
+    units row, whose ID is empty, is skipped: base units are bytes, sectors and nanoseconds)."""
     lines = text.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith('"ID"'))
     rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
-    header, out, units = rows[0], [], None
+    header, out = rows[0], []
     for row in rows[1:]:
-        if len(row) < len(header):
-            continue
-        if not row[0].strip().isdigit():
-            units = row
+        if len(row) < len(header) or not row[0].strip().isdigit():
             continue
         d = {"id": int(row[0])}
         for i, h in enumerate(header):
@@ -141,7 +140,6 @@ def _csv_rows(text: str, keep: set) -> list[dict]:
                 except ValueError:
                     d[h] = None
         out.append(d)
-    del units
     return sorted(out, key=lambda d: d["id"])
 
 
