@@ -151,7 +151,7 @@ def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     q = subprocess.run([ncu, "--query-metrics", "--chip", "gh100"], capture_output=True, text=True).stdout
     fabric = sorted({ln.split()[0] for ln in q.splitlines()
-                     if ln.startswith("lts__t_sectors_srcunit_ltcfabric") or ln.startswith("lts__t_sectors_srcnode_ltcfabric")})
+                     if ln.startswith(("lts__t_sectors_srcunit_ltcfabric", "lts__t_sectors_srcnode_ltcfabric"))})
     metrics = list(BASE_METRICS) + [m + ".sum" for m in fabric[:4]]
     rep, wres = os.path.join(args.out, "l2cal"), os.path.join(args.out, "l2cal.worker.json")
     env = dict(os.environ, PYTHONPATH=REPO)

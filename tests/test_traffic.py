@@ -634,7 +634,10 @@ def test_partitions_reproduce_the_calibration_thresholds():
 
     def ratio(mode, mib):
         r = next(r for r in cal["results"] if r["mode"] == mode and r["mib"] == mib)
-        per_pass = mib * 2**20 if mode != "private" else (mib * 2**20 // 2 // cal["n_sm"]) // 4096 * 4096 * 2 * cal["n_sm"]
+        if mode != "private":
+            per_pass = mib * 2**20
+        else:  # whole 4096-element steps per program
+            per_pass = (mib * 2**20 // 2 // cal["n_sm"]) // 4096 * 4096 * 2 * cal["n_sm"]
         return r["dram__bytes_read.sum"] / per_pass
 
     assert ratio("shared", 20) < 1.05 and ratio("shared", 32) > 1.9
