@@ -51,6 +51,11 @@ class BlockLayout:
         return (*self.batch_shape, self._grid.tr, self._grid.tc)
 
     @property
+    def q_offset(self) -> int:
+        """Absolute position of query row 0: query row ``i`` sits at ``i + q_offset``."""
+        return self._grid.off
+
+    @property
     def n_blocks(self) -> int:
         return self._segs.n_rows * self._grid.tc
 

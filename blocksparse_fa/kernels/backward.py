@@ -40,7 +40,7 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                stride_qm, stride_dom, LUT_IDX, start, end, q_len, kv_len, qk_scale,
+                stride_qm, stride_dom, LUT_IDX, start, end, q_len, kv_len, Q_OFF, qk_scale,
                 PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -64,7 +64,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
             s_t = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
             if MASKED:
-                qp = offs_m + (kv_len - q_len)
+                qp = offs_m + Q_OFF
                 keep = PREDICATE(qp[None, :], offs_n[:, None], offs_m[None, :], b, h, PARAMS, AUX, True)
                 keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
                 p_t = tl.where(keep, p_t, 0.0)
@@ -86,7 +86,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                    FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
-                   H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale,
+                   H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
                    seed_lo, seed_hi, drop_thresh, drop_scale,
                    PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -123,11 +123,11 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         LSE_row = LSE + (b64 * H + h64) * q_len
         DELTA_row = DELTA + (b64 * H + h64) * q_len
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                             stride_qm, stride_dom, FULL_IDX, f0, f1, q_len, kv_len, qk_scale,
+                             stride_qm, stride_dom, FULL_IDX, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                             stride_qm, stride_dom, PART_IDX, p0, p1, q_len, kv_len, qk_scale,
+                             stride_qm, stride_dom, PART_IDX, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load")
     if slot < 0:
@@ -144,12 +144,12 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-              LUT_IDX, start, end, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+              LUT_IDX, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
               LUT_MODE: tl.constexpr):
-    qp = offs_m + (kv_len - q_len)
+    qp = offs_m + Q_OFF
     carry = lut_first(LUT_IDX, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
@@ -180,7 +180,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  stride_dqb, stride_dqh, stride_dqm,
                  FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
-                 H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale,
+                 H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
                  seed_lo, seed_hi, drop_thresh, drop_scale,
                  PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -209,10 +209,10 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   FULL_IDX, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   PART_IDX, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load")
     if slot < 0:
         store_grad_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
@@ -223,7 +223,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
         tl.store(DQPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dq * sm_scale)
 
 
-@triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",
+@triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "Q_OFF", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",
                                "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS", "HEAD_MAJOR"])
 def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -233,7 +233,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX,
               PARAMS, AUX, KV_WORK, Q_WORK, DKPART, DVPART, DQPART, KV_NSLOT, Q_NSLOT,
               N_KV_ITEMS, N_KV_PROGS, N_Q_ITEMS, HEAD_MAJOR,
-              H, G, LZB, LZH, TR, TC, q_len, kv_len, qk_scale, sm_scale,
+              H, G, LZB, LZH, TR, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
               seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -281,7 +281,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                       CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, KV_WORK, DKPART, DVPART, KV_NSLOT,
-                      H, G, LZB, LZH, TC, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                      H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                       drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N,
                       LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE)
     else:
@@ -290,7 +290,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm,
                     RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, Q_WORK, DQPART, Q_NSLOT,
-                    H, G, LZB, LZH, TR, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                    H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                     drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N,
                     LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE)
 

@@ -65,14 +65,14 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
+@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "Q_OFF", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
               stride_ob, stride_oh, stride_om,
               FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, OPART, LPART, NSLOT,
-              H, G, LZB, LZH, TR, q_len, kv_len, qk_scale,
+              H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale,
               seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -96,7 +96,7 @@ def _attn_fwd(Q, K, V, O, LSE,
                                            LAYOUT_BM, USE_WORK)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    qp = offs_m + (kv_len - q_len)
+    qp = offs_m + Q_OFF
 
     b64 = b.to(tl.int64)
     q = load_tile(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],

@@ -32,7 +32,7 @@ def _walk(layout: BlockLayout, s: Shapes):
     fptr, fidx = lut.full_ptr.cpu().numpy(), lut.full_idx.cpu().numpy()
     pptr, pidx = lut.part_ptr.cpu().numpy(), lut.part_idx.cpu().numpy()
     bmask, hmask = layout.batch_shape or (1, 1)
-    off = s.Lk - s.Lq
+    off = layout.q_offset
     for z in range(bmask * hmask):
         zb, zh = divmod(z, hmask)
         bsel = slice(zb, zb + 1) if bmask > 1 else slice(None)
