@@ -211,6 +211,20 @@ def lut_cells(lut, n_owner):
     return f, p
 
 
+def kernel_lut(t):
+    """The kernels' view of :class:`SideTables` as an exact LUT: runs expanded to listed indices."""
+    from blocksparse_fa.compiler.luts import LUT
+
+    fp = torch.from_numpy(t.full_ptr).long()
+    if t.runs:
+        lens = fp[1:] - fp[:-1]
+        line = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        idx = torch.from_numpy(t.full_idx).long()[line] + torch.arange(int(fp[-1]))
+    else:
+        idx = torch.from_numpy(t.full_idx).long()
+    return LUT(fp.int(), idx.int(), torch.from_numpy(t.part_ptr), torch.from_numpy(t.part_idx))
+
+
 LUT_CASES = [
     (bsfa.causal(), 257, 257, 64),
     (bsfa.load_pattern("bigbird", window=40, n_global=20, block=32), 300, 300, (32, 64)),
@@ -241,8 +255,14 @@ def test_luts_match_block_states(case):
     assert cp == {((o // tr) * tc + c, o % tr) for o, c in want_part}
     for t in (lay.row_lut.full_ptr, lay.row_lut.part_idx, lay.col_lut.full_idx, lay.col_lut.part_ptr):
         assert t.device.type == "cpu"
-    assert lay.lut_bytes == sum(t.numel() * 4 for lut in (lay.row_lut, lay.col_lut)
-                                for t in (lut.full_ptr, lut.full_idx, lut.part_ptr, lut.part_idx))
+    assert lay.lut_bytes == sum(a.nbytes for t in lay.kernel_tables() for a in (t.full_ptr, t.full_idx, t.part_ptr, t.part_idx))
+    # the kernels' tables (runs where lines are runs, ragged edges moved) list the same blocks
+    g = lay._grid
+    krow, kcol = (kernel_lut(t) for t in lay.kernel_tables(col_runs=True))
+    assert set().union(*lut_cells(krow, z * tr)) == rf | rp
+    assert set().union(*lut_cells(kcol, z * tc)) == cf | cp
+    if lq % g.bm == 0 and lk % g.bn == 0:
+        assert lut_cells(krow, z * tr) == (rf, rp) and lut_cells(kcol, z * tc) == (cf, cp)
     assert lay.row_lut.max_len() == int((st3 > 0).sum(-1).max()) if st3.numel() else True
 
 
@@ -251,7 +271,8 @@ def test_kernel_luts_move_ragged_full_blocks(lq, lk, bs):
     lay = compile_mask(bsfa.full(), lq, lk, bs)
     bm, bn = pair(bs)
     tr, tc = -(-lq // bm), -(-lk // bn)
-    krow, kcol = lay.kernel_luts()
+    krow, kcol = (kernel_lut(t) for t in lay.kernel_tables())
+    assert lay.kernel_tables()[0].runs  # one run per row: stored as runs
     rf, rp = lut_cells(krow, tr)
     cf, cp = lut_cells(kcol, tc)
     ef, ep = lut_cells(lay.row_lut, tr)
@@ -269,12 +290,12 @@ def test_kernel_luts_move_ragged_full_blocks(lq, lk, bs):
     else:
         assert cp == set()
     if not lk % bn and not lq % bm:
-        assert krow is lay.row_lut and kcol is lay.col_lut
+        assert (rf, rp) == (ef, ep)
 
 
 def test_kernel_luts_keep_partial_blocks():
     lay = compile_mask(bsfa.causal(), 100, 100, 32)
-    krow, kcol = lay.kernel_luts()
+    krow, kcol = (kernel_lut(t) for t in lay.kernel_tables(col_runs=True))
     rf, rp = lut_cells(krow, 4)
     ef, ep = lut_cells(lay.row_lut, 4)
     assert ep <= rp and rf <= ef and rf | rp == ef | ep

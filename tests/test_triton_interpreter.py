@@ -249,8 +249,8 @@ def test_fused_backward_matches_separate_launches(text, split):
     real = tb._bwd_launch
 
     def spy(*a, **kw):
-        run_kv, run_q = a[-2:]
-        calls["fused" if run_kv and run_q else "parts"] += 1
+        consts = a[7].consts  # the launch plan
+        calls["fused" if consts["RUN_KV"] and consts["RUN_Q"] else "parts"] += 1
         return real(*a, **kw)
 
     try:
@@ -276,22 +276,20 @@ def test_fused_backward_matches_separate_launches(text, split):
         set_override("dq", None)
 
 
-def test_contiguous_lut_detection():
-    """Unmasked lists that are runs of consecutive blocks are detected per layout; a layout with one
-    gap anywhere (Longformer's global column beside its window) is not."""
-    from blocksparse_fa.ops.triton_backend import _contiguous_lists
-
+def test_run_tables_detection():
+    """Lines whose unmasked blocks are one run of consecutive blocks are stored as runs (one int per
+    line); a layout with a second run anywhere (a full global column beside the window) lists them."""
     def flags(mask, n=256):
-        rows, cols = bsfa.compile_mask(mask, n, n, 16).kernel_luts()
-        return _contiguous_lists(rows.full_ptr, rows.full_idx), _contiguous_lists(cols.full_ptr, cols.full_idx)
+        rows, cols = bsfa.compile_mask(mask, n, n, 16).kernel_tables(col_runs=True)
+        return rows.runs, cols.runs
 
     assert flags(bsfa.full()) == (True, True)
     assert flags(bsfa.causal()) == (True, True)
     assert flags(bsfa.sliding_window(64)) == (True, True)
     assert flags(bsfa.global_tokens(16) | bsfa.window(40)) == (False, False)
-    ptr, idx = torch.tensor([0, 2, 2, 5]), torch.tensor([3, 4, 0, 1, 3])
-    assert not _contiguous_lists(ptr, idx)  # 1 -> 3 inside the last list
-    assert _contiguous_lists(ptr, torch.tensor([3, 4, 0, 1, 2]))  # 4 -> 0 crosses a list boundary
+    rows, cols = bsfa.compile_mask(bsfa.causal(), 256, 256, 16).kernel_tables()
+    assert rows.runs and not cols.runs  # small column tables stay listed (the dK/dV loop's default)
+    assert rows.full_idx.nbytes == 16 * 4  # one int per row
 
 
 @pytest.mark.parametrize("text", ["causal", "document", "longformer"])
@@ -303,20 +301,22 @@ def test_lut_modes_match(text):
     ids = torch.randint(0, 3, (80,)).sort().values
     mask = {"document": bsfa.causal() & bsfa.document(ids), "causal": bsfa.causal(),
             "longformer": bsfa.global_tokens(16) | bsfa.window(20)}[text]
-    policies = [dict(fwd_arith=False, fwd_other="load", dq_arith=False, dkdv_arith=False),
-                dict(fwd_arith=True, fwd_other="prefetch", dq_arith=True, dkdv_arith=True)]
+    policies = [dict(row_arith=False, fwd_other="load", col_arith=False),
+                dict(row_arith=True, fwd_other="prefetch", col_arith=True)]
     set_split_chunk(2)
     try:
         res = []
         for pol in policies:
             tb.set_lut_policy(**pol)
             lay = bsfa.compile_mask(mask, 80, 80, 16)
-            contig = tb._device_state(lay, torch.device("cpu"))[3]
-            modes = tb._lut_modes(contig)
-            if pol["fwd_arith"]:
-                assert modes["FULL_LUT"] == ("arith" if contig[0] else "prefetch")
+            modes = tb._device_state(lay, torch.device("cpu"))[3]
+            rows, cols = lay.kernel_tables(True, True)
+            if pol["row_arith"]:
+                assert modes["FULL_LUT"] == ("arith" if rows.runs else "prefetch")
                 assert modes["PART_LUT"] == "prefetch"
-                assert modes["COL_LUT"] == ("arith" if contig[1] else "load")
+                assert modes["COL_LUT"] == ("arith" if cols.runs else "load")
+            else:
+                assert modes["FULL_LUT"] == "load" and modes["COL_LUT"] == "load"
             torch.manual_seed(5)
             q, k, v = _qkv(1, 2, 2, 80, 80, 16)
             do = torch.randn(1, 2, 80, 16)
@@ -325,7 +325,7 @@ def test_lut_modes_match(text):
         for a, b in zip(*res):
             assert torch.equal(a, b)
     finally:
-        tb.set_lut_policy(fwd_arith=True, fwd_other="prefetch", dq_arith=True, dkdv_arith=False)
+        tb.set_lut_policy(row_arith=True, fwd_other="prefetch", col_arith=None)
         set_split_chunk(None)
 
 
@@ -366,14 +366,15 @@ def test_strided_rewrite_class_views(monkeypatch, B, H, Hkv, N, D, gqa, residue)
     with ``set_residue_gqa``, class-major views), else on permuted copies; both match the float64
     reference in out, lse and all gradients."""
     from blocksparse_fa.compiler import rewrite
-    from blocksparse_fa.ops import api, residue as res
+    from blocksparse_fa.ops import residue as res
 
     monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
     monkeypatch.setitem(res._GQA, "on", gqa)
     rewrite.plan.cache_clear()
+    bsfa.compiler.clear_cache()
     calls = []
-    real = api.residue_attention
-    monkeypatch.setattr(api, "residue_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = res.residue_forward
+    monkeypatch.setattr(res, "residue_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     try:
         mask = bsfa.parse("causal & (sliding_window(20) | strided(16))")
         q, k, v = _qkv(B, H, Hkv, N, N, D)
@@ -389,6 +390,7 @@ def test_strided_rewrite_class_views(monkeypatch, B, H, Hkv, N, D, gqa, residue)
             assert rel_err(a, b) < TOL, (name, rel_err(a, b))
     finally:
         rewrite.plan.cache_clear()
+        bsfa.compiler.clear_cache()
 
 
 def test_merge_residue_masked_rows():
@@ -463,14 +465,16 @@ def test_custom_op_and_module_use_the_strided_rewrite(monkeypatch):
     """``attention_op`` (and so ``nn`` modules and the transformers hook) computes strided masks
     through the residue-class rewrite on the Triton backend, forward and backward, exactly."""
     from blocksparse_fa.compiler import rewrite
-    from blocksparse_fa.ops import custom_op
+    from blocksparse_fa.ops import residue as res
 
     monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
     rewrite.plan.cache_clear()
+    bsfa.compiler.clear_cache()
+    bsfa.ops.custom_op.registry.clear()
     calls = {"fwd": 0, "bwd": 0}
-    real_f, real_b = custom_op.residue_forward, custom_op.residue_backward
-    monkeypatch.setattr(custom_op, "residue_forward", lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or real_f(*a))
-    monkeypatch.setattr(custom_op, "residue_backward", lambda *a: calls.__setitem__("bwd", calls["bwd"] + 1) or real_b(*a))
+    real_f, real_b = res.residue_forward, res.residue_backward
+    monkeypatch.setattr(res, "residue_forward", lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or real_f(*a))
+    monkeypatch.setattr(res, "residue_backward", lambda *a: calls.__setitem__("bwd", calls["bwd"] + 1) or real_b(*a))
     try:
         mask = bsfa.parse("causal & (sliding_window(20) | strided(16))")
         q, k, v = _qkv(1, 2, 2, 160, 160, 16)
@@ -484,12 +488,15 @@ def test_custom_op_and_module_use_the_strided_rewrite(monkeypatch):
         assert rel_err(out, r) < TOL
         for a, b in zip(g, gr):
             assert rel_err(a, b) < TOL
-        # a compiled layout is used as given: no rewrite
+        # a compiled layout carries the rewrite: the same path as the expression
         lay = bsfa.compile_mask(mask, 160, 160, 16)
-        bsfa.attention_op(q, k, v, lay, backend="triton")
-        assert calls["fwd"] == 1
+        assert lay.rewrite is not None
+        o2 = bsfa.attention_op(q, k, v, lay, backend="triton")
+        o3 = bsfa.attention(q, k, v, mask=lay, backend="triton")
+        assert calls["fwd"] == 3 and torch.equal(o2, out) and torch.equal(o3, out)
     finally:
         rewrite.plan.cache_clear()
+        bsfa.compiler.clear_cache()
 
 
 @pytest.mark.parametrize("D", [16, 24])
@@ -535,3 +542,20 @@ def test_short_partial_forward_tiles_need_128_blocks():
 
     assert fwd_config(128, torch.bfloat16, 128, 128, False, True) == TileConfig(128, 64, 8, 3)
     assert fwd_config(128, torch.bfloat16, 64, 64, False, True) == TileConfig(64, 64, 8, 2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_rows_stay_zero_whatever_v_holds(backend):
+    """Rows with nothing to attend output 0 and get dQ = 0 even when V holds NaN in a block their
+    tile visits (0 * NaN must not leak through P @ V or dP)."""
+    torch.manual_seed(2)
+    Lq, Lk = 80, 48  # bottom-right alignment: rows 0..31 sit before key 0 and keep nothing under causal
+    q, k, v = (torch.randn(1, 2, L, 16) for L in (Lq, Lk, Lk))
+    v[0, :, 3] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = bsfa.attention(q, k, v, mask=bsfa.causal(), backend=backend, block_size=16)
+    dq, = torch.autograd.grad(out, (q,), torch.randn_like(out))
+    empty = slice(0, Lq - Lk)
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+    assert torch.equal(dq[:, :, empty], torch.zeros_like(dq[:, :, empty]))
+    assert torch.isnan(out[:, :, Lq - Lk + 3:]).all()  # rows that do attend key 3 see its NaN

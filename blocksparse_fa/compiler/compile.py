@@ -1,32 +1,34 @@
-"""``compile_mask``: mask expression -> :class:`BlockLayout`, cached."""
+"""``compile_mask``: mask expression -> :class:`BlockLayout` (the one compiled object), cached."""
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
 
 import torch
 
 from ..mask.dsl import parse
 from ..mask.expr import Mask
+from .cache import LRUCache
 from .classify import Grid, classify, refine
 from .layout import BlockLayout
+from .rewrite import build_rewrite
 
-__all__ = ["compile_mask", "clear_cache", "cache_info"]
+__all__ = ["compile_mask", "clear_cache", "cache_info", "block_pair", "generation"]
 
+DEFAULT_BLOCK = 128
 DEFAULT_REFINE_BUDGET = 1 << 24  # elements evaluated to settle UNSURE blocks
-_CACHE_SIZE = 64
-_cache: "collections.OrderedDict[tuple, BlockLayout]" = collections.OrderedDict()
-_lock = threading.Lock()
-_stats = {"hits": 0, "misses": 0}
+_cache = LRUCache(64)
+_generation = [0]  # bumped by clear_cache: caches of layouts elsewhere (ops) compare it
 
 
-def _block_pair(block_size) -> tuple[int, int]:
+def block_pair(block_size) -> tuple[int, int]:
+    """``(bm, bn)`` from ``None`` (the default 128), an int or a pair; rejects anything else."""
+    if block_size is None:
+        return (DEFAULT_BLOCK, DEFAULT_BLOCK)
     if isinstance(block_size, int) and not isinstance(block_size, bool):
         pair = (block_size, block_size)
     elif isinstance(block_size, (tuple, list)) and len(block_size) == 2:
-        pair = tuple(block_size)
+        pair = (block_size[0], block_size[1])
     else:
         raise ValueError(f"block_size must be an int or a pair (bm, bn), got {block_size!r}")
     for b in pair:
@@ -35,9 +37,22 @@ def _block_pair(block_size) -> tuple[int, int]:
     return pair  # type: ignore[return-value]
 
 
+def _device(device) -> torch.device:
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *, device=None,
-                 refine_budget: int = DEFAULT_REFINE_BUDGET, cache: bool = True) -> BlockLayout:
+                 refine_budget: int = DEFAULT_REFINE_BUDGET, cache: bool = True,
+                 rewrite: bool = True) -> BlockLayout:
     """Compile a mask into a block layout without materialising the ``q_len × kv_len`` mask.
+
+    The result is everything the kernels need for these lengths: block states, lookup tables
+    (built on first use, in a size that follows the layout's structure), and any exact rewrite
+    (e.g. the Sparse Transformer strided pattern as a band plus residue classes). Pass it as
+    ``mask=`` to :func:`blocksparse_fa.attention` to reuse it: it runs exactly like the expression.
 
     Args:
         mask: a :class:`Mask` or DSL text.
@@ -48,6 +63,7 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
         refine_budget: mask elements the compiler may evaluate to settle blocks that the state
             algebra leaves uncertain (``&``/``|`` of two partial blocks); 0 disables refinement.
         cache: reuse a layout compiled for the same (mask, lengths, block size, device, budget).
+        rewrite: let the compiler plan exact rewrites (used by the Triton backend without dropout).
 
     Returns:
         A :class:`BlockLayout`.
@@ -58,40 +74,38 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
         raise TypeError(f"compile_mask(): mask must be a Mask or DSL text, got {type(mask).__name__}")
     kv_len = q_len if kv_len is None else kv_len
     mask.check_lengths(q_len, kv_len)
-    bm, bn = _block_pair(block_size)
-    dev = torch.device("cpu" if device is None else device)
-    key = (mask, q_len, kv_len, bm, bn, str(dev), refine_budget)
+    bm, bn = block_pair(block_size)
+    dev = _device(device)
+    key = (mask, q_len, kv_len, bm, bn, str(dev), refine_budget, bool(rewrite))
     if cache:
-        with _lock:
-            hit = _cache.get(key)
-            if hit is not None:
-                _cache.move_to_end(key)
-                _stats["hits"] += 1
-                return hit
+        hit = _cache.get(key)
+        if hit is not None:
+            return hit
     t0 = time.perf_counter()
     grid = Grid(q_len, kv_len, bm, bn)
     segs = classify(mask, grid)
     bs = mask.batch_shape or (1, 1)
     segs = segs.broadcast_to(bs)
     segs, n_refined = refine(segs, mask, grid, refine_budget)
-    layout = BlockLayout(mask, grid, segs, dev, n_refined, 0.0)
+    rw = build_rewrite(mask, q_len, kv_len, (bm, bn), dev, compile_mask) if rewrite else None
+    layout = BlockLayout(mask, grid, segs, dev, n_refined, 0.0, rewrite=rw)
     layout.compile_seconds = time.perf_counter() - t0
     if cache:
-        with _lock:
-            _stats["misses"] += 1
-            _cache[key] = layout
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
+        _cache.put(key, layout)
     return layout
 
 
 def clear_cache() -> None:
-    """Forget every cached layout."""
-    with _lock:
-        _cache.clear()
+    """Forget every cached layout (also those remembered by ``attention`` per mask object)."""
+    _cache.clear()
+    _generation[0] += 1
+
+
+def generation() -> int:
+    """Counter of :func:`clear_cache` calls (layouts cached elsewhere are valid for one generation)."""
+    return _generation[0]
 
 
 def cache_info() -> dict:
     """``{"hits", "misses", "size"}`` of the layout cache."""
-    with _lock:
-        return {**_stats, "size": len(_cache)}
+    return _cache.info()

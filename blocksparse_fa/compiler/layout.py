@@ -9,14 +9,26 @@ import torch
 
 from ..mask.expr import Mask
 from .classify import Grid, block_context
-from .luts import LUT, build_luts
+from .luts import LUT, SideTables, build_luts, build_side
 from .segments import EMPTY, FULL, PARTIAL, Segments
 
-__all__ = ["BlockLayout"]
+__all__ = ["BlockLayout", "COL_LIST_LIMIT"]
+
+COL_LIST_LIMIT = 1 << 22
+"""Column-side unmasked lists longer than this (in entries) are stored as runs when they are runs.
+Below it the dK/dV loop reads listed indices, which measured faster on the H100 (fewer live
+registers than index arithmetic there, ``benchmarks/NOTES.md``)."""
 
 
 class BlockLayout:
-    """A mask compiled for ``(q_len, kv_len)`` at a block size.
+    """A mask compiled for ``(q_len, kv_len)`` at a block size: everything the kernels need.
+
+    ``compile_mask`` returns one. It holds the block states (run-length encoded), and builds on
+    first use and then keeps: the kernels' lookup tables (:meth:`kernel_tables`), any exact rewrite
+    the compiler chose (:attr:`rewrite`, e.g. the strided pattern as a band plus residue classes),
+    and, per device, what the backends derive from it (tables and predicate payload on the device,
+    work lists, tile class) in :attr:`cache`. Passing it as ``mask=`` to :func:`blocksparse_fa.attention`
+    therefore runs exactly as passing the expression, with no work repeated.
 
     Attributes:
         mask: the source expression.
@@ -26,9 +38,13 @@ class BlockLayout:
         device: device of the lookup tables.
         n_refined: blocks whose state was settled by evaluating the mask on them.
         compile_seconds: wall time of the compile.
+        rewrite: a :class:`~blocksparse_fa.compiler.rewrite.Rewrite` when the compiler computes this
+            mask as exact parts (band + residue classes), else ``None``.
+        cache: per-device state the backends build once (tables on the device, payload, work lists).
     """
 
-    def __init__(self, mask: Mask, grid: Grid, segs: Segments, device, n_refined: int = 0, compile_seconds: float = 0.0):
+    def __init__(self, mask: Mask, grid: Grid, segs: Segments, device, n_refined: int = 0, compile_seconds: float = 0.0,
+                 rewrite=None):
         self.mask = mask
         self._grid = grid
         self._segs = segs
@@ -38,11 +54,16 @@ class BlockLayout:
         self.device = torch.device(device)
         self.n_refined = n_refined
         self.compile_seconds = compile_seconds
-        rows, cols = build_luts(segs)
-        self.row_lut: LUT = rows.to(self.device)
-        """Per layout row: full (unmasked) and partial (masked) column blocks; int32 CSR."""
-        self.col_lut: LUT = cols.to(self.device)
-        """Per layout column: full and partial row blocks (transpose, for dK/dV); int32 CSR."""
+        self.rewrite = rewrite
+        self.cache: dict = {}
+
+    def to(self, device) -> "BlockLayout":
+        """The same layout with its tables on ``device`` (shares the block states and rewrite)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return BlockLayout(self.mask, self._grid, self._segs, device, self.n_refined, self.compile_seconds,
+                           self.rewrite)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -81,6 +102,11 @@ class BlockLayout:
         """Fraction of blocks that are non-empty (the work the kernels do relative to dense)."""
         return self.n_nonempty / self.n_blocks
 
+    def sparsity(self) -> float:
+        """``1 - density``: the fraction of blocks skipped (FlexAttention's ``BlockMask.sparsity()``
+        reports the same quantity in percent)."""
+        return 1.0 - self.density
+
     @property
     def partial_fraction(self) -> float:
         """Fraction of the non-empty blocks that are partial (0 when none are non-empty)."""
@@ -88,8 +114,36 @@ class BlockLayout:
 
     @property
     def lut_bytes(self) -> int:
-        """Bytes of the row and column lookup tables."""
-        return self.row_lut.nbytes + self.col_lut.nbytes
+        """Bytes of the kernels' lookup tables (:meth:`kernel_tables`, both sides)."""
+        rows, cols = self.kernel_tables()
+        return rows.nbytes + cols.nbytes
+
+    # -- tables ---------------------------------------------------------------------------------
+    @functools.cached_property
+    def row_lut(self) -> LUT:
+        """Exact expanded row tables: per layout row, full (unmasked) and partial (masked) column
+        blocks, int32 CSR (built on first use; O(visited blocks))."""
+        return build_luts(self._segs)[0].to(self.device)
+
+    @functools.cached_property
+    def col_lut(self) -> LUT:
+        """Exact expanded column tables (the transpose, for dK/dV), int32 CSR (built on first use)."""
+        return build_luts(self._segs)[1].to(self.device)
+
+    def kernel_tables(self, row_runs: bool = True, col_runs: bool | None = None) -> tuple[SideTables, SideTables]:
+        """``(rows, cols)`` tables the kernels read (numpy, cached): full blocks on ragged edges
+        moved to the masked lists; unmasked lists stored as runs where every line is one run:
+        rows when ``row_runs``, columns when ``col_runs`` (``None``: when listing them would exceed
+        ``COL_LIST_LIMIT`` entries). Their size then scales with the layout's structure, not its
+        area."""
+        key = ("tables", bool(row_runs), col_runs)
+        hit = self.cache.get(key)
+        if hit is None:
+            g = self._grid
+            rows = build_side(self._segs, False, edge=g.kv_len % g.bn != 0, runs=bool(row_runs))
+            cols = build_side(self._segs, True, edge=g.q_len % g.bm != 0, runs=col_runs, max_listed=COL_LIST_LIMIT)
+            hit = self.cache[key] = (rows, cols)
+        return hit
 
     # -- views -----------------------------------------------------------------------------------
     def block_states(self) -> torch.Tensor:
@@ -140,20 +194,6 @@ class BlockLayout:
             vals, _ = self._block_values(rows[sel], cols[sel], device)
             kept += float(vals.sum())
         return kept / (self._segs.n_instances * g.q_len * g.kv_len)
-
-    def kernel_luts(self) -> tuple[LUT, LUT]:
-        """Row/column LUTs for the kernels: full blocks on ragged edges moved to the masked lists."""
-        cached = getattr(self, "_kernel_luts", None)
-        if cached is None:
-            g = self._grid
-            edge_c, edge_r = g.kv_len % g.bn != 0, g.q_len % g.bm != 0
-            if edge_c or edge_r:
-                rows, cols = build_luts(self._segs, edge_c, edge_r)
-                cached = (rows.to(self.device), cols.to(self.device))
-            else:
-                cached = (self.row_lut, self.col_lut)
-            self._kernel_luts = cached
-        return cached
 
     # -- pictures -------------------------------------------------------------------------------
     def _char_grid(self, width: int, instance: int = 0) -> list[str]:

@@ -14,6 +14,11 @@ strided pattern becomes local after regrouping tokens by ``position mod s``, the
 
 The parts' outputs are merged exactly through their logsumexps (``ops.merge``). The dropout RNG
 is keyed on positions, so rewrites are skipped when dropout is on.
+
+:func:`build_rewrite` compiles the parts once, with the mask's layout (:class:`Rewrite`, kept in
+``BlockLayout.rewrite``): the band in token order and, when the length is a multiple of the stride,
+the strided part within one residue class (``ops/residue.py`` runs each class as a head of strided
+views, without copies).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from ..mask import primitives as P
 from ..mask.expr import And, Mask, Or
 
-__all__ = ["Part", "plan", "residue_permutation"]
+__all__ = ["Part", "Rewrite", "plan", "build_rewrite", "residue_permutation"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +119,45 @@ def plan(mask: Mask, q_len: int, kv_len: int) -> tuple[Part, ...] | None:
     strided_part = P.Document(_class_ids(n, s)) & P.Causal() & ~P.SlidingWindow(c)
     class_mask = P.Causal() & ~P.SlidingWindow(c)
     return (Part(P.SlidingWindow(w)), Part(strided_part, residue_stride=s, class_mask=class_mask))
+
+
+def _class_block(m: int, block) -> tuple[int, int]:
+    """Layout block of the class part: the user's, shrunk to the class length (>= 16)."""
+    b = block[0]
+    p2 = 1 << max(0, (m - 1).bit_length())
+    b = max(16, min(b, p2))
+    return (b, b)
+
+
+@dataclass
+class Rewrite:
+    """A mask computed as exact parts (see :func:`plan`), compiled.
+
+    Attributes:
+        parts: the parts, band first.
+        stride: the residue stride ``s`` of the strided part.
+        band: layout of the band part at the mask's lengths.
+        cls: layout of the strided part within one residue class (``(N/s, N/s)``) when ``N % s ==
+            0``, else ``None`` (then only the permuted-copy path applies).
+        block_size: the layout block the parts were compiled with.
+    """
+
+    parts: tuple
+    stride: int
+    band: object
+    cls: object
+    block_size: tuple
+
+
+def build_rewrite(mask: Mask, q_len: int, kv_len: int, block: tuple, device, compile_fn) -> Rewrite | None:
+    """The compiled :class:`Rewrite` of ``mask`` at these lengths, or None when no rewrite applies."""
+    parts = plan(mask, q_len, kv_len)
+    if not parts:
+        return None
+    s = parts[1].residue_stride
+    band = compile_fn(parts[0].mask, q_len, kv_len, block, device=device, rewrite=False)
+    cls = None
+    if q_len % s == 0:
+        m = q_len // s
+        cls = compile_fn(parts[1].class_mask, m, m, _class_block(m, block), device=device, rewrite=False)
+    return Rewrite(parts, s, band, cls, tuple(block))

@@ -181,10 +181,66 @@ class Segments:
         """Pointwise combination of two grids through a 4×4 state table (broadcasting instances)."""
         bs = tuple(max(a, b) for a, b in zip(self.batch_shape, other.batch_shape))
         a, b = self.broadcast_to(bs), other.broadcast_to(bs)
-        keys = np.union1d(a.key, b.key)
+        keys = _sorted_union(a.key, b.key)
         sa = a.state[np.searchsorted(a.key, keys, side="right") - 1]
         sb = b.state[np.searchsorted(b.key, keys, side="right") - 1]
         return Segments._compress(bs, a.n_rowblocks, a.n_cols, keys, table[sa, sb])
 
     def map_states(self, table: np.ndarray) -> "Segments":
         return Segments._compress(self.batch_shape, self.n_rowblocks, self.n_cols, self.key.copy(), table[self.state])
+
+    def with_blocks(self, rows: np.ndarray, cols: np.ndarray, states: np.ndarray) -> "Segments":
+        """A copy with single blocks ``(row, col)`` set to ``states``; cost O(segments + blocks),
+        never O(grid)."""
+        if len(rows) == 0:
+            return self
+        tc1 = self.n_cols + 1
+        rows = np.asarray(rows, np.int64)
+        cols = np.asarray(cols, np.int64)
+        at = rows * tc1 + cols
+        nxt = cols + 1
+        tail = nxt < self.n_cols
+        after = rows[tail] * tc1 + nxt[tail]
+        # the state that resumes after each block is the one covering it before the change
+        resume = self.state[np.searchsorted(self.key, after, side="right") - 1]
+        keys = np.concatenate([self.key, at, after])
+        vals = np.concatenate([self.state, np.asarray(states, np.int8), resume])
+        prio = np.concatenate([np.zeros(len(self.key), np.int8), np.full(len(at), 2, np.int8),
+                               np.ones(len(after), np.int8)])
+        order = np.lexsort((-prio, keys))  # per key: the block's own state first, then resumes, then old
+        keys, vals = keys[order], vals[order]
+        first = np.ones(len(keys), dtype=bool)
+        first[1:] = keys[1:] != keys[:-1]
+        return Segments._compress(self.batch_shape, self.n_rowblocks, self.n_cols, keys[first], vals[first])
+
+    def intervals(self, state: int):
+        """``(rows, starts, ends)`` of the segments in ``state`` (row = z * Tr + r)."""
+        sel = self.state == state
+        return self.rows[sel], self.starts[sel], self.ends[sel]
+
+    def demote_full(self, last_col: bool = False, last_rowblock: bool = False) -> "Segments":
+        """FULL blocks of the last column (``last_col``) or of each instance's last row block
+        (``last_rowblock``) made PARTIAL: the kernels' tables mask ragged edges."""
+        out = self
+        if last_rowblock:
+            rows = out.rows
+            sel = (rows % out.n_rowblocks == out.n_rowblocks - 1) & (out.state == FULL)
+            if sel.any():
+                st = out.state.copy()
+                st[sel] = PARTIAL
+                out = Segments._compress(out.batch_shape, out.n_rowblocks, out.n_cols, out.key.copy(), st)
+        if last_col:
+            r, s, e = out.intervals(FULL)
+            hit = e == out.n_cols
+            if hit.any():
+                out = out.with_blocks(r[hit], np.full(int(hit.sum()), out.n_cols - 1), np.full(int(hit.sum()), PARTIAL))
+        return out
+
+
+def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted unique union of two sorted int arrays (a sort, not numpy's hash-based unique)."""
+    keys = np.concatenate([a, b])
+    keys.sort(kind="stable")
+    if len(keys) > 1:
+        keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]
+    return keys

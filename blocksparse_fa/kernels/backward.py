@@ -40,13 +40,13 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                stride_qm, stride_dom, LUT_IDX, start, end, q_len, kv_len, Q_OFF, qk_scale,
+                stride_qm, stride_dom, LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale,
                 PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
                 LUT_MODE: tl.constexpr):
-    carry = lut_first(LUT_IDX, start, end, LUT_MODE)
+    carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
         rblk, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
@@ -104,6 +104,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
     b64 = b.to(tl.int64)
     tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + hk * G * LZH) * TC, BLOCK_N,
                                            LAYOUT_BN, USE_WORK)
+    col_in_lut = (tile * BLOCK_N) // LAYOUT_BN
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k = load_tile(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
@@ -118,16 +119,17 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         if not USE_WORK:  # each query head of the group has its own LUT line (head-dependent masks)
             _, f0, f1, p0, p1, _ = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TC, BLOCK_N,
                                              LAYOUT_BN, USE_WORK)
+        line = (b * LZB + h * LZH) * TC + col_in_lut
         Q_base = Q + b64 * stride_qb + h64 * stride_qh
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         LSE_row = LSE + (b64 * H + h64) * q_len
         DELTA_row = DELTA + (b64 * H + h64) * q_len
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                             stride_qm, stride_dom, FULL_IDX, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
+                             stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
-                             stride_qm, stride_dom, PART_IDX, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
+                             stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load")
     if slot < 0:
@@ -144,13 +146,13 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-              LUT_IDX, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+              LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
               LUT_MODE: tl.constexpr):
     qp = offs_m + Q_OFF
-    carry = lut_first(LUT_IDX, start, end, LUT_MODE)
+    carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
@@ -195,8 +197,9 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     h = pid_bh % H
     hk = h // G
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
-    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TR, BLOCK_M,
-                                           LAYOUT_BM, USE_WORK)
+    lut_base = (b * LZB + h * LZH) * TR
+    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, lut_base, BLOCK_M, LAYOUT_BM, USE_WORK)
+    line = lut_base + (tile * BLOCK_M) // LAYOUT_BM
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
@@ -209,18 +212,20 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   FULL_IDX, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   PART_IDX, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
+                   PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load")
+    # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
+    dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
     if slot < 0:
         store_grad_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
-                        dq * sm_scale, offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
+                        dq, offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
     else:
         r = tl.arange(0, BLOCK_M)
         base = (pid_bh.to(tl.int64) * NSLOT + slot) * BLOCK_M
-        tl.store(DQPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dq * sm_scale)
+        tl.store(DQPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :], dq)
 
 
 @triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "Q_OFF", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",

@@ -44,17 +44,19 @@ def store_grad_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
-def lut_first(LUT_IDX, start, end, MODE: tl.constexpr):
-    """Loop-carried state for walking LUT entries ``start .. end`` (see :func:`lut_next`).
+def lut_first(LUT_IDX, line, start, end, MODE: tl.constexpr):
+    """Loop-carried state for walking the entries ``start .. end`` of LUT line ``line`` (see
+    :func:`lut_next`).
 
     ``MODE`` says how the block index of an entry is found:
     ``"load"``: read it from the LUT inside the loop (the tile loads of that iteration wait on it);
     ``"prefetch"``: read it one iteration ahead, so the tile loads use an index already in registers;
-    ``"arith"``: the lists of this layout are runs of consecutive blocks (dense, causal, sliding
-    windows, documents), so the index is ``first + (e - start)`` and the loop reads no index at all.
+    ``"arith"``: every line's list is one run of consecutive blocks (dense, causal, sliding windows,
+    documents) and ``LUT_IDX[line]`` holds ``first block - first entry`` of the line
+    (``compiler/luts.py``), so the index is ``LUT_IDX[line] + e`` and the loop reads no index at all.
     """
     if MODE == "arith":
-        carry = tl.load(LUT_IDX + start, mask=start < end, other=0) - start
+        carry = tl.load(LUT_IDX + line)
     elif MODE == "prefetch":
         carry = tl.load(LUT_IDX + start, mask=start < end, other=0)
     else:

@@ -61,7 +61,8 @@ def short_partial_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
 
 
 def head_dim_pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    """The head dim rounded up to a power of two (>= 16): the kernels' tile width."""
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def check_layout_block(bm: int, bn: int) -> None:

@@ -29,13 +29,13 @@ def _kv_tile(BASE, row0, offs_n, stride_n, kv_len, offs_d, HEAD_DIM: tl.constexp
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H,
-               K_base, V_base, stride_kn, stride_vn, LUT_IDX, start, end,
+               K_base, V_base, stride_kn, stride_vn, LUT_IDX, line, start, end,
                q_len, kv_len, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
                LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr):
-    carry = lut_first(LUT_IDX, start, end, LUT_MODE)
+    carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES, warp_specialize=WARP_SPEC):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
@@ -92,8 +92,9 @@ def _attn_fwd(Q, K, V, O, LSE,
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
-    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TR, BLOCK_M,
-                                           LAYOUT_BM, USE_WORK)
+    lut_base = (b * LZB + h * LZH) * TR
+    tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, lut_base, BLOCK_M, LAYOUT_BM, USE_WORK)
+    line = lut_base + (tile * BLOCK_M) // LAYOUT_BM
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     qp = offs_m + Q_OFF
@@ -113,17 +114,18 @@ def _attn_fwd(Q, K, V, O, LSE,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                               FULL_IDX, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX,
+                               FULL_IDX, line, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
                                KV_DESC, WARP_SPEC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                               PART_IDX, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX,
+                               PART_IDX, line, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
                                KV_DESC, False)
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # rows with nothing to attend give exactly 0, whatever V holds (0 * NaN would leak through P @ V)
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     if slot < 0:
         store_tile(O + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],

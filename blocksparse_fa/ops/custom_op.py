@@ -65,34 +65,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compiler.compile import block_pair as _block_pair
 from ..compiler.compile import compile_mask
 from ..compiler.layout import BlockLayout
-from ..compiler.rewrite import plan
 from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.primitives import full
-from .api import DEFAULT_BLOCK, resolve_backend
-from .residue import residue_applies, residue_backward, residue_forward, residue_plan
-from .validate import Shapes, check_layout, check_qkv, check_scalars
+from . import dispatch
+from .api import resolve_backend
+from .validate import check_layout, check_qkv, check_scalars
 
 __all__ = [
     "attention_op", "register_mask", "LayoutRegistry", "registry", "attention_fwd", "attention_bwd",
 ]
-
-
-def _block_pair(block_size) -> tuple[int, int]:
-    if block_size is None:
-        return (DEFAULT_BLOCK, DEFAULT_BLOCK)
-    if isinstance(block_size, int) and not isinstance(block_size, bool):
-        pair = (block_size, block_size)
-    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2:
-        pair = (block_size[0], block_size[1])
-    else:
-        raise ValueError(f"block_size must be an int or a pair (bm, bn), got {block_size!r}")
-    for b in pair:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"block_size entries must be positive ints, got {block_size!r}")
-    return pair
 
 
 @dataclass
@@ -234,7 +219,7 @@ class LayoutRegistry:
             if (src.q_len, src.kv_len) != (ckey[0], ckey[1]):
                 raise ValueError(f"mask layout was compiled for (q_len, kv_len) = ({src.q_len}, {src.kv_len}), "
                                  f"but q/k have lengths ({ckey[0]}, {ckey[1]})")
-            lay = src if src.device == dev else compile_mask(src.mask, src.q_len, src.kv_len, bs, device=dev)
+            lay = src.to(dev)
         else:
             lay = compile_mask(src, ckey[0], ckey[1], bs, device=dev)
         with self._lock:
@@ -278,128 +263,97 @@ def register_mask(mask, block_size=None, *, pin: bool = False, owner=None) -> in
 
 @torch.compiler.assume_constant_result
 def _handle_for(mask, block_size):
-    # Trace-time constant under torch.compile (Dynamo guards on the mask object).
+    # Trace-time constant under torch.compile (Dynamo guards on the mask object): for masks made
+    # outside the compiled function, and for compiled layouts.
     return registry.register(mask, block_size)
+
+
+@torch.compiler.assume_constant_result
+def _handle_for_text(text: str, block_size):
+    # Trace-time constant from the mask's DSL text: masks built inside a compiled function are
+    # objects Dynamo creates lazily, but their text is an ordinary constant.
+    return registry.register(parse(text), block_size)
+
+
+def _has_tensors(mask) -> bool:
+    """Whether the expression holds tensors (their text does not carry the data)."""
+    if mask.children:
+        return any(_has_tensors(c) for c in mask.children)
+    return hasattr(mask, "tensor")
+
+
+def handle_of(mask, block_size=None) -> int:
+    """The registry handle of ``mask`` (an int handle, Mask, DSL text, BlockLayout or None); under
+    ``torch.compile`` a constant of the graph."""
+    if isinstance(mask, int) and not isinstance(mask, bool):
+        return mask
+    if torch.compiler.is_compiling() and isinstance(mask, Mask) and not _has_tensors(mask):
+        return _handle_for_text(str(mask), _block_pair(block_size))
+    return _handle_for(mask, block_size)
 
 
 # ------------------------------------------------------------------------------------------------
 # the ops
 # ------------------------------------------------------------------------------------------------
-def _cdt(dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _lse_dtype(dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _expand_kv(t: torch.Tensor, s: Shapes, cdt) -> torch.Tensor:
-    t = t.to(cdt)
-    return t.repeat_interleave(s.G, dim=1) if s.G > 1 else t
-
-
-def _prepare(q, k, v, handle, backend, scale, dropout_p):
-    """``(shapes, backend, layout, residue plan)``: the layout of the whole mask is compiled only
-    when no rewrite computes it (``layout`` is None when the residue plan is used)."""
+def _layout(q, k, v, handle):
     s = check_qkv(q, k, v)
-    be = resolve_backend(backend, q.device, q.dtype)
-    rp = _rewritten(q, handle, s, be, scale, dropout_p)
-    if rp is not None:
-        return s, be, None, rp
     layout = registry.layout(handle, s.Lq, s.Lk, q.device)
     check_layout(layout, s)
-    return s, be, layout, None
-
-
-def _rewritten(q, handle, s: Shapes, be: str, scale: float, dropout_p: float):
-    """The residue-class plan when the Triton backend computes this mask as an exact rewrite
-    (strided masks: ``compiler.rewrite``, ``ops.residue``), as ``attention`` does; else None."""
-    if be != "triton" or dropout_p > 0.0:
-        return None
-    src = registry.source(handle)
-    if not isinstance(src, Mask):  # a compiled layout is used as given
-        return None
-    parts = plan(src, s.Lq, s.Lk)
-    if not parts or not residue_applies(parts, s, q.dtype):
-        return None
-    return residue_plan(parts, s, q.device, scale, registry.block_size(handle))
+    return s, layout
 
 
 @torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
-                  dropout_p: float, seed: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  dropout_p: float, seed: torch.Tensor, backend: str, rewrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``."""
-    s, be, layout, rp = _prepare(q, k, v, handle, backend, scale, dropout_p)
-    sd = int(seed.item())
-    if be == "triton":
-        from .triton_backend import triton_forward
-
-        if rp is not None:
-            out, lse = residue_forward(q.contiguous(), k.contiguous(), v.contiguous(), rp)
-        else:
-            out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, sd)
-        return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
-    from .torch_backend import _forward
-
-    cdt = _cdt(q.dtype)
-    out, lse = _forward(q.to(cdt), _expand_kv(k, s, cdt), _expand_kv(v, s, cdt), layout, s, scale, dropout_p, sd)
-    return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
+    s, layout = _layout(q, k, v, handle)
+    be = resolve_backend(backend, q.device, q.dtype)
+    out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, int(seed.item()), be, rewrite)
+    return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend):
+def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite):
     B, H, Lq, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Lq), dtype=_lse_dtype(q.dtype), device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=dispatch.lse_dtype(q.dtype), device=q.device)
     return out, lse
 
 
 @torch.library.custom_op("blocksparse_fa::attention_bwd", mutates_args=())
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  dout: torch.Tensor, handle: int, scale: float, dropout_p: float, seed: torch.Tensor,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  dout: torch.Tensor, dlse: torch.Tensor | None, handle: int, scale: float, dropout_p: float,
+                  seed: torch.Tensor, backend: str, rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
-    s, be, layout, rp = _prepare(q, k, v, handle, backend, scale, dropout_p)
-    sd = int(seed.item())
-    if be == "triton":
-        from .triton_backend import triton_backward
-
-        if rp is not None:
-            dq, dk, dv = residue_backward(*(t.contiguous() for t in (q, k, v, out)), lse.float(), dout.contiguous(), rp)
-        else:
-            dq, dk, dv = triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, sd)
-        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
-    from .torch_backend import _backward
-
-    cdt = _cdt(q.dtype)
-    dq, dk, dv = _backward(q.to(cdt), _expand_kv(k, s, cdt), _expand_kv(v, s, cdt), out.to(cdt), lse.to(cdt),
-                           dout.to(cdt), layout, s, scale, dropout_p, sd)
-    if s.G > 1:
-        dk = dk.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
-        dv = dv.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    s, layout = _layout(q, k, v, handle)
+    be = resolve_backend(backend, q.device, q.dtype)
+    dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, int(seed.item()), be,
+                                   dlse=dlse, use_rewrite=rewrite)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, handle, scale, dropout_p, seed, backend):
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, handle, scale, dropout_p, seed, backend = inputs
+    q, k, v, handle, scale, dropout_p, seed, backend, rewrite = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed)
-    ctx.mark_non_differentiable(lse)
-    ctx.handle, ctx.scale, ctx.dropout_p, ctx.backend = handle, scale, dropout_p, backend
+    ctx.args = (handle, scale, dropout_p)
+    ctx.backend, ctx.rewrite = backend, rewrite
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
     q, k, v, out, lse, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.blocksparse_fa.attention_bwd(q, k, v, out, lse, dout, ctx.handle, ctx.scale,
-                                                        ctx.dropout_p, seed, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.blocksparse_fa.attention_bwd(q, k, v, out, lse, dout, dlse, *ctx.args, seed,
+                                                        ctx.backend, ctx.rewrite)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -408,43 +362,67 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------
 # the public entry point
 # ------------------------------------------------------------------------------------------------
+def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor:
+    if dropout_p == 0.0:
+        return torch.zeros((), dtype=torch.int64)
+    if dropout_seed is None:
+        return torch.randint(0, 2**62, (), dtype=torch.int64)
+    if isinstance(dropout_seed, torch.Tensor):
+        return dropout_seed.to(device="cpu", dtype=torch.int64).reshape(())
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**62:
+        raise ValueError(f"dropout_seed must be an int in [0, 2**62), got {dropout_seed!r}")
+    return torch.tensor(dropout_seed, dtype=torch.int64)
+
+
 def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
-                 return_lse: bool = False, backend: str = "auto", block_size=None):
+                 return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True):
     """:func:`blocksparse_fa.attention` through the custom op (``torch.compile``-safe).
+
+    Eager calls take the same path as :func:`blocksparse_fa.attention` without the custom-op
+    dispatch; under ``torch.compile`` the op is one opaque node of the graph (forward and backward).
 
     Args:
         q: ``(B, H, Lq, D)``; k, v: ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0``.
-        mask: a :class:`Mask`, DSL text / pattern name, a :class:`BlockLayout`, ``None`` (dense) or
-            an int handle from :func:`register_mask`.
+        mask: a :class:`Mask` (built inside or outside the compiled function), DSL text / pattern
+            name, a :class:`BlockLayout`, ``None`` (dense) or an int handle from
+            :func:`register_mask`. Masks that hold tensors (documents, block or dense masks) must
+            be made outside the compiled function (or registered).
         scale: softmax scale (default ``1/sqrt(D)``).
         dropout_p: attention dropout probability in ``[0, 1)``.
         dropout_seed: int seed of the counter-based dropout RNG (default: drawn from torch's RNG, as
             a tensor op so that it stays inside a compiled graph).
-        return_lse: also return the logsumexp ``(B, H, Lq)`` (float32, non-differentiable).
+        return_lse: also return the logsumexp ``(B, H, Lq)`` (float32; differentiable).
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
         block_size: layout block size (default 128).
+        rewrite: allow the compiler's exact rewrites.
 
     Returns:
         ``out`` ``(B, H, Lq, D)`` in q's dtype (and ``lse`` if asked).
     """
+    if not torch.compiler.is_compiling():
+        return _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
+                      rewrite)
     s = check_qkv(q, k, v)
     check_scalars(scale, dropout_p)
-    if isinstance(mask, int) and not isinstance(mask, bool):
-        handle = mask
-    else:
-        handle = _handle_for(mask, block_size)
+    handle = handle_of(mask, block_size)
     scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
     dropout_p = float(dropout_p)
-    if dropout_p > 0.0:
-        if dropout_seed is None:
-            seed = torch.randint(0, 2**62, (), dtype=torch.int64)
-        elif isinstance(dropout_seed, torch.Tensor):
-            seed = dropout_seed.to(device="cpu", dtype=torch.int64).reshape(())
-        elif isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**63:
-            raise ValueError(f"dropout_seed must be an int in [0, 2**63), got {dropout_seed!r}")
-        else:
-            seed = torch.tensor(dropout_seed, dtype=torch.int64)
-    else:
-        seed = torch.zeros((), dtype=torch.int64)
-    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, seed, backend)
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
+                             bool(rewrite))
+    return (out, lse.float()) if return_lse else out
+
+
+def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite):
+    """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch."""
+    from .api import draw_seed
+
+    s = check_qkv(q, k, v)
+    check_scalars(scale, dropout_p)
+    be = resolve_backend(backend, q.device, q.dtype)
+    layout = registry.layout(handle, s.Lq, s.Lk, q.device)
+    check_layout(layout, s)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    seed = draw_seed(dropout_p, int(dropout_seed) if isinstance(dropout_seed, torch.Tensor) else dropout_seed)
+    out, lse = dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, bool(rewrite))
     return (out, lse.float()) if return_lse else out

@@ -16,7 +16,7 @@ from ..mask.expr import EvalContext
 from .dropout import keep_from_counters
 from .validate import Shapes
 
-__all__ = ["torch_attention"]
+__all__ = ["torch_forward", "torch_backward"]
 
 
 def _expand_cols(blocks: np.ndarray, bn: int, limit: int) -> np.ndarray:
@@ -95,6 +95,7 @@ def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed):
         if st.drop is not None:
             p = p * st.drop
         o = torch.matmul(p, st.vs) / torch.where(l == 0, torch.ones_like(l), l)
+        o = torch.where(l == 0, torch.zeros_like(o), o)  # empty rows: 0 whatever V holds (0 * NaN)
         out[st.bsel, st.hsel, st.rows] = o
         lse[st.bsel, st.hsel, st.rows] = (m + torch.log(l)).squeeze(-1)
     return out, lse
@@ -118,43 +119,32 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
             pd = p * st.drop
             dp = dp * st.drop
         ds = p * (dp - delta[st.bsel, st.hsel, st.rows].unsqueeze(-1))
+        ds = torch.where(torch.isinf(lse_safe[st.bsel, st.hsel, st.rows]).unsqueeze(-1), torch.zeros_like(ds), ds)
         dq[st.bsel, st.hsel, st.rows] += torch.matmul(ds, st.ks) * scale
         dk[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(ds.transpose(-1, -2), st.qs) * scale)
         dv[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(pd.transpose(-1, -2), do))
     return dq, dk, dv
 
 
-class _TorchBlockSparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout, shapes, scale, dropout_p, seed):
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        G = shapes.G
-        qc = q.to(cdt)
-        kc = k.to(cdt).repeat_interleave(G, dim=1) if G > 1 else k.to(cdt)
-        vc = v.to(cdt).repeat_interleave(G, dim=1) if G > 1 else v.to(cdt)
-        out, lse = _forward(qc, kc, vc, layout, shapes, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, shapes, scale, dropout_p, seed)
-        return out.to(q.dtype), (lse if q.dtype == torch.float64 else lse.float())
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        layout, shapes, scale, dropout_p, seed = ctx.args
-        cdt = out.dtype
-        G = shapes.G
-        qc = q.to(cdt)
-        kc = k.to(cdt).repeat_interleave(G, dim=1) if G > 1 else k.to(cdt)
-        vc = v.to(cdt).repeat_interleave(G, dim=1) if G > 1 else v.to(cdt)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(qc, kc, vc, out, lse.to(cdt), dout.to(cdt), layout, shapes, scale, dropout_p, seed, dlse)
-        if G > 1:
-            dk = dk.view(shapes.B, shapes.Hkv, G, shapes.Lk, shapes.D).sum(2)
-            dv = dv.view(shapes.B, shapes.Hkv, G, shapes.Lk, shapes.D).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+def _compute(q, k, v, s: Shapes):
+    """q, k, v in the compute dtype (float32, float64 for float64), k/v expanded over GQA groups."""
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    exp = (lambda t: t.to(cdt).repeat_interleave(s.G, dim=1)) if s.G > 1 else (lambda t: t.to(cdt))
+    return q.to(cdt), exp(k), exp(v)
 
 
-def torch_attention(q, k, v, layout: BlockLayout, shapes: Shapes, scale: float, dropout_p: float, seed: int):
-    """Block-sparse attention in PyTorch; returns ``(out, lse)`` (lse float32, float64 for float64 inputs)."""
-    return _TorchBlockSparseAttention.apply(q, k, v, layout, shapes, scale, dropout_p, seed)
+def torch_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
+    """``(out, lse)``: out in the compute dtype, lse float32 (float64 for float64 inputs)."""
+    return _forward(*_compute(q, k, v, s), layout, s, scale, dropout_p, seed)
+
+
+def torch_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float,
+                   seed: int, dlse=None):
+    """``(dq, dk, dv)`` (k/v gradients summed over GQA groups), in the compute dtype."""
+    qc, kc, vc = _compute(q, k, v, s)
+    cdt = qc.dtype
+    dq, dk, dv = _backward(qc, kc, vc, out.to(cdt), lse.to(cdt), dout.to(cdt), layout, s, scale, dropout_p, seed, dlse)
+    if s.G > 1:
+        dk = dk.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
+        dv = dv.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
+    return dq, dk, dv

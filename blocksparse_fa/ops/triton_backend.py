@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -10,6 +11,7 @@ from triton.runtime.errors import OutOfResources
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.merge import _merge_residue
+from ..kernels import config as _config
 from ..kernels.config import (TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows,
                              short_partial_rows, PARTIAL_HEAVY)
 from ..kernels.predicate import Payload, build_payload
@@ -17,70 +19,52 @@ from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_ena
 from .dropout import dropout_threshold, seed_words
 from .validate import Shapes
 
-__all__ = ["triton_forward", "triton_backward", "triton_attention", "set_fused_backward", "set_lut_policy",
+__all__ = ["triton_forward", "triton_backward", "set_fused_backward", "set_lut_policy",
            "set_forward_options", "merge_residue", "backward_delta"]
 
 _LOG2E = 1.4426950408889634
 
 
 def _device_state(layout: BlockLayout, device: torch.device):
-    """Kernel LUTs and predicate payload for ``device``, cached on the layout."""
-    cache = layout.__dict__.setdefault("_triton_state", {})
-    key = device
-    st = cache.get(key)
+    """``(rows, cols, payload, modes)``: kernel tables and predicate payload on ``device`` and the
+    LUT modes of the kernel loops, built once and kept in the layout's cache."""
+    key = ("triton", device, _LUT_POLICY["row_arith"], _LUT_POLICY["col_arith"], _LUT_POLICY["fwd_other"])
+    st = layout.cache.get(key)
     if st is None:
-        rows, cols = layout.kernel_luts()
+        rows, cols = layout.kernel_tables(row_runs=_LUT_POLICY["row_arith"], col_runs=_LUT_POLICY["col_arith"])
 
-        def prep(t):
-            t = t.to(device)
+        def prep(a):
+            t = torch.from_numpy(a).to(device)
             return t if t.numel() else torch.zeros(1, dtype=torch.int32, device=device)
 
-        contig = (_contiguous_lists(rows.full_ptr, rows.full_idx), _contiguous_lists(cols.full_ptr, cols.full_idx))
-        rows = tuple(prep(t) for t in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx))
-        cols = tuple(prep(t) for t in (cols.full_ptr, cols.full_idx, cols.part_ptr, cols.part_idx))
-        st = (rows, cols, build_payload(layout, device), contig)
-        cache[key] = st
+        other = _LUT_POLICY["fwd_other"]
+        modes = dict(FULL_LUT="arith" if rows.runs else other, PART_LUT=other,
+                     ROW_LUT="arith" if rows.runs else "load", COL_LUT="arith" if cols.runs else "load")
+        st = (tuple(prep(a) for a in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx)),
+              tuple(prep(a) for a in (cols.full_ptr, cols.full_idx, cols.part_ptr, cols.part_idx)),
+              build_payload(layout, device), modes)
+        layout.cache[key] = st
     return st
-
-
-def _contiguous_lists(ptr: torch.Tensor, idx: torch.Tensor) -> bool:
-    """Whether every CSR list ``idx[ptr[r]:ptr[r+1]]`` holds consecutive block indices (dense,
-    causal, sliding windows, documents: the unmasked blocks of a row or column form one run)."""
-    ptr, idx = ptr.cpu().long(), idx.cpu().long()
-    if idx.numel() < 2:
-        return True
-    step_ok = (idx[1:] - idx[:-1]) == 1
-    starts = torch.zeros(idx.numel(), dtype=torch.bool)
-    inner = ptr[(ptr > 0) & (ptr < idx.numel())]
-    starts[inner] = True  # entry j starts a new list: no step from j - 1 to j is required
-    return bool((step_ok | starts[1:]).all())
 
 
 # How each kernel loop finds the block index of a LUT entry (``kernels/common.lut_first``).
 # Chosen from an A/B on the H100 (benchmarks/ab_variants.py, NOTES.md v7): index arithmetic on
-# contiguous unmasked lists speeds up the forward (sliding 0.456 -> 0.429 ms, causal 2.54 -> 2.44)
-# and dQ; prefetching the other lists one entry ahead speeds up BigBird's forward (0.629 -> 0.594).
-# dK/dV keeps the LUT load: the extra live registers of the other modes add spills there.
-_LUT_POLICY = {"fwd_arith": True, "fwd_other": "prefetch", "dq_arith": True, "dkdv_arith": False}
+# lists that are runs of consecutive blocks speeds up the forward (sliding 0.456 -> 0.429 ms, causal
+# 2.54 -> 2.44) and dQ; prefetching the other lists one entry ahead speeds up BigBird's forward
+# (0.629 -> 0.594). dK/dV reads listed indices unless the listed column tables would be large
+# (``COL_LIST_LIMIT``): the extra live registers of index arithmetic add spills there.
+_LUT_POLICY = {"row_arith": True, "col_arith": None, "fwd_other": "prefetch"}
 
 
 def set_lut_policy(**kw) -> None:
-    """Change how the kernels read LUT indices (benchmarks compare the modes): ``fwd_arith``,
-    ``dq_arith``, ``dkdv_arith`` (bool: index arithmetic on contiguous unmasked lists) and
-    ``fwd_other`` (``"load"`` or ``"prefetch"``: the forward's other lists)."""
+    """Change how the kernels read LUT indices (benchmarks compare the modes): ``row_arith`` (bool:
+    rows whose unmasked blocks are one run are stored as runs, forward and dQ compute indices),
+    ``col_arith`` (True, False, or None: only when listing would be large; the same for dK/dV's
+    columns) and ``fwd_other`` (``"load"`` or ``"prefetch"``: the forward's listed indices)."""
     for k, v in kw.items():
         if k not in _LUT_POLICY:
             raise ValueError(f"unknown LUT policy {k!r}; expected one of {sorted(_LUT_POLICY)}")
         _LUT_POLICY[k] = v
-
-
-def _lut_modes(contig: tuple[bool, bool]) -> dict:
-    """Constexpr LUT modes of the forward (``FULL_LUT``/``PART_LUT``) and backward (``ROW_LUT``
-    for dQ, ``COL_LUT`` for dK/dV) for a layout whose (row, column) unmasked lists are contiguous."""
-    other = _LUT_POLICY["fwd_other"]
-    return dict(FULL_LUT="arith" if contig[0] and _LUT_POLICY["fwd_arith"] else other, PART_LUT=other,
-                ROW_LUT="arith" if contig[0] and _LUT_POLICY["dq_arith"] else "load",
-                COL_LUT="arith" if contig[1] and _LUT_POLICY["dkdv_arith"] else "load")
 
 
 # Forward loop options on Hopper (benchmarks/ab_variants.py compares them): K/V tiles through
@@ -120,13 +104,13 @@ def _ensure_tma_allocator(device: torch.device) -> None:
 def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool]:
     """``(band, short_partial, partial_heavy)`` of a layout's shape (``kernels/config.py``), cached
     on the layout: the launchers ask on every call."""
-    cls = layout.__dict__.get("_tile_class")
+    cls = layout.cache.get("tile_class")
     if cls is None:
         mean_row = layout.n_nonempty / max(1, layout._segs.n_rows)
         pf = layout.partial_fraction
         cls = (short_rows(mean_row, pf), short_partial_rows(mean_row, pf),
                layout.n_nonempty > 0 and pf >= PARTIAL_HEAVY)
-        layout.__dict__["_tile_class"] = cls
+        layout.cache["tile_class"] = cls
     return cls
 
 
@@ -201,40 +185,22 @@ def _shrink(cfg: TileConfig) -> TileConfig | None:
     return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 2)
 
 
-def _with_fallback(kernel: str, cfg: TileConfig, key: tuple, launch) -> None:
-    """Launch with ``cfg``; if the compiled kernel needs more shared memory than the GPU has, retry
-    with smaller configs and remember the one that fits (per kernel, requested config, head dim, dtype,
-    layout block and whether the predicate gathers words)."""
-    fkey = (kernel, cfg, *key)
-    cfg = _FALLBACK.get(fkey, cfg)
-    while True:
-        try:
-            launch(cfg)
-            return
-        except OutOfResources:
-            smaller = _shrink(cfg)
-            if smaller is None:
-                raise
-            cfg = smaller
-            _FALLBACK[fkey] = cfg
-
-
 def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
     """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size."""
     if not worklists_enabled(layout):
         return None
     force = _SPLIT_OVERRIDE.get("chunk")
     key = (side, tile, n_heads, device, force)
-    cache = layout.__dict__.setdefault("_worklists", {})
-    wl = cache.get(key)
+    key = ("worklist", *key)
+    wl = layout.cache.get(key)
     if wl is None:
-        rows, cols = layout.kernel_luts()
+        rows, cols = layout.kernel_tables(row_runs=_LUT_POLICY["row_arith"], col_runs=_LUT_POLICY["col_arith"])
         lut = rows if side == "row" else cols
         lb = layout.block_size[0] if side == "row" else layout.block_size[1]
         length = layout.q_len if side == "row" else layout.kv_len
-        wl = build_worklist(lut.full_ptr.cpu().numpy(), lut.part_ptr.cpu().numpy(), lb // tile, -(-length // tile),
+        wl = build_worklist(lut.full_ptr, lut.part_ptr, lb // tile, -(-length // tile),
                             n_heads, hw_slots(device), device=device, force_chunk=force)
-        cache[key] = wl
+        layout.cache[key] = wl
     return wl
 
 
@@ -251,69 +217,102 @@ def _placeholder(dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-def _partials(n_rows: int, width: int | None, device) -> torch.Tensor:
-    """float32 buffer of split-tile partial results (``n_rows`` rows of ``width``), or the placeholder."""
-    if n_rows == 0:
-        return _placeholder(torch.float32, device)
-    return torch.empty((n_rows, width) if width else (n_rows,), dtype=torch.float32, device=device)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def _grid_and_work(wl: WorkList | None, n_tiles: int, n_bh: int, device):
-    if wl is None:
-        return (n_tiles, n_bh), _placeholder(torch.int32, device), False
-    return (wl.n_items, n_bh), wl.work, True
+@dataclass
+class _Plan:
+    """Everything a launch needs that does not change between calls on the same layout, device,
+    dtype and head counts: tiles, grid, work lists, LUT/payload buffers and the constexprs. Built
+    once (``layout.cache``); a call then only allocates its outputs and passes strides."""
+
+    cfg: tuple  # (TileConfig,) forward; (dK/dV, dQ) backward
+    grid: tuple
+    args: tuple  # device buffers and int scalars, in the kernel's order after the strides
+    consts: dict
+    part_shapes: tuple  # float32 shapes of split-tile partial buffers (empty: none)
+    combine: tuple  # (work list, n_heads, block) per combine launch
+
+
+def _plan_key(kind: str, layout, s: Shapes, dtype, device, has_dropout: bool, extra=()):
+    return (kind, device, dtype, s.B, s.H, s.Hkv, s.D, has_dropout, _SPLIT_OVERRIDE.get("chunk"),
+            tuple(_LUT_POLICY.values()), tuple(_FWD_OPTS.values()), tuple(_FUSED_BWD.values()),
+            tuple(sorted(_config._OVERRIDES.items())), *extra)
+
+
+def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> _Plan:
+    key = _plan_key("fwd", layout, s, dtype, device, has_dropout)
+    plan = layout.cache.get(key) if cfg is None else None
+    if plan is not None:
+        return plan
+    lbm, lbn = layout.block_size
+    check_layout_block(lbm, lbn)
+    rows, _, pay, modes = _device_state(layout, device)
+    d_pad = head_dim_pad(s.D)
+    wanted = fwd_config(d_pad, dtype, lbm, lbn, _is_band(layout), _is_short_partial(layout))
+    fkey = ("fwd", wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the config that fits, per requested one
+    if cfg is None:
+        cfg = _FALLBACK.get(fkey, wanted)
+    else:
+        _FALLBACK[fkey] = cfg
+    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, device)
+    nslot = wl.n_slots if wl is not None else 0
+    grid = (wl.n_items if wl is not None else _cdiv(s.Lq, cfg.block_m), s.B * s.H)
+    work = wl.work if wl is not None else _placeholder(torch.int32, device)
+    lzb, lzh = _layout_strides(layout)
+    n_part = s.B * s.H * nslot * cfg.block_m
+    consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=has_dropout, USE_WORK=wl is not None, HEAD_DIM=s.D,
+                  HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
+                  DOT_PRECISION=_dot_precision(dtype, device), STAGES=cfg.num_stages,
+                  MASKED_STAGES=_FWD_OPTS["masked_stages"] or _masked_stages(pay, cfg), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, FULL_LUT=modes["FULL_LUT"], PART_LUT=modes["PART_LUT"],
+                  KV_DESC=False, WARP_SPEC=False)
+    args = (*rows, pay.params, pay.aux, work)
+    ints = (nslot, s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), s.Lq, s.Lk, layout.q_offset)
+    plan = _Plan((cfg,), grid, (args, ints), consts, ((n_part, d_pad), (n_part,)) if nslot else (),
+                 ((wl, s.B * s.H, cfg.block_m),) if nslot else ())
+    layout.cache[key] = plan
+    return plan
 
 
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
     """Forward kernel; returns ``out (B, H, Lq, D)`` and ``lse (B, H, Lq)`` float32."""
-    lbm, lbn = layout.block_size
-    check_layout_block(lbm, lbn)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    rows, _, pay, contig = _device_state(layout, q.device)
-    d_pad = head_dim_pad(s.D)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    dev = q.device
+    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
-    lzb, lzh = _layout_strides(layout)
+    lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
+    while True:
+        try:
+            _fwd_launch(q, k, v, out, lse, plan, scale, dropout_p, seed)
+            return out, lse
+        except OutOfResources:
+            smaller = _shrink(plan.cfg[0])
+            if smaller is None:
+                raise
+            plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, cfg=smaller)
 
-    def launch(cfg):
-        _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig)
 
-    _with_fallback("fwd", fwd_config(d_pad, q.dtype, lbm, lbn, _is_band(layout), _is_short_partial(layout)),
-                   (d_pad, q.dtype, lbm, lbn, pay.gathers), launch)
-    return out, lse
-
-
-def _fwd_launch(q, k, v, out, lse, layout, s, scale, dropout_p, seed, rows, pay, d_pad, lzb, lzh, cfg, contig):
-    lbm, lbn = layout.block_size
-    n_tiles = triton.cdiv(s.Lq, cfg.block_m)
-    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, q.device)
-    grid, work, use_work = _grid_and_work(wl, n_tiles, s.B * s.H, q.device)
-    nslot = wl.n_slots if wl is not None else 0
-    modes = _lut_modes(contig)
-    opart = _partials(s.B * s.H * nslot * cfg.block_m, d_pad, q.device)
-    lpart = _partials(s.B * s.H * nslot * cfg.block_m, None, q.device)
-    kv_desc = _FWD_OPTS["kv_desc"] and _tma_ok(k, v)
-    if kv_desc:
+def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed):
+    (bufs, ints), consts = plan.args, plan.consts
+    parts = [torch.empty(sh, dtype=torch.float32, device=q.device) for sh in plan.part_shapes]
+    if not parts:
+        parts = [_placeholder(torch.float32, q.device)] * 2
+    if _FWD_OPTS["kv_desc"] and _tma_ok(k, v):
         _ensure_tma_allocator(q.device)
-    masked_stages = _FWD_OPTS["masked_stages"] or _masked_stages(pay, cfg)
-    _attn_fwd[grid](
+        consts = dict(consts, KV_DESC=True, WARP_SPEC=_FWD_OPTS["warp_specialize"])
+    _attn_fwd[plan.grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        *rows, pay.params, pay.aux, work, opart, lpart, nslot,
-        s.H, s.G, lzb, lzh, -(-s.Lq // lbm), s.Lq, s.Lk, layout.q_offset, scale * _LOG2E,
-        *_dropout_args(dropout_p, seed),
-        PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, USE_WORK=use_work, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
-        DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
-        MASKED_STAGES=masked_stages, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, FULL_LUT=modes["FULL_LUT"], PART_LUT=modes["PART_LUT"],
-        KV_DESC=kv_desc, WARP_SPEC=kv_desc and _FWD_OPTS["warp_specialize"],
+        *bufs, *parts, *ints, scale * _LOG2E, *_dropout_args(dropout_p, seed), **consts,
     )
-    if nslot:
-        _attn_fwd_combine[(wl.n_combine, s.B * s.H)](
-            out, lse, opart, lpart, wl.combine, nslot, out.stride(0), out.stride(1), out.stride(2), s.H, s.Lq,
-            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, num_warps=4,
+    for wl, nbh, block in plan.combine:
+        nslot, H, Lq = ints[0], ints[1], ints[6]
+        _attn_fwd_combine[(wl.n_combine, nbh)](
+            out, lse, parts[0], parts[1], wl.combine, nslot, out.stride(0), out.stride(1), out.stride(2), H, Lq,
+            HEAD_DIM=consts["HEAD_DIM"], HEAD_DIM_PAD=consts["HEAD_DIM_PAD"], BLOCK_M=block, num_warps=4,
         )
 
 
@@ -323,13 +322,67 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
     delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=out.device)
     pre_m = 64
-    _attn_bwd_preprocess[(triton.cdiv(s.Lq, pre_m), s.B * s.H)](
+    _attn_bwd_preprocess[(_cdiv(s.Lq, pre_m), s.B * s.H)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         s.H, s.Lq, HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=pre_m,
     )
     if dlse is not None:
         delta.sub_(torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float()))
     return delta
+
+
+def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: bool, run=(True, True),
+              cfgs=None) -> _Plan:
+    key = _plan_key("bwd", layout, s, dtype, device, has_dropout, (accumulate, run))
+    plan = layout.cache.get(key) if cfgs is None else None
+    if plan is not None:
+        return plan
+    lbm, lbn = layout.block_size
+    check_layout_block(lbm, lbn)
+    rows, cols, pay, modes = _device_state(layout, device)
+    d_pad = head_dim_pad(s.D)
+    wanted = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout))
+    fkey = ("bwd", run, wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the configs that fit, per requested pair
+    if cfgs is None:
+        cfgs = _FALLBACK.get(fkey, wanted)
+    else:
+        _FALLBACK[fkey] = cfgs
+    cfg_kv, cfg_q = cfgs
+    run_kv, run_q = run
+    wl_kv = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, device)
+    wl_q = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, device)
+    ph = _placeholder(torch.int32, device)
+    n_kv_items = wl_kv.n_items if wl_kv is not None else _cdiv(s.Lk, cfg_kv.block_n)
+    n_q_items = wl_q.n_items if wl_q is not None else _cdiv(s.Lq, cfg_q.block_m)
+    n_kv_progs = n_kv_items * s.B * s.Hkv if run_kv else 0
+    n_progs = n_kv_progs + (n_q_items * s.B * s.H if run_q else 0)
+    kv_nslot = wl_kv.n_slots if wl_kv is not None and run_kv else 0
+    q_nslot = wl_q.n_slots if wl_q is not None and run_q else 0
+    head_major = _FUSED_BWD["head_major"]
+    if head_major is None:
+        head_major = not (kv_nslot or q_nslot)
+    lzb, lzh = _layout_strides(layout)
+    consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=has_dropout, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
+                  LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(dtype, device),
+                  ROW_LUT=modes["ROW_LUT"], COL_LUT=modes["COL_LUT"], ACCUMULATE=accumulate,
+                  USE_WORK=wl_kv is not None, KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
+                  Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
+                  KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
+                  Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
+                  num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
+                  num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1))
+    bufs = (*rows, *cols, pay.params, pay.aux, wl_kv.work if wl_kv is not None else ph,
+            wl_q.work if wl_q is not None else ph)
+    ints = (kv_nslot, q_nslot, n_kv_items, n_kv_progs, n_q_items, int(head_major),
+            s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), _cdiv(s.Lk, lbn), s.Lq, s.Lk, layout.q_offset)
+    n_kv, n_q = s.B * s.Hkv * kv_nslot * cfg_kv.block_n, s.B * s.H * q_nslot * cfg_q.block_m
+    part_shapes = ((n_kv, d_pad) if kv_nslot else None, (n_kv, d_pad) if kv_nslot else None,
+                   (n_q, d_pad) if q_nslot else None)
+    combine = (((wl_kv, s.B * s.Hkv, cfg_kv.block_n) if kv_nslot else None),
+               ((wl_q, s.B * s.H, cfg_q.block_m) if q_nslot else None))
+    plan = _Plan((cfg_kv, cfg_q), (n_progs,), (bufs, ints), consts, part_shapes, combine)
+    layout.cache[key] = plan
+    return plan
 
 
 def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
@@ -340,11 +393,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     ``delta``: precomputed :func:`backward_delta` (then ``out`` and ``dlse`` are not read).
     ``accumulate``: ``(dq, dk, dv)`` tensors (any strides) to add this layout's gradients to; they
     are returned."""
-    lbm, lbn = layout.block_size
-    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
-    rows, cols, pay, contig = _device_state(layout, q.device)
-    d_pad = head_dim_pad(s.D)
-    cfg_kv, cfg_q = bwd_configs(d_pad, q.dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout))
+    q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
     dev = q.device
     if delta is None:
         delta = backward_delta(out, dout, lse, s, dlse)
@@ -358,30 +407,31 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             if g.shape != t.shape or g.dtype != t.dtype or g.stride(-1) != 1:
                 raise ValueError(f"accumulate: {name} must have shape {tuple(t.shape)}, dtype {t.dtype} and a "
                                  f"contiguous last dim, got {tuple(g.shape)}, {g.dtype}, strides {g.stride()}")
-    lzb, lzh = _layout_strides(layout)
-    drop = _dropout_args(dropout_p, seed)
-    modes = _lut_modes(contig)
-    common = dict(PREDICATE=pay.fn, HAS_DROPOUT=dropout_p > 0.0, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad,
-                  LAYOUT_BM=lbm, LAYOUT_BN=lbn, DOT_PRECISION=_dot_precision(q.dtype, dev),
-                  ROW_LUT=modes["ROW_LUT"], COL_LUT=modes["COL_LUT"], ACCUMULATE=accumulate is not None)
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-
-    def launch(cfg_kv, cfg_q, run_kv, run_q):
-        _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
-                    drop, common, qkv_strides, cfg_kv, cfg_q, run_kv, run_q)
-
-    key = (d_pad, q.dtype, lbm, lbn, pay.gathers)
-    fkey = ("bwd_fused", cfg_kv, cfg_q, *key)
-    if _FUSED_BWD["on"] and cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(fkey, True):
-        try:
-            launch(cfg_kv, cfg_q, True, True)
-            return dq, dk, dv
-        except OutOfResources:
-            _FALLBACK[fkey] = False  # the two programs do not fit one kernel: launch them separately
-    _with_fallback("dkdv", cfg_kv, key, lambda c: launch(c, cfg_q, True, False))
-    _with_fallback("dq", cfg_q, key, lambda c: launch(cfg_kv, c, False, True))
-    return dq, dk, dv
+    grads = (dq, dk, dv)
+    has_drop, acc = dropout_p > 0.0, accumulate is not None
+    if _FUSED_BWD["on"]:
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc)
+        cfg_kv, cfg_q = plan.cfg
+        if cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(("bwd_fused_fits", *plan.cfg), True):
+            try:
+                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed)
+                return grads
+            except OutOfResources:
+                _FALLBACK[("bwd_fused_fits", *plan.cfg)] = False  # the two programs do not fit one kernel
+    for run in ((True, False), (False, True)):
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run)
+        while True:
+            try:
+                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed)
+                break
+            except OutOfResources:
+                i = 0 if run[0] else 1
+                smaller = _shrink(plan.cfg[i])
+                if smaller is None:
+                    raise
+                cfgs = (smaller, plan.cfg[1]) if i == 0 else (plan.cfg[0], smaller)
+                plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, cfgs=cfgs)
+    return grads
 
 
 _FUSED_BWD = {"on": True, "head_major": None}
@@ -398,51 +448,41 @@ def set_fused_backward(on: bool, head_major: bool | None = None) -> None:
     _FUSED_BWD["head_major"] = head_major
 
 
-def _bwd_launch(q, k, v, dout, dq, dk, dv, lse, delta, layout, s, scale, rows, cols, pay, d_pad, lzb, lzh,
-                drop, common, qkv_strides, cfg_kv, cfg_q, run_kv=True, run_q=True):
-    """``_attn_bwd``: the dK/dV programs (``run_kv``), then the dQ programs (``run_q``), on one 1-D
-    grid; then the sums of split tiles. Launch warps: the dK/dV config's, or dQ's when it runs alone."""
-    dev = q.device
-    lbm, lbn = layout.block_size
-    wl_kv = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, dev)
-    wl_q = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, dev)
-    _, kv_work, use_work = _grid_and_work(wl_kv, 0, 0, dev)
-    _, q_work, _ = _grid_and_work(wl_q, 0, 0, dev)
-    n_kv_items = wl_kv.n_items if wl_kv is not None else triton.cdiv(s.Lk, cfg_kv.block_n)
-    n_q_items = wl_q.n_items if wl_q is not None else triton.cdiv(s.Lq, cfg_q.block_m)
-    n_kv_progs = n_kv_items * s.B * s.Hkv if run_kv else 0
-    n_progs = n_kv_progs + (n_q_items * s.B * s.H if run_q else 0)
-    kv_nslot = wl_kv.n_slots if wl_kv is not None and run_kv else 0
-    q_nslot = wl_q.n_slots if wl_q is not None and run_q else 0
-    head_major = _FUSED_BWD["head_major"]
-    if head_major is None:
-        head_major = not (kv_nslot or q_nslot)
-    dkpart = _partials(s.B * s.Hkv * kv_nslot * cfg_kv.block_n, d_pad, dev)
-    dvpart = _partials(s.B * s.Hkv * kv_nslot * cfg_kv.block_n, d_pad, dev)
-    dqpart = _partials(s.B * s.H * q_nslot * cfg_q.block_m, d_pad, dev)
-    _attn_bwd[(n_progs,)](
-        q, k, v, dout, dq, dk, dv, lse, delta, *qkv_strides,
+def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p, seed):
+    """``_attn_bwd``: the dK/dV programs, then the dQ programs, on one 1-D grid (or only one of the
+    two, ``RUN_KV``/``RUN_Q``); then the sums of split tiles."""
+    dq, dk, dv = grads
+    (bufs, ints), consts = plan.args, plan.consts
+    ph = None
+    parts = []
+    for sh in plan.part_shapes:
+        if sh is None:
+            ph = ph or _placeholder(torch.float32, q.device)
+            parts.append(ph)
+        else:
+            parts.append(torch.empty(sh, dtype=torch.float32, device=q.device))
+    _attn_bwd[plan.grid](
+        q, k, v, dout, dq, dk, dv, lse, delta,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        *rows, *cols, pay.params, pay.aux, kv_work, q_work, dkpart, dvpart, dqpart, kv_nslot, q_nslot,
-        n_kv_items, n_kv_progs, n_q_items, int(head_major),
-        s.H, s.G, lzb, lzh, -(-s.Lq // lbm), -(-s.Lk // lbn), s.Lq, s.Lk, layout.q_offset, scale * _LOG2E, scale, *drop,
-        USE_WORK=use_work, KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
-        Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
-        KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
-        Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
-        num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
-        num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1), **common,
+        *bufs, *parts, *ints, scale * _LOG2E, scale, *_dropout_args(dropout_p, seed), **consts,
     )
-    if kv_nslot:
-        for t, part in ((dk, dkpart), (dv, dvpart)):
-            _sum_partials[(wl_kv.n_combine, s.B * s.Hkv)](
-                t, part, wl_kv.combine, kv_nslot, t.stride(0), t.stride(1), t.stride(2), s.Hkv, s.Lk,
-                HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_kv.block_n, ACCUMULATE=common["ACCUMULATE"], num_warps=4)
-    if q_nslot:
-        _sum_partials[(wl_q.n_combine, s.B * s.H)](
-            dq, dqpart, wl_q.combine, q_nslot, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
-            HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK=cfg_q.block_m, ACCUMULATE=common["ACCUMULATE"], num_warps=4)
+    kv_c, q_c = plan.combine
+    kv_nslot, q_nslot = ints[0], ints[1]
+    H, G, Lq, Lk = ints[6], ints[7], ints[12], ints[13]
+    common = dict(HEAD_DIM=consts["HEAD_DIM"], HEAD_DIM_PAD=consts["HEAD_DIM_PAD"], ACCUMULATE=consts["ACCUMULATE"],
+                  num_warps=4)
+    if kv_c is not None:
+        wl, nbh, block = kv_c
+        for t, part in ((dk, parts[0]), (dv, parts[1])):
+            _sum_partials[(wl.n_combine, nbh)](t, part, wl.combine, kv_nslot, t.stride(0), t.stride(1), t.stride(2),
+                                               H // G, Lk, BLOCK=block, **common)
+    if q_c is not None:
+        wl, nbh, block = q_c
+        _sum_partials[(wl.n_combine, nbh)](dq, parts[2], wl.combine, q_nslot, dq.stride(0), dq.stride(1),
+                                           dq.stride(2), H, Lq, BLOCK=block, **common)
 
 
 def merge_residue(out, lse, o2, l2, stride: int) -> None:
@@ -451,28 +491,5 @@ def merge_residue(out, lse, o2, l2, stride: int) -> None:
     B, H, N, D = out.shape
     assert out.is_contiguous() and o2.is_contiguous() and lse.is_contiguous() and l2.is_contiguous()
     block = 64
-    _merge_residue[(triton.cdiv(N, block), B * H)](out, lse, o2, l2, N, stride, N // stride, HEAD_DIM=D,
+    _merge_residue[(_cdiv(N, block), B * H)](out, lse, o2, l2, N, stride, N // stride, HEAD_DIM=D,
                                                    HEAD_DIM_PAD=head_dim_pad(D), BLOCK=block, num_warps=4)
-
-
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout, shapes, scale, dropout_p, seed):
-        ctx.set_materialize_grads(False)  # an unused LSE (or output) brings no gradient work
-        out, lse = triton_forward(q, k, v, layout, shapes, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, shapes, scale, dropout_p, seed)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = triton_backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def triton_attention(q, k, v, layout: BlockLayout, shapes: Shapes, scale: float, dropout_p: float, seed: int):
-    """Block-sparse attention through the Triton kernels; returns ``(out, lse)``."""
-    return _TritonAttention.apply(q, k, v, layout, shapes, scale, dropout_p, seed)

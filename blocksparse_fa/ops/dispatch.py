@@ -1,0 +1,187 @@
+"""One execution path for every entry point: attention forward and backward over a compiled layout.
+
+:func:`blocksparse_fa.attention` (eager, through :class:`_Attention`), the ``torch.library`` custom
+op (``ops/custom_op.py``, under ``torch.compile``), the ``nn`` modules and the transformers hook all
+end in :func:`forward` and :func:`backward`. They choose, from the compiled layout alone:
+
+* the Triton kernels or the exact PyTorch backend (``backend``, resolved by the caller);
+* the layout's exact rewrite (``BlockLayout.rewrite``: the strided pattern as a band plus residue
+  classes) when there is no dropout: on Triton through strided views of q/k/v (``ops/residue.py``),
+  otherwise through permuted copies of each part, merged exactly through the logsumexps.
+
+The backward of a rewritten mask runs each part's recompute backward with the *merged* output and
+logsumexp: for disjoint key sets ``dS = P ∘ (dP − delta)`` with ``P`` from the merged logsumexp and
+``delta = rowsum(dO ∘ O)`` of the merged output, so each part yields its share of dQ and all of
+dK/dV for its keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compiler.layout import BlockLayout
+from ..compiler.rewrite import residue_permutation
+from .validate import Shapes
+
+__all__ = ["forward", "backward", "apply", "lse_dtype"]
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The logsumexp's dtype: float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rewrite(layout: BlockLayout, dropout_p: float, use_rewrite: bool):
+    rw = layout.rewrite
+    return rw if (rw is not None and use_rewrite and dropout_p == 0.0) else None
+
+
+def _residue_ok(rw, s: Shapes, dtype: torch.dtype) -> bool:
+    from .residue import residue_applies
+
+    return rw.cls is not None and residue_applies(rw, s, dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# single layout, per backend
+# ------------------------------------------------------------------------------------------------
+def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend):
+    if backend == "triton":
+        from .triton_backend import triton_forward
+
+        out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, seed)
+        return out, lse
+    from .torch_backend import torch_forward
+
+    return torch_forward(q, k, v, layout, s, scale, dropout_p, seed)
+
+
+def _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse):
+    if backend == "triton":
+        from .triton_backend import triton_backward
+
+        return triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse=dlse)
+    from .torch_backend import torch_backward
+
+    return torch_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse)
+
+
+# ------------------------------------------------------------------------------------------------
+# rewritten masks through permuted copies (any backend)
+# ------------------------------------------------------------------------------------------------
+def _part_layouts(rw, s: Shapes, device, n: int):
+    """``[(layout, perm, inv) per part]`` of the permuted-copy path, compiled once per device."""
+    from ..compiler.compile import compile_mask
+
+    cache = rw.__dict__.setdefault("_copy_layouts", {})
+    key = (str(device), n)
+    hit = cache.get(key)
+    if hit is None:
+        hit = []
+        for part in rw.parts:
+            if part.residue_stride:
+                perm, inv = residue_permutation(n, part.residue_stride, device)
+                lay = compile_mask(part.mask, len(perm), len(perm), rw.block_size, device=device, rewrite=False)
+                hit.append((lay, perm, inv))
+            else:
+                hit.append((compile_mask(part.mask, n, n, rw.block_size, device=device, rewrite=False), None, None))
+        cache[key] = hit
+    return hit
+
+
+def _permuted(x, perm):
+    return x if perm is None else x.index_select(2, perm)
+
+
+def _parts_forward(q, k, v, rw, s: Shapes, scale, backend):
+    from .merge import merge_attention
+
+    results = []
+    for lay, perm, inv in _part_layouts(rw, s, q.device, s.Lq):
+        n = lay.q_len
+        ps = Shapes(s.B, s.H, s.Hkv, n, n, s.D)
+        o, l = _fwd_one(_permuted(q, perm), _permuted(k, perm), _permuted(v, perm), lay, ps, scale, 0.0, 0, backend)
+        if inv is not None:
+            o, l = o.index_select(2, inv), l.index_select(2, inv)
+        results.append((o, l))
+    return merge_attention(results)
+
+
+def _parts_backward(q, k, v, out, lse, dout, rw, s: Shapes, scale, backend, dlse):
+    grads = None
+    for lay, perm, inv in _part_layouts(rw, s, q.device, s.Lq):
+        n = lay.q_len
+        ps = Shapes(s.B, s.H, s.Hkv, n, n, s.D)
+        args = [_permuted(t, perm) for t in (q, k, v, out)]
+        lp = lse if perm is None else lse.index_select(2, perm)
+        dp = None if dlse is None else (dlse if perm is None else dlse.index_select(2, perm))
+        g = _bwd_one(*args, lp, _permuted(dout, perm), lay, ps, scale, 0.0, 0, backend, dp)
+        if inv is not None:
+            g = tuple(t.index_select(2, inv) for t in g)
+        grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+    return grads
+
+
+# ------------------------------------------------------------------------------------------------
+# the path
+# ------------------------------------------------------------------------------------------------
+def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
+            use_rewrite: bool = True):
+    """``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))`` of attention over ``layout``."""
+    rw = _rewrite(layout, dropout_p, use_rewrite)
+    if rw is not None:
+        if backend == "triton" and _residue_ok(rw, s, q.dtype):
+            from .residue import residue_forward
+
+            out, lse = residue_forward(q, k, v, rw, s, scale)
+        else:
+            out, lse = _parts_forward(q, k, v, rw, s, scale, backend)
+    else:
+        out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend)
+    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
+
+
+def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
+             backend: str, dlse=None, use_rewrite: bool = True):
+    """``(dq, dk, dv)`` shaped and typed like q, k, v. ``dlse``: gradient of the returned
+    logsumexp (optional)."""
+    rw = _rewrite(layout, dropout_p, use_rewrite)
+    if rw is not None:
+        if backend == "triton" and _residue_ok(rw, s, q.dtype):
+            from .residue import residue_backward
+
+            dq, dk, dv = residue_backward(q, k, v, out, lse, dout, rw, s, scale, dlse)
+        else:
+            dq, dk, dv = _parts_backward(q, k, v, out, lse, dout, rw, s, scale, backend, dlse)
+    else:
+        dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    """Eager autograd around :func:`forward`/:func:`backward` (no custom-op dispatch on this path)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite):
+        ctx.set_materialize_grads(False)  # an unused LSE (or output) brings no gradient work
+        out, lse = forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, s, scale, dropout_p, seed, backend)
+        ctx.use_rewrite = use_rewrite
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse, use_rewrite=ctx.use_rewrite)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def apply(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
+          use_rewrite: bool = True):
+    """Differentiable ``(out, lse)`` through the eager path."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite)
+    return forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite)

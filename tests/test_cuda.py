@@ -1,0 +1,106 @@
+"""CUDA-only checks of the host path: no device-to-host synchronisation in a warm forward or
+backward, CUDA-graph capture of a training step's attention, and ``torch.compile(fullgraph=True)``
+on the GPU. Skipped without a GPU (CI is CPU-only; ``benchmarks/host_path.py`` runs them on the
+H100 and records the result)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+N = 2048
+
+
+def _masks():
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([300, 700, 548, 500]))
+    return {
+        "causal": bsfa.causal(),
+        "longformer": bsfa.causal() & bsfa.load_pattern("longformer", window=128, n_global=32),
+        "bigbird": bsfa.causal() & bsfa.load_pattern("bigbird", window=128, n_global=64),
+        "documents": bsfa.causal() & bsfa.document(ids),
+        "strided": bsfa.parse("causal & (sliding_window(16) | strided(16))"),
+    }
+
+
+def _qkv(H=4, Hkv=2, D=64, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(1, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(1, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    return q, k, v
+
+
+@pytest.mark.parametrize("name", list(_masks()))
+@pytest.mark.parametrize("entry", ["attention", "layout", "module"])
+def test_warm_step_never_syncs(name, entry):
+    mask = _masks()[name]
+    q, k, v = _qkv()
+    do = torch.randn_like(q)
+    mod = bsfa.nn.BlockSparseAttention(mask)
+    lay = bsfa.compile_mask(mask, N, N, device="cuda")
+    call = {"attention": lambda: bsfa.attention(q, k, v, mask=mask), "layout": lambda: bsfa.attention(q, k, v, mask=lay),
+            "module": lambda: mod(q, k, v)}[entry]
+    torch.autograd.grad(call(), (q, k, v), do)  # first call builds tables on the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            torch.autograd.grad(call(), (q, k, v), do)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", list(_masks()))
+def test_cuda_graph_capture_matches_eager(name):
+    mask = _masks()[name]
+    q, k, v = _qkv(seed=1)
+    do = torch.randn_like(q)
+
+    def step():
+        out = bsfa.attention(q, k, v, mask=mask)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            ref = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (2, 3):  # new inputs copied into the captured buffers
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        with torch.no_grad():
+            for t in (q, k, v, do):
+                t.copy_(torch.randn(t.shape, device="cuda", generator=g, dtype=t.dtype))
+        graph.replay()
+        eager = step()
+        for a, b in zip(static, eager):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["expr_inside", "text", "layout", "module", "op"])
+def test_compile_fullgraph_on_gpu(kind):
+    torch._dynamo.reset()
+    mask = bsfa.causal() & bsfa.window(100)
+    lay = bsfa.compile_mask(mask, N, N, device="cuda")
+    mod = bsfa.nn.BlockSparseAttention(mask)
+    fn = {"expr_inside": lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal() & bsfa.window(100)),
+          "text": lambda q, k, v: bsfa.attention(q, k, v, mask="causal & window(100)"),
+          "layout": lambda q, k, v: bsfa.attention(q, k, v, mask=lay),
+          "module": lambda q, k, v: mod(q, k, v),
+          "op": lambda q, k, v: bsfa.attention_op(q, k, v, mask)}[kind]
+    q, k, v = _qkv(seed=4)
+    do = torch.randn_like(q)
+    out = torch.compile(fn, fullgraph=True)(q, k, v)
+    g = torch.autograd.grad(out, (q, k, v), do)
+    ref = bsfa.attention(q, k, v, mask=mask)
+    gr = torch.autograd.grad(ref, (q, k, v), do)
+    assert torch.equal(out, ref)
+    for a, b in zip(g, gr):
+        assert torch.equal(a, b)
