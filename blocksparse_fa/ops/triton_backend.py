@@ -453,14 +453,8 @@ def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p,
     two, ``RUN_KV``/``RUN_Q``); then the sums of split tiles."""
     dq, dk, dv = grads
     (bufs, ints), consts = plan.args, plan.consts
-    ph = None
-    parts = []
-    for sh in plan.part_shapes:
-        if sh is None:
-            ph = ph or _placeholder(torch.float32, q.device)
-            parts.append(ph)
-        else:
-            parts.append(torch.empty(sh, dtype=torch.float32, device=q.device))
+    parts = [_placeholder(torch.float32, q.device) if sh is None else
+             torch.empty(sh, dtype=torch.float32, device=q.device) for sh in plan.part_shapes]
     _attn_bwd[plan.grid](
         q, k, v, dout, dq, dk, dv, lse, delta,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
