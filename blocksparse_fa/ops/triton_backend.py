@@ -17,6 +17,7 @@ from ..kernels.config import (TileConfig, bwd_configs, check_layout_block, fwd_c
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
+from .launcher import Launch
 from .validate import Shapes
 
 __all__ = ["triton_forward", "triton_backward", "set_fused_backward", "set_lut_policy",
@@ -233,6 +234,8 @@ class _Plan:
     consts: dict
     part_shapes: tuple  # float32 shapes of split-tile partial buffers (empty: none)
     combine: tuple  # (work list, n_heads, block) per combine launch
+    launch: Launch = None  # the main kernel with these constexprs
+    launch_combine: tuple = ()  # the combine kernels' launchers
 
 
 def _plan_key(kind: str, layout, s: Shapes, dtype, device, has_dropout: bool, extra=()):
@@ -271,7 +274,8 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> 
     args = (*rows, pay.params, pay.aux, work)
     ints = (nslot, s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), s.Lq, s.Lk, layout.q_offset)
     plan = _Plan((cfg,), grid, (args, ints), consts, ((n_part, d_pad), (n_part,)) if nslot else (),
-                 ((wl, s.B * s.H, cfg.block_m),) if nslot else ())
+                 ((wl, s.B * s.H, cfg.block_m),) if nslot else (), Launch(_attn_fwd, consts),
+                 (Launch(_attn_fwd_combine, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, num_warps=4)),))
     layout.cache[key] = plan
     return plan
 
@@ -299,21 +303,22 @@ def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed):
     parts = [torch.empty(sh, dtype=torch.float32, device=q.device) for sh in plan.part_shapes]
     if not parts:
         parts = [_placeholder(torch.float32, q.device)] * 2
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
+    tail = (*bufs, *parts, *ints, scale * _LOG2E, *_dropout_args(dropout_p, seed))
     if _FWD_OPTS["kv_desc"] and _tma_ok(k, v):
         _ensure_tma_allocator(q.device)
         consts = dict(consts, KV_DESC=True, WARP_SPEC=_FWD_OPTS["warp_specialize"])
-    _attn_fwd[plan.grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        *bufs, *parts, *ints, scale * _LOG2E, *_dropout_args(dropout_p, seed), **consts,
-    )
-    for wl, nbh, block in plan.combine:
+        _attn_fwd[plan.grid](q, k, v, out, lse, *strides, *tail, **consts)
+    else:
+        plan.launch(plan.grid, q, k, v, out, lse, *strides, *tail)
+    for (wl, nbh, block), launch in zip(plan.combine, plan.launch_combine):
         nslot, H, Lq = ints[0], ints[1], ints[6]
-        _attn_fwd_combine[(wl.n_combine, nbh)](
-            out, lse, parts[0], parts[1], wl.combine, nslot, out.stride(0), out.stride(1), out.stride(2), H, Lq,
-            HEAD_DIM=consts["HEAD_DIM"], HEAD_DIM_PAD=consts["HEAD_DIM_PAD"], BLOCK_M=block, num_warps=4,
-        )
+        launch((wl.n_combine, nbh), out, lse, parts[0], parts[1], wl.combine, nslot, out.stride(0), out.stride(1),
+               out.stride(2), H, Lq)
+
+
+_PRE: dict = {}  # head dim -> launcher of the backward's preprocess
 
 
 def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
@@ -322,10 +327,12 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
     delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=out.device)
     pre_m = 64
-    _attn_bwd_preprocess[(_cdiv(s.Lq, pre_m), s.B * s.H)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        s.H, s.Lq, HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=pre_m,
-    )
+    launch = _PRE.get(s.D)
+    if launch is None:
+        launch = _PRE[s.D] = Launch(_attn_bwd_preprocess, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D),
+                                                               BLOCK_M=pre_m))
+    launch((_cdiv(s.Lq, pre_m), s.B * s.H), out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+           dout.stride(0), dout.stride(1), dout.stride(2), s.H, s.Lq)
     if dlse is not None:
         delta.sub_(torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float()))
     return delta
@@ -380,7 +387,10 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
                    (n_q, d_pad) if q_nslot else None)
     combine = (((wl_kv, s.B * s.Hkv, cfg_kv.block_n) if kv_nslot else None),
                ((wl_q, s.B * s.H, cfg_q.block_m) if q_nslot else None))
-    plan = _Plan((cfg_kv, cfg_q), (n_progs,), (bufs, ints), consts, part_shapes, combine)
+    sums = dict(HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, ACCUMULATE=accumulate, num_warps=4)
+    plan = _Plan((cfg_kv, cfg_q), (n_progs,), (bufs, ints), consts, part_shapes, combine, Launch(_attn_bwd, consts),
+                 (Launch(_sum_partials, dict(sums, BLOCK=cfg_kv.block_n)),
+                  Launch(_sum_partials, dict(sums, BLOCK=cfg_q.block_m))))
     layout.cache[key] = plan
     return plan
 
@@ -455,28 +465,24 @@ def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p,
     (bufs, ints), consts = plan.args, plan.consts
     parts = [_placeholder(torch.float32, q.device) if sh is None else
              torch.empty(sh, dtype=torch.float32, device=q.device) for sh in plan.part_shapes]
-    _attn_bwd[plan.grid](
-        q, k, v, dout, dq, dk, dv, lse, delta,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        *bufs, *parts, *ints, scale * _LOG2E, scale, *_dropout_args(dropout_p, seed), **consts,
-    )
+    plan.launch(plan.grid, q, k, v, dout, dq, dk, dv, lse, delta,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+                dv.stride(0), dv.stride(1), dv.stride(2),
+                *bufs, *parts, *ints, scale * _LOG2E, scale, *_dropout_args(dropout_p, seed))
     kv_c, q_c = plan.combine
     kv_nslot, q_nslot = ints[0], ints[1]
     H, G, Lq, Lk = ints[6], ints[7], ints[12], ints[13]
-    common = dict(HEAD_DIM=consts["HEAD_DIM"], HEAD_DIM_PAD=consts["HEAD_DIM_PAD"], ACCUMULATE=consts["ACCUMULATE"],
-                  num_warps=4)
     if kv_c is not None:
-        wl, nbh, block = kv_c
+        wl, nbh, _ = kv_c
         for t, part in ((dk, parts[0]), (dv, parts[1])):
-            _sum_partials[(wl.n_combine, nbh)](t, part, wl.combine, kv_nslot, t.stride(0), t.stride(1), t.stride(2),
-                                               H // G, Lk, BLOCK=block, **common)
+            plan.launch_combine[0]((wl.n_combine, nbh), t, part, wl.combine, kv_nslot, t.stride(0), t.stride(1),
+                                   t.stride(2), H // G, Lk)
     if q_c is not None:
-        wl, nbh, block = q_c
-        _sum_partials[(wl.n_combine, nbh)](dq, parts[2], wl.combine, q_nslot, dq.stride(0), dq.stride(1),
-                                           dq.stride(2), H, Lq, BLOCK=block, **common)
+        wl, nbh, _ = q_c
+        plan.launch_combine[1]((wl.n_combine, nbh), dq, parts[2], wl.combine, q_nslot, dq.stride(0), dq.stride(1),
+                               dq.stride(2), H, Lq)
 
 
 def merge_residue(out, lse, o2, l2, stride: int) -> None:
