@@ -76,11 +76,19 @@ class Launch:
             seen.append(a)
             return launcher(*a)
 
-        ck.run = record
+        cls = type(ck)
+        prop = cls.__dict__.get("run")
+        if isinstance(prop, property):  # triton 3.6: a lazily initialised property of the class
+            cls.run = property(lambda obj: record if obj is ck else prop.__get__(obj))
+        else:  # an instance attribute
+            ck.run = record
         try:
             self.fn[grid](*args, **self.consts)
         finally:
-            ck.run = launcher
+            if isinstance(prop, property):
+                cls.run = prop
+            else:
+                ck.run = launcher
         if len(seen) != 1:
             return
         a = seen[0]
