@@ -253,7 +253,7 @@ def register_mask(mask, block_size=None, *, pin: bool = False, owner=None) -> in
         pin: keep the entry until ``registry.unpin(handle)``.
         owner: pin while ``owner`` is alive (unpinned by ``weakref.finalize`` when it is collected).
     """
-    h = registry.register(mask, block_size)
+    h = handle_of(mask, block_size) if isinstance(mask, BlockLayout) else registry.register(mask, block_size)
     if pin or owner is not None:
         registry.pin(h)
     if owner is not None:
@@ -287,7 +287,20 @@ def handle_of(mask, block_size=None) -> int:
     ``torch.compile`` a constant of the graph."""
     if isinstance(mask, int) and not isinstance(mask, bool):
         return mask
-    if torch.compiler.is_compiling() and isinstance(mask, Mask) and not _has_tensors(mask):
+    if not torch.compiler.is_compiling():
+        h = registry.register(mask, block_size)
+        if isinstance(mask, BlockLayout):
+            mask.__dict__["_handle"] = h  # read under torch.compile (an int attribute is a constant there)
+        return h
+    if isinstance(mask, BlockLayout):
+        h = mask.__dict__.get("_handle")
+        if h is not None:
+            return h
+        if _has_tensors(mask.mask):
+            raise ValueError("a compiled layout of a mask that holds tensors must be used once outside "
+                             "torch.compile (or registered with register_mask) before a compiled function uses it")
+        return _handle_for_text(str(mask.mask), tuple(mask.block_size))
+    if isinstance(mask, Mask) and not _has_tensors(mask):
         return _handle_for_text(str(mask), _block_pair(block_size))
     return _handle_for(mask, block_size)
 

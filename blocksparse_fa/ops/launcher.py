@@ -34,11 +34,20 @@ def _spec(a):
     return (type(a), a)
 
 
-class _Record:
-    __slots__ = ("run", "function", "metadata", "tail")
+def _hooks_active(hook) -> bool:
+    """Whether a launch hook would run (a profiler is attached): then Triton's path is taken, since
+    the hook reads per-launch metadata. Triton 3.6 passes a ``HookChain`` (empty: inactive)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
 
-    def __init__(self, run, function, metadata, tail):
-        self.run, self.function, self.metadata, self.tail = run, function, metadata, tail
+
+class _Record:
+    __slots__ = ("run", "function", "metadata", "hooks", "tail")
+
+    def __init__(self, run, function, metadata, hooks, tail):
+        self.run, self.function, self.metadata, self.hooks, self.tail = run, function, metadata, hooks, tail
 
 
 class Launch:
@@ -57,11 +66,12 @@ class Launch:
             return self.fn[grid](*args, **self.consts)
         key = tuple(map(_spec, args))
         rec = self.records.get(key)
-        if rec is None:
-            return self._first(key, grid, args)
+        if rec is None or _hooks_active(rec.hooks[1]) or _hooks_active(rec.hooks[2]):
+            return self._first(key, grid, args) if rec is None else self.fn[grid](*args, **self.consts)
         g = tuple(grid) + (1, 1)
+        md, enter, exit_ = rec.hooks
         rec.run(g[0], g[1], g[2], torch.cuda.current_stream(args[0].device).cuda_stream, rec.function,
-                rec.metadata, None, None, None, *args, *rec.tail)
+                rec.metadata, md, enter, exit_, *args, *rec.tail)
 
     def _first(self, key, grid, args):
         """Launch through Triton and record how it called the compiled kernel's launcher."""
@@ -95,5 +105,5 @@ class Launch:
         n = len(args)
         same = len(a) >= 9 + n and all(x is y or (not isinstance(x, torch.Tensor) and x == y)
                                        for x, y in zip(a[9:9 + n], args))
-        if same and a[7] is None and a[8] is None:  # no launch hooks: the metadata is not read
-            self.records[key] = _Record(launcher, a[4], a[5], tuple(a[9 + n:]))
+        if same and not _hooks_active(a[7]) and not _hooks_active(a[8]):
+            self.records[key] = _Record(launcher, a[4], a[5], (a[6], a[7], a[8]), tuple(a[9 + n:]))
