@@ -125,7 +125,7 @@ def test_direct_launches_match_tritons_path(monkeypatch):
             runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
     lay = bsfa.compile_mask(mask, N, N, device="cuda")
     plans = [p for key, p in lay.cache.items() if isinstance(key, tuple) and key[0] in ("fwd", "bwd")]
-    assert plans and all(p.launch.records for p in plans)  # the direct path was taken
+    assert sum(bool(p.launch.records) for p in plans) >= 2  # forward and backward took the direct path
     for r in runs[1:]:
         for a, b in zip(runs[0], r):
             assert torch.equal(a, b)

@@ -43,6 +43,10 @@ def _hooks_active(hook) -> bool:
     return bool(calls) if calls is not None else True
 
 
+def _raw_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 class _Record:
     __slots__ = ("run", "function", "metadata", "hooks", "tail")
 
@@ -51,27 +55,35 @@ class _Record:
 
 
 class Launch:
-    """One kernel with fixed constexprs (a launch plan's), launched many times."""
+    """One kernel with fixed constexprs (a launch plan's), launched many times.
 
-    __slots__ = ("fn", "consts", "records", "enabled")
+    ``n_key``: how many leading arguments can change between calls in a way that selects another
+    compiled variant (the per-call tensors and their strides); the rest are fixed by the plan or not
+    specialised on (floats, ``do_not_specialize`` ints such as dropout seeds). The direct path keys
+    on those leading arguments only: tensors by 16-byte alignment, ints by value."""
 
-    def __init__(self, fn, consts: dict):
+    __slots__ = ("fn", "consts", "records", "enabled", "n_key", "device")
+
+    def __init__(self, fn, consts: dict, n_key: int, device: torch.device):
         self.fn = fn
         self.consts = consts
         self.records: dict = {}
-        self.enabled = os.environ.get("TRITON_INTERPRET", "0") != "1" and hasattr(fn, "warmup")
+        self.n_key = n_key
+        self.device = device
+        self.enabled = (os.environ.get("TRITON_INTERPRET", "0") != "1" and hasattr(fn, "warmup")
+                        and device.type == "cuda")
 
     def __call__(self, grid, *args):
         if not self.enabled:
             return self.fn[grid](*args, **self.consts)
-        key = tuple(map(_spec, args))
+        key = tuple(a if type(a) is int else a.data_ptr() & 15 for a in args[:self.n_key])
         rec = self.records.get(key)
         if rec is None or _hooks_active(rec.hooks[1]) or _hooks_active(rec.hooks[2]):
             return self._first(key, grid, args) if rec is None else self.fn[grid](*args, **self.consts)
-        g = tuple(grid) + (1, 1)
         md, enter, exit_ = rec.hooks
-        rec.run(g[0], g[1], g[2], torch.cuda.current_stream(args[0].device).cuda_stream, rec.function,
-                rec.metadata, md, enter, exit_, *args, *rec.tail)
+        g = tuple(grid) + (1, 1)
+        rec.run(g[0], g[1], g[2], _raw_stream(self.device.index), rec.function, rec.metadata, md, enter, exit_,
+                *args, *rec.tail)
 
     def _first(self, key, grid, args):
         """Launch through Triton and record how it called the compiled kernel's launcher."""
@@ -105,5 +117,7 @@ class Launch:
         n = len(args)
         same = len(a) >= 9 + n and all(x is y or (not isinstance(x, torch.Tensor) and x == y)
                                        for x, y in zip(a[9:9 + n], args))
+        # the first n_key arguments' specialisation must match what Triton saw (it is in the key)
+        same = same and all(_spec(x) == _spec(y) for x, y in zip(a[9:9 + self.n_key], args))
         if same and not _hooks_active(a[7]) and not _hooks_active(a[8]):
             self.records[key] = _Record(launcher, a[4], a[5], (a[6], a[7], a[8]), tuple(a[9 + n:]))

@@ -274,8 +274,9 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> 
     args = (*rows, pay.params, pay.aux, work)
     ints = (nslot, s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), s.Lq, s.Lk, layout.q_offset)
     plan = _Plan((cfg,), grid, (args, ints), consts, ((n_part, d_pad), (n_part,)) if nslot else (),
-                 ((wl, s.B * s.H, cfg.block_m),) if nslot else (), Launch(_attn_fwd, consts),
-                 (Launch(_attn_fwd_combine, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, num_warps=4)),))
+                 ((wl, s.B * s.H, cfg.block_m),) if nslot else (), Launch(_attn_fwd, consts, 17, device),
+                 (Launch(_attn_fwd_combine, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, num_warps=4),
+                         9, device),))
     layout.cache[key] = plan
     return plan
 
@@ -327,10 +328,10 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
     delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=out.device)
     pre_m = 64
-    launch = _PRE.get(s.D)
+    launch = _PRE.get((s.D, out.device))
     if launch is None:
-        launch = _PRE[s.D] = Launch(_attn_bwd_preprocess, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D),
-                                                               BLOCK_M=pre_m))
+        launch = _PRE[(s.D, out.device)] = Launch(
+            _attn_bwd_preprocess, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=pre_m), 11, out.device)
     launch((_cdiv(s.Lq, pre_m), s.B * s.H), out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
            dout.stride(0), dout.stride(1), dout.stride(2), s.H, s.Lq)
     if dlse is not None:
@@ -388,9 +389,10 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
     combine = (((wl_kv, s.B * s.Hkv, cfg_kv.block_n) if kv_nslot else None),
                ((wl_q, s.B * s.H, cfg_q.block_m) if q_nslot else None))
     sums = dict(HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, ACCUMULATE=accumulate, num_warps=4)
-    plan = _Plan((cfg_kv, cfg_q), (n_progs,), (bufs, ints), consts, part_shapes, combine, Launch(_attn_bwd, consts),
-                 (Launch(_sum_partials, dict(sums, BLOCK=cfg_kv.block_n)),
-                  Launch(_sum_partials, dict(sums, BLOCK=cfg_q.block_m))))
+    plan = _Plan((cfg_kv, cfg_q), (n_progs,), (bufs, ints), consts, part_shapes, combine,
+                 Launch(_attn_bwd, consts, 36, device),
+                 (Launch(_sum_partials, dict(sums, BLOCK=cfg_kv.block_n), 7, device),
+                  Launch(_sum_partials, dict(sums, BLOCK=cfg_q.block_m), 7, device)))
     layout.cache[key] = plan
     return plan
 
