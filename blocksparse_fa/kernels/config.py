@@ -47,6 +47,7 @@ SHORT_ROW_PARTIAL = 0.3
 _BWD_PARTIAL = {128: (TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2))}
 PARTIAL_HEAVY = 0.1
 _OVERRIDES: dict[str, TileConfig] = {}
+OVERRIDE_VERSION = [0]  # bumped by set_override (launch plans built before are not reused)
 
 
 def short_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
@@ -123,3 +124,4 @@ def set_override(kernel: str, cfg: TileConfig | None) -> None:
         _OVERRIDES.pop(kernel, None)
     else:
         _OVERRIDES[kernel] = cfg
+    OVERRIDE_VERSION[0] += 1

@@ -138,7 +138,8 @@ def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: fl
             out, lse = _parts_forward(q, k, v, rw, s, scale, backend)
     else:
         out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend)
-    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
+    ldt = lse_dtype(q.dtype)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), (lse if lse.dtype == ldt else lse.to(ldt))
 
 
 def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
@@ -155,7 +156,7 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
             dq, dk, dv = _parts_backward(q, k, v, out, lse, dout, rw, s, scale, backend, dlse)
     else:
         dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return tuple(g if g.dtype == t.dtype else g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 class _Attention(torch.autograd.Function):

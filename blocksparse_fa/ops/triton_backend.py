@@ -66,6 +66,7 @@ def set_lut_policy(**kw) -> None:
         if k not in _LUT_POLICY:
             raise ValueError(f"unknown LUT policy {k!r}; expected one of {sorted(_LUT_POLICY)}")
         _LUT_POLICY[k] = v
+    _bump()
 
 
 # Forward loop options on Hopper (benchmarks/ab_variants.py compares them): K/V tiles through
@@ -81,6 +82,7 @@ def set_forward_options(**kw) -> None:
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
         _FWD_OPTS[k] = v
+    _bump()
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -170,6 +172,7 @@ def set_split_chunk(chunk: float | None) -> None:
         _SPLIT_OVERRIDE.clear()
     else:
         _SPLIT_OVERRIDE["chunk"] = chunk
+    _bump()
 
 
 _FALLBACK: dict = {}
@@ -238,10 +241,15 @@ class _Plan:
     launch_combine: tuple = ()  # the combine kernels' launchers
 
 
+_VERSION = [0]  # bumped by every setter of a module-level option: plans built before are not reused
+
+
+def _bump() -> None:
+    _VERSION[0] += 1
+
+
 def _plan_key(kind: str, layout, s: Shapes, dtype, device, has_dropout: bool, extra=()):
-    return (kind, device, dtype, s.B, s.H, s.Hkv, s.D, has_dropout, _SPLIT_OVERRIDE.get("chunk"),
-            tuple(_LUT_POLICY.values()), tuple(_FWD_OPTS.values()), tuple(_FUSED_BWD.values()),
-            tuple(sorted(_config._OVERRIDES.items())), *extra)
+    return (kind, device, dtype, s.B, s.H, s.Hkv, s.D, has_dropout, _VERSION[0], _config.OVERRIDE_VERSION[0], *extra)
 
 
 def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> _Plan:
@@ -458,6 +466,7 @@ def set_fused_backward(on: bool, head_major: bool | None = None) -> None:
     first, so the heavy ones of all heads start early (measured, benchmarks/NOTES.md v7)."""
     _FUSED_BWD["on"] = bool(on)
     _FUSED_BWD["head_major"] = head_major
+    _bump()
 
 
 def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p, seed):
