@@ -138,7 +138,7 @@ def test_beyond_l2_rereads_grow_and_vanish_with_capacity():
 
 
 def test_heavy_first_order_changes_only_the_dram_level():
-    from blocksparse_fa.analysis.traffic import _Geometry, _order
+    from blocksparse_fa.analysis.traffic.geometry import _Geometry, _order
 
     lay = layout("sliding_window(700) | global_tokens(64)", 4096)
     g = _Geometry(lay)
@@ -607,7 +607,7 @@ def _sweep_misses(n_obj: int, obj_bytes: int, cap: int, shared: bool) -> float:
     """DRAM/one-pass of the calibration sweep: two passes over n_obj objects, read by programs on
     both partitions (shared) or each object by one program (private), through two partitions of
     ``cap`` bytes each."""
-    from blocksparse_fa.analysis.trace import _lru_partitioned
+    from blocksparse_fa.analysis.traffic.trace import _lru_partitioned
 
     ids = np.tile(np.arange(n_obj), 2)
     if shared:  # every object read from partition 0 then from partition 1, in each pass
@@ -701,7 +701,7 @@ def test_l2_calibration_csv_and_report(capsys):
 
 
 def test_trace_size_limit_and_cli_fallback(monkeypatch, capsys):
-    import blocksparse_fa.analysis.traffic as tm
+    import blocksparse_fa.analysis.traffic.params as tm
 
     lay = layout("causal", 2048)
     monkeypatch.setattr(tm, "TRACE_MAX_REFERENCES", 500)
@@ -718,3 +718,28 @@ def test_trace_size_limit_and_cli_fallback(monkeypatch, capsys):
     rep = traffic_model(layout("sliding_window(256)", 2048), heads=2, policy="trace")
     assert rep.params.policy == "trace" and rep.dense.params.policy == "lru"
     assert "dense FA rows: policy=lru" in rep.format_table()
+
+
+def test_analysis_modules_import_without_cycles():
+    """The analysis modules form a DAG (the traffic model's parts import downwards only)."""
+    import ast
+    import pathlib
+
+    import networkx as nx
+
+    root = pathlib.Path(REPO) / "blocksparse_fa"
+    g = nx.DiGraph()
+    for path in (root / "analysis").rglob("*.py"):
+        mod = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        g.add_node(mod)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+                target = f"{base}.{node.module}" if node.module else base
+                if target.startswith("blocksparse_fa.analysis") and target != mod:
+                    if path.name == "__init__.py" and target.startswith(mod + "."):
+                        continue  # a package re-exporting its own modules
+                    g.add_edge(mod, target)
+    assert "blocksparse_fa.analysis.traffic.trace" in g
+    assert nx.is_directed_acyclic_graph(g), list(nx.simple_cycles(g))

@@ -1,8 +1,55 @@
-"""Trace-driven DRAM estimate of the traffic model (``TrafficParams(policy="trace")``).
+"""The DRAM level as a trace-driven simulation (``TrafficParams(policy="trace")``).
 
-An LRU simulation of the reference stream the kernels' programs issue, step by step; its
-assumptions are listed in the docstring of :mod:`blocksparse_fa.analysis.traffic`. The wave model
-there gives every other number of the report.
+An LRU simulation of the reference stream the kernels' programs issue, step by step. It replaces
+the wave model (:mod:`.waves`) for the DRAM reads; the wave numbers ``shared_in_wave_bytes``,
+``reuse_bytes``, ``reuse_distance_max``, ``wave_footprint_max`` of the report still come from the
+wave analysis under "lru". Assumptions:
+
+* Programs start in launch order (``program_order``, as in the wave model), at most ``P`` at once; a program
+  that has issued its last step frees its slot and the next program in launch order starts on the
+  following step (so short programs free their slot early and the programs in flight drift apart).
+* A program issues one *step* per unit of its kernel's step time (``step_time``: 1 for the forward
+  and dQ, 1.6 for dK/dV, the H100's measured ratio; only programs of different kernels sharing a
+  launch, the one-launch backward, are affected by it): step 0 loads its
+  own tile (forward: Q; dQ: Q, dO, LSE, δ; dK/dV: K, V) and its lookup-table line; step ``k ≥ 1``
+  loads the objects of its ``k``-th lookup-table entry (unmasked entries first, then masked, each
+  by increasing index, as the kernels walk them; dK/dV walks the lines of the G query heads of its
+  group one after the other); its outputs are stored at its last step. The references of the
+  programs in flight are merged by time, ties slot by slot (with equal step times: all of step
+  ``t`` before step ``t + 1``).
+* That reference stream goes through the simulated L2 at object granularity. ``l2_partitions=1``:
+  one LRU cache of ``l2_bytes``; a reference hits iff the object's bytes plus those of the
+  distinct objects referenced since its previous reference fit. ``l2_partitions=2`` (the
+  default, the H100): two LRU caches of ``l2_bytes / 2``; programs on even slots read through one,
+  odd slots through the other; every object is half homed in each partition (addresses are hashed
+  over both); a half homed in the reader's partition hits or is filled from DRAM there; a half
+  homed in the other one is served by a near copy if the reader's partition has one, else by its
+  home (filled from DRAM if absent), and leaves a near copy. So data that both partitions read is
+  held twice and private data 1.5 times: re-reads hit up to 25 MB and 33 MB of distinct data,
+  the thresholds ``benchmarks/l2_calibration.py`` measured on the H100 (20–24 MiB and 28–32 MiB).
+  Objects are the wave model's (forward and dQ: K+V of a
+  layout block per batch·kv-head; dK/dV: Q+dO+LSE+δ of a layout block per batch·head), split into
+  the kernels' own tiles where those are smaller (dQ's BLOCK_M rows, dK/dV's BLOCK_N keys), so a
+  program's own tile is an object too (the forward's Q tiles are). Lookup-table lines and stored
+  outputs pass through the cache as objects of their own (write-allocate) but are not counted as
+  reads; lookup tables count once, as under the other policies.
+* DRAM reads = bytes of the references that miss (+ lookup tables); the compulsory part is the
+  bytes of each object's first reference.
+* Register spills: local memory is not modelled. Its reloads that miss L1 come on top of the L2 →
+  SM bytes (ncu's local-load L1 misses account for the whole measured excess, docs/traffic.md)
+  and some of them reach DRAM.
+* The backward's dK/dV and dQ programs form one stream when ``bwd_fused`` (the default, as
+  ``_attn_bwd`` runs them in one launch): in ``bwd_order`` ``"head_major"`` (the kernels' order
+  without split tiles: per batch·kv-head its dK/dV programs, then the dQ programs of its G query
+  heads) or ``"phase"`` (every dK/dV program, then every dQ program), with the dK/dV occupancy, one
+  cold L2 for the launch (ncu's ``--cache-control all``). A dQ program's own Q/dO/LSE/δ and its K/V
+  entries are then the objects dK/dV programs loaded. ``bwd_fused=False``: two launches, each cold.
+* Not modelled: unequal time per step within a kernel (masked entries, misses that stall a
+  program), the order in which the hardware really dispatches programs and which SMs sit on which
+  partition, work-list splits, L2 sectors / partial lines, set associativity.
+
+The cost is one or two Python LRU steps per reference: N = 131072, H = 4, all blocks (4.2·10⁶
+forward and 8.4·10⁶ backward references) take about 10 s with two partitions.
 """
 
 from __future__ import annotations
@@ -13,7 +60,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .traffic import KernelTraffic, TrafficParams, _Geometry, _order, _tiles  # noqa: F401
+from .geometry import _Geometry, _instances, _order, _tiles
+from .params import TrafficParams
+from .report import KernelTraffic
 
 _TRACE_INTRA = 1 << 15  # references per program step are ordered by an index below this
 
@@ -34,7 +83,7 @@ class _Visits:
     intra: np.ndarray
 
 
-def _visits(geo: "_Geometry", side: str, unit: int) -> _Visits:
+def _visits(geo: _Geometry, side: str, unit: int) -> _Visits:
     key = ("visits", side, unit)
     hit = geo._row_cache.get(key)
     if hit is not None:
@@ -219,7 +268,7 @@ def _sub_sizes(length: int, unit: int, per_item: float) -> np.ndarray:
     return (np.minimum((t + 1) * unit, length) - t * unit) * float(per_item)
 
 
-def _trace_forward(geo: "_Geometry", p: TrafficParams) -> dict:
+def _trace_forward(geo: _Geometry, p: TrafficParams) -> dict:
     """Forward as one trace: data objects Q tiles (own) and K+V layout blocks (per batch·kv-head)."""
     B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
     D, e = p.head_dim, p.elem
@@ -246,7 +295,7 @@ def _trace_forward(geo: "_Geometry", p: TrafficParams) -> dict:
     return {"fwd": (float(r["miss"][0]), float(r["first"][0]))}
 
 
-def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
+def _trace_backward(geo: _Geometry, p: TrafficParams) -> dict:
     """dK/dV and dQ programs as one trace (``bwd_fused``, in ``bwd_order``) or as two. Data objects:
     Q+dO+LSE+δ of ``dq_block_m`` rows (per batch·head) and K+V of ``dkdv_block_n`` keys (per
     batch·kv-head); each program's own tile is one of them."""
@@ -318,11 +367,6 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
     r = run([(kv, kv_segs, pos_kv), (dq, dq_segs, pos_q)], p.programs_in_flight("bwd_dkdv"))
     return {"bwd_dkdv": (float(r["miss"][0]), float(r["first"][0])),
             "bwd_dq": (float(r["miss"][1]), float(r["first"][1]))}
-
-
-def _instances(geo: "_Geometry", b: np.ndarray, h: np.ndarray) -> np.ndarray:
-    """Vectorised :meth:`_Geometry.instance`."""
-    return (b if geo.zb > 1 else 0 * b) * geo.zh + (h if geo.zh > 1 else 0 * h)
 
 
 def _with_trace(k: KernelTraffic, miss_first: tuple, lut_bytes: int) -> KernelTraffic:
