@@ -743,3 +743,38 @@ def test_analysis_modules_import_without_cycles():
                     g.add_edge(mod, target)
     assert "blocksparse_fa.analysis.traffic.trace" in g
     assert nx.is_directed_acyclic_graph(g), list(nx.simple_cycles(g))
+
+
+def test_trace_progress_bars_count_every_simulated_load(monkeypatch):
+    import tqdm
+
+    made = []
+
+    class Bar:
+        def __init__(self, *args, total=None, desc="", **kwargs):
+            self.total, self.desc, self.n = total, desc, 0
+            made.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    lay = layout("sliding_window(700) | global_tokens(64)", 4096)
+    kw = dict(heads=2, head_dim=64, n_sm=16, l2_bytes=2 * MiB, policy="trace")
+    quiet = traffic_model(lay, **kw)
+    assert not made  # off unless asked for
+    rep = traffic_model(lay, **kw, progress=True)
+    assert [b.desc for b in made] == ["trace forward", "trace backward", "trace dense FA forward",
+                                      "trace dense FA backward"]
+    assert all(b.total > 0 and b.n == b.total for b in made)
+    assert rep.to_dict() == quiet.to_dict()  # the bars change nothing
+    made.clear()
+    traffic_model(lay, **{**kw, "l2_partitions": 1, "bwd_fused": False}, compare=False, progress=True)
+    assert [b.desc for b in made] == ["trace forward", "trace backward dK/dV", "trace backward dQ"]
+    assert all(b.n == b.total for b in made)

@@ -11,6 +11,7 @@ from ..compiler.compile import compile_mask
 from ..mask.patterns import load_pattern
 from ..ops.api import attention
 from ..ops.reference import reference_attention
+from .common import resolve_device
 
 
 def register(sub) -> None:
@@ -18,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--len", dest="n", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.set_defaults(func=run)
 
 
@@ -28,9 +29,10 @@ def _rel(a, b) -> float:
 
 
 def run(args) -> int:
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if args.device == "auto" else args.device))
+    dev = resolve_device(args.device)
     n, h, d = args.n, args.heads, args.head_dim
+    if min(n, h, d) < 1:
+        raise ValueError(f"--len, --heads and --head-dim must be positive, got {n}, {h}, {d}")
     mask = load_pattern("bigbird")
     t0 = time.perf_counter()
     lay = compile_mask(mask, n, n, 128, device=dev, cache=False)

@@ -16,7 +16,8 @@ from .trace import _trace_backward, _trace_forward, _with_trace
 __all__ = ["traffic_model"]
 
 
-def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool = True, **overrides) -> TrafficReport:
+def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool = True, progress: bool = False,
+                  **overrides) -> TrafficReport:
     """Predict the bytes each kernel moves for ``layout`` (a :class:`BlockLayout`).
 
     Args:
@@ -25,12 +26,26 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
             (``heads=8, kv_heads=2, head_dim=64, dtype="fp16", l2_bytes=..., tiles=TileSizes(...)``).
         compare: also model dense FlashAttention (the all-full layout of the same shape) for the
             ratios (costs a second model evaluation).
+        progress: show progress bars (tqdm, on stderr, only where it is a terminal) while
+            ``policy="trace"`` simulates the loads (seconds to a minute at long lengths).
 
     Returns:
         A :class:`TrafficReport`.
     """
     p = replace(params or TrafficParams(), **overrides)
     p.check()
+    rep = _model(layout, p, progress, "")
+    if compare:
+        dense = _DenseLayout(rep.q_len, rep.kv_len, *rep.block_size)
+        try:
+            rep.dense = _model(dense, p, progress, "dense FA ")
+        except TraceTooLargeError:  # dense FA at this size: the wave model (its rows say so)
+            rep.dense = _model(dense, replace(p, policy="lru"), progress, "dense FA ")
+    return rep
+
+
+def _model(layout, p: TrafficParams, progress: bool, label: str) -> TrafficReport:
+    """The report of one layout (``label`` names its progress bars)."""
     geo = _Geometry(layout)
     geo.check_batch(p.batch, p.heads)
     _check_tiles(geo, p.tiles)
@@ -57,26 +72,19 @@ def traffic_model(layout, params: TrafficParams | None = None, *, compare: bool 
             raise TraceTooLargeError(
                 f"policy='trace' would simulate about {refs:.2e} loads (limit TRACE_MAX_REFERENCES = "
                 f"{limit:.1e}, about a minute); use policy='lru' (the wave model) for this size")
-        tr = _trace_forward(geo, p)
+        tr = _trace_forward(geo, p, progress, f"trace {label}")
         fwd = _with_trace(fwd, tr["fwd"], row_lut_bytes)
-        tr = _trace_backward(geo, p)
+        tr = _trace_backward(geo, p, progress, f"trace {label}")
         dkdv = _with_trace(dkdv, tr["bwd_dkdv"], col_lut_bytes)
         dq = _with_trace(dq, tr["bwd_dq"], row_lut_bytes)
     elif p.bwd_fused and p.bwd_order == "head_major" and group_bytes <= p.l2_bytes:
         # the dQ programs of a head follow its dK/dV programs: their inputs are still in L2
         served = dq.compulsory_read_bytes - row_lut_bytes
         dq = replace(dq, dram_read_bytes=dq.dram_read_bytes - served, compulsory_read_bytes=row_lut_bytes)
-    rep = TrafficReport(
+    return TrafficReport(
         mask=str(layout.mask), q_len=geo.q_len, kv_len=geo.kv_len, block_size=(geo.bm, geo.bn),
         density=float(layout.density), visited_blocks=visited, params=p, forward=fwd, bwd_preprocess=pre,
         bwd_dkdv=dkdv, bwd_dq=dq, standard=StandardTraffic.compute(geo.q_len, geo.kv_len, p))
-    if compare:
-        dense = _DenseLayout(geo.q_len, geo.kv_len, geo.bm, geo.bn)
-        try:
-            rep.dense = traffic_model(dense, p, compare=False)
-        except TraceTooLargeError:  # dense FA at this size: the wave model (its rows say so)
-            rep.dense = traffic_model(dense, replace(p, policy="lru"), compare=False)
-    return rep
 
 
 def _trace_references(geo: _Geometry, p: TrafficParams, visited: int) -> int:
