@@ -379,14 +379,14 @@ def test_ncu_l2_bytes_come_from_the_crossbar_counter():
 
 
 def test_model_matches_measured_l2_to_sm_once_spill_fills_are_removed():
-    """Stored H100 counters (docs/data/ncu_compare_v8.json, N=16K, H=16, d=128): the model predicts
+    """Stored H100 counters (docs/data/ncu_compare_spills.json, N=16K, H=16, d=128): the model predicts
     both forwards and Flex's backward within 1 %, and our backward once the register-spill fills
     that miss L1 are subtracted; without that subtraction ours is > 4 % above the model."""
-    path = os.path.join(REPO, "benchmarks", "spill_evidence.py")
+    path = os.path.join(REPO, "benchmarks", "experiments", "spill_evidence.py")
     spec = importlib.util.spec_from_file_location("spill_evidence", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    with open(os.path.join(REPO, "docs", "data", "ncu_compare_v8.json")) as f:
+    with open(os.path.join(REPO, "docs", "data", "ncu_compare_spills.json")) as f:
         rs = mod.rows(json.load(f))
     assert {r["pattern"] for r in rs} >= {"sliding_window_1024", "document_causal", "longformer", "bigbird"}
     for r in rs:
