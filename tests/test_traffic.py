@@ -285,6 +285,7 @@ def test_gpu_report_on_synthetic_data(tmp_path):
     md = (docs / "traffic.md").read_text()
     assert md.startswith("# keep me") and md.rstrip().endswith("tail stays") and "placeholder" not in md
     assert "SYNTHETIC" in md and "R²" in md and "L2→SM within ±10 % of the model at every point: PASS" in md
+    assert "DRAM reads, largest deviation from the model: " in md and "issue" not in md
     for regime in tg.REGIMES:
         assert (docs / f"traffic_{regime}.png").stat().st_size > 10_000
     assert tg.main(["report", "--docs", str(tmp_path / "empty")]) == 1
@@ -391,10 +392,10 @@ def test_model_matches_measured_l2_to_sm_once_spill_fills_are_removed():
     assert {r["pattern"] for r in rs} >= {"sliding_window_1024", "document_causal", "longformer", "bigbird"}
     for r in rs:
         for impl in ("ours_fwd", "flex_fwd"):
-            assert abs(r[impl] / r["model_fwd"] - 1) < 0.01, (r["pattern"], impl)
-        assert abs(r["flex_bwd"] / r["model_bwd"] - 1) < 0.01, r["pattern"]
-        assert r["ours_bwd"] / r["model_bwd"] - 1 > 0.04, r["pattern"]
-        assert abs((r["ours_bwd"] - r["ours_spill"]) / r["model_bwd"] - 1) < 0.01, r["pattern"]
+            assert r[impl] == pytest.approx(r["model_fwd"], rel=0.01), (r["pattern"], impl)
+        assert r["flex_bwd"] == pytest.approx(r["model_bwd"], rel=0.01), r["pattern"]
+        assert r["ours_bwd"] > 1.04 * r["model_bwd"], r["pattern"]  # the spill reloads on top
+        assert r["ours_bwd"] - r["ours_spill"] == pytest.approx(r["model_bwd"], rel=0.01), r["pattern"]
 
 
 # ------------------------------------------------------------------------------------------------
