@@ -6,6 +6,7 @@ import math
 import time
 
 import torch
+from tqdm import tqdm
 
 from ..compiler.compile import compile_mask
 from ..mask.patterns import load_pattern
@@ -46,19 +47,24 @@ def run(args) -> int:
     q, k, v, do = (torch.randn(1, h, n, d, device=dev, dtype=dtype, generator=g) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     backend = "triton" if dev.type == "cuda" else "torch"
-    for label in ("first call", "second call"):
+    with tqdm(total=3, desc="demo", unit="step", leave=False, disable=None) as bar:
+        for label in ("first call", "second call"):
+            bar.set_description(f"{backend}: forward+backward, {label}")
+            t0 = time.perf_counter()
+            out = attention(q, k, v, mask=lay, backend=backend)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            bar.write(f"{backend:6s}   : forward+backward {label} {(time.perf_counter() - t0) * 1e3:.1f} ms "
+                      f"(B=1, H={h}, N={n}, D={d}, {str(dtype).replace('torch.', '')}, {dev.type})")
+            bar.update(1)
+        bar.set_description("dense float64 reference")
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
         t0 = time.perf_counter()
-        out = attention(q, k, v, mask=lay, backend=backend)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        print(f"{backend:6s}   : forward+backward {label} {(time.perf_counter() - t0) * 1e3:.1f} ms "
-              f"(B=1, H={h}, N={n}, D={d}, {str(dtype).replace('torch.', '')}, {dev.type})")
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    t0 = time.perf_counter()
-    ref = reference_attention(qd, kd, vd, lay)
-    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
-    print(f"reference: dense float64 forward+backward {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        ref = reference_attention(qd, kd, vd, lay)
+        ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+        bar.write(f"reference: dense float64 forward+backward {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        bar.update(1)
     errs = [_rel(out, ref)] + [_rel(a, b) for a, b in zip(grads, ref_grads)]
     print("rel. error vs float64: " + ", ".join(f"{name} {e:.2e}" for name, e in zip(("O", "dQ", "dK", "dV"), errs)))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
