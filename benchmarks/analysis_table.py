@@ -13,10 +13,28 @@ import os
 import sys
 import time
 
+import torch
+
 import blocksparse_fa as bsfa
 from blocksparse_fa.analysis.reach import analyze
-from blocksparse_fa.cli.analyze import random_documents
 from blocksparse_fa.mask.patterns import pattern_info
+
+
+def random_documents(n: int, mean_len: int, block: int, seed: int = 0) -> torch.Tensor:
+    """Sorted document ids ``(n,)``: lengths uniform in ``[mean/2, 3·mean/2]`` rounded to whole blocks
+    (so the block graph is exact), deterministic in ``seed``."""
+    if mean_len < 1:
+        raise ValueError(f"mean document length must be positive, got {mean_len}")
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = max(1, mean_len // 2 // block), max(1, (3 * mean_len) // 2 // block)
+    lens = []
+    total = 0
+    while total < n:
+        k = int(torch.randint(lo, hi + 1, (1,), generator=g)) * block
+        lens.append(k)
+        total += k
+    ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    return ids[:n]
 
 
 def _lay(x) -> str:

@@ -1,4 +1,4 @@
-"""Compile-time benchmark: million-token block layouts (the foundation issue's speed/memory bar).
+"""Compile-time benchmark: million-token block layouts, time and memory (CPU).
 
     python benchmarks/compile_bench.py [--len 1048576] [--block 128] [--repeats 3]
 
@@ -12,7 +12,7 @@ then measures:
 * tracemalloc peak: the peak of Python-tracked allocations during one more compile (numpy registers
   its data buffers with tracemalloc; torch's CPU allocator does not).
 
-Bar (issue 2): ``sliding_window(4096) & causal`` and ``longformer`` at 1,048,576 tokens, block 128,
+The bar it checks: ``sliding_window(4096) & causal`` and ``longformer`` at 1,048,576 tokens, block 128,
 compile in under 1 s with peak extra memory under 512 MB on a 2-core CPU.
 """
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     for label, r in rows:
         mem = max(r["rss_extra_mb"], r["traced_peak_mb"])
         ok = r["best_s"] < TIME_BAR_S and mem < MEM_BAR_MB
-        barred = label != "bigbird"  # bigbird is reported, not part of the issue's bar
+        barred = label != "bigbird"  # bigbird is reported, not part of the bar
         ok_all &= ok or not barred
         verdict = ("ok" if ok else "FAIL") if barred else ("(ok)" if ok else "(over)")
         print(f"{label:<32} {r['best_s'] * 1e3:8.1f} {r['rss_extra_mb']:8.1f} {r['traced_peak_mb']:9.1f} "

@@ -1,6 +1,6 @@
 """How much data does the H100's L2 keep for re-reads? A sweep microbenchmark under Nsight Compute.
 
-The traffic model's DRAM level (``blocksparse_fa/analysis/traffic.py``) needs the capacity the L2
+The traffic model's DRAM level (``blocksparse_fa/analysis/traffic``) needs the capacity the L2
 offers to data that is read again. The H100's 50 MB L2 is built from two partitions; whether a line
 read by SMs attached to both is held once or twice decides whether that capacity is 50 MB or about
 25 MB. This script measures it without any attention kernel, so the number it gives is an input to

@@ -4,6 +4,7 @@ the docs table generator."""
 from __future__ import annotations
 
 import json
+import sys
 
 import networkx as nx
 import numpy as np
@@ -109,3 +110,61 @@ def test_analysis_table_writes_every_pattern(tmp_path):
     for name in bsfa.list_patterns():
         assert f"| {name} |" in text
     assert "reach@2" in text
+
+
+@pytest.mark.parametrize("text", ["window(128) | global_tokens(64)", "causal & sliding_window(300)", "bigbird"])
+def test_betweenness_in_batches_equals_networkx(text):
+    from blocksparse_fa.analysis.reach import _betweenness
+
+    mask = bsfa.load_pattern(text) if text == "bigbird" else bsfa.parse(text)
+    g = nx.DiGraph(block_graph(bsfa.compile_mask(mask, 4096, 4096, 128)))
+    g.remove_edges_from(nx.selfloop_edges(g))
+    want = nx.betweenness_centrality(g)
+    got = _betweenness(g, None)
+    assert max(abs(got[v] - want[v]) for v in g) < 1e-12
+    if max(want.values()) > 0.5:  # a clear hub (global tokens): the sampled estimate (n / k scaling) finds it
+        est = _betweenness(g, 16)
+        assert max(est, key=est.get) == max(want, key=want.get)
+        assert est[max(want, key=want.get)] == pytest.approx(max(want.values()), rel=0.25)
+
+
+def test_analyze_progress_bars(monkeypatch):
+    import tqdm
+
+    made = []
+
+    class Bar:
+        def __init__(self, *args, total=None, desc="", **kwargs):
+            self.total, self.desc, self.n = total, desc, 0
+            made.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    quiet = analyze("window(128) | global_tokens(64)", 8192, 2, 128, exact_betweenness_max=20)
+    assert not made
+    loud = analyze("window(128) | global_tokens(64)", 8192, 2, 128, exact_betweenness_max=20, progress=True)
+    assert [b.desc for b in made] == ["betweenness"] and made[0].n == made[0].total == 20
+    assert loud.to_dict() == quiet.to_dict()
+
+
+def test_missing_networkx_names_the_extra(monkeypatch):
+    import importlib
+
+    import blocksparse_fa.analysis as an
+
+    monkeypatch.setitem(sys.modules, "networkx", None)  # as if networkx were not installed
+    monkeypatch.delitem(sys.modules, "blocksparse_fa.analysis.reach")
+    monkeypatch.delattr(an, "reach")
+    with pytest.raises(ImportError, match=r"pip install 'blocksparse_fa\[analysis\]'"):
+        importlib.import_module("blocksparse_fa.analysis.reach")
+
+    with pytest.raises(ImportError, match=r"\[analysis\]"):
+        an.analyze  # noqa: B018  (the lazy attribute imports reach)

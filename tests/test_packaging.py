@@ -1,4 +1,4 @@
-"""The wheel ships the pattern files (not only the source tree has them)."""
+"""The wheel ships the pattern files (not only the source tree has them); the optional extras."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_every_mask_file_is_in_the_wheel(wheel):
 def test_wheel_has_the_packages_and_entry_point(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        for sub in ("mask", "compiler", "ops", "cli"):
+        for sub in ("mask", "compiler", "ops", "cli", "analysis", "analysis/traffic"):
             for f in (ROOT / "blocksparse_fa" / sub).glob("*.py"):
                 assert f"blocksparse_fa/{sub}/{f.name}" in names, f
         assert "blocksparse_fa/__init__.py" in names
@@ -76,3 +76,16 @@ def test_installed_wheel_loads_patterns(wheel, tmp_path):
                  "sparse_transformer_fixed", "prefix_lm", "document_causal"):
         assert f"'{name}'" in names
     assert bigbird.startswith("window(64) | global_tokens(128)")
+
+
+def test_networkx_and_matplotlib_are_optional_extras():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(meta["dependencies"])
+    assert "networkx" not in core and "matplotlib" not in core
+    extras = meta["optional-dependencies"]
+    assert any(d.startswith("networkx") for d in extras["analysis"])
+    assert any(d.startswith("matplotlib") for d in extras["plot"])
+    for dep in extras["analysis"] + extras["plot"]:  # the README's install line installs what the tests need
+        assert dep in extras["test"]
+    assert any(d.startswith("triton") and "platform_system == 'Linux'" in d for d in meta["dependencies"])

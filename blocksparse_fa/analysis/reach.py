@@ -21,24 +21,33 @@ Reported (all counted in layers):
   layers; ``causal_reach_fraction`` the same over pairs with ``c <= r``; ``eventual_fraction`` over
   all pairs with no layer limit.
 * hubs: blocks of highest degree (in + out, self-loops excluded) and of highest betweenness
-  centrality (sampled on graphs of more than ``exact_betweenness_max`` blocks).
+  centrality (networkx, normalised; on graphs of more than ``exact_betweenness_max`` blocks
+  estimated from that many sampled sources, scaled by ``n / k`` as in Brandes and Pich, 2007).
 
 The analysis is at block granularity, so it is an over-approximation of token-level reachability:
 one kept token pair makes a block edge.
+
+Needs networkx (``pip install "blocksparse_fa[analysis]"``).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import asdict, dataclass, field
 
-import networkx as nx
 import numpy as np
 import torch
+
+try:
+    import networkx as nx
+except ImportError as e:
+    raise ImportError("the reachability analysis needs networkx: pip install 'blocksparse_fa[analysis]'") from e
 
 from ..compiler.compile import compile_mask
 from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..mask.expr import Mask
+from ._progress import progress_bar
 
 __all__ = ["Reachability", "analyze", "block_graph", "block_adjacency", "layer_distances"]
 
@@ -126,34 +135,66 @@ def block_graph(layout_or_adj, block_size: int | None = None) -> nx.DiGraph:
         adj = np.asarray(layout_or_adj, dtype=bool)
         bs = block_size or 1
         n = adj.shape[0] * bs
+    return _graph(adj, bs, n, self_loops=True)
+
+
+def _graph(adj: np.ndarray, bs: int, n: int, self_loops: bool, progress: bool = False) -> nx.DiGraph:
     g = nx.DiGraph()
     for b in range(adj.shape[0]):
         g.add_node(b, positions=(b * bs, min((b + 1) * bs, n)))
-    r, c = np.nonzero(adj)
-    g.add_edges_from(zip(c.tolist(), r.tolist()))
+    r, c = np.nonzero(adj if self_loops else adj & ~np.eye(adj.shape[0], dtype=bool))
+    chunk = 1 << 18
+    with progress_bar(progress and len(r) > chunk, len(r), "block graph", "edges") as bar:
+        for k in range(0, len(r), chunk):
+            g.add_edges_from(zip(c[k:k + chunk].tolist(), r[k:k + chunk].tolist()))
+            bar.update(min(chunk, len(r) - k))
     return g
 
 
-def layer_distances(adj: np.ndarray) -> np.ndarray:
+def _betweenness(g: nx.DiGraph, k: int | None, progress: bool = False) -> dict:
+    """Normalised betweenness centrality of ``g`` (directed, endpoints excluded) from all sources, or
+    estimated from ``k`` sources sampled with seed 0 and scaled by ``n / k``. Computed in batches of
+    sources (``networkx.betweenness_centrality_subset``) so that a progress bar can follow it."""
+    nodes = list(g)
+    n = len(nodes)
+    if n < 3:
+        return dict.fromkeys(nodes, 0.0)
+    sources = nodes if k is None or k >= n else random.Random(0).sample(nodes, k)
+    total = dict.fromkeys(nodes, 0.0)
+    step = 8
+    with progress_bar(progress, len(sources), "betweenness", "sources") as bar:
+        for i in range(0, len(sources), step):
+            part = nx.betweenness_centrality_subset(g, sources[i:i + step], nodes, normalized=False)
+            for v, x in part.items():
+                total[v] += x
+            bar.update(len(sources[i:i + step]))
+    scale = n / len(sources) / ((n - 1) * (n - 2))
+    return {v: x * scale for v, x in total.items()}
+
+
+def layer_distances(adj: np.ndarray, progress: bool = False) -> np.ndarray:
     """``dist[r, c]``: fewest layers for key block ``c`` to reach query block ``r`` (0 on the
-    diagonal: the residual stream), ``-1`` if never. Boolean matrix iteration ``R <- (I | A) R``."""
+    diagonal: the residual stream), ``-1`` if never. Boolean matrix iteration ``R <- (I | A) R``
+    (one matrix product per layer; ``progress`` shows a bar over the layers)."""
     t = adj.shape[0]
     step = torch.from_numpy(adj | np.eye(t, dtype=bool)).to(torch.float32)
     reach = torch.eye(t, dtype=torch.float32)
     dist = torch.full((t, t), UNREACHABLE, dtype=torch.int64)
     dist[reach > 0] = 0
-    for layer in range(1, t + 1):
-        new = ((step @ reach) > 0).to(torch.float32)
-        fresh = (new > 0) & (reach == 0)
-        if not fresh.any():
-            break
-        dist[fresh] = layer
-        reach = new
+    with progress_bar(progress and t > 512, t, "layers", "layers") as bar:
+        for layer in range(1, t + 1):
+            new = ((step @ reach) > 0).to(torch.float32)
+            fresh = (new > 0) & (reach == 0)
+            if not fresh.any():
+                break
+            dist[fresh] = layer
+            reach = new
+            bar.update(1)
     return dist.numpy()
 
 
 def analyze(mask, n: int, layers: int, block_size: int = 128, *, top: int = 3,
-            exact_betweenness_max: int = 256) -> Reachability:
+            exact_betweenness_max: int = 256, progress: bool = False) -> Reachability:
     """Reachability analysis of ``mask`` for self-attention over ``n`` positions.
 
     Args:
@@ -164,6 +205,8 @@ def analyze(mask, n: int, layers: int, block_size: int = 128, *, top: int = 3,
         top: number of hubs reported.
         exact_betweenness_max: above this many blocks betweenness is estimated from that many sampled
             sources (deterministic seed).
+        progress: show progress bars (tqdm, on stderr where it is a terminal) for the slow steps
+            (graph, distances and betweenness of long sequences).
 
     Returns:
         A :class:`Reachability`.
@@ -174,25 +217,20 @@ def analyze(mask, n: int, layers: int, block_size: int = 128, *, top: int = 3,
     layout = compile_mask(m, n, n, block_size)
     adj = block_adjacency(layout)
     t = adj.shape[0]
-    dist = layer_distances(adj)
+    dist = layer_distances(adj, progress)
     reach = dist >= 0
     lower = np.tril(np.ones((t, t), dtype=bool))
-    g = block_graph(layout)
-    strongly = nx.is_strongly_connected(g)
-    n_comp = nx.number_strongly_connected_components(g)
+    simple = _graph(adj, block_size, n, self_loops=False, progress=progress)  # self-loops change no answer
+    strongly = nx.is_strongly_connected(simple)
+    n_comp = nx.number_strongly_connected_components(simple)
     diameter = int(dist.max()) if strongly else None
     causal_ok = bool(reach[lower].all())
     causal_layers = int(dist[lower].max()) if causal_ok else None
     within = reach & (dist <= layers)
 
-    simple = nx.DiGraph(g)
-    simple.remove_edges_from(nx.selfloop_edges(simple))
     deg = dict(simple.degree())
     hubs_degree = sorted(deg.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
-    if t > exact_betweenness_max:
-        bc = nx.betweenness_centrality(simple, k=exact_betweenness_max, seed=0)
-    else:
-        bc = nx.betweenness_centrality(simple)
+    bc = _betweenness(simple, exact_betweenness_max if t > exact_betweenness_max else None, progress)
     hubs_bc = sorted(bc.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
 
     return Reachability(

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ..analysis.traffic import H100_L2_BYTES, H100_SMS, TileSizes, TraceTooLargeError, TrafficParams, traffic_model
 from ..compiler.compile import compile_mask
-from .common import add_length_args, mask_from_arg
+from .common import add_length_args, add_pattern_args, check_lengths, mask_from_arg
 
 
 def _tile_pair(text: str) -> tuple[int, int]:
@@ -48,8 +48,8 @@ def register(sub) -> None:
         "traffic", help="predict the bytes each kernel moves (L2->SM and DRAM) for a pattern",
         description="Three-level traffic model (DRAM / L2 / shared memory) of the block-sparse kernels for a "
                     "pattern, with the ratio vs dense FlashAttention and vs standard attention. "
-                    "See docs/traffic.md for how it works.")
-    p.add_argument("pattern", help="pattern name (see 'bsfa patterns') or DSL text, e.g. \"causal & window(256)\"")
+                    "See docs/traffic.md for how it works and how well it matches the H100.")
+    add_pattern_args(p)
     add_length_args(p)
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     p.add_argument("--heads", type=int, default=16, help="query heads H (default 16)")
@@ -83,9 +83,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    mask = mask_from_arg(args.pattern)
-    kv = args.kv_len or args.q_len
-    lay = compile_mask(mask, args.q_len, kv, args.block)
+    lq, kv = check_lengths(args)
+    mask = mask_from_arg(args.pattern, args.documents, kv)
+    lay = compile_mask(mask, lq, kv, args.block)
     default = _kernel_tiles(lay, args.head_dim, args.dtype)
     fm, fn = _tile_pair(args.fwd_tiles) if args.fwd_tiles else default[0]
     km, kn = _tile_pair(args.dkdv_tiles) if args.dkdv_tiles else default[1]
@@ -101,12 +101,12 @@ def run(args) -> int:
                            policy=args.policy, program_order=args.order, bwd_fused=args.bwd_launches == 1,
                            l2_partitions=args.l2_partitions)
     try:
-        rep = traffic_model(lay, params)
+        rep = traffic_model(lay, params, progress=True)
     except TraceTooLargeError as e:
         if args.policy_given:
             raise
         print(f"note: {e}; using --policy lru", file=sys.stderr)
-        rep = traffic_model(lay, replace(params, policy="lru"))
+        rep = traffic_model(lay, replace(params, policy="lru"), progress=True)
     if args.json:
         import json
 

@@ -196,10 +196,20 @@ class BlockLayout:
         return kept / (self._segs.n_instances * g.q_len * g.kv_len)
 
     # -- pictures -------------------------------------------------------------------------------
-    def _char_grid(self, width: int, instance: int = 0) -> list[str]:
+    _CELL_CHARS = ".+#:"  # by cell class: empty, kept with partial blocks, full, mixed
+    _CELL_NAMES = ("empty", "partial (some pairs kept)", "full", "mixed (some blocks empty, some not)")
+    _CELL_COLOURS = ("#ffffff", "#f5a623", "#1f5fbf", "#b9b9b9")
+
+    def _cell_scale(self, width: int) -> tuple[int, int]:
+        """Blocks per picture cell ``(rows, columns)`` for a picture at most ``width`` cells wide."""
         g = self._grid
-        fr = max(1, -(-g.tr // width))
-        fc = max(1, -(-g.tc // width))
+        return max(1, -(-g.tr // width)), max(1, -(-g.tc // width))
+
+    def _cells(self, width: int, instance: int = 0) -> np.ndarray:
+        """Cell classes ``(rows, cols)``: 0 every block empty, 1 no block empty and some partial,
+        2 every block full, 3 some blocks empty and some not (only when a cell holds several blocks)."""
+        g = self._grid
+        fr, fc = self._cell_scale(width)
         nr, nc = -(-g.tr // fr), -(-g.tc // fc)
         rows, cols, st = self.nonempty_blocks()
         sel = rows // g.tr == instance
@@ -209,8 +219,17 @@ class BlockLayout:
         full = np.bincount(cell[s == FULL], minlength=nr * nc)
         rr, cc = np.divmod(np.arange(nr * nc), nc)
         size = (np.minimum((rr + 1) * fr, g.tr) - rr * fr) * (np.minimum((cc + 1) * fc, g.tc) - cc * fc)
-        ch = np.where(nonempty == 0, ".", np.where(full == size, "#", "+")).reshape(nr, nc)
-        return ["".join(row) for row in ch]
+        out = np.where(nonempty == 0, 0, np.where(full == size, 2, np.where(nonempty == size, 1, 3)))
+        return out.reshape(nr, nc).astype(np.int8)
+
+    def _char_grid(self, width: int, instance: int = 0) -> list[str]:
+        chars = np.array(list(self._CELL_CHARS))[self._cells(width, instance)]
+        return ["".join(row) for row in chars]
+
+    def _legend(self, width: int) -> str:
+        fr, fc = self._cell_scale(width)
+        classes = range(4) if fr > 1 or fc > 1 else range(3)
+        return "  " + "  ".join(f"{self._CELL_CHARS[k]} {self._CELL_NAMES[k]}" for k in classes)
 
     def summary(self) -> str:
         bm, bn = self.block_size
@@ -221,12 +240,12 @@ class BlockLayout:
                 f"full={self.n_full} partial={self.n_partial} refined={self.n_refined} lut_bytes={self.lut_bytes}")
 
     def ascii(self, width: int = 64, instance: int = 0) -> str:
-        """ASCII picture: ``#`` all full, ``+`` some kept, ``.`` empty (a character may stand for
-        several blocks when the grid is wider than ``width``)."""
-        g = self._grid
-        fr, fc = max(1, -(-g.tr // width)), max(1, -(-g.tc // width))
+        """ASCII picture with a legend: ``#`` full, ``+`` kept with partial blocks, ``.`` empty. When
+        the grid is wider than ``width`` a character stands for several blocks: ``#`` all of them
+        full, ``+`` none empty and some partial, ``:`` some empty and some not, ``.`` all empty."""
+        fr, fc = self._cell_scale(width)
         scale = f" (1 char = {fr}x{fc} blocks)" if fr > 1 or fc > 1 else ""
-        return "\n".join([self.summary() + scale, *self._char_grid(width, instance)])
+        return "\n".join([self.summary() + scale, self._legend(width), *self._char_grid(width, instance)])
 
     def __str__(self) -> str:
         return self.ascii()
@@ -235,27 +254,39 @@ class BlockLayout:
         return self.summary()
 
     def plot(self, path=None, instance: int = 0, ax=None):
-        """Plot block states with matplotlib (white empty, orange partial, blue full); save a PNG
-        to ``path`` if given. Returns the matplotlib figure."""
-        import matplotlib
+        """Plot block states with matplotlib (white empty, orange partial, blue full, with a
+        legend); save a PNG to ``path`` if given. Draws on ``ax`` if given, else on a new
+        :class:`matplotlib.figure.Figure` (no pyplot state: the caller's backend and figures are
+        left alone). Very large grids are drawn at 1024 cells a side (grey: cells that mix empty
+        and non-empty blocks). Needs matplotlib (``pip install "blocksparse_fa[plot]"``).
 
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import ListedColormap
+        Returns:
+            The matplotlib figure.
+        """
+        try:
+            from matplotlib.colors import ListedColormap
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
+        except ImportError as e:
+            raise ImportError("BlockLayout.plot needs matplotlib: pip install 'blocksparse_fa[plot]'") from e
 
-        st = self._segs.to_dense()[instance] if self._segs.n_rows * self._grid.tc <= 1 << 24 else None
-        if st is None:  # very large grids: draw the character-grid summary instead
-            chars = self._char_grid(1024, instance)
-            st = np.array([[{".": 0, "+": 1, "#": 2}[c] for c in row] for row in chars], dtype=np.int8)
+        if self._segs.n_rows * self._grid.tc <= 1 << 24:
+            st = self._segs.to_dense()[instance].astype(np.int8)
+        else:  # very large grids: the cell summary
+            st = self._cells(1024, instance)
         if ax is None:
-            fig, ax = plt.subplots(figsize=(6, 6 * st.shape[0] / max(1, st.shape[1]) + 0.6))
+            fig = Figure(figsize=(6, 6 * st.shape[0] / max(1, st.shape[1]) + 0.6))
+            ax = fig.add_subplot()
         else:
             fig = ax.figure
-        ax.imshow(st, cmap=ListedColormap(["#ffffff", "#f5a623", "#1f5fbf"]), vmin=0, vmax=2, interpolation="nearest")
+        classes = [k for k in range(4) if k < 3 or (st == 3).any()]
+        ax.imshow(st, cmap=ListedColormap(self._CELL_COLOURS), vmin=0, vmax=3, interpolation="nearest")
         ax.set_title(f"{self.mask}\nq={self.q_len} kv={self.kv_len} block={self.block_size} density={self.density:.3f}",
                      fontsize=8)
         ax.set_xlabel("key block")
         ax.set_ylabel("query block")
+        ax.legend(handles=[Patch(facecolor=self._CELL_COLOURS[k], edgecolor="#555555", label=self._CELL_NAMES[k])
+                           for k in classes], loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
         if path is not None:
             fig.savefig(path, dpi=120, bbox_inches="tight")
         return fig

@@ -2,7 +2,7 @@
 permuted copies (the previous path), vs FlexAttention, on the same inputs; forward and fwd+bwd,
 outputs and gradients compared in the same run.
 
-    PYTHONPATH=. python benchmarks/strided_check.py [--sizes 16384 65536] [--kv-heads-ratio 4] [--out DIR]
+    PYTHONPATH=. python benchmarks/experiments/strided_check.py [--sizes 16384 65536] [--kv-heads-ratio 4] [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.py
 
 import bench  # noqa: E402
 

@@ -2,7 +2,7 @@
 of our kernels and FlexAttention's (``ncu_compare.py`` output), with the register-spill fills that
 miss L1 (``l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_miss`` x 32 B) taken out. CPU only.
 
-    python benchmarks/spill_evidence.py [--data docs/data/ncu_compare_v8.json] [--markdown]
+    python benchmarks/experiments/spill_evidence.py [--data docs/data/ncu_compare_spills.json] [--markdown]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT = os.path.join(HERE, "..", "docs", "data", "ncu_compare_v8.json")
+DEFAULT = os.path.join(HERE, "..", "..", "docs", "data", "ncu_compare_spills.json")
 
 
 def _num(rec: dict, key: str) -> float:
@@ -34,7 +34,7 @@ def _masks():
 
 def rows(data: dict, n: int = 16384, heads: int = 16) -> list[dict]:
     """One row per pattern: model, ours, Flex (forward and backward L2 -> SM bytes), spill fills."""
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/, for bench.py
     import bench
 
     import blocksparse_fa as bsfa

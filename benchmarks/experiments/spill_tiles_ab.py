@@ -1,8 +1,8 @@
 """Backward tiles against register spills: time the backward and read the compiled kernel's
 registers and local memory with the dK/dV and dQ tiles changed (16K, H = 16, d = 128, bf16, H100).
 
-    PYTHONPATH=. python benchmarks/spill_tiles_ab.py [--out docs/data/spill_tiles_ab.json]
-    PYTHONPATH=. python benchmarks/spill_tiles_ab.py --cases longformer,document_causal --variants partial
+    PYTHONPATH=. python benchmarks/experiments/spill_tiles_ab.py [--out docs/data/spill_tiles_ab.json]
+    PYTHONPATH=. python benchmarks/experiments/spill_tiles_ab.py --cases longformer,document_causal --variants partial
 
 ``--cases`` takes ``bench.py``'s case names (``sliding_window_W`` for any W); ``--variants`` one of
 the sets below (``default`` is always the layout's own tiles).
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import triton
@@ -57,6 +59,7 @@ def main() -> int:
     ap.add_argument("--cases", default="sliding_window_8192,causal,dense")
     ap.add_argument("--variants", default="wide", choices=list(VARIANT_SETS))
     args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for bench.py
     from bench import make_case
 
     variants = {"default": {}, **VARIANT_SETS[args.variants]}
@@ -97,7 +100,7 @@ def main() -> int:
             set_override(kk, None)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"note": "benchmarks/spill_tiles_ab.py on the H100; bwd_ms = do_bench median of "
+            json.dump({"note": "benchmarks/experiments/spill_tiles_ab.py on the H100; bwd_ms = do_bench median of "
                                "autograd.grad (preprocess + _attn_bwd)", "n": n, "heads": h, "head_dim": d,
                        "results": res}, f, indent=1)
     return 0

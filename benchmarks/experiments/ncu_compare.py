@@ -1,7 +1,7 @@
 """Profile ours vs FlexAttention (forward + backward, same inputs) under Nsight Compute and print a
 side-by-side table per kernel: time, registers, spills, occupancy, issue-slot use and stall reasons.
 
-    PYTHONPATH=. python benchmarks/ncu_compare.py --patterns document_causal sliding_window_1024 [--out DIR]
+    PYTHONPATH=. python benchmarks/experiments/ncu_compare.py --patterns document_causal sliding_window_1024 [--out DIR]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def known_metrics(ncu: str, names: list[str]) -> list[str]:
 def worker(pattern: str, impl: str, n: int, d: int) -> None:
     import torch
 
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/, for bench.py
     import bench
 
     import blocksparse_fa as bsfa

@@ -4,8 +4,8 @@ one-launch backward's grid order (head by head vs all dK/dV programs first), and
 sizes (register spills). Every variant is checked against the first one (bit-identical results
 expected; the tile variants are too on the H100, as the MMAs walk the reduction in the same order).
 
-    PYTHONPATH=. python benchmarks/ab_variants.py [--patterns ...] [--out DIR]
-    PYTHONPATH=. python benchmarks/ab_variants.py worker --pattern P --variant V   # one fwd+bwd, for ncu
+    PYTHONPATH=. python benchmarks/experiments/ab_variants.py [--patterns ...] [--out DIR]
+    PYTHONPATH=. python benchmarks/experiments/ab_variants.py worker --pattern P --variant V   # one fwd+bwd, for ncu
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tune_sparse (here)
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.py
 
 from tune_sparse import parallel_warm, rel  # noqa: E402
 

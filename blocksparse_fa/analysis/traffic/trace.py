@@ -1,8 +1,55 @@
-"""Trace-driven DRAM estimate of the traffic model (``TrafficParams(policy="trace")``).
+"""The DRAM level as a trace-driven simulation (``TrafficParams(policy="trace")``).
 
-An LRU simulation of the reference stream the kernels' programs issue, step by step; its
-assumptions are listed in the docstring of :mod:`blocksparse_fa.analysis.traffic`. The wave model
-there gives every other number of the report.
+An LRU simulation of the reference stream the kernels' programs issue, step by step. It replaces
+the wave model (:mod:`.waves`) for the DRAM reads; the wave numbers ``shared_in_wave_bytes``,
+``reuse_bytes``, ``reuse_distance_max``, ``wave_footprint_max`` of the report still come from the
+wave analysis under "lru". Assumptions:
+
+* Programs start in launch order (``program_order``, as in the wave model), at most ``P`` at once; a program
+  that has issued its last step frees its slot and the next program in launch order starts on the
+  following step (so short programs free their slot early and the programs in flight drift apart).
+* A program issues one *step* per unit of its kernel's step time (``step_time``: 1 for the forward
+  and dQ, 1.6 for dK/dV, the H100's measured ratio; only programs of different kernels sharing a
+  launch, the one-launch backward, are affected by it): step 0 loads its
+  own tile (forward: Q; dQ: Q, dO, LSE, δ; dK/dV: K, V) and its lookup-table line; step ``k ≥ 1``
+  loads the objects of its ``k``-th lookup-table entry (unmasked entries first, then masked, each
+  by increasing index, as the kernels walk them; dK/dV walks the lines of the G query heads of its
+  group one after the other); its outputs are stored at its last step. The references of the
+  programs in flight are merged by time, ties slot by slot (with equal step times: all of step
+  ``t`` before step ``t + 1``).
+* That reference stream goes through the simulated L2 at object granularity. ``l2_partitions=1``:
+  one LRU cache of ``l2_bytes``; a reference hits iff the object's bytes plus those of the
+  distinct objects referenced since its previous reference fit. ``l2_partitions=2`` (the
+  default, the H100): two LRU caches of ``l2_bytes / 2``; programs on even slots read through one,
+  odd slots through the other; every object is half homed in each partition (addresses are hashed
+  over both); a half homed in the reader's partition hits or is filled from DRAM there; a half
+  homed in the other one is served by a near copy if the reader's partition has one, else by its
+  home (filled from DRAM if absent), and leaves a near copy. So data that both partitions read is
+  held twice and private data 1.5 times: re-reads hit up to 25 MB and 33 MB of distinct data,
+  the thresholds ``benchmarks/l2_calibration.py`` measured on the H100 (20–24 MiB and 28–32 MiB).
+  Objects are the wave model's (forward and dQ: K+V of a
+  layout block per batch·kv-head; dK/dV: Q+dO+LSE+δ of a layout block per batch·head), split into
+  the kernels' own tiles where those are smaller (dQ's BLOCK_M rows, dK/dV's BLOCK_N keys), so a
+  program's own tile is an object too (the forward's Q tiles are). Lookup-table lines and stored
+  outputs pass through the cache as objects of their own (write-allocate) but are not counted as
+  reads; lookup tables count once, as under the other policies.
+* DRAM reads = bytes of the references that miss (+ lookup tables); the compulsory part is the
+  bytes of each object's first reference.
+* Register spills: local memory is not modelled. Its reloads that miss L1 come on top of the L2 →
+  SM bytes (ncu's local-load L1 misses account for the whole measured excess, docs/traffic.md)
+  and some of them reach DRAM.
+* The backward's dK/dV and dQ programs form one stream when ``bwd_fused`` (the default, as
+  ``_attn_bwd`` runs them in one launch): in ``bwd_order`` ``"head_major"`` (the kernels' order
+  without split tiles: per batch·kv-head its dK/dV programs, then the dQ programs of its G query
+  heads) or ``"phase"`` (every dK/dV program, then every dQ program), with the dK/dV occupancy, one
+  cold L2 for the launch (ncu's ``--cache-control all``). A dQ program's own Q/dO/LSE/δ and its K/V
+  entries are then the objects dK/dV programs loaded. ``bwd_fused=False``: two launches, each cold.
+* Not modelled: unequal time per step within a kernel (masked entries, misses that stall a
+  program), the order in which the hardware really dispatches programs and which SMs sit on which
+  partition, work-list splits, L2 sectors / partial lines, set associativity.
+
+The cost is one or two Python LRU steps per reference: N = 131072, H = 4, all blocks (4.2·10⁶
+forward and 8.4·10⁶ backward references) take about 10 s with two partitions.
 """
 
 from __future__ import annotations
@@ -13,8 +60,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .traffic import KernelTraffic, TrafficParams, _Geometry, _order, _tiles  # noqa: F401
+from .._progress import _Off, progress_bar
+from .geometry import _Geometry, _instances, _order, _tiles
+from .params import TrafficParams
+from .report import KernelTraffic
 
+_OFF = _Off()
 _TRACE_INTRA = 1 << 15  # references per program step are ordered by an index below this
 
 
@@ -34,7 +85,7 @@ class _Visits:
     intra: np.ndarray
 
 
-def _visits(geo: "_Geometry", side: str, unit: int) -> _Visits:
+def _visits(geo: _Geometry, side: str, unit: int) -> _Visits:
     key = ("visits", side, unit)
     hit = geo._row_cache.get(key)
     if hit is not None:
@@ -86,14 +137,14 @@ def _schedule(dur: np.ndarray, P: int):
     return start, slot
 
 
-def _lru_misses(ids: np.ndarray, size: list, cap: int) -> np.ndarray:
+def _lru_misses(ids: np.ndarray, size: list, cap: int, bar=_OFF) -> np.ndarray:
     """Miss flags of a reference stream of object ids through a byte-capacity LRU cache (an object
-    larger than the cache never stays)."""
+    larger than the cache never stays). ``bar``: a progress bar, updated per chunk of references."""
     cache: OrderedDict = OrderedDict()
     touch, evict = cache.move_to_end, cache.popitem
     miss = np.zeros(len(ids), dtype=bool)
     used = 0
-    step = 1 << 20
+    step = 1 << 18
     for c0 in range(0, len(ids), step):
         flags = []
         add = flags.append
@@ -108,10 +159,11 @@ def _lru_misses(ids: np.ndarray, size: list, cap: int) -> np.ndarray:
                 while used > cap:
                     used -= evict(False)[1]
         miss[np.asarray(flags, dtype=np.int64) + c0] = True
+        bar.update(min(step, len(ids) - c0))
     return miss
 
 
-def _lru_partitioned(ids: np.ndarray, part: np.ndarray, size: list, cap: int) -> np.ndarray:
+def _lru_partitioned(ids: np.ndarray, part: np.ndarray, size: list, cap: int, bar=_OFF) -> np.ndarray:
     """Fraction of each reference read from DRAM under two L2 partitions of ``cap`` bytes each.
 
     Every object is split in two halves, half ``h`` homed in partition ``h`` (addresses are hashed
@@ -131,28 +183,31 @@ def _lru_partitioned(ids: np.ndarray, part: np.ndarray, size: list, cap: int) ->
         while used[q] > cap:
             used[q] -= c.popitem(False)[1]
 
-    for i, (x, p) in enumerate(zip(ids.tolist(), part.tolist())):
-        half = size[x] / 2
-        for h in (0, 1):
-            key = 2 * x + h
-            near = caches[p]
-            if key in near:
-                near.move_to_end(key)
-                continue
-            if h != p:
-                home = caches[h]
-                if key in home:
-                    home.move_to_end(key)
-                    put(p, key, half)
+    step = 1 << 16
+    for c0 in range(0, len(ids), step):
+        for i, (x, p) in enumerate(zip(ids[c0:c0 + step].tolist(), part[c0:c0 + step].tolist()), c0):
+            half = size[x] / 2
+            for h in (0, 1):
+                key = 2 * x + h
+                near = caches[p]
+                if key in near:
+                    near.move_to_end(key)
                     continue
-                put(h, key, half)
-            miss[i] += 0.5
-            put(p, key, half)
+                if h != p:
+                    home = caches[h]
+                    if key in home:
+                        home.move_to_end(key)
+                        put(p, key, half)
+                        continue
+                    put(h, key, half)
+                miss[i] += 0.5
+                put(p, key, half)
+        bar.update(min(step, len(ids) - c0))
     return miss
 
 
 def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray, n_kinds: int,
-               step_time=None, partitions: int = 1) -> dict:
+               step_time=None, partitions: int = 1, progress: bool = False, desc: str = "trace") -> dict:
     """Play the programs through the simulated L2 (see the module doc, policy "trace").
 
     progs (arrays in launch order): ``kind`` (index of the kernel the program counts for), ``own``
@@ -161,7 +216,8 @@ def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray
     program ``prog`` walks line ``line`` of ``visits`` from its step ``step0 + 1`` on, the
     sub-objects offset by ``base``. data_bytes: size of every data object. step_time: time of one
     step per kind (default 1 for all). partitions: 1 (one LRU of ``cap`` bytes) or 2 (two of
-    ``cap / 2``, programs on alternate slots, :func:`_lru_partitioned`).
+    ``cap / 2``, programs on alternate slots, :func:`_lru_partitioned`). progress: show a bar
+    (``desc``) over the simulated references.
 
     Returns per kind: ``miss`` (data bytes read from DRAM), ``first`` (data bytes referenced for
     the first time: the compulsory part of ``miss``)."""
@@ -201,10 +257,11 @@ def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray
     del objs, order
     kind = progs["kind"][prog].astype(np.int8)
     size = np.concatenate([data_bytes, progs["lut"], progs["store"]]).astype(np.int64)
-    if partitions == 1:
-        miss = _lru_misses(obj, size.tolist(), cap).astype(np.float64)
-    else:
-        miss = _lru_partitioned(obj, slot[prog] % 2, size.tolist(), cap // 2)
+    with progress_bar(progress, len(obj), desc, "loads") as bar:
+        if partitions == 1:
+            miss = _lru_misses(obj, size.tolist(), cap, bar).astype(np.float64)
+        else:
+            miss = _lru_partitioned(obj, slot[prog] % 2, size.tolist(), cap // 2, bar)
     data = obj < n_data
     out = {"miss": np.bincount(kind, weights=np.where(data, miss * size[obj], 0.0), minlength=n_kinds)}
     _, fi = np.unique(obj, return_index=True)
@@ -219,7 +276,7 @@ def _sub_sizes(length: int, unit: int, per_item: float) -> np.ndarray:
     return (np.minimum((t + 1) * unit, length) - t * unit) * float(per_item)
 
 
-def _trace_forward(geo: "_Geometry", p: TrafficParams) -> dict:
+def _trace_forward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "") -> dict:
     """Forward as one trace: data objects Q tiles (own) and K+V layout blocks (per batch·kv-head)."""
     B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
     D, e = p.head_dim, p.elem
@@ -242,11 +299,12 @@ def _trace_forward(geo: "_Geometry", p: TrafficParams) -> dict:
     segs = [(vis, np.arange(len(t)), z * geo.tr + t_row[t], B * H * n_q + (b * Hkv + h // G) * n_kv,
              np.zeros(len(t), dtype=np.int64))]
     data = np.concatenate([np.tile(q_sz, B * H), np.tile(kv_sz, B * Hkv)])
-    r = _run_trace(p.programs_in_flight("fwd"), p.l2_bytes, progs, segs, data, 1, partitions=p.l2_partitions)
+    r = _run_trace(p.programs_in_flight("fwd"), p.l2_bytes, progs, segs, data, 1, partitions=p.l2_partitions,
+                   progress=progress, desc=f"{label}forward")
     return {"fwd": (float(r["miss"][0]), float(r["first"][0]))}
 
 
-def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
+def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "") -> dict:
     """dK/dV and dQ programs as one trace (``bwd_fused``, in ``bwd_order``) or as two. Data objects:
     Q+dO+LSE+δ of ``dq_block_m`` rows (per batch·head) and K+V of ``dkdv_block_n`` keys (per
     batch·kv-head); each program's own tile is one of them."""
@@ -290,7 +348,7 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
           "store": float(D * e) * t_h[t], "steps": 1 + cnt}
     dq_segs = [(vis_r, z * geo.tr + t_row[t], kv_base + (b * Hkv + h // G) * n_kv, np.zeros(len(t), np.int64))]
 
-    def run(parts, P):
+    def run(parts, P, what):
         """parts: [(progs, segs, program index in the stream)]; kinds 0 and 1 are dK/dV and dQ."""
         n = sum(len(pr["kind"]) for pr, _, _ in parts)
         progs = {k: np.empty(n, dtype=np.float64 if k in ("lut", "store") else np.int64)
@@ -301,12 +359,13 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
                 progs[k][pos] = pr[k]
             segs += [(vis, pos, line, base, s0) for vis, line, base, s0 in sg]
         return _run_trace(P, p.l2_bytes, progs, segs, data, 2, partitions=p.l2_partitions,
-                          step_time=[p.step_time_of("bwd_dkdv"), p.step_time_of("bwd_dq")])
+                          step_time=[p.step_time_of("bwd_dkdv"), p.step_time_of("bwd_dq")],
+                          progress=progress, desc=f"{label}{what}")
 
     n_kvp, n_qp = len(u), len(t)
     if not p.bwd_fused:
-        r0 = run([(kv, kv_segs, np.arange(n_kvp))], p.programs_in_flight("bwd_dkdv"))
-        r1 = run([(dq, dq_segs, np.arange(n_qp))], p.programs_in_flight("bwd_dq"))
+        r0 = run([(kv, kv_segs, np.arange(n_kvp))], p.programs_in_flight("bwd_dkdv"), "backward dK/dV")
+        r1 = run([(dq, dq_segs, np.arange(n_qp))], p.programs_in_flight("bwd_dq"), "backward dQ")
         return {"bwd_dkdv": (float(r0["miss"][0]), float(r0["first"][0])),
                 "bwd_dq": (float(r1["miss"][1]), float(r1["first"][1]))}
     if p.bwd_order == "head_major":  # _attn_bwd: per batch·kv-head, its dK/dV items, then its G heads' dQ items
@@ -315,14 +374,9 @@ def _trace_backward(geo: "_Geometry", p: TrafficParams) -> dict:
         pos_q = (bh // G) * grp + n_u + (bh % G) * n_t + np.arange(n_qp) % n_t
     else:  # every dK/dV program, then every dQ program
         pos_kv, pos_q = np.arange(n_kvp), n_kvp + np.arange(n_qp)
-    r = run([(kv, kv_segs, pos_kv), (dq, dq_segs, pos_q)], p.programs_in_flight("bwd_dkdv"))
+    r = run([(kv, kv_segs, pos_kv), (dq, dq_segs, pos_q)], p.programs_in_flight("bwd_dkdv"), "backward")
     return {"bwd_dkdv": (float(r["miss"][0]), float(r["first"][0])),
             "bwd_dq": (float(r["miss"][1]), float(r["first"][1]))}
-
-
-def _instances(geo: "_Geometry", b: np.ndarray, h: np.ndarray) -> np.ndarray:
-    """Vectorised :meth:`_Geometry.instance`."""
-    return (b if geo.zb > 1 else 0 * b) * geo.zh + (h if geo.zh > 1 else 0 * h)
 
 
 def _with_trace(k: KernelTraffic, miss_first: tuple, lut_bytes: int) -> KernelTraffic:

@@ -1,6 +1,6 @@
 """cProfile of the host side of fwd+bwd calls (where do the microseconds go?).
 
-    PYTHONPATH=. python benchmarks/host_profile.py [--n 4096]
+    PYTHONPATH=. python benchmarks/experiments/host_profile.py [--n 4096]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 SASS instruction counts (ptxas/nvdisasm shipped with triton). Indicative only: the local triton
 may differ from the GPU machine's.
 
-    python benchmarks/sass_probe.py --mask longformer --kernel fwd [--bm 128 --bn 128 --warps 8 --stages 3]
+    python benchmarks/experiments/sass_probe.py --mask longformer --kernel fwd [--bm 128 --bn 128 --warps 8 --stages 3]
 """
 
 from __future__ import annotations

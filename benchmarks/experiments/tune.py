@@ -3,7 +3,7 @@
 Each candidate is checked against an fp32 SDPA reference before it is timed; failing or
 out-of-resource candidates are skipped. Prints the best config per (kernel, head dim).
 
-    PYTHONPATH=. python benchmarks/tune.py [--dims 128 64] [--out DIR]
+    PYTHONPATH=. python benchmarks/experiments/tune.py [--dims 128 64] [--out DIR]
 """
 
 from __future__ import annotations

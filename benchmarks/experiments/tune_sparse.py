@@ -1,9 +1,9 @@
-"""Tile-config sweep for the sparse patterns of the issue-4 suite (N=16K, d=128, bf16, H=16).
+"""Tile-config sweep for the sparse patterns of bench.py's suite (N=16K, d=128, bf16, H=16).
 
 Kernels are compiled first by parallel workers (Triton's disk cache), then each config is timed
 with ``do_bench`` and checked against the default config's result in the same run.
 
-    PYTHONPATH=. python benchmarks/tune_sparse.py [--patterns ...] [--out DIR]
+    PYTHONPATH=. python benchmarks/experiments/tune_sparse.py [--patterns ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.py
 
 FWD = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4),
        (64, 128, 4, 2), (128, 128, 8, 2)]

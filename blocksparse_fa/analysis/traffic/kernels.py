@@ -1,0 +1,149 @@
+"""Per-kernel counts: L2 → SM bytes (exact, a sum over programs and lookup-table entries) and the
+wave model's DRAM estimate (:mod:`.waves`).
+
+The kernels modelled (``blocksparse_fa/kernels``): ``_attn_fwd`` (one program per query tile ×
+batch·head; Q once, K/V per visited key block, writes O and LSE), ``_attn_bwd_preprocess`` (reads
+O, dO, writes δ), and ``_attn_bwd``, whose dK/dV programs (one per key tile × batch·kv-head; K/V
+once, then per query head of the GQA group and per column-LUT entry Q, dO, LSE, δ; writes dK, dV)
+and dQ programs (one per query tile × batch·head; Q, dO, LSE, δ once, K/V per entry, writes dQ) run
+in one launch or two; the model counts them as ``bwd_dkdv`` and ``bwd_dq``. In the one launch the
+grid goes head by head (``TrafficParams.bwd_order="head_major"``), so when one GQA group's Q, dO,
+LSE, δ, K, V fit in L2 the dQ programs find them there and read only their lookup tables from DRAM.
+Lookup tables: each program reads 4 int32 row pointers and 4 bytes per entry. Only the valid
+rows/keys of ragged edge tiles are counted (masked loads move nothing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .geometry import _Geometry, _order, _tiles
+from .params import TileSizes, TrafficParams
+from .report import KernelTraffic
+from .waves import _reuse, _wave_policy, _wave_segments, _WaveRefs
+
+
+def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_side_loads: dict,
+                q_side_stores: dict, lut_bytes: int) -> KernelTraffic:
+    """Forward and dQ: programs (query tile, batch·head) that visit the row LUT and load K/V per entry.
+
+    q_side_loads / q_side_stores: bytes per query row loaded once / stored by each program.
+    """
+    B, H, G = p.batch, p.heads, p.heads // p.hkv
+    D, e = p.head_dim, p.elem
+    t_row, t_h = _tiles(geo.q_len, block_m, geo.bm)
+    n_t = len(t_row)
+    P = p.programs_in_flight(name)
+    per_row_load = sum(q_side_loads.values())
+    per_row_store = sum(q_side_stores.values())
+    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row)
+    mult = np.zeros(geo.n_inst, dtype=np.int64)
+    stream_p = np.empty(B * H * n_t)
+    for b in range(B):
+        for h in range(H):
+            z = geo.instance(b, h)
+            mult[z] += 1
+            st = t_h * (per_row_load + per_row_store) + 16 + 4 * geo.row_cnt[z, t_row]
+            stream_p[(b * H + h) * n_t:(b * H + h + 1) * n_t] = st if perm is None else st[perm]
+    kv_loads = float(2 * D * e * (mult[:, None] * geo.row_keys[:, t_row]).sum())
+    lut_loads = float((mult[:, None] * (16 + 4 * geo.row_cnt[:, t_row])).sum())
+    rows_total = B * H * geo.q_len
+    loads = {k: v * rows_total for k, v in q_side_loads.items()}
+    loads["K+V"] = int(kv_loads)
+    loads["LUT"] = int(lut_loads)
+    stores = {k: v * rows_total for k, v in q_side_stores.items()}
+    n_prog = B * H * n_t
+    n_waves = -(-n_prog // P)
+    stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
+    # wave-distinct K/V objects: (b * Hkv + hk) * Tc + column
+    refs = _WaveRefs(n_waves, dedup=G > 1)  # query heads of a GQA group share K/V objects
+    for bh, w, t0, t1 in _wave_segments(B * H, n_t, P):
+        b, h = divmod(bh, H)
+        z = geo.instance(b, h)
+        if perm is None:
+            cols = geo.cols_of_rows(z, int(t_row[t0]), int(t_row[t1 - 1]))
+        else:
+            cols = geo.cols_of_row_set(z, t_row[perm[t0:t1]])
+        refs.add(w, (b * p.hkv + h // G) * geo.tc + cols)
+    obj_bytes = np.tile(2.0 * D * e * geo.col_w, B * p.hkv)
+    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, _wave_policy(p))
+    compulsory = sum(loads[k] for k in q_side_loads) + ru["compulsory"] + lut_bytes
+    return KernelTraffic(
+        name=name, programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
+        sm_to_l2_bytes=int(sum(stores.values())), loads=loads, stores=stores,
+        dram_read_bytes=compulsory + ru["reread"], dram_write_bytes=int(sum(stores.values())),
+        compulsory_read_bytes=int(compulsory), reread_bytes=ru["reread"],
+        shared_in_wave_bytes=int(kv_loads - ru["wave_distinct"]), reuse_bytes=ru["reuse"],
+        reuse_distance_max=ru["reuse_max"], wave_footprint_max=ru["footprint_max"],
+        fits_l2=ru["reuse_max"] <= p.l2_bytes)
+
+
+def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraffic:
+    B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
+    D, e = p.head_dim, p.elem
+    u_col, u_w = _tiles(geo.kv_len, p.tiles.dkdv_block_n, geo.bn)
+    n_u = len(u_col)
+    P = p.programs_in_flight("bwd_dkdv")
+    q_obj_row = 2 * D * e + 8  # Q, dO rows + LSE, delta (fp32)
+    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col)
+    mult = np.zeros(geo.n_inst, dtype=np.int64)
+    stream_p = np.empty(B * Hkv * n_u)
+    for b in range(B):
+        for hk in range(Hkv):
+            lut = np.zeros(n_u)
+            for g in range(G):
+                z = geo.instance(b, hk * G + g)
+                mult[z] += 1
+                lut += 16 + 4 * geo.col_cnt[z, u_col]
+            st = 4 * D * e * u_w + lut
+            stream_p[(b * Hkv + hk) * n_u:(b * Hkv + hk + 1) * n_u] = st if perm is None else st[perm]
+    q_loads = float(q_obj_row * (mult[:, None] * geo.col_rows[:, u_col]).sum())
+    lut_loads = float((mult[:, None] * (16 + 4 * geo.col_cnt[:, u_col])).sum())
+    kv_total = B * Hkv * geo.kv_len * D * e
+    loads = {"K": kv_total, "V": kv_total, "Q+dO+LSE+delta": int(q_loads), "LUT": int(lut_loads)}
+    stores = {"dK": kv_total, "dV": kv_total}
+    n_prog = B * Hkv * n_u
+    n_waves = -(-n_prog // P)
+    stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
+    refs = _WaveRefs(n_waves, dedup=False)  # objects are per query head: never shared
+    for bkv, w, u0, u1 in _wave_segments(B * Hkv, n_u, P):
+        b, hk = divmod(bkv, Hkv)
+        for g in range(G):
+            h = hk * G + g
+            z = geo.instance(b, h)
+            if perm is None:
+                rows = geo.rows_of_cols(z, int(u_col[u0]), int(u_col[u1 - 1]))
+            else:
+                rows = geo.rows_of_col_set(z, u_col[perm[u0:u1]])
+            refs.add(w, (b * H + h) * geo.tr + rows)
+    obj_bytes = np.tile(float(q_obj_row) * geo.row_h, B * H)
+    ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, _wave_policy(p))
+    compulsory = 2 * kv_total + ru["compulsory"] + lut_bytes
+    return KernelTraffic(
+        name="bwd_dkdv", programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
+        sm_to_l2_bytes=int(sum(stores.values())), loads=loads, stores=stores,
+        dram_read_bytes=compulsory + ru["reread"], dram_write_bytes=int(sum(stores.values())),
+        compulsory_read_bytes=int(compulsory), reread_bytes=ru["reread"],
+        shared_in_wave_bytes=int(q_loads - ru["wave_distinct"]), reuse_bytes=ru["reuse"],
+        reuse_distance_max=ru["reuse_max"], wave_footprint_max=ru["footprint_max"],
+        fits_l2=ru["reuse_max"] <= p.l2_bytes)
+
+
+def _preprocess_kernel(geo: _Geometry, p: TrafficParams) -> KernelTraffic:
+    rows = p.batch * p.heads * geo.q_len
+    od = rows * p.head_dim * p.elem
+    loads = {"O": od, "dO": od}
+    stores = {"delta": 4 * rows}
+    n_prog = p.batch * p.heads * -(-geo.q_len // p.tiles.preprocess_block_m)
+    waves = -(-n_prog // p.programs_in_flight("bwd_preprocess"))
+    return KernelTraffic(name="bwd_preprocess", programs=n_prog, waves=waves,
+                         l2_to_sm_bytes=2 * od, sm_to_l2_bytes=4 * rows, loads=loads, stores=stores,
+                         dram_read_bytes=float(2 * od), dram_write_bytes=4 * rows, compulsory_read_bytes=2 * od)
+
+
+def _check_tiles(geo: _Geometry, t: TileSizes) -> None:
+    for name, tile, block in (("fwd_block_m", t.fwd_block_m, geo.bm), ("fwd_block_n", t.fwd_block_n, geo.bn),
+                              ("dkdv_block_m", t.dkdv_block_m, geo.bm), ("dkdv_block_n", t.dkdv_block_n, geo.bn),
+                              ("dq_block_m", t.dq_block_m, geo.bm), ("dq_block_n", t.dq_block_n, geo.bn)):
+        if block % tile:
+            raise ValueError(f"tile {name}={tile} must divide the layout block ({block}), as the kernels require")
