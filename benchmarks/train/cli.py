@@ -178,7 +178,8 @@ def _resolve(args, ap) -> tuple[list[RunConfig], Patterns, list[str]]:
 
 def env_info(device: str) -> dict:
     dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
+        f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
     try:
         import triton
 

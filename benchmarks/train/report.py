@@ -435,7 +435,10 @@ def markdown(payload: dict, figures: dict) -> str:
     res = payload["results"]
     runs = payload["runs"]
     data = _data_info(payload) or {}
-    any_run = next(iter(runs.values()), {})
+    # the setup describes the latest run that trained (else the latest run)
+    ordered = sorted(runs.items())
+    train_runs = [run for rid, run in ordered if any(r.get("run_id") == rid and r.get("mode") == "train" for r in res)]
+    any_run = (train_runs or [run for _, run in ordered] or [{}])[-1]
     c = any_run.get("config", {})
     pats = any_run.get("patterns", {})
     envs = sorted({f"{r.get('env', {}).get('device', '?')} (torch {r.get('env', {}).get('torch', '?')}, "
@@ -523,7 +526,8 @@ def markdown(payload: dict, figures: dict) -> str:
         "",
     ]
     for L in L_train:
-        out += [f"## Training at {length_label(L)} tokens", ""] + _train_table(payload, L) + [""]
+        out += [f"## Training at {length_label(L)} tokens", ""] + _probe_line(payload, L) \
+            + _train_table(payload, L) + [""]
         if figures.get(L):
             out += [f"![training curves at {length_label(L)}]({figures[L]})", ""]
         out += _modes(payload, L, "train")
@@ -545,11 +549,31 @@ def markdown(payload: dict, figures: dict) -> str:
         out += ["", "Profiles of the variants below the GPU-busy target:", ""] + prof
     out += ["", "## Runs", ""]
     for rid, run in sorted(runs.items()):
+        rc = run.get("config", {})
+        summary = (f"lengths {rc.get('seq_len')}, {rc.get('layers')} layers x d_model {rc.get('d_model')}, "
+                   f"{rc.get('steps')} steps, compile {'on' if rc.get('compile') else 'off'}")
         out.append(f"- `{rid}`: `python benchmarks/train_long_context.py {' '.join(run.get('argv', []))}` "
-                   f"on {run.get('env', {}).get('device', '?')}")
+                   f"on {run.get('env', {}).get('device', '?')} ({summary})")
     out += ["", "Raw data, including per-step times and losses, evaluation histories and profiles: "
             "`docs/data/training_results.json`.", ""]
     return "\n".join(out)
+
+
+def _probe_line(payload, L) -> list[str]:
+    from .data import N_VALS
+
+    for r in payload["results"]:
+        p = r.get("probe")
+        if r.get("seq_len") == L and r.get("mode") == "train" and p:
+            line = (f"Probe at this length: {p['pairs']} pairs, {len(p['rounds'])} query round(s) "
+                    f"({p['pairs'] * len(p['rounds'])} scored answers per probe sequence), every query more "
+                    f"than {p['reach']:,} tokens after the earlier occurrences of its key; chance accuracy "
+                    f"{1 / N_VALS:.3f}.")
+            if p.get("window_reachable"):
+                line += (" **At this length the windowed models can reach the key-value prefix** (the "
+                         "sequence is too short to keep the queries out of their reach).")
+            return [line, ""]
+    return []
 
 
 def _same_init(payload) -> str:

@@ -135,6 +135,8 @@ def gpu_busy(step_fn, n: int, dev: torch.device, impl: str) -> dict | None:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             iv.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
             by_name[e["name"]] = by_name.get(e["name"], 0.0) + float(e["dur"])
+    if not iv:
+        return None  # no device activity recorded (no CUPTI?)
     iv.sort()
     busy, cur_s, cur_e = 0.0, None, None
     for s, e in iv:
@@ -408,7 +410,14 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
                 setup.step(min(k[0], cfg.steps - 1))
                 k[0] += 1
 
-            prof = gpu_busy(one, cfg.profile_steps, dev, name.split("_")[0])
+            try:
+                prof = gpu_busy(one, cfg.profile_steps, dev, name.split("_")[0])
+                if prof is None:
+                    out["gpu_error"] = "the profiler recorded no device activity"
+            except Exception as e:  # noqa: BLE001  (OOM is handled below, like a training failure)
+                if _is_oom(e):
+                    raise
+                out["gpu_error"] = _short(e)
         out.update({
             "status": "ok", "stopped": stopped, "steps": n_done, "probe_sequences": int(probe_steps),
             "step_ms": [t * 1e3 for t in ts], "median_step_ms": med * 1e3,
