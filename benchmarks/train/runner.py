@@ -377,14 +377,12 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
                 stopped = "time_budget" if over_budget else "deadline"
             if evaluate and (n_done in eval_at or stopped != "steps"):
                 if ends:
-                    ends[-1][1] = False
-                ts = timed_steps_s()
+                    ends[-1][1] = False  # this step's time ends at its own end event (excludes the evaluation)
                 t0 = time.perf_counter()
                 ev = _evaluate(setup, text_evals, probe_evals)
                 last_eval_s = time.perf_counter() - t0
                 eval_s += last_eval_s
                 ev["step"] = n_done
-                ev["_times"] = ts
                 evals.append(ev)
                 log(f"  {name:<16} step {n_done:>5}  held-out {ev['bpb']:.4f} bits/byte"
                     + (f", probe accuracy {ev['probe_acc']:.3f}" if ev["probe_acc"] is not None else "")
@@ -400,7 +398,6 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
         cum = np.cumsum(wall_steps)
         for ev in evals:
             ev["train_s"] = float(cum[ev["step"] - 1])
-            ev.pop("_times", None)
         loss_list = losses[:n_done].float().cpu().tolist()
         prof = None
         if cuda and cfg.profile_steps > 0 and (deadline is None or time.perf_counter() < deadline - 5):

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.mask import primitives as P
@@ -117,8 +119,6 @@ def pick_sdpa(device: torch.device, heads: int, kv_heads: int, head_dim: int) ->
     if device.type != "cuda":
         choice = {"label": "PyTorch default (CPU)", "backends": None, "expand_kv": False}
     else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         cands = [("cuDNN", [SDPBackend.CUDNN_ATTENTION], False),
                  ("cuDNN, K/V expanded to all heads", [SDPBackend.CUDNN_ATTENTION], True),
                  ("FlashAttention-2", [SDPBackend.FLASH_ATTENTION], False),
@@ -156,8 +156,6 @@ class SDPACore(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if self.backends is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        from torch.nn.attention import sdpa_kernel
-
         with sdpa_kernel(self.backends):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
@@ -222,8 +220,6 @@ _FLEX = {}
 
 
 def _flex_fns(compiled: bool):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     if not compiled:
         return flex_attention, create_block_mask
     if "fns" not in _FLEX:
@@ -241,8 +237,6 @@ class FlexCore(nn.Module):
         self.compiled_kernel = compiled_kernel
 
     def forward(self, q, k, v, block_mask):
-        from torch.nn.attention.flex_attention import flex_attention
-
         fn = flex_attention if torch.compiler.is_compiling() else _flex_fns(self.compiled_kernel)[0]
         return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
