@@ -187,7 +187,7 @@ def env_info(device: str) -> dict:
     except Exception:  # noqa: BLE001
         tv = None
     return {"device": name, "torch": torch.__version__, "triton": tv, "python": platform.python_version(),
-            "cuda": torch.version.cuda, "host": platform.node()}
+            "cuda": torch.version.cuda}
 
 
 def _run(args, ap, argv) -> dict:
