@@ -1,0 +1,444 @@
+"""Training loop of one variant at one length: timing, evaluation, profiling, failure handling.
+
+Timing. The first ``sync_steps`` steps (compilation, autotuning, first-touch allocation) are timed
+on the host with a synchronisation after each; their excess over the steady median is reported as
+``compile_s``. Later steps are timed with CUDA events and never synchronise (the loss is read only
+every ``log_every`` steps and at evaluations), so the host runs ahead as a real training loop does.
+A step's time runs from its start event to the next step's start event, so host work between steps
+(batch copy, mask building) counts. Tokens/s = tokens per step / median step time. The wall-clock
+axis of the curves is the cumulative step time with the compile steps counted at the median.
+
+Evaluation runs the training forward (grad enabled, same compiled graphs: no recompilation) on
+fixed held-out batches and discards the graph; its time is not training time.
+
+GPU busy: ``torch.profiler`` over ``profile_steps`` extra steps after training; the union of the
+device activity intervals (kernels, copies, memsets) divided by the wall time of those steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import re
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .data import ANSWER, TEXT, VOCAB, Prefetcher, ProbeSpec, TrainStream, eval_batches, probe_spec
+from .model import Decoder, rope_tables
+from .variants import Patterns, Variant, block_density
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class RunConfig:
+    device: str = "cuda"
+    seq_len: int = 65536
+    batch: int = 1
+    layers: int = 8
+    d_model: int = 1024
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 128
+    rope_base: float = 500000.0
+    steps: int = 120
+    lr: float = 1e-3
+    warmup: int = 12
+    min_lr_frac: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    time_budget: float = 0.0  # seconds of training per variant, 0 = none
+    eval_every: int = 20  # 0 = evaluate at the end only; <0 = never (throughput runs)
+    eval_windows: int = 2
+    eval_probes: int = 2
+    probe_rate: float = 0.25
+    probe_pairs: int = 16
+    probe_rounds: int = 8
+    probe_reach: int = 0  # 0 = layers x the widest window hop
+    probe_weight: float = 1.0
+    held_out_permille: int = 30
+    compile: bool = True
+    compile_scope: str = "block"  # block (regional) or model
+    compile_mode: str = "default"
+    compile_backend: str = "inductor"
+    bsfa_mode: str = "auto"  # auto, op, island
+    bsfa_api: str = "module"
+    sync_steps: int = 2
+    profile_steps: int = 3
+    log_every: int = 10
+    seed: int = 0
+    mode: str = "train"  # train or throughput
+
+    def reach(self, pats: Patterns) -> int:
+        return self.probe_reach or self.layers * pats.max_hop()
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _short(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:400] if msg else ''}"
+
+
+# ------------------------------------------------------------------------------------------------
+# profiling
+# ------------------------------------------------------------------------------------------------
+_ATTN_KERNELS = {"sdpa": r"sdpa|fmha|flash|attention|cudnn",
+                 "flex": r"triton_tem|flex",
+                 "bsfa": r"_attn_|_merge_residue|_sum_partials|_dkdv|_dq_"}
+
+
+def gpu_busy(step_fn, n: int, dev: torch.device, impl: str) -> dict | None:
+    """Device-busy fraction over ``n`` calls of ``step_fn`` (CUDA only; None elsewhere)."""
+    if dev.type != "cuda" or n <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step_fn()
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            events = json.load(f).get("traceEvents", [])
+    iv, by_name = [], {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            iv.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+            by_name[e["name"]] = by_name.get(e["name"], 0.0) + float(e["dur"])
+    if not iv:
+        return None  # no device activity recorded (no CUPTI?)
+    iv.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in iv:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    pat = re.compile(_ATTN_KERNELS.get(impl, r"$^"), re.I)
+    attn = sum(v for k, v in by_name.items() if pat.search(k))
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"busy_fraction": min(1.0, busy / (wall * 1e6)), "device_ms_per_step": busy / 1e3 / n,
+            "wall_ms_per_step": wall * 1e3 / n, "attention_kernel_ms_per_step": attn / 1e3 / n,
+            "kernels_per_step": len(iv) / n, "steps": n,
+            "top_kernels": [{"name": k[:120], "ms_per_step": v / 1e3 / n} for k, v in top]}
+
+
+# ------------------------------------------------------------------------------------------------
+# one variant
+# ------------------------------------------------------------------------------------------------
+class _Setup:
+    """Model, optimiser, variant and data of one attempt (rebuilt from the seed on a retry)."""
+
+    def __init__(self, name: str, cfg: RunConfig, pats: Patterns, corpus, spec: ProbeSpec, bsfa_mode: str):
+        dev = torch.device(cfg.device)
+        self.dev = dev
+        torch._dynamo.reset()
+        compiled = cfg.compile
+        self.variant = Variant(name, cfg.seq_len, pats, dev, compiled=compiled, bsfa_mode=bsfa_mode,
+                               bsfa_api=cfg.bsfa_api, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
+        torch.manual_seed(cfg.seed)  # identical initial weights for every variant
+        model = Decoder(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, self.variant.core)
+        self.model = model.to(dev)
+        self.n_params = model.n_params()
+        self.init_checksum = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+        kw = {"backend": cfg.compile_backend}
+        if cfg.compile_mode != "default":
+            kw["mode"] = cfg.compile_mode
+        if compiled and cfg.compile_scope == "block":
+            model.compile_regions(fullgraph=self.variant.fullgraph, **kw)
+            self.fwd = model
+        elif compiled:
+            self.fwd = torch.compile(model, fullgraph=self.variant.fullgraph, dynamic=False, **kw)
+        else:
+            self.fwd = model
+        decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("emb")]
+        other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith("emb"))]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+        self.params = list(model.parameters())
+        self.cos, self.sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base, dev)
+        self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" \
+            else torch.autocast("cpu", enabled=False)
+        self.stream = Prefetcher(TrainStream(corpus, cfg.seq_len, cfg.batch, spec, cfg.probe_rate, cfg.probe_weight,
+                                             seed=cfg.seed + 1), pin=dev.type == "cuda")
+        self.cfg = cfg
+
+    def step(self, step_index: int):
+        cfg = self.cfg
+        b_cpu = self.stream.next()
+        b = b_cpu.to(self.dev, non_blocking=True)
+        arg = self.variant.arg(b_cpu, b)
+        lr = lr_at(step_index, cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        with self.amp:
+            loss, _, _ = self.fwd(b.tokens, b.targets, b.weights, self.cos, self.sin, arg)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach(), b_cpu.n_probe
+
+    def forward_eval(self, b_cpu, b):
+        arg = self.variant.arg(b_cpu, b)
+        with self.amp:
+            _, ce, correct = self.fwd(b.tokens, b.targets, b.weights, self.cos, self.sin, arg)
+        return ce, correct
+
+    def close(self):
+        self.stream.close()
+
+
+def _evaluate(setup: _Setup, text_evals, probe_evals) -> dict:
+    """Held-out bits per byte (text windows) and probe accuracy (probe sequences)."""
+    dev = setup.dev
+    ce_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    n_text = 0
+    for bc, bd in text_evals:
+        ce, _ = setup.forward_eval(bc, bd)
+        m = bd.kind == TEXT
+        ce_sum += (ce.double() * m).sum()
+        n_text += int((bc.kind == TEXT).sum())
+    hit = torch.zeros((), dtype=torch.int64, device=dev)
+    n_ans = 0
+    probe_ce = torch.zeros((), dtype=torch.float64, device=dev)
+    for bc, bd in probe_evals:
+        ce, correct = setup.forward_eval(bc, bd)
+        m = bd.kind == ANSWER
+        hit += (correct & m).sum()
+        probe_ce += (ce.double() * m).sum()
+        n_ans += int((bc.kind == ANSWER).sum())
+    out = {"bpb": float(ce_sum) / max(1, n_text) / LN2 if n_text else None,
+           "probe_acc": float(hit) / n_ans if n_ans else None,
+           "probe_ce": float(probe_ce) / n_ans if n_ans else None, "text_tokens": n_text, "probe_answers": n_ans}
+    return out
+
+
+def train_variant(name: str, cfg: RunConfig, pats: Patterns, corpus, log, deadline: float | None = None,
+                  deadline_reserve: float = 20.0) -> dict:
+    """Train (or time) one variant at ``cfg.seq_len``; never raises for OOM or compile failures:
+    the result's ``status`` says what happened."""
+    dev = torch.device(cfg.device)
+    spec = probe_spec(cfg.seq_len, cfg.probe_pairs, cfg.reach(pats), cfg.probe_rounds)
+    base = {"variant": name, "impl": name.split("_")[0], "family": name.split("_", 1)[1], "seq_len": cfg.seq_len,
+            "mode": cfg.mode, "batch": cfg.batch, "tokens_per_step": cfg.batch * cfg.seq_len}
+    try:
+        fam = base["family"]
+        if fam == "documents":
+            doc0 = eval_batches(corpus, cfg.seq_len, cfg.batch, spec, 1, 0)[0].doc
+            base["block_density"] = block_density(pats, fam, cfg.seq_len, doc0)
+            base["block_density_note"] = "of the first held-out window"
+        else:
+            base["block_density"] = block_density(pats, fam, cfg.seq_len)
+    except Exception as e:  # noqa: BLE001
+        base["block_density"] = None
+        base["block_density_note"] = _short(e)
+    if base["impl"] == "flex" and dev.type != "cuda":
+        return {**base, "status": "skipped", "reason": "FlexAttention has no backward on CPU"}
+    modes = ["op", "island"] if cfg.bsfa_mode == "auto" else [cfg.bsfa_mode]
+    if base["impl"] != "bsfa" or not cfg.compile:
+        modes = modes[:1]
+    notes = []
+    for i, bmode in enumerate(modes):
+        last = i == len(modes) - 1
+        res = _attempt(name, cfg, pats, corpus, spec, bmode, log, deadline, deadline_reserve, retry_ok=not last)
+        if res.get("status") == "retry":
+            notes.append(f"bsfa_mode={bmode} failed at the first step: {res['error']}")
+            log(f"  {name}: {notes[-1]}; retrying with bsfa_mode={modes[i + 1]}")
+            continue
+        if notes:
+            res["compile_notes"] = notes
+        return {**base, **res}
+    raise AssertionError("unreachable")
+
+
+def _cleanup(dev):
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline, reserve, retry_ok) -> dict:
+    dev = torch.device(cfg.device)
+    cuda = dev.type == "cuda"
+    _cleanup(dev)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    t_setup = time.perf_counter()
+    setup = None
+    step = -1
+    n_done = 0
+    out: dict = {}
+    try:
+        setup = _Setup(name, cfg, pats, corpus, spec, bsfa_mode)
+        out.update({"info": setup.variant.info, "fullgraph": setup.variant.fullgraph, "n_params": setup.n_params,
+                    "init_checksum": setup.init_checksum, "probe": {"rounds": list(spec.rounds), "reach": spec.reach,
+                                                                    "pairs": spec.n_pairs,
+                                                                    "window_reachable": spec.window_reachable}})
+        evaluate = cfg.eval_every >= 0
+        if evaluate:
+            te = eval_batches(corpus, cfg.seq_len, cfg.batch, spec, cfg.eval_windows, 0)
+            pe = eval_batches(corpus, cfg.seq_len, cfg.batch, spec, 0, cfg.eval_probes) if cfg.eval_probes else []
+            text_evals = [(b, b.to(dev)) for b in te]
+            probe_evals = [(b, b.to(dev)) for b in pe]
+            eval_at = set(range(cfg.eval_every, cfg.steps + 1, cfg.eval_every)) if cfg.eval_every > 0 else set()
+            eval_at.add(cfg.steps)
+        else:
+            eval_at = set()
+        setup_s = time.perf_counter() - t_setup
+
+        losses = torch.zeros(cfg.steps, dtype=torch.float32, device=dev)
+        host_s = []  # synchronised timings of the first steps
+        starts, ends = [], []  # CUDA events (or host times on CPU) of the later steps
+        evals, probe_steps = [], 0
+        stopped = "steps"
+        t_train0 = time.perf_counter()
+        eval_s = 0.0
+        last_eval_s = 0.0
+
+        def timed_steps_s() -> list:
+            """Seconds of every step so far (synchronises)."""
+            _sync(dev)
+            ts = list(host_s)
+            for i, (s, e) in enumerate(zip(starts, ends)):
+                if cuda:
+                    nxt = starts[i + 1] if i + 1 < len(starts) and e[1] else None
+                    ts.append((s.elapsed_time(nxt) if nxt is not None else s.elapsed_time(e[0])) / 1e3)
+                else:
+                    ts.append(e[0] - s)
+            return ts
+
+        for step in range(cfg.steps):
+            if step < cfg.sync_steps:
+                _sync(dev)
+                t0 = time.perf_counter()
+                loss, npb = setup.step(step)
+                _sync(dev)
+                host_s.append(time.perf_counter() - t0)
+                if step == 0:
+                    log(f"  {name}: first step {host_s[0]:.1f} s (compilation)")
+            else:
+                if cuda:
+                    ev0 = torch.cuda.Event(enable_timing=True)
+                    ev0.record()
+                    loss, npb = setup.step(step)
+                    ev1 = torch.cuda.Event(enable_timing=True)
+                    ev1.record()
+                    starts.append(ev0)
+                    ends.append([ev1, True])  # True: the next step follows directly (no eval between)
+                else:
+                    t0 = time.perf_counter()
+                    loss, npb = setup.step(step)
+                    starts.append(t0)
+                    ends.append([time.perf_counter(), True])
+            losses[step] = loss
+            probe_steps += npb > 0
+            n_done = step + 1
+            if cfg.log_every and n_done % cfg.log_every == 0:
+                log(f"  {name:<16} step {n_done:>5}  loss {float(loss):.4f}")
+            train_s = time.perf_counter() - t_train0 - eval_s - sum(host_s)
+            over_budget = cfg.time_budget and train_s > cfg.time_budget
+            over_deadline = deadline is not None and time.perf_counter() > deadline - reserve - 2 * last_eval_s
+            if over_budget or over_deadline:
+                stopped = "time_budget" if over_budget else "deadline"
+            if evaluate and (n_done in eval_at or stopped != "steps"):
+                if ends:
+                    ends[-1][1] = False  # this step's time ends at its own end event (excludes the evaluation)
+                t0 = time.perf_counter()
+                ev = _evaluate(setup, text_evals, probe_evals)
+                last_eval_s = time.perf_counter() - t0
+                eval_s += last_eval_s
+                ev["step"] = n_done
+                evals.append(ev)
+                log(f"  {name:<16} step {n_done:>5}  held-out {ev['bpb']:.4f} bits/byte"
+                    + (f", probe accuracy {ev['probe_acc']:.3f}" if ev["probe_acc"] is not None else "")
+                    + f"  ({last_eval_s:.1f} s)")
+            if stopped != "steps":
+                log(f"  {name}: stopped after {n_done} steps ({stopped.replace('_', ' ')})")
+                break
+        ts = timed_steps_s()
+        timed = ts[cfg.sync_steps:] or ts
+        med = float(np.median(timed))
+        compile_s = max(0.0, sum(host_s) - med * len(host_s))
+        wall_steps = [med] * len(host_s) + ts[len(host_s):]  # compile excluded from the time axis
+        cum = np.cumsum(wall_steps)
+        for ev in evals:
+            ev["train_s"] = float(cum[ev["step"] - 1])
+        loss_list = losses[:n_done].float().cpu().tolist()
+        prof = None
+        if cuda and cfg.profile_steps > 0 and (deadline is None or time.perf_counter() < deadline - 5):
+            k = [n_done]
+
+            def one():
+                setup.step(min(k[0], cfg.steps - 1))
+                k[0] += 1
+
+            try:
+                prof = gpu_busy(one, cfg.profile_steps, dev, name.split("_")[0])
+                if prof is None:
+                    out["gpu_error"] = "the profiler recorded no device activity"
+            except Exception as e:  # noqa: BLE001  (OOM is handled below, like a training failure)
+                if _is_oom(e):
+                    raise
+                out["gpu_error"] = _short(e)
+        out.update({
+            "status": "ok", "stopped": stopped, "steps": n_done, "probe_sequences": int(probe_steps),
+            "step_ms": [t * 1e3 for t in ts], "median_step_ms": med * 1e3,
+            "tokens_per_s": cfg.batch * cfg.seq_len / med, "compile_s": compile_s, "setup_s": setup_s,
+            "first_steps_s": host_s, "train_loss": loss_list, "evals": evals,
+            "final": evals[-1] if evals else None, "gpu": prof,
+            "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+            "eval_s": eval_s, "wall_s": time.perf_counter() - t_setup,
+        })
+        return out
+    except Exception as e:  # noqa: BLE001  (OOM, compile errors: recorded as results)
+        if _is_oom(e):
+            out.update({"status": "oom", "error": _short(e), "failed_at_step": step if step >= 0 else None,
+                        "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None})
+            log(f"  {name}: out of memory ({_short(e)})")
+            return out
+        if retry_ok and n_done == 0:
+            return {"status": "retry", "error": _short(e)}
+        out.update({"status": "error", "error": _short(e), "traceback": traceback.format_exc()[-3000:]})
+        log(f"  {name}: error {_short(e)}")
+        return out
+    finally:
+        if setup is not None:
+            setup.close()
+        del setup
+        torch._dynamo.reset()
+        _cleanup(dev)
