@@ -26,13 +26,13 @@ from tune_sparse import parallel_warm, rel  # noqa: E402
 
 PATTERNS = ["dense", "causal", "sliding_window_1024", "document_causal", "longformer", "bigbird"]
 # name -> (LUT policy, head-major backward grid: None = automatic); the first is the reference
-DEFAULT_POLICY = dict(fwd_arith=True, fwd_other="prefetch", dq_arith=True, dkdv_arith=False)
+DEFAULT_POLICY = dict(row_arith=True, fwd_other="prefetch", col_arith=None)
 VARIANTS = {
     "default": ({}, None),
-    "load": (dict(fwd_arith=False, fwd_other="load", dq_arith=False), None),
+    "load": (dict(row_arith=False, fwd_other="load"), None),
     "no_prefetch": (dict(fwd_other="load"), None),
-    "no_dq_arith": (dict(dq_arith=False), None),
-    "dkdv_arith": (dict(dkdv_arith=True), None),
+    "no_row_arith": (dict(row_arith=False), None),
+    "col_arith": (dict(col_arith=True), None),
     "doc_ids": (dict(document_runs=False), None),
     "phase": ({}, False),
     "headmajor": ({}, True),

@@ -49,7 +49,7 @@ def _device_state(layout: BlockLayout, device: torch.device):
 
 
 # How each kernel loop finds the block index of a LUT entry (``kernels/common.lut_first``).
-# Chosen from an A/B on the H100 (benchmarks/ab_variants.py, NOTES.md v7): index arithmetic on
+# Chosen from an A/B on the H100 (benchmarks/experiments/ab_variants.py, NOTES.md v7): index arithmetic on
 # lists that are runs of consecutive blocks speeds up the forward (sliding 0.456 -> 0.429 ms, causal
 # 2.54 -> 2.44) and dQ; prefetching the other lists one entry ahead speeds up BigBird's forward
 # (0.629 -> 0.594). dK/dV reads listed indices unless the listed column tables would be large
@@ -69,7 +69,7 @@ def set_lut_policy(**kw) -> None:
     _bump()
 
 
-# Forward loop options on Hopper (benchmarks/ab_variants.py compares them): K/V tiles through
+# Forward loop options on Hopper (benchmarks/experiments/ab_variants.py compares them): K/V tiles through
 # tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
 _FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None}
 
