@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..mask.dsl import parse
-from ..mask.expr import Mask
+from ..mask.expr import Mask, query_offset
 from .classify import Grid, classify, refine
 from .layout import BlockLayout
 
@@ -36,18 +36,22 @@ def _block_pair(block_size) -> tuple[int, int]:
 
 
 def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *, device=None,
-                 refine_budget: int = DEFAULT_REFINE_BUDGET, cache: bool = True) -> BlockLayout:
+                 refine_budget: int = DEFAULT_REFINE_BUDGET, cache: bool = True,
+                 align: str = "bottom_right") -> BlockLayout:
     """Compile a mask into a block layout without materialising the ``q_len × kv_len`` mask.
 
     Args:
         mask: a :class:`Mask` or DSL text.
         q_len: query length.
-        kv_len: key length (default ``q_len``); queries align bottom-right.
+        kv_len: key length (default ``q_len``).
         block_size: ``bm`` or ``(bm, bn)``.
         device: where the lookup tables live (default CPU).
         refine_budget: mask elements the compiler may evaluate to settle blocks that the state
             algebra leaves uncertain (``&``/``|`` of two partial blocks); 0 disables refinement.
-        cache: reuse a layout compiled for the same (mask, lengths, block size, device, budget).
+        cache: reuse a layout compiled for the same (mask, lengths, block size, device, budget, align).
+        align: where query row ``i`` sits: ``"bottom_right"`` (position ``i + kv_len - q_len``,
+            decode sees the whole cache) or ``"top_left"`` (position ``i``, as FlexAttention and
+            SDPA's ``is_causal``).
 
     Returns:
         A :class:`BlockLayout`.
@@ -60,7 +64,8 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
     mask.check_lengths(q_len, kv_len)
     bm, bn = _block_pair(block_size)
     dev = torch.device("cpu" if device is None else device)
-    key = (mask, q_len, kv_len, bm, bn, str(dev), refine_budget)
+    query_offset(q_len, kv_len, align)  # validates align
+    key = (mask, q_len, kv_len, bm, bn, str(dev), refine_budget, align)
     if cache:
         with _lock:
             hit = _cache.get(key)
@@ -69,7 +74,7 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
                 _stats["hits"] += 1
                 return hit
     t0 = time.perf_counter()
-    grid = Grid(q_len, kv_len, bm, bn)
+    grid = Grid(q_len, kv_len, bm, bn, align)
     segs = classify(mask, grid)
     bs = mask.batch_shape or (1, 1)
     segs = segs.broadcast_to(bs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..mask.expr import And, Mask, Not, Or
-from ..mask.primitives import full
+from ..mask.primitives import MaskMod, full
 from .classify import Grid, classify
 from .segments import EMPTY, FULL, Segments
 
@@ -39,8 +39,8 @@ def masked_blocks(segs: Segments, grid: Grid) -> tuple[np.ndarray, np.ndarray]:
 
 def _leaf_constant(leaf: Mask, grid: Grid, r: np.ndarray, c: np.ndarray):
     """``True``/``False`` when ``leaf`` is full/empty on every block ``(r, c)``, else ``None``."""
-    if leaf.batch_shape or len(r) == 0:
-        return None  # batch-dependent primitives keep their predicate
+    if leaf.batch_shape or len(r) == 0 or isinstance(leaf, MaskMod):
+        return None  # batch-dependent primitives keep their predicate; callables are not re-evaluated
     segs = classify(leaf, grid)
     keys = segs.key
     pos = np.searchsorted(keys, r * (grid.tc + 1) + c, side="right") - 1
