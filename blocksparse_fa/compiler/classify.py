@@ -107,7 +107,10 @@ _OVERRIDE_FULL = np.array([[a if b != FULL else FULL for b in range(4)] for a in
 # expressions
 # --------------------------------------------------------------------------------------------
 def _is_groupable(m: Mask) -> bool:
-    """Interval primitives and row filters, classified together under ``&``."""
+    """Interval primitives and row filters, classified together under ``&`` (documents that are
+    each one run of positions are intervals too)."""
+    if isinstance(m, P.Document):
+        return m.runs() is not None
     return isinstance(m, (P.IntervalPrimitive, P.RowPrimitive, P.QuerySet))
 
 
@@ -265,19 +268,7 @@ def _row_uniform(row_state: np.ndarray, g: Grid) -> Segments:
 def _from_intervals(g: Grid, rows, lo, hi, state=PARTIAL) -> Segments:
     """Rows whose non-empty blocks are the column intervals ``[lo, hi]`` (inclusive; may overlap,
     any order) with one state; every other block empty."""
-    rows, lo, hi = (np.asarray(x, np.int64) for x in (rows, lo, hi))
-    ok = hi >= lo
-    rows, lo, hi = rows[ok], lo[ok], hi[ok]
-    order = np.lexsort((lo, rows))
-    rows, lo, hi = rows[order], lo[order], hi[order]
-    if len(rows):  # merge overlapping or touching intervals of a row
-        # running max of hi within each row (offset by row so rows never mix)
-        key = rows * (g.tc + 2)
-        run_hi = np.maximum.accumulate(hi + key) - key
-        new = np.ones(len(rows), dtype=bool)
-        new[1:] = (rows[1:] != rows[:-1]) | (lo[1:] > run_hi[:-1] + 1)
-        starts = np.nonzero(new)[0]
-        rows, lo, hi = rows[new], lo[new], np.maximum.reduceat(hi, starts)
+    rows, lo, hi = _merge_intervals(rows, lo, hi, g.tc)
     n_rows = g.tr
     base = np.arange(n_rows, dtype=np.int64) * (g.tc + 1)
     k_start = rows * (g.tc + 1) + lo
@@ -295,6 +286,24 @@ def _from_intervals(g: Grid, rows, lo, hi, state=PARTIAL) -> Segments:
     return Segments._compress((1, 1), g.tr, g.tc, key[last], st[last])
 
 
+def _merge_intervals(rows, lo, hi, tc: int):
+    """Sorted, disjoint, non-touching column intervals ``[lo, hi]`` per row (union of the input)."""
+    rows, lo, hi = (np.asarray(x, np.int64) for x in (rows, lo, hi))
+    ok = hi >= lo
+    rows, lo, hi = rows[ok], lo[ok], hi[ok]
+    if not len(rows):
+        return rows, lo, hi
+    order = np.lexsort((lo, rows))
+    rows, lo, hi = rows[order], lo[order], hi[order]
+    key = rows * (tc + 2)  # running max of hi within each row (rows never mix)
+    run_hi = np.maximum.accumulate(hi + key) - key
+    new = np.ones(len(rows), dtype=bool)
+    new[1:] = (rows[1:] != rows[:-1]) | (lo[1:] > run_hi[:-1] + 1)
+    starts = np.nonzero(new)[0]
+    ends = np.append(starts[1:], len(rows)) - 1  # last interval of each merged group: its running max
+    return rows[new], lo[new], run_hi[ends]
+
+
 def _override_full(segs: Segments, g: Grid, rows, cols) -> Segments:
     """Set the given blocks to FULL."""
     if len(rows) == 0:
@@ -306,17 +315,76 @@ def _override_full(segs: Segments, g: Grid, rows, cols) -> Segments:
 # --------------------------------------------------------------------------------------------
 # interval primitives and row filters
 # --------------------------------------------------------------------------------------------
+def _affine_group(grp: _Group, g: Grid):
+    """The group in closed form when every part is ``lo = max(c, qp + a)``, ``hi = min(c', qp + b)``
+    or a range of query positions: then the non-empty rows are one run and consecutive rows'
+    intervals overlap or touch (``lo`` grows by at most 1 per row), so every row block is settled
+    from its first and last non-empty row, O(Tr). None when some part is of another form."""
+    lo_c, lo_a, hi_c, hi_b = 0, None, g.kv_len - 1, None
+    ra, rb = -BIG, BIG  # query positions [ra, rb)
+    for p in grp.parts:
+        rr = getattr(p, "_row_range", None)
+        if rr is not None:
+            a, b = rr()
+            ra, rb = max(ra, a), min(rb, b)
+            continue
+        aff = getattr(p, "_affine", None)
+        if aff is None:
+            return None
+        c, a, c2, b = aff()
+        if c is not None:
+            lo_c = max(lo_c, c)
+        if a is not None:
+            lo_a = a if lo_a is None else max(lo_a, a)
+        if c2 is not None:
+            hi_c = min(hi_c, c2)
+        if b is not None:
+            hi_b = b if hi_b is None else min(hi_b, b)
+    qa, qb = ra, rb - 1  # non-empty query positions [qa, qb]
+    if hi_b is not None:
+        qa = max(qa, lo_c - hi_b)
+    if lo_a is not None:
+        qb = min(qb, hi_c - lo_a)
+    if lo_c > hi_c or (lo_a is not None and hi_b is not None and lo_a > hi_b):
+        qa, qb = 1, 0
+
+    def lo(q):
+        return np.maximum(lo_c, q + lo_a) if lo_a is not None else np.full_like(q, lo_c)
+
+    def hi(q):
+        return np.minimum(hi_c, q + hi_b) if hi_b is not None else np.full_like(q, hi_c)
+
+    tc = g.tc
+    first = np.maximum(g.qlo, qa)
+    last = np.minimum(g.qhi, qb)
+    any_row = first <= last
+    all_rows = (first == g.qlo) & (last == g.qhi)
+    n_lo = np.where(any_row, lo(first) // g.bn, tc)
+    n_hi = np.where(any_row, hi(last) // g.bn + 1, tc)
+    f_lo = np.clip(np.searchsorted(g.clo, lo(g.qhi), side="left"), n_lo, n_hi)
+    f_hi = np.clip(np.searchsorted(g.chi, hi(g.qlo), side="right"), f_lo, n_hi)
+    nofull = (f_lo >= f_hi) | ~all_rows | ~any_row
+    f_lo = np.where(nofull, n_hi, f_lo)
+    f_hi = np.where(nofull, n_hi, f_hi)
+    zeros = np.zeros(g.tr, np.int64)
+    bounds = np.stack([zeros, n_lo, f_lo, f_hi, n_hi, zeros + tc], axis=1)
+    return Segments.from_boundaries(g.tr, tc, bounds, [EMPTY, PARTIAL, FULL, PARTIAL, EMPTY])
+
+
 def _group(grp: _Group, g: Grid) -> Segments:
     """Per row: ``lo <= j <= hi`` (intersection of the intervals, empty on filtered rows). Per row
     block: non-empty columns span the union of its rows' intervals (exact when the union is one run
     of keys, checked; blocks where it is not are UNSURE), full columns lie inside every row's
     interval."""
+    fast = _affine_group(grp, g)
+    if fast is not None:
+        return fast
     tc = g.tc
     qp = np.arange(g.q_len, dtype=np.int64) + g.off
     lo = np.zeros(g.q_len, np.int64)
     hi = np.full(g.q_len, g.kv_len - 1, np.int64)
     for p in grp.parts:
-        if isinstance(p, P.IntervalPrimitive):
+        if isinstance(p, (P.IntervalPrimitive, P.Document)):
             l, h = p._bounds(qp)
             lo = np.maximum(lo, l)
             hi = np.minimum(hi, h)
@@ -476,16 +544,16 @@ def _periodic_window(m: P.PeriodicWindow, g: Grid) -> Segments:
         return Segments.uniform(g.tr, g.tc, FULL)
 
     def arcs(x0, n):
-        """Residue intervals of ``[x0, x0 + n)`` mod P: up to two ``(lo, hi)``, the second may be empty."""
+        """Residues of ``[x0, x0 + n)`` mod P: a first interval, and a second one (``[0, e]``) for
+        the classes that wrap around, with their indices."""
         a = np.mod(x0, period)
         e = a + n - 1
         whole = n >= period
         wrap = (e >= period) & ~whole
         lo1 = np.where(whole, 0, a)
-        hi1 = np.where(whole, period - 1, np.where(wrap, period - 1, e))
-        lo2 = np.where(wrap, 0, 1)
-        hi2 = np.where(wrap, e - period, 0)  # empty when lo2 > hi2
-        return np.stack([lo1, lo2], -1), np.stack([hi1, hi2], -1)
+        hi1 = np.where(whole | wrap, period - 1, e)
+        idx = np.nonzero(wrap)[0]
+        return lo1, hi1, idx, np.zeros(len(idx), np.int64), (e - period)[idx]
 
     nr = np.minimum(g.ilo + g.bm, g.q_len) - g.ilo
     nc = g.chi - g.clo + 1
@@ -494,15 +562,26 @@ def _periodic_window(m: P.PeriodicWindow, g: Grid) -> Segments:
     ru, rinv = np.unique(rkey, axis=0, return_inverse=True)
     cu, cinv = np.unique(ckey, axis=0, return_inverse=True)
     rinv, cinv = rinv.reshape(-1), cinv.reshape(-1)
-    alo, ahi = arcs(ru[:, 0], ru[:, 1])  # (R, 2)
-    blo, bhi = arcs(cu[:, 0], cu[:, 1])  # (C, 2)
-    A_lo, A_hi = alo[:, None, :, None], ahi[:, None, :, None]
-    B_lo, B_hi = blo[None, :, None, :], bhi[None, :, None, :]
-    valid = (A_lo <= A_hi) & (B_lo <= B_hi)
-    gap = np.maximum(np.maximum(A_lo - B_hi, B_lo - A_hi), 0)
-    spread = np.maximum(A_hi - B_lo, B_hi - A_lo)
-    anyk = (valid & (gap <= w)).any((2, 3))
-    allk = (~valid | (spread <= w)).all((2, 3))
+    a_lo, a_hi, ra, a2_lo, a2_hi = arcs(ru[:, 0], ru[:, 1])
+    b_lo, b_hi, ca, b2_lo, b2_hi = arcs(cu[:, 0], cu[:, 1])
+
+    def some(al, ah, bl, bh):  # some pair within w
+        return np.maximum(al[:, None] - bh[None, :], bl[None, :] - ah[:, None]) <= w
+
+    def every(al, ah, bl, bh):  # every pair within w
+        return np.maximum(ah[:, None] - bl[None, :], bh[None, :] - al[:, None]) <= w
+
+    anyk = some(a_lo, a_hi, b_lo, b_hi)
+    allk = every(a_lo, a_hi, b_lo, b_hi)
+    if len(ra):
+        anyk[ra] |= some(a2_lo, a2_hi, b_lo, b_hi)
+        allk[ra] &= every(a2_lo, a2_hi, b_lo, b_hi)
+    if len(ca):
+        anyk[:, ca] |= some(a_lo, a_hi, b2_lo, b2_hi)
+        allk[:, ca] &= every(a_lo, a_hi, b2_lo, b2_hi)
+    if len(ra) and len(ca):
+        anyk[np.ix_(ra, ca)] |= some(a2_lo, a2_hi, b2_lo, b2_hi)
+        allk[np.ix_(ra, ca)] &= every(a2_lo, a2_hi, b2_lo, b2_hi)
     table = np.where(allk, FULL, np.where(anyk, PARTIAL, EMPTY)).astype(np.int8)  # (R, C)
     # per row class: its states over all columns, segments once, then one copy per row
     cls_states = table[:, cinv]  # (R, Tc)
@@ -756,12 +835,19 @@ def evaluate_blocks(mask: Mask, g: Grid, rows: np.ndarray, cols: np.ndarray, bat
 # --------------------------------------------------------------------------------------------
 # grid neighbourhoods (NATTEN, STA)
 # --------------------------------------------------------------------------------------------
-def _any_all_1d(x0, x1, y0, y1, G: int, K: int, D: int):
+def _window_bounds(x0, x1, G: int, K: int, D: int):
+    """Per query coordinate interval ``[x0, x1]``: the window starts ``s(x0)``, ``s(x1)`` (D == 1;
+    the windows of the interval's coordinates cover ``[s(x0), s(x1) + K - 1]``), or None (D > 1)."""
+    if D != 1:
+        return None
+    return Geometry.window_start(x0, G, K, 1)[1], Geometry.window_start(x1, G, K, 1)[1]
+
+
+def _any_all_1d(x0, x1, y0, y1, G: int, K: int, D: int, s01=None):
     """For coordinate intervals ``X = [x0, x1]`` (queries) and ``Y = [y0, y1]`` (keys) along one dim:
-    whether some pair is kept, and whether every pair is."""
+    whether some pair is kept, and whether every pair is (``s01``: :func:`_window_bounds`)."""
     if D == 1:
-        _, s0 = Geometry.window_start(x0, G, K, 1)
-        _, s1 = Geometry.window_start(x1, G, K, 1)
+        s0, s1 = s01 if s01 is not None else _window_bounds(x0, x1, G, K, 1)
         anyk = (s0 <= y1) & (s1 + K - 1 >= y0)
         allk = (s1 <= y0) & (y1 <= s0 + K - 1)
         return anyk, allk
@@ -772,10 +858,8 @@ def _any_all_1d(x0, x1, y0, y1, G: int, K: int, D: int):
         u0 = -((-(y0 - grp)) // D)
         u1 = (y1 - grp) // D
         n = (G - grp + D - 1) // D
-        lo0 = np.maximum(t0 - K // 2, 0)
-        s0 = np.minimum(lo0, n - K)
-        lo1 = np.maximum(t1 - K // 2, 0)
-        s1 = np.minimum(lo1, n - K)
+        s0 = np.minimum(np.maximum(t0 - K // 2, 0), n - K)
+        s1 = np.minimum(np.maximum(t1 - K // 2, 0), n - K)
         anyk |= (t0 <= t1) & (u0 <= u1) & (s0 <= u1) & (s1 + K - 1 >= u0)
     allk = anyk & (x0 == x1) & (y0 == y1)
     return anyk, allk
@@ -817,22 +901,36 @@ def _grid_neighborhood(m, g: Grid) -> Segments:
         else:
             lo_c.append(np.maximum(q_lo[:, d] - (K - 1) * D, 0))
             hi_c.append(np.minimum(q_hi[:, d] + (K - 1) * D, G - 1))
-    pmin = geo.position(lo_c) + start
-    pmax = geo.last_position(hi_c) + start
-    cmin = np.full(g.tr, g.tc, np.int64)
-    cmax = np.full(g.tr, -1, np.int64)
-    np.minimum.at(cmin, q_own, np.clip(pmin, 0, g.kv_len - 1) // g.bn)
-    np.maximum.at(cmax, q_own, np.clip(pmax, 0, g.kv_len - 1) // g.bn)
-    cnt = np.maximum(cmax - cmin + 1, 0)
-    pr = np.repeat(np.arange(g.tr, dtype=np.int64), cnt)
-    pc = np.repeat(cmin, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+    # candidate column blocks: those the runs of each query box's reachable key box touch
+    run_own, run_lo, run_hi = geo.key_runs(np.stack(lo_c, 1), np.stack(hi_c, 1))
+    c0 = np.clip(run_lo + start, 0, g.kv_len - 1) // g.bn
+    c1 = np.clip(run_hi + start, 0, g.kv_len - 1) // g.bn
+    ok = (run_hi + start >= 0) & (run_lo + start <= g.kv_len - 1)
+    ir, c0, c1 = _merge_intervals(q_own[run_own][ok], c0[ok], c1[ok], g.tc)
+    cnt = c1 - c0 + 1
+    pr = np.repeat(ir, cnt)
+    pc = np.repeat(c0, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+    # prefilter: the column block's coordinate bounding box must meet the row block's reachable box
+    q_first = np.searchsorted(q_own, np.arange(g.tr + 1))
+    k_first = np.searchsorted(k_own, np.arange(g.tc + 1))
+    lo_c, hi_c = np.stack(lo_c, 1), np.stack(hi_c, 1)
+    rq = np.nonzero(q_first[1:] > q_first[:-1])[0]
+    reach_lo = np.zeros((g.tr, geo.ndim), np.int64)
+    reach_hi = np.zeros((g.tr, geo.ndim), np.int64)
+    reach_lo[rq] = np.minimum.reduceat(lo_c, q_first[rq], axis=0)
+    reach_hi[rq] = np.maximum.reduceat(hi_c, q_first[rq], axis=0)
+    kc = np.nonzero(k_first[1:] > k_first[:-1])[0]
+    box_lo = np.zeros((g.tc, geo.ndim), np.int64)
+    box_hi = np.full((g.tc, geo.ndim), -1, np.int64)
+    box_lo[kc] = np.minimum.reduceat(k_lo, k_first[kc], axis=0)
+    box_hi[kc] = np.maximum.reduceat(k_hi, k_first[kc], axis=0)
     keepc = cvalid[pc]
+    for d in range(geo.ndim):
+        keepc &= (box_lo[pc, d] <= reach_hi[pr, d]) & (box_hi[pc, d] >= reach_lo[pr, d])
     pr, pc = pr[keepc], pc[keepc]
     if len(pr) == 0:
         return Segments.uniform(g.tr, g.tc, EMPTY)
     # box pairs of each candidate (row block, column block)
-    q_first = np.searchsorted(q_own, np.arange(g.tr + 1))
-    k_first = np.searchsorted(k_own, np.arange(g.tc + 1))
     nq = (q_first[pr + 1] - q_first[pr])
     nk = (k_first[pc + 1] - k_first[pc])
     n = nq * nk
@@ -843,14 +941,17 @@ def _grid_neighborhood(m, g: Grid) -> Segments:
     anyk = np.ones(len(pair), bool)
     allk = np.ones(len(pair), bool)
     for d in range(geo.ndim):
-        a1, l1 = _any_all_1d(q_lo[qi, d], q_hi[qi, d], k_lo[ki, d], k_hi[ki, d], geo.G[d], geo.K[d], geo.D[d])
+        G, K, D = geo.G[d], geo.K[d], geo.D[d]
+        if G == 1:
+            continue
+        sb = _window_bounds(q_lo[:, d], q_hi[:, d], G, K, D)  # per query box, gathered per pair
+        s01 = None if sb is None else (sb[0][qi], sb[1][qi])
+        a1, l1 = _any_all_1d(q_lo[qi, d], q_hi[qi, d], k_lo[ki, d], k_hi[ki, d], G, K, D, s01)
         anyk &= a1
         allk &= l1
-    nonempty = np.zeros(len(pr), bool)
-    np.logical_or.at(nonempty, pair, anyk)
-    full = np.ones(len(pr), bool)
-    np.logical_and.at(full, pair, allk)
-    full &= r_full[pr] & c_full[pc] & nonempty
+    first_pair = np.cumsum(n) - n  # pairs of candidate k are pair[first_pair[k]:...] (n > 0 for all)
+    nonempty = np.logical_or.reduceat(anyk, first_pair)
+    full = np.logical_and.reduceat(allk, first_pair) & r_full[pr] & c_full[pc] & nonempty
     sel = nonempty
     st = np.where(full, FULL, PARTIAL).astype(np.int8)
     return Segments.from_blocks(g.tr, g.tc, pr[sel], pc[sel], st[sel])
@@ -902,22 +1003,32 @@ def block_context(mask: Mask, g: Grid, rows: np.ndarray, cols: np.ndarray, devic
     return EvalContext(g.q_len, g.kv_len, ic, ic + g.off, jc, b, h), valid
 
 
+_REPLACE_UNSURE = np.array([[a if a != UNSURE else b for b in range(4)] for a in range(4)], dtype=np.int8)
+
+
+def _expand(segs: Segments, sel: np.ndarray):
+    """``(rows, cols)`` of every block of the selected segments."""
+    starts, ends, rows = segs.starts[sel], segs.ends[sel], segs.rows[sel]
+    lengths = ends - starts
+    seg = np.repeat(np.arange(len(starts)), lengths)
+    offs = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return rows[seg], starts[seg] + offs
+
+
 def refine(segs: Segments, mask: Mask, g: Grid, budget: int) -> tuple[Segments, int]:
     """Evaluate ``UNSURE`` blocks exactly while the element budget lasts; the rest become partial.
+    Touches only the uncertain blocks (not every non-empty one).
 
     Returns the new segments and the number of blocks refined.
     """
-    if not (segs.state == UNSURE).any():
+    unsure_seg = segs.state == UNSURE
+    if not unsure_seg.any():
         return segs, 0
-    rows, cols, st = segs.blocks(nonempty=True)
-    unsure = np.nonzero(st == UNSURE)[0]
-    per_block = g.bm * g.bn
-    n_eval = min(len(unsure), budget // per_block)
-    st = st.copy()
-    sel = unsure[:n_eval]
+    rows, cols = _expand(segs, unsure_seg)
+    n_eval = min(len(rows), budget // (g.bm * g.bn))
+    st = np.full(len(rows), PARTIAL, np.int8)
     if n_eval:
-        st[sel] = evaluate_blocks(mask, g, rows[sel], cols[sel], segs.batch_shape)
-    st[st == UNSURE] = PARTIAL
-    keep = st != EMPTY
-    out = Segments.from_blocks(g.tr, g.tc, rows[keep], cols[keep], st[keep], segs.batch_shape)
-    return out, int(n_eval)
+        st[:n_eval] = evaluate_blocks(mask, g, rows[:n_eval], cols[:n_eval], segs.batch_shape)
+    # a patch holding the settled states (EMPTY where nothing else is), applied where UNSURE
+    patch = Segments.from_blocks(g.tr, g.tc, rows, cols, st, segs.batch_shape)
+    return segs.combine(patch, _REPLACE_UNSURE), int(n_eval)

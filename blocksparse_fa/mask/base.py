@@ -283,8 +283,12 @@ class IntervalPrimitive(Primitive):
 
     ``_bounds(qp, p)`` works on numpy and torch int64 arrays alike (``p``: the parameter values,
     default the primitive's own ints); the compiler uses it for exact block classification,
-    ``_eval`` for element semantics.
+    ``_eval`` for element semantics. Primitives whose bounds are ``lo = max(c, qp + a)`` and
+    ``hi = min(c', qp + b)`` also give ``_affine() -> (c, a, c', b)`` (``None`` where absent), which
+    lets the compiler skip the per-row pass.
     """
+
+    _affine = None
 
     __slots__ = ()
 

@@ -157,23 +157,29 @@ class Geometry:
             dlo_l.append(lo_d)
             dhi_l.append(hi_d)
 
+        # aligned ends merge boxes: lo's digits at levels >= zl are all 0, hi's at levels >= zh all max
+        def trailing(mask):
+            rev = mask[:, ::-1]
+            return np.where(rev.all(1), m, rev.argmin(1))
+
+        zl = m - trailing(dl == 0)
+        zh = m - trailing(dh == R[None, :] - 1)
         same = L == m
         if same.any():  # a single offset
             k = np.nonzero(same)[0]
             owners.append(k)
             dlo_l.append(dl[k])
             dhi_l.append(dl[k])
+        ns = ~same
         for i in range(m):
-            last = i == m - 1
-            # left boxes (digits below L, at levels deeper than L)
-            sel = (~same) & (i > L)
-            add(sel, i, dl, dl[:, i] + (0 if last else 1), np.full(n, R[i] - 1))
-            # middle box at level L
-            sel = (~same) & (i == L)
-            add(sel, i, dl, dl[:, i] + (0 if last else 1), dh[:, i] - (0 if last else 1))
-            # right boxes
-            sel = (~same) & (i > L)
-            add(sel, i, dh, np.zeros(n, np.int64), dh[:, i] - (0 if last else 1))
+            deep_l = i < zl - 1  # a digit on lo's path with a non-zero digit below it
+            deep_h = i < zh - 1
+            # left boxes: prefix of lo, digit i after lo's own (or from it when lo is aligned below)
+            add(ns & (i > L) & (i < zl), i, dl, dl[:, i] + deep_l, np.full(n, R[i] - 1))
+            # the middle box at level L
+            add(ns & (i == L), i, dl, dl[:, i] + deep_l, dh[:, i] - deep_h)
+            # right boxes: prefix of hi, digit i before hi's own (or up to it when hi is aligned)
+            add(ns & (i > L) & (i < zh), i, dh, np.zeros(n, np.int64), dh[:, i] - deep_h)
         owner = np.concatenate(owners) if owners else np.zeros(0, np.int64)
         dlo = np.concatenate(dlo_l) if dlo_l else np.zeros((0, m), np.int64)
         dhi = np.concatenate(dhi_l) if dhi_l else np.zeros((0, m), np.int64)
@@ -185,6 +191,70 @@ class Geometry:
             chi[:, d] += dhi[:, k] * mu
         order = np.argsort(owner, kind="stable")
         return owner[order], clo[order], chi[order]
+
+
+    def key_runs(self, lo_c: np.ndarray, hi_c: np.ndarray):
+        """Offsets covered by coordinate boxes ``[lo_c, hi_c]`` ``(n, ndim)``, as runs of consecutive
+        offsets: ``(owner, run_lo, run_hi)`` (inclusive). Each dim's interval becomes up to three
+        pieces of digit ranges (first partial tile, whole tiles, last partial tile); every product
+        of pieces is a digit box, whose offsets are runs along its most significant partial digit."""
+        import itertools
+
+        n, m = len(lo_c), len(self.radices)
+        R, W = self.radices, self.weights
+        per_dim = []
+        for d in range(self.ndim):
+            ks = [k for k in range(m) if self.dims[k] == d and self.mults[k] > 0]
+            a, b = lo_c[:, d], hi_c[:, d]
+            if len(ks) == 1:
+                per_dim.append([({ks[0]: (a, b)}, np.ones(n, bool))])
+                continue
+            if not ks:  # a dim without digits (extent 1)
+                per_dim.append([({}, np.ones(n, bool))])
+                continue
+            kT, kw = ks  # tile digit (mult = tile size), within digit (mult 1)
+            t = int(self.mults[kT])
+            aT, aw = np.divmod(a, t)
+            bT, bw = np.divmod(b, t)
+            one = aT == bT
+            per_dim.append([
+                ({kT: (aT, aT), kw: (aw, np.where(one, bw, t - 1))}, np.ones(n, bool)),
+                ({kT: (aT + 1, bT - 1), kw: (np.zeros(n, np.int64), np.full(n, t - 1))}, aT + 1 <= bT - 1),
+                ({kT: (bT, bT), kw: (np.zeros(n, np.int64), bw)}, ~one),
+            ])
+        owners, los, his = [], [], []
+        for combo in itertools.product(*per_dim):
+            valid = np.ones(n, bool)
+            dlo = np.zeros((n, m), np.int64)
+            dhi = np.broadcast_to(R - 1, (n, m)).copy()
+            for ranges, ok in combo:
+                valid &= ok
+                for k, (x, y) in ranges.items():
+                    dlo[:, k], dhi[:, k] = x, y
+            idx = np.nonzero(valid)[0]
+            if not len(idx):
+                continue
+            dlo, dhi = dlo[idx], dhi[idx]
+            full = (dlo == 0) & (dhi == R[None, :] - 1)
+            rev = full[:, ::-1]
+            f = m - np.where(rev.all(1), m, rev.argmin(1))  # digits >= f are full
+            js = np.maximum(f - 1, 0)  # the run digit
+            cnt = np.where(np.arange(m)[None, :] < js[:, None], dhi - dlo + 1, 1)
+            total = cnt.prod(1)
+            own = np.repeat(np.arange(len(idx)), total)
+            r = np.arange(int(total.sum())) - np.repeat(np.cumsum(total) - total, total)
+            base = np.zeros(len(own), np.int64)
+            for k in range(m - 1, -1, -1):  # decode the run index over the digits before js
+                c = cnt[own, k]
+                base += (dlo[own, k] + r % c) * W[k] * (k < js[own])
+                r //= c
+            j = js[own]
+            los.append(base + dlo[own, j] * W[j])
+            his.append(base + dhi[own, j] * W[j] + W[j] - 1)
+            owners.append(idx[own])
+        if not owners:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(owners), np.concatenate(los), np.concatenate(his)
 
 
 class _GridPrimitive(Primitive):

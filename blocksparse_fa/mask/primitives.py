@@ -74,6 +74,9 @@ class Full(IntervalPrimitive):
     def _bounds(self, qp, p=None):
         return qp * 0 - _BIG, qp * 0 + _BIG
 
+    def _affine(self):
+        return None, None, None, None
+
 
 class Causal(IntervalPrimitive):
     """Keeps ``j <= qp``."""
@@ -83,6 +86,9 @@ class Causal(IntervalPrimitive):
 
     def _bounds(self, qp, p=None):
         return qp * 0, qp
+
+    def _affine(self):
+        return 0, None, None, 0
 
 
 class Window(IntervalPrimitive):
@@ -97,6 +103,10 @@ class Window(IntervalPrimitive):
         (w,) = self._params if p is None else p
         return qp - w, qp + w
 
+    def _affine(self):
+        (w,) = self._params
+        return None, -w, None, w
+
 
 class SlidingWindow(IntervalPrimitive):
     """Causal sliding window of ``w`` keys including the query's own: ``0 <= qp - j < w``."""
@@ -109,6 +119,10 @@ class SlidingWindow(IntervalPrimitive):
     def _bounds(self, qp, p=None):
         (w,) = self._params if p is None else p
         return qp - (w - 1), qp
+
+    def _affine(self):
+        (w,) = self._params
+        return None, -(w - 1), None, 0
 
 
 class Chunked(IntervalPrimitive):
@@ -169,6 +183,10 @@ class KeyRange(IntervalPrimitive):
         a, b = self._params if p is None else p
         return qp * 0 + a, qp * 0 + (b - 1)
 
+    def _affine(self):
+        a, b = self._params
+        return a, None, b - 1, None
+
 
 class QueryRange(RowPrimitive):
     """Queries in a range of positions: keeps ``start <= qp < end`` (every key)."""
@@ -181,6 +199,9 @@ class QueryRange(RowPrimitive):
     def _rows(self, qp, p=None):
         a, b = self._params if p is None else p
         return (qp >= a) & (qp < b)
+
+    def _row_range(self):
+        return self._params
 
 
 class GlobalTokens(Primitive):
@@ -289,7 +310,7 @@ class Document(_TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
     with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
 
-    __slots__ = ()
+    __slots__ = ("_runs_cache",)
     name = "document"
     TENSOR = "document"
 
@@ -305,6 +326,42 @@ class Document(_TensorPrimitive):
             raise ValueError("document(): ids must fit in int32")
         ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
+        self._runs_cache = None
+
+    def runs(self):
+        """``(start, end)`` int64 ``(B, L)``: position x's document is the run ``[start, end)`` —
+        when every document (of every batch row) is one contiguous run; else None. Cached."""
+        if self._runs_cache is None:
+            ids = self.tensor.detach().to("cpu").long().numpy()
+            bsz, n = ids.shape
+            change = np.ones((bsz, n), dtype=bool)
+            change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            one_run = all(len(np.unique(row[ch])) == int(ch.sum()) for row, ch in zip(ids, change))
+            if not one_run:
+                self._runs_cache = (None,)
+            else:
+                pos = np.broadcast_to(np.arange(n), (bsz, n))
+                start = np.maximum.accumulate(np.where(change, pos, 0), axis=1)
+                last = np.ones((bsz, n), dtype=bool)
+                last[:, :-1] = change[:, 1:]
+                end = np.ascontiguousarray(np.minimum.accumulate(np.where(last, pos + 1, n)[:, ::-1], axis=1)[:, ::-1])
+                self._runs_cache = (start, end)
+        return None if self._runs_cache[0] is None else self._runs_cache
+
+    def at(self, b: int, h: int) -> "Document":
+        """The ids of batch row ``b``."""
+        if self.tensor.shape[0] == 1:
+            return self
+        return Document(self.tensor[b])
+
+    def _bounds(self, qp, p=None):
+        """Run-structured ids as an interval per row (numpy; the compiler's form): ``[start, end)``
+        of the query's document, empty outside ``[0, L)``."""
+        start, end = self.runs()
+        n = start.shape[1]
+        ok = (qp >= 0) & (qp < n)
+        qc = np.clip(qp, 0, n - 1)
+        return np.where(ok, start[0, qc], BIG), np.where(ok, end[0, qc] - 1, -BIG)
 
     @property
     def ids(self) -> torch.Tensor:
