@@ -100,6 +100,7 @@ def _exact_partials(table: np.ndarray) -> np.ndarray:
 AND_RC, OR_RC = _exact_partials(AND_TABLE), _exact_partials(OR_TABLE)
 _CARE_AND = np.array([[EMPTY] * 4] + [[EMPTY, PARTIAL, PARTIAL, PARTIAL]] * 3, dtype=np.int8)
 _NOT_FULL = np.array([PARTIAL, PARTIAL, EMPTY, PARTIAL], dtype=np.int8)  # care where an OR is not yet full
+_ONLY_FULL = np.array([EMPTY, EMPTY, FULL, EMPTY], dtype=np.int8)
 _OVERRIDE_FULL = np.array([[a if b != FULL else FULL for b in range(4)] for a in range(4)], dtype=np.int8)
 
 
@@ -172,34 +173,29 @@ def _combine(a, b, op: str):
 
 def _classify(mask: Mask, grid: Grid, care):
     """``(segments, kind)``; kind is ``"row"``, ``"col"`` or ``"general"``."""
-    if isinstance(mask, And):
-        group = [c for c in mask.children if _is_groupable(c)]
-        others = [c for c in mask.children if not _is_groupable(c)]
-        parts = ([_Group(group)] if group else []) + others
+    if isinstance(mask, (And, Or)):
+        is_and = isinstance(mask, And)
+        if is_and:
+            group = [c for c in mask.children if _is_groupable(c)]
+            others = [c for c in mask.children if not _is_groupable(c)]
+            parts = ([_Group(group)] if group else []) + others
+        else:
+            parts = list(mask.children)
         deferred = [c for c in parts if not isinstance(c, _Group) and _has_mask_mod(c)]
         eager = [c for c in parts if not any(c is d for d in deferred)]
         acc = None
         for c in eager:
             r = _classify(c, grid, care)
-            acc = r if acc is None else _combine(acc, r, "and")
-        for c in deferred:
-            sub = care if acc is None else _care_and(care, acc[0])
-            r = _classify(c, grid, sub)
-            acc = r if acc is None else _combine(acc, r, "and")
-        return acc
-    if isinstance(mask, Or):
-        kids = list(mask.children)
-        deferred = [c for c in kids if _has_mask_mod(c)]
-        eager = [c for c in kids if not any(c is d for d in deferred)]
-        acc = None
-        for c in eager:
-            r = _classify(c, grid, care)
-            acc = r if acc is None else _combine(acc, r, "or")
-        for c in deferred:
-            sub = care if acc is None else _care_and(care, acc[0].map_states(_NOT_FULL))
-            r = _classify(c, grid, sub)
-            acc = r if acc is None else _combine(acc, r, "or")
-        return acc
+            acc = r if acc is None else _combine(acc, r, "and" if is_and else "or")
+        if not deferred:
+            return acc
+        # a mask_mod inside: evaluate this whole node, exactly, on the blocks the eager operands
+        # leave undecided (not empty under &, not full under |) and the caller cares about
+        if acc is None:
+            return _evaluated(mask, grid, care), "general"
+        undecided = acc[0] if is_and else acc[0].map_states(_NOT_FULL)
+        settled = None if is_and else acc[0].map_states(_ONLY_FULL)
+        return _evaluated(mask, grid, _care_and(care, undecided), settled), "general"
     if isinstance(mask, Not):
         s, k = _classify(mask.children[0], grid, care)
         return s.map_states(NOT_TABLE), k
@@ -796,18 +792,21 @@ def _dense_mask(m: P.DenseMask, g: Grid) -> Segments:
 # --------------------------------------------------------------------------------------------
 # mask_mod: evaluated on the blocks that matter
 # --------------------------------------------------------------------------------------------
-def _mask_mod(m: P.MaskMod, g: Grid, care: Segments | None) -> Segments:
-    own = m.batch_shape or (1, 1)
-    bs = broadcast_batch_shapes([own, care.batch_shape if care is not None else (1, 1)]) or (1, 1)
-    bs = tuple(bs) if bs else (1, 1)
-    if care is None:
-        segs = Segments.uniform(g.tr, g.tc, PARTIAL, bs)
-    else:
-        segs = care.broadcast_to(bs)
+def _evaluated(node: Mask, g: Grid, care: Segments | None, settled: Segments | None = None) -> Segments:
+    """Exact states of ``node`` on the blocks of ``care`` (all blocks when None) by evaluating it
+    there; other blocks take ``settled`` (FULL/EMPTY) or EMPTY."""
+    own = node.batch_shape or (1, 1)
+    shapes = [own] + [s.batch_shape for s in (care, settled) if s is not None]
+    bs = tuple(broadcast_batch_shapes(shapes) or (1, 1))
+    segs = Segments.uniform(g.tr, g.tc, PARTIAL, bs) if care is None else care.broadcast_to(bs)
     rows, cols, _ = segs.blocks(nonempty=True)
-    st = evaluate_blocks(m, g, rows, cols, bs)
-    keep = st != EMPTY
-    return Segments.from_blocks(g.tr, g.tc, rows[keep], cols[keep], st[keep], bs)
+    st = evaluate_blocks(node, g, rows, cols, bs)
+    out = Segments.from_blocks(g.tr, g.tc, rows, cols, st, bs)
+    return out if settled is None else settled.broadcast_to(bs).combine(out, OR_TABLE)
+
+
+def _mask_mod(m: P.MaskMod, g: Grid, care: Segments | None) -> Segments:
+    return _evaluated(m, g, care)
 
 
 def evaluate_blocks(mask: Mask, g: Grid, rows: np.ndarray, cols: np.ndarray, batch_shape, bits: bool = False):

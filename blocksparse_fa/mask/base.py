@@ -115,26 +115,30 @@ def _check_param(prim: str, arg: str, value, minimum: int, tensor_ok: bool):
     return check_int(prim, arg, value, minimum)
 
 
-def pack_bits(t: torch.Tensor, chunk_elems: int = 1 << 22) -> torch.Tensor:
+def pack_bits(t: torch.Tensor, chunk_elems: int = 1 << 24) -> torch.Tensor:
     """bool ``(..., R, C)`` (any strides, any device) -> int32 ``(..., R, ceil(C / 32))`` on the CPU:
     bit ``c % 32`` of word ``c // 32``. Works on row chunks of views, so the temporaries stay small
     and an expanded (stride-0) input is never materialised."""
     *lead, r, c = t.shape
     w = -(-c // 32)
-    out = torch.empty(*lead, r, w, dtype=torch.int32)
-    shifts = torch.arange(32, dtype=torch.int64, device=t.device)
-    step = max(1, chunk_elems // max(1, w * 32))
+    out = np.zeros((*lead, r, w * 4), dtype=np.uint8)
+    step = max(1, chunk_elems // max(1, c))
+    cpu = t.device.type == "cpu"
+    shifts = None if cpu else torch.arange(8, dtype=torch.uint8, device=t.device)
+    nbytes = -(-c // 8)
     for idx in np.ndindex(*lead):
         src = t[idx]
+        dst = out[idx]
         for r0 in range(0, r, step):
             x = src[r0:r0 + step]
             n = x.shape[0]
-            if w * 32 != c:
-                x = torch.nn.functional.pad(x.to(torch.uint8), (0, w * 32 - c))
-            words = (x.reshape(n, w, 32).to(torch.int64) << shifts).sum(-1)
-            words = words - ((words >> 31) << 32)  # to signed int32 range
-            out[idx][r0:r0 + n] = words.to(torch.int32).cpu()
-    return out
+            if cpu:  # numpy packs bits straight from the (strided) view
+                dst[r0:r0 + n, :nbytes] = np.packbits(x.numpy(), axis=-1, bitorder="little")
+            else:  # on the GPU: bytes from 8 bits each, then to the host
+                pad = nbytes * 8 - c
+                xb = torch.nn.functional.pad(x.to(torch.uint8), (0, pad)) if pad else x.to(torch.uint8)
+                dst[r0:r0 + n, :nbytes] = (xb.view(n, nbytes, 8) << shifts).sum(-1).to(torch.uint8).cpu().numpy()
+    return torch.from_numpy(out.view(np.int32).reshape(*lead, r, w))
 
 
 def bit_at(words: torch.Tensor, *index) -> torch.Tensor:
