@@ -283,6 +283,26 @@ def test_per_head_and_per_batch_values_match_scalar_masks():
     lay = compile_mask(m, 97, 97, 16, cache=False)
     assert lay.shape == (2, 3, 7, 7)
     assert torch.equal(lay.block_states(), exact_states(dense, 16, 16))
+    for m2 in [bsfa.strided(ph([3, 40])) | bsfa.global_tokens(pb([2, 19])),
+               bsfa.periodic_window(ph([7, 30]), pb([0, 2])) & bsfa.chunk_band(ph([5, 9]), 4, hi=pb([0, 1])),
+               bsfa.prefix_lm(ph([0, 50])) & bsfa.window(pb([3, 8])) | bsfa.chunked(ph([10, 33]))]:
+        d2 = m2.to_dense(97, 83)
+        for b, h in itertools.product(range(2), range(2)):
+            assert torch.equal(d2[b, h], _at(m2, b, h).to_dense(97, 83)), (m2, b, h)
+        lay2 = compile_mask(m2, 97, 83, (16, 32), cache=False)
+        assert torch.equal(lay2.to_dense(), d2)
+        assert torch.equal(lay2.block_states(), exact_states(d2, 16, 32)), m2
+
+
+def _at(m, b, h):
+    """The mask with every per-head/per-batch value taken at (b, h)."""
+    from blocksparse_fa.mask.expr import And, Not, Or
+
+    if isinstance(m, (And, Or)):
+        return type(m).of(*[_at(c, b, h) for c in m.children])
+    if isinstance(m, Not):
+        return ~_at(m.children[0], b, h)
+    return m.at(b, h)
 
 
 def test_per_value_parameters_validate_and_collapse():

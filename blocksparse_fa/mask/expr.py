@@ -91,7 +91,8 @@ class Mask:
 
     Combine with ``&`` (both keep), ``|`` (either keeps) and ``~`` (complement); precedence is
     ``~`` > ``&`` > ``|``, as in Python. ``str(mask)`` is DSL text that :func:`blocksparse_fa.parse`
-    reads back into an equal mask (tensor-backed primitives by keyword).
+    reads back into an equal mask: ``parse(str(m), **m.tensors()) == m`` (tensors and callables
+    travel by the names the text gives them). Expressions nest at most ``MAX_DEPTH - 1`` levels.
     """
 
     __slots__ = ("_cached_key", "_cached_hash")
