@@ -10,7 +10,7 @@ from .mask import (
     Mask, MaskSyntaxError, block_mask, causal, chunk_band, chunked, dense_mask, document, full, global_tokens,
     key_range, key_set, list_patterns, load_pattern, mask_mod, neighborhood, parse, pattern_info, per_batch,
     per_head, periodic_window, prefix_lm, query_range, query_set, random_blocks, sliding_tiles, sliding_window,
-    strided, summary, window,
+    shift, strided, summary, window,
 )
 
 from .compiler import BlockLayout, compile_mask
@@ -26,5 +26,5 @@ __all__ = [
     "dropout_keep_mask", "attention_op", "register_mask", "merge_attention", "nn", "parse", "load_pattern", "list_patterns", "pattern_info",
     "full", "causal", "window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm",
     "summary", "document", "random_blocks", "block_mask", "dense_mask", "chunk_band", "key_range", "query_range",
-    "key_set", "query_set", "periodic_window", "neighborhood", "sliding_tiles", "mask_mod", "per_head", "per_batch",
+    "key_set", "query_set", "periodic_window", "neighborhood", "sliding_tiles", "mask_mod", "per_head", "per_batch", "shift",
 ]

@@ -18,6 +18,7 @@ import torch
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler import compile_mask
 from blocksparse_fa.kernels.predicate import build_payload, structure_key
+from blocksparse_fa.mask.shift import Shift
 from conftest import rel_err
 from test_compiler import exact_states
 
@@ -30,9 +31,9 @@ LENS = [(97, 97), (257, 257), (97, 257), (257, 97)]
 # ------------------------------------------------------------------------------------------------
 # references, from the semantics table
 # ------------------------------------------------------------------------------------------------
-def grid(lq, lk, align):
+def grid(lq, lk, align, d=0):
     i = np.arange(lq)[:, None]
-    qp = i + (lk - lq if align == "bottom_right" else 0)
+    qp = i + (lk - lq if align == "bottom_right" else 0) + d
     j = np.arange(lk)[None, :]
     return i, qp, j
 
@@ -67,7 +68,7 @@ def grid_coords(grid_shape, tile=None):
     return out
 
 
-def natten_reference(grid_shape, kernel, dilation, tile, start, lq, lk, align):
+def natten_reference(grid_shape, kernel, dilation, tile, start, lq, lk, align, d=0):
     n = len(grid_shape)
     kernel = (kernel,) * n if isinstance(kernel, int) else kernel
     dilation = (dilation,) * n if isinstance(dilation, int) else dilation
@@ -76,15 +77,15 @@ def natten_reference(grid_shape, kernel, dilation, tile, start, lq, lk, align):
     keep = np.zeros((V, V), bool)
     for p, cq in enumerate(coords):
         windows = []
-        for d in range(n):
-            s = natten_window_start(cq[d], grid_shape[d], kernel[d], dilation[d])
-            windows.append({s + k * dilation[d] for k in range(kernel[d])})
+        for e in range(n):
+            s = natten_window_start(cq[e], grid_shape[e], kernel[e], dilation[e])
+            windows.append({s + k * dilation[e] for k in range(kernel[e])})
         for q, ck in enumerate(coords):
-            keep[p, q] = all(ck[d] in windows[d] for d in range(n))
-    return _embed(keep, start, lq, lk, align)
+            keep[p, q] = all(ck[e] in windows[e] for e in range(n))
+    return _embed(keep, start, lq, lk, align, d)
 
 
-def sta_reference(grid_shape, tile, kernel, start, lq, lk, align):
+def sta_reference(grid_shape, tile, kernel, start, lq, lk, align, shift=0):
     """STA as the paper's FlexAttention mask: the window's centre is the query's tile, clamped so
     that the window stays inside the tile grid."""
     n = len(grid_shape)
@@ -100,20 +101,20 @@ def sta_reference(grid_shape, tile, kernel, start, lq, lk, align):
         for q in range(V):
             tk = tiles[q // tv]
             keep[p, q] = all(abs(centre[d] - tk[d]) <= kernel[d] // 2 for d in range(n))
-    return _embed(keep, start, lq, lk, align)
+    return _embed(keep, start, lq, lk, align, shift)
 
 
-def _embed(keep, start, lq, lk, align):
-    i, qp, j = grid(lq, lk, align)
+def _embed(keep, start, lq, lk, align, d=0):
+    i, qp, j = grid(lq, lk, align, d)
     V = keep.shape[0]
     xq, xk = qp - start, j - start
     ok = (xq >= 0) & (xq < V) & (xk >= 0) & (xk < V)
     return ok & keep[np.clip(xq, 0, V - 1), np.clip(xk, 0, V - 1)]
 
 
-def simple_reference(m, lq, lk, align):
+def simple_reference(m, lq, lk, align, d=0):
     """Leaves defined by one formula of the table (no tensors beyond sets/ids)."""
-    i, qp, j = grid(lq, lk, align)
+    i, qp, j = grid(lq, lk, align, d)
     name, p = m.name, m.params
     if name == "key_range":
         out = (j >= p["start"]) & (j < p["end"])
@@ -146,22 +147,25 @@ def simple_reference(m, lq, lk, align):
     return np.broadcast_to(out, (lq, lk))
 
 
-def reference(m, lq, lk, align):
+def reference(m, lq, lk, align, d=0):
+    """``d``: query positions moved by ``shift`` nodes above."""
     from blocksparse_fa.mask.expr import And, Not, Or
 
     if isinstance(m, And):
-        return np.logical_and.reduce([reference(c, lq, lk, align) for c in m.children])
+        return np.logical_and.reduce([reference(c, lq, lk, align, d) for c in m.children])
     if isinstance(m, Or):
-        return np.logical_or.reduce([reference(c, lq, lk, align) for c in m.children])
+        return np.logical_or.reduce([reference(c, lq, lk, align, d) for c in m.children])
     if isinstance(m, Not):
-        return ~reference(m.children[0], lq, lk, align)
+        return ~reference(m.children[0], lq, lk, align, d)
+    if isinstance(m, Shift):
+        return reference(m.children[0], lq, lk, align, d + m.offset)
     if m.name == "neighborhood":
-        g, k, d, t, s = m._params
-        return natten_reference(g, k, d, t, s, lq, lk, align)
+        g, k, dil, t, s = m._params
+        return natten_reference(g, k, dil, t, s, lq, lk, align, d)
     if m.name == "sliding_tiles":
         g, k, _, t, s = m._params
-        return sta_reference(g, t, k, s, lq, lk, align)
-    return simple_reference(m, lq, lk, align)
+        return sta_reference(g, t, k, s, lq, lk, align, d)
+    return simple_reference(m, lq, lk, align, d)
 
 
 def _ids(n, seed=0, n_docs=6, shuffle=False, split=False):
@@ -204,6 +208,8 @@ CASES = {
     "sta_3d": lambda n: bsfa.sliding_tiles((4, 6, 6), (2, 2, 3), (1, 3, 1), start=3),
     "document_shuffled_runs": lambda n: bsfa.causal() & bsfa.document(_ids(n, shuffle=True)),
     "document_split_runs": lambda n: bsfa.document(_ids(n, split=True)),
+    "shift": lambda n: bsfa.shift(bsfa.causal() & bsfa.sliding_window(11) | bsfa.neighborhood((6, 7), 3), -9)
+    | bsfa.shift(bsfa.query_range(0, 30), 40),
 }
 
 
@@ -303,6 +309,27 @@ def _at(m, b, h):
     if isinstance(m, Not):
         return ~_at(m.children[0], b, h)
     return m.at(b, h)
+
+
+def test_shift_per_sequence_decode_positions():
+    """Batched decode over a padded cache: each sequence's query sits at its own last position."""
+    lk = 97
+    lens = torch.tensor([40, 97, 5])
+    m = bsfa.shift(bsfa.causal() & bsfa.sliding_window(8), pb(lens - lk)) & bsfa.key_range(0, pb(lens))
+    assert bsfa.parse(str(m), **m.tensors()) == m and str(m).startswith("shift(")
+    for lq in (1, 3):
+        dense = m.to_dense(lq, lk)
+        for b, n in enumerate(lens.tolist()):
+            qp = torch.arange(lq).view(-1, 1) + n - lq  # the queries end at the sequence's last token
+            j = torch.arange(lk).view(1, -1)
+            assert torch.equal(dense[b, 0], (j <= qp) & (qp - j < 8) & (j < n)), (lq, b)
+        lay = compile_mask(m, lq, lk, 16, cache=False)
+        assert torch.equal(lay.to_dense(), dense)
+        assert torch.equal(lay.block_states(), exact_states(dense, 16, 16))
+    a = build_payload(compile_mask(m, 1, lk, 16), "cpu")
+    b = build_payload(compile_mask(bsfa.shift(bsfa.causal() & bsfa.sliding_window(3), pb(lens - 90)) &
+                                   bsfa.key_range(0, pb(lens)), 1, lk, 16), "cpu")
+    assert a.fn is b.fn
 
 
 def test_per_value_parameters_validate_and_collapse():
@@ -577,6 +604,8 @@ def test_cpu_backend_matches_reference(name):
     ("sta 3-d", lambda: bsfa.sliding_tiles((2, 6, 6), (1, 2, 3), (1, 3, 1)), dict(Lq=72, Lk=72)),
     ("mask_mod", lambda: bsfa.mask_mod(lambda b, h, q, kv: ((q + 2 * kv + h) % 3) != 0, H=2) & bsfa.window(20),
      dict(Lq=50, Lk=61)),
+    ("shift per batch", lambda: bsfa.shift(bsfa.causal() & bsfa.sliding_window(9) | bsfa.periodic_window(7, 1),
+                                           pb([-20, 0])) & bsfa.key_range(0, pb([40, 61])), dict(B=2, Lq=13, Lk=61)),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_kernels_in_the_interpreter(name, mask, kw):
     from test_triton_interpreter import _check

@@ -20,7 +20,7 @@ A ``mask_mod`` callable is evaluated on the blocks the rest of the expression le
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from ..mask import primitives as P
 from ..mask.base import BIG, Primitive, pack_bits
 from ..mask.expr import And, EvalContext, Mask, Not, Or, broadcast_batch_shapes, query_offset
 from ..mask.neighborhood import Geometry
+from ..mask.shift import Shift
 from .segments import AND_TABLE, EMPTY, FULL, NOT_TABLE, OR_TABLE, PARTIAL, UNSURE, Segments
 
 __all__ = ["Grid", "classify", "refine", "block_context"]
@@ -48,10 +49,11 @@ class Grid:
     bm: int
     bn: int
     align: str = "bottom_right"
+    shift: int = 0  # extra query offset inside a ``shift(...)``
 
     @property
     def off(self) -> int:
-        return query_offset(self.q_len, self.kv_len, self.align)
+        return query_offset(self.q_len, self.kv_len, self.align) + self.shift
 
     @property
     def tr(self) -> int:
@@ -220,6 +222,8 @@ def _classify(mask: Mask, grid: Grid, care):
     if isinstance(mask, Not):
         s, k = _classify(mask.children[0], grid, care)
         return s.map_states(NOT_TABLE), k
+    if isinstance(mask, Shift):
+        return _shift(mask, grid, care)
     if isinstance(mask, _Group) or _is_groupable(mask):
         grp = mask if isinstance(mask, _Group) else _Group([mask])
         return _per_instance(grp, grid, _group), grp.kind
@@ -231,6 +235,31 @@ def _classify(mask: Mask, grid: Grid, care):
     if isinstance(mask, Primitive) and mask.has_tensor_params:
         return _per_instance(mask, grid, fn), mask.KIND
     return fn(mask, grid), mask.KIND
+
+
+def _shift(m: Shift, g: Grid, care):
+    """The operand on a grid whose query positions are moved by the offset; per-(batch, head)
+    offsets: once per distinct value, each instance taking its rows from its value's result."""
+    child = m.children[0]
+    if not m._own_batch_shape():
+        return _classify(child, replace(g, shift=g.shift + m.offset), care)
+    bs = m.batch_shape
+    step = g.tr * (g.tc + 1)
+    done: dict = {}
+    keys, states = [], []
+    kind = "general"
+    for b in range(bs[0]):
+        for h in range(bs[1]):
+            d = m.offset_at(b, h)
+            if d not in done:
+                seg, kind = _classify(child, replace(g, shift=g.shift + d), care)
+                done[d] = seg.broadcast_to(bs)
+            seg = done[d]
+            z = b * bs[1] + h
+            lo, hi = np.searchsorted(seg.key, [z * step, (z + 1) * step])
+            keys.append(seg.key[lo:hi])
+            states.append(seg.state[lo:hi])
+    return Segments(tuple(bs), g.tr, g.tc, np.concatenate(keys), np.concatenate(states)), kind
 
 
 def _care_and(care: Segments | None, other: Segments) -> Segments:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..mask.expr import And, Mask, Not, Or
 from ..mask.primitives import MaskMod, full
+from ..mask.shift import Shift
 from .classify import Grid, classify
 from .segments import EMPTY, FULL, Segments
 
@@ -69,6 +70,8 @@ def _fold(mask: Mask, const: dict):
     if isinstance(mask, Not):
         v = _fold(mask.children[0], const)
         return (not v) if isinstance(v, bool) else Not(v)
+    if isinstance(mask, Shift):
+        return mask  # its operand sees other positions: kept whole
     return const.get(id(mask), mask)
 
 
@@ -80,7 +83,10 @@ def predicate_mask(mask: Mask, segs: Segments, grid: Grid) -> Mask:
     """
     r, c = masked_blocks(segs, grid)
     const = {}
+    shifted = {id(leaf) for node in mask.nodes() if isinstance(node, Shift) for leaf in node.leaves()}
     for leaf in mask.leaves():
+        if id(leaf) in shifted:
+            continue
         v = _leaf_constant(leaf, grid, r, c)
         if v is not None:
             const[id(leaf)] = v

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 import os
 import sys
 import tempfile
@@ -42,6 +43,7 @@ from ..compiler.layout import BlockLayout
 from ..compiler.simplify import predicate_mask
 from ..mask.base import ParamTensor, Primitive, pack_bits
 from ..mask.expr import And, Mask, Not, Or
+from ..mask.shift import Shift
 
 _lock = threading.Lock()
 _functions: dict[str, object] = {}
@@ -57,6 +59,8 @@ def structure_key(mask: Mask, forms: dict | None = None) -> str:
         return f"{op}({','.join(structure_key(c, forms) for c in mask.children)})"
     if isinstance(mask, Not):
         return f"not({structure_key(mask.children[0], forms)})"
+    if isinstance(mask, Shift):
+        return f"shift{'[t]' if mask._own_batch_shape() else ''}({structure_key(mask.children[0], forms)})"
     return forms.get(id(mask), mask.name) + _flag_suffix(mask)
 
 
@@ -126,12 +130,32 @@ _TEMPLATES = {
 _GATHER_2D = {"random_blocks", "block_mask", "dense_mask", "mask_mod"}
 
 
-def _emit(mask: Mask, lines: list, counter: list, slot: list, forms: dict) -> str:
+def _load_param(lines: list, slot: list, per_bh: bool) -> str:
+    """Emit the load of the next parameter slot; a per-(batch, head) value reads its table."""
+    var = f"p{slot[0]}"
+    s0 = slot[0]
+    if per_bh:  # table offset, batch stride, head stride
+        lines.append(f"    {var} = tl.load(PARAMS + tl.load(PARAMS + {s0}) + b * tl.load(PARAMS + {s0 + 1}) "
+                     f"+ h * tl.load(PARAMS + {s0 + 2}))")
+        slot[0] += 3
+    else:
+        lines.append(f"    {var} = tl.load(PARAMS + {s0})")
+        slot[0] += 1
+    return var
+
+
+def _emit(mask: Mask, lines: list, counter: list, slot: list, forms: dict, qp: str = "qp") -> str:
     if isinstance(mask, (And, Or)):
         op = " & " if isinstance(mask, And) else " | "
-        return "(" + op.join(_emit(c, lines, counter, slot, forms) for c in mask.children) + ")"
+        return "(" + op.join(_emit(c, lines, counter, slot, forms, qp) for c in mask.children) + ")"
     if isinstance(mask, Not):
-        return f"(~{_emit(mask.children[0], lines, counter, slot, forms)})"
+        return f"(~{_emit(mask.children[0], lines, counter, slot, forms, qp)})"
+    if isinstance(mask, Shift):  # the operand sees query positions qp + offset
+        d = _load_param(lines, slot, bool(mask._own_batch_shape()))
+        var = f"q{counter[0]}"
+        counter[0] += 1
+        lines.append(f"    {var} = {qp} + {d}")
+        return _emit(mask.children[0], lines, counter, slot, forms, var)
     n, tmpl, *raw = _TEMPLATES[forms.get(id(mask), mask.name)]
     names = {}
     if raw:  # the helper reads its own parameters
@@ -139,19 +163,13 @@ def _emit(mask: Mask, lines: list, counter: list, slot: list, forms: dict) -> st
         slot[0] += n
     flags = _tensor_flags(mask) or (False,) * n
     for k in range(0 if raw else n):
-        var = f"p{slot[0]}"
-        if flags[k]:  # per-(batch, head) value: table offset, batch stride, head stride
-            s0 = slot[0]
-            lines.append(f"    {var} = tl.load(PARAMS + tl.load(PARAMS + {s0}) + b * tl.load(PARAMS + {s0 + 1}) "
-                         f"+ h * tl.load(PARAMS + {s0 + 2}))")
-            slot[0] += 3
-        else:
-            lines.append(f"    {var} = tl.load(PARAMS + {slot[0]})")
-            slot[0] += 1
-        names[f"p{k}"] = var
+        names[f"p{k}"] = _load_param(lines, slot, flags[k])
     var = f"m{counter[0]}"
     counter[0] += 1
-    lines.append(f"    {var} = {tmpl.format(**names)}")
+    expr = tmpl.format(**names)
+    if qp != "qp":
+        expr = re.sub(r"\bqp\b", qp, expr)
+    lines.append(f"    {var} = {expr}")
     return var
 
 
@@ -254,6 +272,16 @@ def _log2_or_minus1(x: int) -> int:
 # primitives whose template parameters are their own parameters (these may be per-(batch, head))
 _SIMPLE = {"window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm", "summary", "chunk_band",
            "key_range", "query_range", "periodic_window"}
+
+
+def _payload_nodes(mask: Mask):
+    """Leaves and ``shift`` nodes in the order :func:`_emit` assigns their parameter slots."""
+    if isinstance(mask, Shift):
+        yield mask
+    if not mask.children:
+        yield mask
+    for c in mask.children:
+        yield from _payload_nodes(c)
 
 
 def _resolve_slots(slots: list) -> list:
@@ -367,7 +395,10 @@ def build_payload(layout: BlockLayout, device) -> Payload:
     q_len, kv_len = layout.q_len, layout.kv_len
     forms: dict = {}
     slots: list = []  # ints, or ParamTensor for per-(batch, head) values
-    for leaf in pmask.leaves():
+    for leaf in _payload_nodes(pmask):
+        if isinstance(leaf, Shift):
+            slots.append(leaf._offset)
+            continue
         name = leaf.name
         if name in ("full", "causal"):
             continue

@@ -8,11 +8,12 @@ from .primitives import (
     key_set, mask_mod, neighborhood, per_batch, per_head, periodic_window, prefix_lm, query_range, query_set,
     random_blocks, sliding_tiles, sliding_window, strided, summary, window,
 )
+from .shift import Shift, shift
 
 __all__ = [
     "Mask", "And", "Or", "Not", "EvalContext", "MaskSyntaxError", "parse", "PatternInfo",
     "list_patterns", "load_pattern", "pattern_info", "PRIMITIVES", "full", "causal", "window",
     "sliding_window", "global_tokens", "strided", "chunked", "chunk_band", "prefix_lm", "summary", "key_range",
     "query_range", "key_set", "query_set", "periodic_window", "document", "random_blocks", "neighborhood",
-    "sliding_tiles", "block_mask", "dense_mask", "mask_mod", "per_head", "per_batch",
+    "sliding_tiles", "block_mask", "dense_mask", "mask_mod", "per_head", "per_batch", "shift", "Shift",
 ]

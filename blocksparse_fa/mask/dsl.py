@@ -5,7 +5,7 @@ Grammar (precedence ``~`` > ``&`` > ``|``)::
     expr    := term ('|' term)*
     term    := factor ('&' factor)*
     factor  := '~' factor | atom
-    atom    := '(' expr ')' | NAME [ '(' [args] ')' ]
+    atom    := '(' expr ')' | 'shift' '(' expr ',' ['offset' '='] value ')' | NAME [ '(' [args] ')' ]
     args    := arg (',' arg)*
     arg     := value | NAME '=' value          (positional arguments first)
     value   := sum | '(' sum (',' sum)+ ')'    (a tuple of ints: grid shapes, kernel sizes)
@@ -158,6 +158,8 @@ class _Parser:
         if tok.kind != "NAME":
             found = "end of text" if tok.kind == "END" else repr(tok.text)
             raise self._err(f"expected a mask name or '(', found {found}")
+        if tok.text == "shift" and self.toks[self.k + 1].text == "(":
+            return self._shift()
         self.k += 1
         args: list = []
         kwargs: dict = {}
@@ -177,6 +179,24 @@ class _Parser:
             raise
         except (ValueError, TypeError) as e:
             raise MaskSyntaxError(str(e), self.text, tok.pos) from None
+
+    def _shift(self) -> Mask:
+        """``shift(expr, offset)`` (or ``offset=``): the one combinator taking a mask argument."""
+        from .shift import Shift
+
+        tok = self.tok
+        self.k += 2
+        m = self.expr()
+        self._expect(",")
+        if self.tok.kind == "NAME" and self.tok.text == "offset" and self.toks[self.k + 1].text == "=":
+            self.k += 2
+        off_tok = self.tok
+        offset = self._value()
+        self._expect(")")
+        try:
+            return Shift(m, offset)
+        except (ValueError, TypeError) as e:
+            raise MaskSyntaxError(str(e), self.text, off_tok.pos if off_tok else tok.pos) from None
 
     def _arg(self, args, kwargs):
         tok = self.tok

@@ -154,10 +154,16 @@ class Mask:
         for c in self.children:
             yield from c.leaves()
 
+    def nodes(self) -> Iterator["Mask"]:
+        """Every node of the expression, parents before their operands, left to right."""
+        yield self
+        for c in self.children:
+            yield from c.nodes()
+
     @property
     def batch_shape(self) -> tuple[int, ...]:
         """``()`` for masks shared by every batch and head, else ``(B, H)`` (1 where shared)."""
-        return broadcast_batch_shapes(leaf._own_batch_shape() for leaf in self.leaves())
+        return broadcast_batch_shapes(node._own_batch_shape() for node in self.nodes())
 
     def _own_batch_shape(self) -> tuple[int, ...]:
         return ()
@@ -178,8 +184,8 @@ class Mask:
         a default name gets that name (``document``), different ones after it ``document_2``, ..."""
         names: dict = {}
         used: dict = {}
-        for leaf in self.leaves():
-            for default, ident, _ in leaf._tensor_items():
+        for node in self.nodes():
+            for default, ident, _ in node._tensor_items():
                 if ident in names:
                     continue
                 n = used.get(default, 0) + 1
@@ -193,8 +199,8 @@ class Mask:
         ``mask_mod``, by the names the text uses)."""
         names = self._names()
         out = {}
-        for leaf in self.leaves():
-            for _, ident, value in leaf._tensor_items():
+        for node in self.nodes():
+            for _, ident, value in node._tensor_items():
                 out.setdefault(names[ident], value)
         return out
 
