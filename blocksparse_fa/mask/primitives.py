@@ -27,6 +27,7 @@
 | ``block_mask(t, block_size=128)``             | ``t[i // bs, j // bs]``                                    |
 | ``dense_mask(t)``                             | ``t[i, j]``                                                |
 | ``mask_mod(fn, B=None, H=None)``              | ``fn(b, h, i, j)`` (FlexAttention's convention)            |
+| ``shift(m, d)`` (``mask/shift.py``)           | ``m`` keeps ``(qp + d, j)``                                |
 
 Integer parameters of ``window``, ``sliding_window``, ``global_tokens``, ``strided``, ``chunked``,
 ``chunk_band``, ``prefix_lm``, ``key_range``, ``query_range`` and ``periodic_window`` may be
