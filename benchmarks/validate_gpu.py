@@ -195,6 +195,10 @@ def main():
     record("mask_mod & sliding", 3000, 128, torch.bfloat16, "mask_mod",
            mask=bsfa.mask_mod(lambda b, h, q, kv: ((q * 7 + kv * 3) % 5) != 0) & bsfa.sliding_window(700),
            B=1, H=2, Hkv=2, Lq=3000, Lk=3000)
+    lens = torch.tensor([4099, 1500, 37])  # batched decode over a padded cache, one position per sequence
+    record("shift: decode per sequence", 1, 128, torch.bfloat16, "Lq=1,Lk=4099 B=3",
+           mask=bsfa.shift(bsfa.causal() & bsfa.sliding_window(1024), bsfa.per_batch(lens - 4099))
+           & bsfa.key_range(0, bsfa.per_batch(lens)), B=3, H=4, Hkv=2, Lq=1, Lk=4099)
     bmh = torch.rand(1, 4, 24, 24) < 0.3
     record("block_mask per head", 3000, 64, torch.bfloat16, "(1,4,Tr,Tc)", mask=bsfa.block_mask(bmh) | bsfa.causal(),
            B=1, H=4, Hkv=4, Lq=3000, Lk=3000)
