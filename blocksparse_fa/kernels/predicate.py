@@ -355,10 +355,11 @@ def _mask_mod_params(leaf, layout: BlockLayout, add_aux) -> list:
         cmin, cmax = np.zeros(n_rows, np.int64), np.full(n_rows, -1, np.int64)
     count = np.where(has, cmax - cmin + 1, 0)
     base = np.cumsum(count) - count
-    table = np.full(int(count.sum()), -2, np.int64)
+    table = np.full(max(1, int(count.sum())), -2, np.int64)  # never empty: the kernel reads entry 0
     table[base[orow] + ocol - cmin[orow]] = idx
     rows_tab = np.stack([cmin, count, base], 1)
-    bits = words[torch.from_numpy(part)].numpy() if part.any() else np.zeros((1, g.bm, 1), np.int32)
+    # never empty: the kernel reads block 0 when a tile has no stored bits
+    bits = words[torch.from_numpy(part)].numpy() if part.any() else np.zeros((1, g.bm, -(-g.bn // 32)), np.int32)
     return [Ho if Bo > 1 else 0, 1 if Ho > 1 else 0, add_aux(rows_tab), add_aux(table), add_aux(bits), g.tr,
             g.bm, _log2_or_minus1(g.bm), g.bn, _log2_or_minus1(g.bn), bits.shape[-1]]
 

@@ -157,22 +157,24 @@ def grid_keep(qp, kj, P):
 
 @triton.jit
 def partial_bits_keep(i, kj, z, ROWS, IDX, BITS, TR, BM, BM_SHIFT, BN, BN_SHIFT, WPR):
-    """Bits stored for the partial blocks of a ``mask_mod``: block ``(z, i // BM, kj // BN)`` has
-    index ``IDX[base + c - cmin]`` inside its row's window ``(cmin, count, base) = ROWS[3 * row:]``;
-    -1 means all kept, -2 none, else its ``BM x WPR`` words start at ``BITS + idx * BM * WPR``."""
-    r = div_floor(i, BM, BM_SHIFT)
-    okr = r < TR
-    row = z * TR + tl.where(okr, r, 0)
-    cmin = tl.load(ROWS + 3 * row, mask=okr, other=0)
-    cnt = tl.load(ROWS + 3 * row + 1, mask=okr, other=0)
-    base = tl.load(ROWS + 3 * row + 2, mask=okr, other=0)
-    kc = tl.maximum(kj, 0)
-    c = div_floor(kc, BN, BN_SHIFT)
-    inw = okr & (kj >= 0) & (c >= cmin) & (c < cmin + cnt)
-    idx = tl.load(IDX + tl.where(inw, base + c - cmin, 0), mask=inw, other=-2)
+    """Bits stored for the partial blocks of a ``mask_mod``: block ``(z, r, c)`` has index
+    ``IDX[base + c - cmin]`` inside its row's window ``(cmin, count, base) = ROWS[3 * row:]``;
+    -1 means all kept, -2 none, else its ``BM x WPR`` words start at ``BITS + idx * BM * WPR``.
+    A kernel tile never straddles layout blocks (its sizes divide them), so the block is read once
+    per tile (from the tile's first row and key) and only the bit words are gathered."""
+    i0 = tl.min(i)
+    k0 = tl.maximum(tl.min(kj), 0)
+    r = div_floor(i0, BM, BM_SHIFT)
+    c = div_floor(k0, BN, BN_SHIFT)
+    row = z * TR + r  # the tile's first row and key lie inside the lengths: r < TR, c < Tc
+    cmin = tl.load(ROWS + 3 * row)
+    cnt = tl.load(ROWS + 3 * row + 1)
+    base = tl.load(ROWS + 3 * row + 2)
+    inw = (c >= cmin) & (c < cmin + cnt)
+    idx = tl.where(inw, tl.load(IDX + tl.where(inw, base + c - cmin, 0)), -2)
     li = i - r * BM
-    lj = kc - c * BN
-    word = tl.load(BITS + tl.where(idx >= 0, idx, 0).to(tl.int64) * (BM * WPR) + li * WPR + (lj >> 5),
-                   mask=idx >= 0, other=0)
+    lj = tl.maximum(kj, 0) - c * BN
+    # 0 <= li < BM and 0 <= lj < BN inside the tile's block; without stored bits, block 0 is read
+    word = tl.load(BITS + tl.where(idx >= 0, idx, 0).to(tl.int64) * (BM * WPR) + li * WPR + (lj >> 5))
     bit = ((word >> (lj & 31)) & 1) != 0
-    return tl.where(idx >= 0, bit, idx == -1)
+    return tl.where(idx >= 0, bit, (idx == -1) & (li >= 0))
