@@ -237,7 +237,8 @@ def test_compiles_exactly(name):
             dense = m.to_dense(lq, lk, align=align)
             bm, bn = (bs, bs) if isinstance(bs, int) else bs
             assert torch.equal(lay.to_dense(), dense), (name, lq, lk, bs, align)
-            assert torch.equal(lay.block_states(), exact_states(dense, bm, bn).expand(lay.shape)), (name, lq, lk, bs, align)
+            truth = exact_states(dense, bm, bn).expand(lay.shape)
+            assert torch.equal(lay.block_states(), truth), (name, lq, lk, bs, align)
             assert lay.q_offset == (lk - lq if align == "bottom_right" else 0) and lay.align == align
 
 
@@ -620,3 +621,26 @@ def test_kernels_top_left_alignment():
     m = bsfa.causal() & bsfa.sliding_window(9) | bsfa.document(_ids(37, n_docs=3))
     lay = compile_mask(m, 50, 37, 16, align="top_left")
     _check(lay, Lq=50, Lk=37, block=16, D=16)
+
+
+# ------------------------------------------------------------------------------------------------
+# the extended DSL against hostile input
+# ------------------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_TOKENS = ["shift", "neighborhood", "sliding_tiles", "key_range", "query_range", "key_set", "chunk_band",
+           "periodic_window", "window", "causal", "mask_mod", "(", ")", ",", "=", "*", "//", "+", "-", "&", "|", "~",
+           "0", "1", "3", "7", "64", "grid", "kernel", "tile", "offset", "t", "n", "f", " "]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.sampled_from(_TOKENS), max_size=25))
+def test_fuzz_extended_grammar(tokens):
+    text = " ".join(tokens)
+    env = dict(t=torch.tensor([1, 5]), n=4, f=lambda b, h, q, kv: q >= kv)
+    try:
+        m = bsfa.parse(text, **env)
+    except (bsfa.MaskSyntaxError, ValueError):
+        return
+    assert bsfa.parse(str(m), **m.tensors()) == m

@@ -172,6 +172,6 @@ class MaskMod(_TensorPrimitive):
         h = ctx.h.to(dev) if (ctx.h is not None and self._params[1] > 1) else zero
         out = self.fn(b, h, ctx.i.to(dev), ctx.j.to(dev))
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            raise TypeError(f"mask_mod(): the callable must return a torch.bool tensor, got "
-                            f"{type(out).__name__}{'' if not isinstance(out, torch.Tensor) else ' of ' + str(out.dtype)}")
+            got = f"a tensor of {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"mask_mod(): the callable must return a torch.bool tensor, got {got}")
         return out.to(ctx.j.device)

@@ -236,7 +236,8 @@ class Mask:
             h = torch.arange(bs[1], device=dev).view(1, bs[1], 1, 1)
         return EvalContext(q_len, kv_len, i, i + query_offset(q_len, kv_len, align), j, b, h)
 
-    def to_dense(self, q_len: int, kv_len: int | None = None, *, device=None, align: str = "bottom_right") -> torch.Tensor:
+    def to_dense(self, q_len: int, kv_len: int | None = None, *, device=None,
+                 align: str = "bottom_right") -> torch.Tensor:
         """Materialise the mask: the reference semantics.
 
         Args:
