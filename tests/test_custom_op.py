@@ -98,9 +98,10 @@ def test_registry_handles_are_stable_and_cached():
 def test_registry_bounds_the_bytes_of_mask_tensors():
     reg = LayoutRegistry(capacity=100, max_bytes=3000)
     g = torch.Generator().manual_seed(0)
-    hs = [reg.register(bsfa.dense_mask(torch.rand(32, 32, generator=g) > 0.5), 16) for _ in range(5)]  # 1 KiB each
+    # dense masks hold one bit per element: 64 x 128 is 1 KiB, 128 x 256 is 4 KiB
+    hs = [reg.register(bsfa.dense_mask(torch.rand(64, 128, generator=g) > 0.5), 16) for _ in range(5)]
     assert [h in reg for h in hs] == [False, False, False, True, True]
-    big = reg.register(bsfa.dense_mask(torch.rand(64, 64, generator=g) > 0.5), 16)  # 4 KiB alone: kept
+    big = reg.register(bsfa.dense_mask(torch.rand(128, 256, generator=g) > 0.5), 16)  # 4 KiB alone: kept
     assert big in reg and len(reg) == 1
 
 
