@@ -4,7 +4,10 @@
     throughput  a few steps per variant and length: tokens/s, GPU busy, memory (no evaluation)
     report      merge result files and regenerate docs/training.md and the figures
 
-Results are written after every variant, so a killed run keeps what finished.
+Variants run in the order given (priority). With ``--deadline`` the first ``--core`` variants run
+the same number of steps (planned from the first one's measured step time), later variants run at
+most as many and stop before the deadline, and a variant that cannot reach its first evaluation is
+skipped with the reason. Results are written after every variant, so a killed run keeps what finished.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import torch
 
 from . import report as rep
 from .data import N_KEYS, load_corpus
-from .runner import (DEFAULT_OVERHEAD_S, RunConfig, estimate_overhead_s, estimate_step_s, plan_steps, tail_s, train_variant,
-                     variant_density)
+from .runner import (DEFAULT_OVERHEAD_S, RunConfig, estimate_overhead_s, estimate_step_s, plan_steps, tail_s,
+                     train_variant, variant_density)
 from .variants import DEFAULT_VARIANTS, FLEX_BLOCK_MASKS, VARIANTS, Patterns
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

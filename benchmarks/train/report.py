@@ -568,6 +568,16 @@ def markdown(payload: dict, figures: dict) -> str:
     prof = _profiles(payload, TARGET["seq_len"])
     if prof:
         out += ["", "Profiles of the variants below the GPU-busy target:", ""] + prof
+    out += ["", "## Reproduce", "", "```",
+            "# GPU: the 64K comparison (priority order: dense, ours and Flex Longformer for equal steps, then the",
+            "# other patterns as time allows; whatever the deadline leaves out is listed above as not run)",
+            "python benchmarks/train_long_context.py run --deadline 540 --json /tmp/train.json",
+            "# GPU: tokens/s, GPU busy and memory at 16K, 32K and 128K (a few steps, no evaluation)",
+            "python benchmarks/train_long_context.py throughput --deadline 250 --json /tmp/speed.json",
+            "# this page and the figures from the result files",
+            "python benchmarks/train_long_context.py report /tmp/train.json /tmp/speed.json",
+            "# a tiny run on the CPU (seconds; FlexAttention has no CPU backward and is skipped)",
+            "python benchmarks/train_long_context.py --device cpu", "```"]
     out += ["", "## Runs", ""]
     for rid, run in sorted(runs.items()):
         rc = run.get("config", {})
