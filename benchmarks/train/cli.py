@@ -199,7 +199,7 @@ def _resolve(args, ap) -> tuple[list[RunConfig], Patterns, list[str]]:
             held_out_permille=args.held_out_permille, compile=gpu if args.compile is None else args.compile,
             compile_scope=args.compile_scope, compile_mode=args.compile_mode,
             compile_backend=args.compile_backend, bsfa_mode=args.bsfa_mode,
-            bsfa_api=args.bsfa_api, sync_steps=min(args.sync_steps, max(1, args.steps - 1)),
+            bsfa_api=args.bsfa_api, sync_steps=max(1, min(args.sync_steps, args.steps - 1)),
             profile_steps=args.profile_steps, log_every=args.log_every, seed=args.seed,
             mode="throughput" if args.cmd == "throughput" else "train", flex_block_mask=args.flex_block_mask,
             deadline_reserve=args.deadline_reserve))
@@ -284,7 +284,7 @@ def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, 
     dens = {v: variant_density(v, cfg, pats, corpus) for v in variants}
     core = variants[:max(0, args.core)] if cfg.mode == "train" else []
     cap = cfg.max_steps or 0
-    for i, v in enumerate(variants):
+    for v in variants:
         impl = v.split("_")[0]
         cfg_v = replace(cfg, max_steps=cap)
         plan = None

@@ -540,7 +540,7 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
             if cfg.log_every and n_done % cfg.log_every == 0:
                 log(f"  {name:<16} step {n_done:>5}  loss {float(loss):.4f}")
             train_s = time.perf_counter() - t_train0 - eval_s - sum(host_s)
-            over_budget = cfg.time_budget and train_s > cfg.time_budget
+            over_budget = bool(cfg.time_budget) and train_s > cfg.time_budget and n_done < target
             over_deadline = False
             if deadline is not None and n_done < target:
                 # the next step, the final evaluation and the profile must still fit (the compile
