@@ -7,7 +7,7 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, load_tile, lut_first, lut_next, mma, store_grad_tile, work_item
+from .common import LOG2E, block_positions, dropout_keep, load_tile, lut_first, lut_next, mma, store_grad_tile, work_item
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -39,18 +39,19 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+def _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                 stride_qm, stride_dom, LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale,
-                PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+                PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                LUT_MODE: tl.constexpr):
+                LUT_MODE: tl.constexpr, HAS_POS: tl.constexpr):
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
         rblk, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
             offs_m = rblk * LAYOUT_BM + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+            gm = block_positions(QPOS, rblk, offs_m, LAYOUT_BM, HAS_POS)
             q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
             do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
@@ -64,13 +65,13 @@ def _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row,
             s_t = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
             if MASKED:
-                qp = offs_m + Q_OFF
-                keep = PREDICATE(qp[None, :], offs_n[:, None], offs_m[None, :], b, h, PARAMS, AUX, True)
+                qp = gm + Q_OFF
+                keep = PREDICATE(qp[None, :], gn[:, None], gm[None, :], b, h, PARAMS, AUX, True)
                 keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
                 p_t = tl.where(keep, p_t, 0.0)
             dp_t = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
-                drop = dropout_keep(offs_m[None, :], offs_n[:, None], b * H + h, seed_lo, seed_hi, drop_thresh)
+                drop = dropout_keep(gm[None, :], gn[:, None], b * H + h, seed_lo, seed_hi, drop_thresh)
                 dv = mma(tl.where(drop, p_t * drop_scale, 0.0).to(do.dtype), do, dv, DOT_PRECISION)
                 dp_t = tl.where(drop, dp_t * drop_scale, 0.0)
             else:
@@ -85,7 +86,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DKPART, DVPART, NSLOT,
+                   FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, DKPART, DVPART, NSLOT,
                    H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
                    seed_lo, seed_hi, drop_thresh, drop_scale,
                    PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
@@ -93,7 +94,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
-                   ACCUMULATE: tl.constexpr):
+                   ACCUMULATE: tl.constexpr, HAS_POS: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -106,6 +107,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                                            LAYOUT_BN, USE_WORK)
     col_in_lut = (tile * BLOCK_N) // LAYOUT_BN
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    gn = block_positions(KPOS, col_in_lut, offs_n, LAYOUT_BN, HAS_POS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k = load_tile(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
                   offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -124,14 +126,16 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         LSE_row = LSE + (b64 * H + h64) * q_len
         DELTA_row = DELTA + (b64 * H + h64) * q_len
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
-                             PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT)
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+                             PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
+                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT,
+                             HAS_POS)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
-                             PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
-                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load")
+                             PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load",
+                             HAS_POS)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
                         + offs_d[None, :], dk * sm_scale, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
@@ -145,18 +149,19 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-              LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
+def _dq_inner(dq, q, do, lse2, delta, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+              LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-              LUT_MODE: tl.constexpr):
-    qp = offs_m + Q_OFF
+              LUT_MODE: tl.constexpr, HAS_POS: tl.constexpr):
+    qp = gi + Q_OFF
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+            gj = block_positions(KPOS, col, offs_n, LAYOUT_BN, HAS_POS)
             k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
             v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
@@ -164,12 +169,12 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, s
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
             if MASKED:
-                keep = PREDICATE(qp[:, None], offs_n[None, :], offs_m[:, None], b, h, PARAMS, AUX, False)
+                keep = PREDICATE(qp[:, None], gj[None, :], gi[:, None], b, h, PARAMS, AUX, False)
                 keep = keep & (offs_n[None, :] < kv_len)
                 p = tl.where(keep, p, 0.0)
             dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
-                drop = dropout_keep(offs_m[:, None], offs_n[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
+                drop = dropout_keep(gi[:, None], gj[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 dp = tl.where(drop, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
@@ -181,7 +186,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  stride_dqb, stride_dqh, stride_dqm,
-                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, WORK, DQPART, NSLOT,
+                 FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, DQPART, NSLOT,
                  H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
                  seed_lo, seed_hi, drop_thresh, drop_scale,
                  PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
@@ -189,7 +194,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
-                 ACCUMULATE: tl.constexpr):
+                 ACCUMULATE: tl.constexpr, HAS_POS: tl.constexpr):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
@@ -199,8 +204,10 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
     lut_base = (b * LZB + h * LZH) * TR
     tile, f0, f1, p0, p1, slot = work_item(WORK, pid_w, FULL_PTR, PART_PTR, lut_base, BLOCK_M, LAYOUT_BM, USE_WORK)
-    line = lut_base + (tile * BLOCK_M) // LAYOUT_BM
+    blk = (tile * BLOCK_M) // LAYOUT_BM
+    line = lut_base + blk
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    gi = block_positions(QPOS, blk, offs_m, LAYOUT_BM, HAS_POS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -211,12 +218,12 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT)
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load")
+    dq = _dq_inner(dq, q, do, lse2, delta, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+                   FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
+                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT, HAS_POS)
+    dq = _dq_inner(dq, q, do, lse2, delta, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+                   PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
+                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load", HAS_POS)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
     if slot < 0:
@@ -236,7 +243,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn,
               RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX,
-              PARAMS, AUX, KV_WORK, Q_WORK, DKPART, DVPART, DQPART, KV_NSLOT, Q_NSLOT,
+              PARAMS, AUX, QPOS, KPOS, KV_WORK, Q_WORK, DKPART, DVPART, DQPART, KV_NSLOT, Q_NSLOT,
               N_KV_ITEMS, N_KV_PROGS, N_Q_ITEMS, HEAD_MAJOR,
               H, G, LZB, LZH, TR, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
               seed_lo, seed_hi, drop_thresh, drop_scale,
@@ -246,7 +253,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
               Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
-              ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr):
+              ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr,
+              HAS_POS: tl.constexpr = False):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -258,7 +266,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     (``N_KV_PROGS``) come first, then all dQ programs. With one of ``RUN_KV``/``RUN_Q`` set (and
     ``N_KV_PROGS = 0`` for dQ alone) the launch runs only that part, e.g. when the two parts want
     different warp counts. ``ACCUMULATE`` adds the gradients to what DQ/DK/DV hold instead of
-    overwriting them."""
+    overwriting them. ``HAS_POS``: the layout is a shard with block position tables
+    ``QPOS``/``KPOS`` (see ``_attn_fwd``)."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     pid = tl.program_id(0)
     kv_item = pid % N_KV_ITEMS
@@ -285,19 +294,20 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                      CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, KV_WORK, DKPART, DVPART, KV_NSLOT,
+                      CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, QPOS, KPOS, KV_WORK, DKPART, DVPART,
+                      KV_NSLOT,
                       H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                       drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N,
-                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE)
+                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE, HAS_POS)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm,
-                    RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, Q_WORK, DQPART, Q_NSLOT,
+                    RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, QPOS, KPOS, Q_WORK, DQPART, Q_NSLOT,
                     H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                     drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N,
-                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE)
+                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, HAS_POS)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

@@ -44,6 +44,21 @@ def store_grad_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
+def block_positions(POS, blk, offs, LAYOUT_B: tl.constexpr, HAS_POS: tl.constexpr):
+    """Global indices of the local rows (or keys) ``offs``, which lie in local layout block ``blk``.
+
+    Without ``HAS_POS`` a layout's indices are the global ones. With it (a shard of a larger
+    layout, ``compiler/shard.py``), ``POS[blk]`` holds the global index of the block's first row
+    (or key), so the element predicate and the dropout counters see the positions the unsharded
+    run sees; bounds checks keep using the local indices."""
+    if HAS_POS:
+        g = tl.load(POS + blk) + (offs - blk * LAYOUT_B)
+    else:
+        g = offs
+    return g
+
+
+@triton.jit
 def lut_first(LUT_IDX, line, start, end, MODE: tl.constexpr):
     """Loop-carried state for walking the entries ``start .. end`` of LUT line ``line`` (see
     :func:`lut_next`).

@@ -45,22 +45,23 @@ def _residue_ok(rw, s: Shapes, dtype: torch.dtype) -> bool:
 # ------------------------------------------------------------------------------------------------
 # single layout, per backend
 # ------------------------------------------------------------------------------------------------
-def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend):
+def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype=None):
     if backend == "triton":
         from .triton_backend import triton_forward
 
-        out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, seed)
+        out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, seed, out_dtype=out_dtype)
         return out, lse
     from .torch_backend import torch_forward
 
     return torch_forward(q, k, v, layout, s, scale, dropout_p, seed)
 
 
-def _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse):
+def _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype=None):
     if backend == "triton":
         from .triton_backend import triton_backward
 
-        return triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse=dlse)
+        return triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse=dlse,
+                               grad_dtype=grad_dtype)
     from .torch_backend import torch_backward
 
     return torch_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse)
@@ -126,8 +127,11 @@ def _parts_backward(q, k, v, out, lse, dout, rw, s: Shapes, scale, backend, dlse
 # the path
 # ------------------------------------------------------------------------------------------------
 def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-            use_rewrite: bool = True):
-    """``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))`` of attention over ``layout``."""
+            use_rewrite: bool = True, out_dtype=None):
+    """``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))`` of attention over ``layout``.
+
+    ``out_dtype``: the output's dtype instead of q's (float32 keeps a partial result exact for a
+    later merge, e.g. the context-parallel merge of rows split between ranks)."""
     rw = _rewrite(layout, dropout_p, use_rewrite)
     if rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype):
@@ -137,15 +141,15 @@ def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: fl
         else:
             out, lse = _parts_forward(q, k, v, rw, s, scale, backend)
     else:
-        out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend)
-    ldt = lse_dtype(q.dtype)
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), (lse if lse.dtype == ldt else lse.to(ldt))
+        out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype)
+    ldt, odt = lse_dtype(q.dtype), out_dtype or q.dtype
+    return (out if out.dtype == odt else out.to(odt)), (lse if lse.dtype == ldt else lse.to(ldt))
 
 
 def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-             backend: str, dlse=None, use_rewrite: bool = True):
-    """``(dq, dk, dv)`` shaped and typed like q, k, v. ``dlse``: gradient of the returned
-    logsumexp (optional)."""
+             backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None):
+    """``(dq, dk, dv)`` shaped and typed like q, k, v (or in ``grad_dtype``: float32 keeps partial
+    gradients exact for a later sum). ``dlse``: gradient of the returned logsumexp (optional)."""
     rw = _rewrite(layout, dropout_p, use_rewrite)
     if rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype):
@@ -155,8 +159,9 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
         else:
             dq, dk, dv = _parts_backward(q, k, v, out, lse, dout, rw, s, scale, backend, dlse)
     else:
-        dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse)
-    return tuple(g if g.dtype == t.dtype else g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
+        dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype)
+    return tuple(g if g.dtype == (grad_dtype or t.dtype) else g.to(grad_dtype or t.dtype)
+                 for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 class _Attention(torch.autograd.Function):

@@ -52,11 +52,17 @@ def keep_from_counters(i, j, bh, p: float, seed: int) -> np.ndarray:
     return (r0 >> np.uint64(1)) >= np.uint64(dropout_threshold(p))
 
 
-def dropout_keep_mask(B: int, H: int, q_len: int, kv_len: int, p: float, seed: int, device=None) -> torch.Tensor:
+def dropout_keep_mask(B: int, H: int, q_len: int, kv_len: int, p: float, seed: int, device=None, *,
+                      rows=None, keys=None) -> torch.Tensor:
     """Materialise the keep-mask ``bool (B, H, q_len, kv_len)`` used by ``attention(dropout_p=p,
-    dropout_seed=seed)`` (for tests at small shapes)."""
-    i = np.arange(q_len, dtype=np.int64).reshape(1, q_len, 1)
-    j = np.arange(kv_len, dtype=np.int64).reshape(1, 1, kv_len)
+    dropout_seed=seed)`` (for tests at small shapes).
+
+    ``rows``/``keys``: the global query rows and keys of the local ones (``(q_len,)``/``(kv_len,)``
+    ints), for a shard of a longer sequence (context parallelism): its elements are dropped exactly
+    as the same elements of the unsharded run. Default: the local indices."""
+    i = np.arange(q_len, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64).reshape(q_len)
+    j = np.arange(kv_len, dtype=np.int64) if keys is None else np.asarray(keys, dtype=np.int64).reshape(kv_len)
+    i, j = i.reshape(1, q_len, 1), j.reshape(1, 1, kv_len)
     bh = np.arange(B * H, dtype=np.int64).reshape(B * H, 1, 1)
     keep = keep_from_counters(i, j, bh, p, seed).reshape(B, H, q_len, kv_len)
     return torch.from_numpy(keep).to(device or "cpu")

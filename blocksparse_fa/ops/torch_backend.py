@@ -25,8 +25,12 @@ def _expand_cols(blocks: np.ndarray, bn: int, limit: int) -> np.ndarray:
 
 
 def _walk(layout: BlockLayout, s: Shapes):
-    """Yield ``(bsel, hsel, b_idx, h_idx, rows, keys_full, keys_partial, keep_partial)`` per row block."""
+    """Yield ``(bsel, hsel, b_idx, h_idx, rows, keys_full, keys_partial, keep_partial, grow)`` per row
+    block; ``grow`` are the block's global row indices (the local ones unless the layout is a shard,
+    whose ``positions`` map local blocks to global indices for the mask and dropout)."""
     bm, bn = layout.block_size
+    pos = getattr(layout, "positions", None)
+    q_len, kv_len = (s.Lq, s.Lk) if pos is None else (pos.q_len, pos.kv_len)
     tr = -(-s.Lq // bm)
     lut = layout.row_lut
     fptr, fidx = lut.full_ptr.cpu().numpy(), lut.full_idx.cpu().numpy()
@@ -44,20 +48,21 @@ def _walk(layout: BlockLayout, s: Shapes):
             kf = _expand_cols(fidx[fptr[row]:fptr[row + 1]], bn, s.Lk)
             kp = _expand_cols(pidx[pptr[row]:pptr[row + 1]], bn, s.Lk)
             i0, i1 = r * bm, min((r + 1) * bm, s.Lq)
+            grow = np.arange(i0, i1) if pos is None else pos.rows(np.arange(i0, i1), bm)
             keep = None
             if len(kp):
-                i = torch.arange(i0, i1).view(-1, 1)
-                ctx = EvalContext(s.Lq, s.Lk, i, i + off, torch.from_numpy(kp).view(1, -1),
-                                  torch.tensor(zb), torch.tensor(zh))
+                i = torch.from_numpy(grow).view(-1, 1)
+                j = torch.from_numpy(kp if pos is None else pos.keys(kp, bn)).view(1, -1)
+                ctx = EvalContext(q_len, kv_len, i, i + off, j, torch.tensor(zb), torch.tensor(zh))
                 keep = layout.mask._eval(ctx).expand(i1 - i0, len(kp))
-            yield bsel, hsel, b_idx, h_idx, (i0, i1), kf, kp, keep
+            yield bsel, hsel, b_idx, h_idx, (i0, i1), kf, kp, keep, grow
 
 
 class _Step:
     """Scores and probabilities of one row block (shared by forward and backward)."""
 
-    def __init__(self, q, k, v, walk_item, s: Shapes, scale, dropout_p, seed):
-        bsel, hsel, b_idx, h_idx, (i0, i1), kf, kp, keep = walk_item
+    def __init__(self, q, k, v, walk_item, s: Shapes, scale, dropout_p, seed, pos=None, bn=1):
+        bsel, hsel, b_idx, h_idx, (i0, i1), kf, kp, keep, grow = walk_item
         self.bsel, self.hsel, self.rows = bsel, hsel, slice(i0, i1)
         self.kidx = torch.from_numpy(np.concatenate([kf, kp])).to(q.device)
         self.n = len(self.kidx)
@@ -73,9 +78,14 @@ class _Step:
         self.drop = None
         if dropout_p > 0.0:
             bh = (b_idx[:, None] * s.H + h_idx[None, :])[:, :, None, None]
-            kd = keep_from_counters(np.arange(i0, i1)[None, None, :, None], self.kidx.cpu().numpy()[None, None, None, :],
-                                    bh, dropout_p, seed)
+            kj = self.kidx.cpu().numpy()
+            kj = kj if pos is None else pos.keys(kj, bn)
+            kd = keep_from_counters(grow[None, None, :, None], kj[None, None, None, :], bh, dropout_p, seed)
             self.drop = torch.from_numpy(kd).to(q.device).to(q.dtype) / (1.0 - dropout_p)
+
+
+def _pos(layout):
+    return getattr(layout, "positions", None), layout.block_size[1]
 
 
 def _inf_to_zero(m):
@@ -86,7 +96,7 @@ def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed):
     out = torch.zeros_like(q)
     lse = torch.full((s.B, s.H, s.Lq), float("-inf"), dtype=q.dtype, device=q.device)
     for item in _walk(layout, s):
-        st = _Step(q, k, v, item, s, scale, dropout_p, seed)
+        st = _Step(q, k, v, item, s, scale, dropout_p, seed, *_pos(layout))
         if st.n == 0:
             continue
         m = _inf_to_zero(st.s.amax(-1, keepdim=True))
@@ -108,7 +118,7 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
         delta = delta - torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.to(delta.dtype))
     lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
     for item in _walk(layout, s):
-        st = _Step(q, k, v, item, s, scale, dropout_p, seed)
+        st = _Step(q, k, v, item, s, scale, dropout_p, seed, *_pos(layout))
         if st.n == 0:
             continue
         p = torch.exp(st.s - lse_safe[st.bsel, st.hsel, st.rows].unsqueeze(-1))

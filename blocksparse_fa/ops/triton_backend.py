@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
@@ -26,9 +27,37 @@ __all__ = ["triton_forward", "triton_backward", "set_fused_backward", "set_lut_p
 _LOG2E = 1.4426950408889634
 
 
+def _source(layout):
+    """The layout a shard was cut from (``compiler/shard.py``), else the layout itself."""
+    return getattr(layout, "source", None) or layout
+
+
+def _payload(layout: BlockLayout, device) -> Payload:
+    """Predicate payload of a layout: a shard's comes from its source layout (global lengths, read
+    with global positions) and is shared by every shard of it."""
+    src = _source(layout)
+    key = ("payload", device)
+    pay = src.cache.get(key)
+    if pay is None:
+        pay = src.cache[key] = build_payload(src, device)
+    return pay
+
+
+def _positions(layout: BlockLayout, device):
+    """``(QPOS, KPOS)`` int32 device tensors of a shard (global index of each local block's first
+    row / key), or None for a layout that is not a shard."""
+    pos = getattr(layout, "positions", None)
+    if pos is None:
+        return None
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device) if len(a) else \
+        torch.zeros(1, dtype=torch.int32, device=device)  # noqa: E731
+    return to(pos.q_start), to(pos.k_start)
+
+
 def _device_state(layout: BlockLayout, device: torch.device):
-    """``(rows, cols, payload, modes)``: kernel tables and predicate payload on ``device`` and the
-    LUT modes of the kernel loops, built once and kept in the layout's cache."""
+    """``(rows, cols, payload, modes, positions)``: kernel tables, predicate payload and block
+    position tables (shards only, else None) on ``device`` and the LUT modes of the kernel loops,
+    built once and kept in the layout's cache."""
     key = ("triton", device, _LUT_POLICY["row_arith"], _LUT_POLICY["col_arith"], _LUT_POLICY["fwd_other"])
     st = layout.cache.get(key)
     if st is None:
@@ -43,7 +72,7 @@ def _device_state(layout: BlockLayout, device: torch.device):
                      ROW_LUT="arith" if rows.runs else "load", COL_LUT="arith" if cols.runs else "load")
         st = (tuple(prep(a) for a in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx)),
               tuple(prep(a) for a in (cols.full_ptr, cols.full_idx, cols.part_ptr, cols.part_idx)),
-              build_payload(layout, device), modes)
+              _payload(layout, device), modes, _positions(layout, device))
         layout.cache[key] = st
     return st
 
@@ -108,11 +137,12 @@ def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool]:
     """``(band, short_partial, partial_heavy)`` of a layout's shape (``kernels/config.py``), cached
     on the layout: the launchers ask on every call."""
     cls = layout.cache.get("tile_class")
-    if cls is None:
-        mean_row = layout.n_nonempty / max(1, layout._segs.n_rows)
-        pf = layout.partial_fraction
+    if cls is None:  # a shard takes its source's class: the same kernels as the unsharded run
+        src = _source(layout)
+        mean_row = src.n_nonempty / max(1, src._segs.n_rows)
+        pf = src.partial_fraction
         cls = (short_rows(mean_row, pf), short_partial_rows(mean_row, pf),
-               layout.n_nonempty > 0 and pf >= PARTIAL_HEAVY)
+               src.n_nonempty > 0 and pf >= PARTIAL_HEAVY)
         layout.cache["tile_class"] = cls
     return cls
 
@@ -252,14 +282,14 @@ def _plan_key(kind: str, layout, s: Shapes, dtype, device, has_dropout: bool, ex
     return (kind, device, dtype, s.B, s.H, s.Hkv, s.D, has_dropout, _VERSION[0], _config.OVERRIDE_VERSION[0], *extra)
 
 
-def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> _Plan:
-    key = _plan_key("fwd", layout, s, dtype, device, has_dropout)
+def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out_dtype=None) -> _Plan:
+    key = _plan_key("fwd", layout, s, dtype, device, has_dropout, (out_dtype,))
     plan = layout.cache.get(key) if cfg is None else None
     if plan is not None:
         return plan
     lbm, lbn = layout.block_size
     check_layout_block(lbm, lbn)
-    rows, _, pay, modes = _device_state(layout, device)
+    rows, _, pay, modes, pos = _device_state(layout, device)
     d_pad = head_dim_pad(s.D)
     wanted = fwd_config(d_pad, dtype, lbm, lbn, _is_band(layout), _is_short_partial(layout))
     fkey = ("fwd", wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the config that fits, per requested one
@@ -278,8 +308,9 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> 
                   DOT_PRECISION=_dot_precision(dtype, device), STAGES=cfg.num_stages,
                   MASKED_STAGES=_FWD_OPTS["masked_stages"] or _masked_stages(pay, cfg), num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, FULL_LUT=modes["FULL_LUT"], PART_LUT=modes["PART_LUT"],
-                  KV_DESC=False, WARP_SPEC=False)
-    args = (*rows, pay.params, pay.aux, work)
+                  KV_DESC=False, WARP_SPEC=False, HAS_POS=pos is not None)
+    ph = _placeholder(torch.int32, device)
+    args = (*rows, pay.params, pay.aux, *(pos or (ph, ph)), work)
     ints = (nslot, s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), s.Lq, s.Lk, layout.q_offset)
     plan = _Plan((cfg,), grid, (args, ints), consts, ((n_part, d_pad), (n_part,)) if nslot else (),
                  ((wl, s.B * s.H, cfg.block_m),) if nslot else (), Launch(_attn_fwd, consts, 17, device),
@@ -289,12 +320,15 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> 
     return plan
 
 
-def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
-    """Forward kernel; returns ``out (B, H, Lq, D)`` and ``lse (B, H, Lq)`` float32."""
+def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
+                   out_dtype=None):
+    """Forward kernel; returns ``out (B, H, Lq, D)`` (q's dtype, or ``out_dtype``: float32 keeps a
+    partial result exact for a later merge) and ``lse (B, H, Lq)`` float32."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dev = q.device
-    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    odt = None if out_dtype in (None, q.dtype) else out_dtype
+    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, out_dtype=odt)
+    out = torch.empty(q.shape, dtype=odt or q.dtype, device=dev)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
     while True:
         try:
@@ -304,7 +338,7 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
             smaller = _shrink(plan.cfg[0])
             if smaller is None:
                 raise
-            plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, cfg=smaller)
+            plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, cfg=smaller, out_dtype=odt)
 
 
 def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed):
@@ -348,14 +382,14 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
 
 
 def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: bool, run=(True, True),
-              cfgs=None) -> _Plan:
-    key = _plan_key("bwd", layout, s, dtype, device, has_dropout, (accumulate, run))
+              cfgs=None, grad_dtype=None) -> _Plan:
+    key = _plan_key("bwd", layout, s, dtype, device, has_dropout, (accumulate, run, grad_dtype))
     plan = layout.cache.get(key) if cfgs is None else None
     if plan is not None:
         return plan
     lbm, lbn = layout.block_size
     check_layout_block(lbm, lbn)
-    rows, cols, pay, modes = _device_state(layout, device)
+    rows, cols, pay, modes, pos = _device_state(layout, device)
     d_pad = head_dim_pad(s.D)
     wanted = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout))
     fkey = ("bwd", run, wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the configs that fit, per requested pair
@@ -386,8 +420,9 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
                   KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
                   Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
                   num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
-                  num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1))
-    bufs = (*rows, *cols, pay.params, pay.aux, wl_kv.work if wl_kv is not None else ph,
+                  num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1),
+                  HAS_POS=pos is not None)
+    bufs = (*rows, *cols, pay.params, pay.aux, *(pos or (ph, ph)), wl_kv.work if wl_kv is not None else ph,
             wl_q.work if wl_q is not None else ph)
     ints = (kv_nslot, q_nslot, n_kv_items, n_kv_progs, n_q_items, int(head_major),
             s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), _cdiv(s.Lk, lbn), s.Lq, s.Lk, layout.q_offset)
@@ -406,21 +441,21 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
 
 
 def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-                    dlse=None, delta=None, accumulate=None):
+                    dlse=None, delta=None, accumulate=None, grad_dtype=None):
     """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype. ``dlse`` (gradient of the
     returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``.
 
     ``delta``: precomputed :func:`backward_delta` (then ``out`` and ``dlse`` are not read).
     ``accumulate``: ``(dq, dk, dv)`` tensors (any strides) to add this layout's gradients to; they
-    are returned."""
+    are returned. ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps
+    partial gradients exact for a later sum)."""
     q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
     dev = q.device
     if delta is None:
         delta = backward_delta(out, dout, lse, s, dlse)
+    gdt = None if grad_dtype in (None, q.dtype) or accumulate is not None else grad_dtype
     if accumulate is None:
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        dq, dk, dv = (torch.empty(t.shape, dtype=gdt or t.dtype, device=dev) for t in (q, k, v))
     else:
         dq, dk, dv = accumulate
         for name, g, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -430,7 +465,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     grads = (dq, dk, dv)
     has_drop, acc = dropout_p > 0.0, accumulate is not None
     if _FUSED_BWD["on"]:
-        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc)
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, grad_dtype=gdt)
         cfg_kv, cfg_q = plan.cfg
         if cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(("bwd_fused_fits", *plan.cfg), True):
             try:
@@ -439,7 +474,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             except OutOfResources:
                 _FALLBACK[("bwd_fused_fits", *plan.cfg)] = False  # the two programs do not fit one kernel
     for run in ((True, False), (False, True)):
-        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run)
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, grad_dtype=gdt)
         while True:
             try:
                 _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed)
@@ -450,7 +485,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                 if smaller is None:
                     raise
                 cfgs = (smaller, plan.cfg[1]) if i == 0 else (plan.cfg[0], smaller)
-                plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, cfgs=cfgs)
+                plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, cfgs=cfgs, grad_dtype=gdt)
     return grads
 
 

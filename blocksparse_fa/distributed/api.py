@@ -1,0 +1,140 @@
+"""``context_parallel_attention``: attention over a sequence sharded across ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..compiler.cache import LRUCache
+from ..compiler.layout import BlockLayout
+from ..mask.dsl import parse
+from ..ops.api import draw_seed, resolve_backend
+from ..ops.validate import check_qkv, check_scalars
+from .attention import cp_backward, cp_forward
+from .comm import check_call, resolve_group
+from .exchange import exchange_for
+from .plan import ContextParallelPlan, plan_context_parallel
+from .ulysses import UlyssesExchange, ulysses_check, ulysses_forward
+
+__all__ = ["context_parallel_attention"]
+
+
+class _CPAttention(torch.autograd.Function):
+    """Eager autograd around :func:`.attention.cp_forward` / :func:`.attention.cp_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ex, scale, dropout_p, seed, backend, group, overlap):
+        ctx.set_materialize_grads(False)
+        out, lse, saved = cp_forward(ex, q, k, v, scale, dropout_p, seed, backend, group, overlap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.extra = (ex, saved, scale, dropout_p, seed, backend, group, overlap)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ex, saved, scale, dropout_p, seed, backend, group, overlap = ctx.extra
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = cp_backward(ex, q, k, v, out, lse, dout, dlse, saved, scale, dropout_p, seed, backend, group,
+                                 overlap)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_DEFAULT_PLANS = LRUCache(32)
+
+
+def _default_plan(mask, block_size, group, world: int, length: int, device) -> ContextParallelPlan:
+    """A plan for inputs already split into contiguous shards in rank order (lengths gathered)."""
+    t = torch.tensor([length], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t, group=group)
+    lengths = tuple(int(p.item()) for p in parts)
+    key = (mask if not isinstance(mask, str) else parse(mask), lengths, block_size, world)
+    plan = _DEFAULT_PLANS.get(key)
+    if plan is None:
+        plan = plan_context_parallel(mask, sum(lengths), world, block_size=block_size, shard_lengths=lengths)
+        _DEFAULT_PLANS.put(key, plan)
+    return plan
+
+
+def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan | None = None, group=None,
+                               scale=None, dropout_p: float = 0.0, dropout_seed=None, return_lse: bool = False,
+                               backend: str = "auto", block_size=None, overlap: bool = False, check: bool = True):
+    """Block-sparse self-attention over a sequence sharded across the ranks of ``group``.
+
+    Every rank calls it with the q, k, v of its own tokens (and every rank must run the backward
+    when one does). With a ``plan`` (:func:`plan_context_parallel`), rank ``r`` holds the tokens
+    ``plan.indices(r)``; without one, the ranks hold contiguous pieces of the sequence in rank
+    order (each a whole number of layout blocks, the last one excepted).
+
+    Args:
+        q: ``(B, H, L_r, D)``, this rank's queries.
+        k, v: ``(B, Hkv, L_r, D)`` of the same tokens (self-attention; ``H % Hkv == 0``).
+        mask: the mask (a :class:`~blocksparse_fa.Mask`, DSL text or None = dense) when no plan
+            is given; with a plan it must be the plan's mask or None.
+        plan: a :class:`ContextParallelPlan` made for this group's size.
+        group: a process group, a 1-D DeviceMesh or None (the default group).
+        scale, dropout_p, dropout_seed, return_lse, backend, block_size: as in
+            :func:`blocksparse_fa.attention`. Dropout drops exactly the elements the
+            single-process run drops (the seed is rank 0's when drawn).
+        overlap: compute the blocks whose keys are local while the remote ones arrive (two kernel
+            launches merged in float32) instead of one launch after the fetch.
+        check: exchange a description of the call first, so that inconsistent calls (different
+            plans, shard lengths, shapes) raise the same error on every rank instead of hanging.
+
+    Returns:
+        ``out`` ``(B, H, L_r, D)`` (and ``lse`` ``(B, H, L_r)`` float32 if asked), this rank's rows
+        of the unsharded attention.
+    """
+    pg = resolve_group(group)
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    local_error = None
+    be = "torch"
+    try:
+        s = check_qkv(q, k, v)
+        check_scalars(scale, dropout_p)
+        if s.Lq != s.Lk:
+            raise ValueError(f"context parallelism is for self-attention: q has {s.Lq} tokens, k/v {s.Lk} (shard "
+                             f"q, k, v with the same plan)")
+        be = resolve_backend(backend, q.device, q.dtype)
+        if plan is not None and mask is not None:
+            m = parse(mask) if isinstance(mask, str) else (mask.mask if isinstance(mask, BlockLayout) else mask)
+            if m != plan.layout.mask:
+                raise ValueError(f"mask {m} differs from the plan's mask {plan.layout.mask}")
+        if plan is not None and plan.world_size == world and plan.strategy == "ulysses":
+            why = ulysses_check(plan, s.H, s.Hkv, float(dropout_p))
+            if why:
+                raise ValueError(why)
+        if not check and float(dropout_p) > 0 and dropout_seed is None:
+            raise ValueError("dropout with check=False needs an explicit dropout_seed (the same on every rank)")
+    except (TypeError, ValueError, RuntimeError) as e:
+        if not check:
+            raise
+        local_error = str(e)
+    if plan is None:
+        plan = _default_plan(mask, block_size, pg, world, q.shape[2], q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    seed = draw_seed(dropout_p, dropout_seed) if isinstance(dropout_p, float) else 0
+    if check:
+        seed = check_call(pg, plan, rank, world, q, k, v, scale, dropout_p, seed, local_error, q.device)
+    elif plan.world_size != world or plan.local_len(rank) != q.shape[2]:
+        raise ValueError(f"rank {rank}: the plan is for {plan.world_size} ranks and gives this rank "
+                         f"{plan.local_len(rank) if plan.world_size == world else '?'} tokens; got a group of {world} "
+                         f"and {q.shape[2]} tokens")
+    if plan.strategy == "ulysses":
+        key = ("ulysses", rank, str(q.device))
+        ex = plan._exchanges.get(key)
+        if ex is None:
+            ex = plan._exchanges[key] = UlyssesExchange(plan, rank, q.device)
+        out, lse = ulysses_forward(q, k, v, ex, scale, be, pg, q.device)
+    else:
+        ex = exchange_for(plan, rank, q.device)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _CPAttention.apply(q, k, v, ex, scale, dropout_p, seed, be, pg, bool(overlap))
+        else:
+            out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, seed, be, pg, bool(overlap))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,108 @@
+"""Collectives of context parallelism (torch.distributed), and the checks that keep bad input from
+hanging a job: every rank validates its arguments, all ranks exchange the results in one small
+all-gather, and if any rank is wrong every rank raises the same error."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["resolve_group", "all_to_all", "check_call", "Pending"]
+
+
+def resolve_group(group):
+    """A process group from ``None`` (the default group), a ProcessGroup, a 1-D DeviceMesh, or a
+    group name (what the custom op carries)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context parallelism needs torch.distributed initialised (init_process_group)")
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group)
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - old torch
+        DeviceMesh = ()
+    if DeviceMesh and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a DeviceMesh for context parallelism must be 1-D (pass mesh['cp']), got {group.ndim}-D "
+                             f"mesh {tuple(group.mesh_dim_names or ())}")
+        return group.get_group()
+    return group
+
+
+class Pending:
+    """A received tensor whose collective may still be in flight (``wait()`` returns it)."""
+
+    __slots__ = ("tensor", "work")
+
+    def __init__(self, tensor, work):
+        self.tensor, self.work = tensor, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
+def all_to_all(x: torch.Tensor, send_splits, recv_splits, group, async_op: bool = False) -> Pending:
+    """Rows of ``x`` (dim 0, peer-major with ``send_splits`` rows per peer) to their peers; returns
+    the received rows (``recv_splits`` per peer, peer-major)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group, async_op=async_op)
+    return Pending(out, work if async_op else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# validation
+# ------------------------------------------------------------------------------------------------
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_FIELDS = ("magic", "fingerprint", "world", "length", "B", "H", "Hkv", "D", "dtype", "scale", "dropout", "seed",
+           "error")
+_MAGIC = 0x6273666163
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def check_call(group, plan, rank: int, world: int, q, k, v, scale: float, dropout_p: float, seed: int,
+               local_error: str | None, device) -> int:
+    """Exchange the call's description with every rank; raise the same ``ValueError`` on every rank
+    if any rank's call differs or failed its local checks. Returns rank 0's dropout seed (so that
+    ranks drawing seeds independently still drop the same elements)."""
+    B, H, L, D = q.shape
+    Hkv = k.shape[1]
+    mine = [_MAGIC, plan.fingerprint, plan.world_size, L, B, H, Hkv, D, _DTYPES.get(q.dtype, 0), _bits(scale),
+            _bits(dropout_p), seed, 1 if local_error else 0]
+    t = torch.tensor(mine, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t, group=group)
+    rows = [p.cpu().tolist() for p in parts]
+    problems = []
+    for r, row in enumerate(rows):
+        d = dict(zip(_FIELDS, row))
+        if d["magic"] != _MAGIC:
+            problems.append(f"rank {r} is not in a context-parallel attention call (another collective is pending)")
+            continue
+        if d["error"]:
+            problems.append(f"rank {r} failed its own checks" + (f": {local_error}" if r == rank else ""))
+        if d["world"] != world:
+            problems.append(f"rank {r} passed a plan made for {d['world']} ranks; the group has {world}")
+        elif d["fingerprint"] != rows[0][1]:
+            problems.append(f"rank {r} passed a different plan than rank 0 (mask, length, world size or strategy differ)")
+        elif d["length"] != plan.local_len(r) and d["world"] == plan.world_size:
+            problems.append(f"rank {r} passed {d['length']} tokens; the plan gives it {plan.local_len(r)} (shard inputs "
+                            f"with plan.shard / plan.indices)")
+        for f in ("B", "H", "Hkv", "D", "dtype", "scale", "dropout"):
+            if d[f] != rows[0][_FIELDS.index(f)]:
+                problems.append(f"rank {r} differs from rank 0 in {f}")
+    if problems:
+        raise ValueError("context_parallel_attention: inconsistent call across ranks: " + "; ".join(problems))
+    return rows[0][_FIELDS.index("seed")]
