@@ -25,7 +25,7 @@ import numpy as np
 from ..compiler.layout import BlockLayout
 from ..compiler.segments import FULL, PARTIAL
 
-__all__ = ["STRATEGIES", "row_costs", "split_rows", "unit_costs", "assign"]
+__all__ = ["STRATEGIES", "row_costs", "row_counts", "split_rows", "unit_costs", "assign"]
 
 STRATEGIES = ("contiguous", "zigzag", "greedy")
 
@@ -40,13 +40,28 @@ def row_costs(layout: BlockLayout, kappa: float) -> np.ndarray:
     return np.bincount(segs.rows % tr, weights=w, minlength=tr)
 
 
-def split_rows(costs: np.ndarray, factor: float, n_ranks: int) -> np.ndarray:
-    """Row blocks to split between ranks: those costing more than ``factor`` times the mean row
-    (global query tokens), sorted. None for one rank or ``factor <= 0``."""
-    if n_ranks < 2 or factor <= 0 or len(costs) < 2:
+def split_rows(costs: np.ndarray, counts: np.ndarray, factor: float, n_ranks: int, window: int = 8) -> np.ndarray:
+    """Row blocks to split between ranks (global query tokens), sorted: rows costing more than
+    ``factor`` times the mean row that also visit more than ``factor`` times as many blocks as any
+    of their ``window`` neighbours on each side. A row that is heavy like its neighbours (a long
+    document, the bottom of a causal mask) shares its key blocks with them, and fetching those
+    pays off; a global row's keys serve it alone. None for one rank or ``factor <= 0``."""
+    n = len(costs)
+    if n_ranks < 2 or factor <= 0 or n < 2:
         return np.zeros(0, np.int64)
-    mean = costs.mean()
-    return np.nonzero((costs > factor * mean) & (costs >= 2 * n_ranks))[0].astype(np.int64)
+    cand = np.nonzero((costs > factor * costs.mean()) & (counts >= 2 * n_ranks))[0]
+    keep = [r for r in cand
+            if counts[r] > factor * np.concatenate([counts[max(0, r - window):r], counts[r + 1:r + 1 + window],
+                                                    [0]]).max()]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def row_counts(layout: BlockLayout) -> np.ndarray:
+    """``(Tr,)``: non-empty blocks of each row block, summed over the layout's instances."""
+    segs = layout._segs
+    tr = segs.n_rowblocks
+    n = (segs.ends - segs.starts) * (segs.state != 0)
+    return np.bincount(segs.rows % tr, weights=n, minlength=tr)
 
 
 def _col_costs(layout: BlockLayout, rows: np.ndarray, kappa: float) -> np.ndarray:
@@ -77,17 +92,23 @@ def unit_costs(layout: BlockLayout, unit: int, kappa: float, split: np.ndarray) 
     return cost
 
 
-def _contiguous(cost: np.ndarray, n_ranks: int) -> np.ndarray:
-    """Cut at equal cost (ties broken towards equal unit counts); every rank gets a unit when it can."""
+def _contiguous(cost: np.ndarray, n_ranks: int, cap: float = np.inf) -> np.ndarray:
+    """Cut into pieces of equal cost, left to right, none longer than ``cap`` times the mean
+    number of units (the rest of a model's work follows the tokens) nor empty."""
     n = len(cost)
-    c = np.cumsum(cost) + 1e-9 * np.arange(1, n + 1)  # zero-cost units still advance the cut
-    targets = c[-1] * np.arange(1, n_ranks) / n_ranks
-    cuts = np.searchsorted(c, targets, side="left") + 1
-    cuts = np.clip(cuts, np.arange(1, n_ranks), n - n_ranks + np.arange(1, n_ranks))
-    cuts = np.maximum.accumulate(cuts)
+    c = np.concatenate([[0.0], np.cumsum(cost) + 1e-9 * np.arange(1, n + 1)])  # zero-cost units advance too
+    most = max(1, int(np.floor(cap * n / n_ranks))) if np.isfinite(cap) else n
     owner = np.zeros(n, np.int64)
-    for r, cut in enumerate(cuts):
+    start = 0
+    for r in range(n_ranks - 1):
+        left = n_ranks - r
+        target = c[start] + (c[-1] - c[start]) / left
+        cut = int(np.searchsorted(c, target, side="left"))
+        lo = max(start + 1, n - most * (left - 1))  # the others must fit under the cap
+        hi = min(start + most, n - (left - 1))  # and each must get a unit
+        cut = min(max(cut, lo), hi)
         owner[cut:] = r + 1
+        start = cut
     return owner
 
 
@@ -109,14 +130,15 @@ def _greedy(cost: np.ndarray, n_ranks: int, group: int) -> np.ndarray:
     return owner_g[g]
 
 
-def assign(cost: np.ndarray, n_ranks: int, strategy: str) -> np.ndarray:
-    """Owner rank of each unit under ``strategy`` (one of :data:`STRATEGIES`)."""
+def assign(cost: np.ndarray, n_ranks: int, strategy: str, cap: float = np.inf) -> np.ndarray:
+    """Owner rank of each unit under ``strategy`` (one of :data:`STRATEGIES`); ``contiguous``
+    pieces hold at most ``cap`` times the mean number of units."""
     n = len(cost)
     if n < n_ranks:
         raise ValueError(f"the sequence has {n} units of work for {n_ranks} ranks; use a smaller block size or "
                          f"fewer ranks")
     if strategy == "contiguous":
-        return _contiguous(cost, n_ranks)
+        return _contiguous(cost, n_ranks, cap)
     if strategy == "zigzag":
         if n < 2 * n_ranks:
             return _contiguous(np.ones(n), n_ranks)

@@ -27,7 +27,7 @@ from ..compiler.layout import BlockLayout
 from ..compiler.segments import EMPTY
 from ..mask.dsl import parse
 from ..mask.expr import Mask
-from .balance import STRATEGIES, assign, row_costs, split_rows, unit_costs
+from .balance import STRATEGIES, assign, row_costs, row_counts, split_rows, unit_costs
 
 __all__ = ["CostModel", "ContextParallelPlan", "plan_context_parallel"]
 
@@ -427,7 +427,7 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
     H, Hkv = heads
     shape = (batch, H, Hkv, head_dim)
     costs = row_costs(layout, cm.kappa)
-    split = split_rows(costs, split_factor, world_size)
+    split = split_rows(costs, row_counts(layout), split_factor, world_size)
     ucost = unit_costs(layout, unit, cm.kappa, split)
     if shard_lengths is not None:
         owner = _owner_from_lengths(shard_lengths, seq_len, world_size, unit)
@@ -440,7 +440,7 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto', 'ulysses')}, got {strategy!r}")
     cands, plans = {}, {}
     for name in names:
-        owner = assign(ucost, world_size, name)
+        owner = assign(ucost, world_size, name, cap=max_token_imbalance)
         p = _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
         plans[name] = p
         cands[name] = p.estimate()
@@ -455,7 +455,7 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
                              f"Hkv={Hkv}), a mask without per-head dependence and no dropout")
         chosen = uly_plan
     elif strategy == "auto":
-        mean = seq_len / world_size
+        mean = seq_len / world_size + unit  # one unit of slack: units are whole blocks
         ok = {k: v for k, v in cands.items() if k == "ulysses" or v["tokens_max"] <= max_token_imbalance * mean}
         ok = ok or cands
         if dropout:

@@ -1,0 +1,150 @@
+"""Worker side of tests/test_distributed.py: runs context-parallel cases in ``world`` processes
+(gloo on CPU) and reports per case whether every rank's result equals the single-process run.
+
+Every rank executes the same collectives whatever the outcome of a comparison (comparisons are
+recorded, never raised), so one failing case cannot make the others hang; the process group's
+timeout turns a desynchronised run into an error.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+GLOO_TIMEOUT = 30
+
+
+def _inputs(case, N, dtype):
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    B, H, Hkv, D = case.get("B", 1), case.get("H", 2), case.get("Hkv", 2), case.get("D", 8)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return mk(B, H, N, D), mk(B, Hkv, N, D), mk(B, Hkv, N, D), mk(B, H, N, D)
+
+
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def run_case(case, rank, world):
+    """``(name, ok, detail)`` on rank 0; every rank runs the same collectives."""
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
+
+    N = case["N"]
+    dtype = case.get("dtype", torch.float64)
+    backend = case.get("backend", "torch")
+    q, k, v, do = _inputs(case, N, dtype)
+    p = case.get("p", 0.0)
+    plan = None
+    if case.get("plan", True):
+        plan = plan_context_parallel(case["mask"], N, world, block_size=case.get("block", 16),
+                                     strategy=case.get("strategy", "auto"), heads=(q.shape[1], k.shape[1]),
+                                     head_dim=q.shape[3], dropout=p > 0, split_factor=case.get("split", 4.0))
+        idx = plan.indices(rank)
+    else:  # contiguous shards of the given lengths
+        lengths = case["lengths"]
+        start = sum(lengths[:rank])
+        idx = torch.arange(start, start + lengths[rank])
+    ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+    out, lse = context_parallel_attention(ql, kl, vl, None if plan else case["mask"], plan=plan, dropout_p=p,
+                                          dropout_seed=case.get("dropout_seed", 5), return_lse=True,
+                                          overlap=case.get("overlap", False), backend=backend,
+                                          block_size=None if plan else case.get("block", 16))
+    loss = (out * do[:, :, idx]).sum()
+    if case.get("lse_grad"):
+        loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * 0.37).sum()
+    loss.backward()
+    if plan is None:
+        lengths = case["lengths"]
+        plan = plan_context_parallel(case["mask"], N, world, block_size=case.get("block", 16), shard_lengths=lengths)
+    got = [plan.gather(t, 2) for t in (out.detach(), lse.detach().unsqueeze(-1), ql.grad, kl.grad, vl.grad)]
+    if rank != 0:
+        return None
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, rlse = bsfa.attention(qa, ka, va, mask=plan.layout, dropout_p=p, dropout_seed=case.get("dropout_seed", 5),
+                               return_lse=True, backend=backend, rewrite=False)
+    rloss = (ref * do).sum()
+    if case.get("lse_grad"):
+        rloss = rloss + (torch.where(torch.isinf(rlse), 0.0, rlse) * 0.37).sum()
+    rloss.backward()
+    want = [ref.detach(), rlse.detach().unsqueeze(-1), qa.grad, ka.grad, va.grad]
+    tol = case.get("tol", 1e-12)
+    errs = []
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        fin = torch.isfinite(b)
+        if not torch.equal(torch.isfinite(a), fin):
+            errs.append(f"{name}: non-finite entries differ")
+            continue
+        e = _max_err(a[fin], b[fin]) / max(1.0, b[fin].abs().max().item() if fin.any() else 1.0)
+        if e > tol:
+            errs.append(f"{name}: {e:.2e} > {tol:.0e}")
+    if case.get("exact_forward") and not torch.equal(got[0], want[0]):
+        errs.append("out not bit-identical")
+    if case.get("float64_reference"):
+        qd, kd, vd = (t.double().clone().requires_grad_() for t in (q, k, v))
+        r64 = bsfa.reference_attention(qd, kd, vd, plan.layout.mask)
+        e = _max_err(got[0], r64.detach())
+        if e > 1e-10:
+            errs.append(f"out vs float64 reference: {e:.2e}")
+        g64 = torch.autograd.grad((r64 * do.double()).sum(), (qd, kd, vd))
+        for name, a, b in zip(("dq", "dk", "dv"), got[2:], g64):
+            if _max_err(a, b) > 1e-10:
+                errs.append(f"{name} vs float64 reference: {_max_err(a, b):.2e}")
+    detail = f"{plan.strategy}, split rows {len(plan.split)}" + ("; " + "; ".join(errs) if errs else "")
+    return case["name"], not errs, detail
+
+
+def run_error(case, rank, world):
+    """An inconsistent call: ``(name, ok, detail)`` on every rank (ok: it raised ValueError with the
+    expected words)."""
+    from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
+
+    N = case["N"]
+    q, k, v, _ = _inputs(case, N, torch.float64)
+    if "lengths" in case:  # contiguous shards without a plan
+        lengths = case["lengths"]
+        start = sum(lengths[:rank])
+        idx = torch.arange(start, start + lengths[rank])
+        try:
+            context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], case["mask"], block_size=16)
+        except ValueError as e:
+            return case["name"], all(w in str(e) for w in case["expect"]), str(e)
+        return case["name"], False, "no error raised"
+    plan_world = case.get("plan_world", world)
+    mask = case["mask"] if rank == 0 or "mask1" not in case else case["mask1"]
+    plan = plan_context_parallel(mask, N, plan_world, block_size=16, strategy=case.get("strategy", "auto"))
+    idx = plan.indices(min(rank, plan_world - 1))
+    cut = case.get("cut", {}).get(rank, 0)
+    idx = idx[: len(idx) - cut]
+    try:
+        context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], plan=plan)
+    except ValueError as e:
+        ok = all(w in str(e) for w in case["expect"])
+        return case["name"], ok, str(e)
+    return case["name"], False, "no error raised"
+
+
+def worker(rank, world, store_path, cases, queue):
+    torch.set_num_threads(1)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=GLOO_TIMEOUT))
+        for case in cases:
+            fn = run_error if case.get("error") else run_case
+            try:
+                res = fn(case, rank, world)
+            except Exception:  # recorded; the next case may time out if ranks fell out of step
+                res = (case["name"], False, traceback.format_exc(limit=4))
+            if res is not None:
+                queue.put((rank, *res))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, "<worker>", False, traceback.format_exc(limit=6)))
+    queue.put((rank, "<done>", True, ""))

@@ -1,0 +1,325 @@
+"""Context parallelism (blocksparse_fa.distributed).
+
+Single process: shard layouts are exactly rows of the global computation (CPU backend, float64),
+plans (balance, split rows, bytes), sharding helpers, the float32 merge. Several processes (gloo on
+CPU, 2 and 4 ranks; ``tests/distributed_cases.py``): forward, logsumexp and all three gradients
+equal to the single-process run for every pattern, and inconsistent calls raise the same error on
+every rank instead of hanging. Every process and collective runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_mod
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.compiler.shard import shard_layout
+from blocksparse_fa.distributed import plan_context_parallel
+from blocksparse_fa.ops import dispatch
+from blocksparse_fa.ops.merge import merge_attention
+from blocksparse_fa.ops.validate import Shapes
+
+import distributed_cases
+
+torch_dist = pytest.importorskip("torch.distributed")
+pytestmark = pytest.mark.skipif(not torch_dist.is_available(), reason="torch.distributed is not available")
+
+PROCESS_TIMEOUT = 150  # seconds for a whole multi-process run
+
+
+# ------------------------------------------------------------------------------------------------
+# shard layouts (single process)
+# ------------------------------------------------------------------------------------------------
+def _ids(n, lengths):
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:n]
+
+
+SHARD_MASKS = {
+    "causal": bsfa.causal(),
+    "window": bsfa.parse("causal & window(9)"),
+    "longformer": bsfa.load_pattern("longformer", window=10, n_global=5),
+    "documents": bsfa.causal() & bsfa.document(_ids(70, [13, 30, 2, 25])),
+    "unsorted ids": bsfa.document(torch.tensor(np.random.default_rng(0).integers(0, 3, 70))),
+    "random": bsfa.random_blocks(2, block_size=16, seed=3) | bsfa.window(3),
+    "dense_mask": bsfa.dense_mask(torch.from_numpy(np.random.default_rng(1).random((70, 70)) > 0.6)),
+    "block_mask": bsfa.block_mask(torch.from_numpy(np.random.default_rng(2).random((5, 5)) > 0.5), block_size=16)
+    | bsfa.window(3),
+}
+
+
+def _shard_vs_full(layout, rows, cols, limit=None, dropout_p=0.0, backend="torch", dtype=torch.float64, H=2, Hkv=2):
+    """Max errors of a shard's forward / dq / dk / dv against the rows of the full computation."""
+    L, D = layout.q_len, 8
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, L, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(1, Hkv, L, D, generator=g, dtype=dtype) for _ in range(2))
+    sh = shard_layout(layout, rows, cols, limit_rows=None if limit is None else limit[0],
+                      limit_cols=None if limit is None else limit[1])
+    bm, bn = layout.block_size
+    gi = torch.from_numpy(sh.positions.rows(np.arange(sh.q_len), bm))
+    gj = torch.from_numpy(sh.positions.keys(np.arange(sh.kv_len), bn))
+    # the full computation over the shard's blocks: a dense mask of exactly the kept pairs
+    keep = torch.zeros(L, L, dtype=torch.bool)
+    keep[gi[:, None], gj[None, :]] = sh.to_dense()
+    full = bsfa.compile_mask(bsfa.dense_mask(keep), L, L, block_size=(bm, bn))
+    s = Shapes(1, H, Hkv, L, L, D)
+    out, lse = dispatch.forward(q, k, v, full, s, 0.3, dropout_p, 11, backend)
+    do = torch.randn(out.shape, generator=g, dtype=dtype)
+    do_rows = torch.zeros_like(do)
+    do_rows[:, :, gi] = do[:, :, gi]
+    dq, dk, dv = dispatch.backward(q, k, v, out, lse, do_rows, full, s, 0.3, dropout_p, 11, backend)
+    ss = Shapes(1, H, Hkv, sh.q_len, sh.kv_len, D)
+    ql, kl, vl = q[:, :, gi], k[:, :, gj], v[:, :, gj]
+    o2, l2 = dispatch.forward(ql, kl, vl, sh, ss, 0.3, dropout_p, 11, backend)
+    g2 = dispatch.backward(ql, kl, vl, o2, l2, do[:, :, gi], sh, ss, 0.3, dropout_p, 11, backend)
+    fin = torch.isfinite(lse[:, :, gi])
+    assert torch.equal(torch.isfinite(l2), fin)
+    return [(a - b).abs().max().item() for a, b in
+            ((o2, out[:, :, gi]), (l2[fin], lse[:, :, gi][fin]), (g2[0], dq[:, :, gi]), (g2[1], dk[:, :, gj]),
+             (g2[2], dv[:, :, gj]))]
+
+
+@pytest.mark.parametrize("name", list(SHARD_MASKS))
+def test_shard_is_rows_of_full_computation(name):
+    layout = bsfa.compile_mask(SHARD_MASKS[name], 70, 70, block_size=16, rewrite=False)
+    st = layout.block_states().numpy().reshape(-1, 5, 5)
+    for rows in ([1, 2], [4], [0, 4], [3, 0, 2]):  # ragged last block, unsorted rows
+        rows = np.array(rows)
+        cols = np.nonzero(st[:, rows].any(axis=(0, 1)))[0]
+        errs = _shard_vs_full(layout, rows, cols)
+        assert max(errs) < 1e-12, (rows, errs)
+        # fewer columns than the rows visit: the shard computes exactly the kept blocks
+        if len(cols) > 1:
+            assert max(_shard_vs_full(layout, rows, cols[1:])) < 1e-12
+
+
+def test_shard_limits_rows_and_keeps_dropout():
+    layout = bsfa.compile_mask(bsfa.load_pattern("longformer", window=10, n_global=5), 70, 70, block_size=16)
+    rows, cols = np.array([0, 1, 3]), np.arange(5)
+    limit = (np.array([True, False, False]), np.array([3, 4]))
+    assert max(_shard_vs_full(layout, rows, cols, limit)) < 1e-12
+    assert max(_shard_vs_full(layout, rows, cols, limit, dropout_p=0.3, H=4, Hkv=2)) < 1e-12
+
+
+def test_shard_keeps_runs_and_checks_blocks():
+    layout = bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(40), 200, 200, block_size=16)
+    sh = shard_layout(layout, np.arange(6, 13), np.arange(3, 13))
+    rows, _ = sh.kernel_tables()
+    assert rows.runs and sh.q_offset == 0 and sh.q_len == 7 * 16 - 8  # 200 = 12.5 blocks
+    assert sh.positions.q_start[0] == 96 and sh.positions.k_start[-1] == 192
+    with pytest.raises(ValueError, match="ragged last block"):
+        shard_layout(layout, [12, 3], [0])
+    with pytest.raises(ValueError, match="distinct"):
+        shard_layout(layout, [1, 1], [0])
+    with pytest.raises(ValueError, match=r"\[0, 13\)"):
+        shard_layout(layout, [13], [0])
+
+
+def test_dropout_keep_mask_of_a_shard_is_a_slice():
+    full = bsfa.dropout_keep_mask(2, 3, 40, 50, 0.4, 77)
+    rows, keys = np.array([5, 17, 39]), np.array([0, 49, 20, 21])
+    part = bsfa.dropout_keep_mask(2, 3, 3, 4, 0.4, 77, rows=rows, keys=keys)
+    assert torch.equal(part, full[:, :, rows][:, :, :, keys])
+
+
+def test_merge_accumulates_in_float32():
+    g = torch.Generator().manual_seed(0)
+    n = 8
+    outs = [torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(n)]
+    lses = [torch.randn(1, 2, 64, generator=g, dtype=torch.float64) for _ in range(n)]
+    ref, _ = merge_attention(list(zip(outs, lses)))
+    got, lse = merge_attention([(o.bfloat16(), l.float()) for o, l in zip(outs, lses)])
+    assert got.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    # one rounding of the result: the error of rounding the exact merge of the rounded parts
+    exact, _ = merge_attention([(o.bfloat16().double(), l.float().double()) for o, l in zip(outs, lses)])
+    assert torch.equal(got, exact.bfloat16())
+    assert (got.double() - ref).abs().max() < 0.02
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name,limit,dropout_p", [("longformer", True, 0.3), ("documents", False, 0.0),
+                                                   ("dense_mask", False, 0.0)])
+def test_kernels_position_tables(name, limit, dropout_p):
+    """The Triton kernels (interpreter) on a shard: ``QPOS``/``KPOS`` give the predicate, the
+    document ids and the dropout counters global positions; bounds stay local (ragged last block)."""
+    layout = bsfa.compile_mask(SHARD_MASKS[name], 70, 70, block_size=16, rewrite=False)
+    rows, cols = np.array([0, 2, 4]), np.array([0, 1, 2, 3, 4])
+    lim = (np.array([True, False, False]), np.array([0, 3, 4])) if limit else None
+    errs = _shard_vs_full(layout, rows, cols, lim, dropout_p=dropout_p, backend="triton", dtype=torch.float32,
+                          H=2, Hkv=1)
+    assert max(errs) < 1e-5, errs
+
+
+@pytest.mark.interpreter
+def test_kernels_float32_outputs_for_merges():
+    """``out_dtype``/``grad_dtype`` float32 from bfloat16 inputs: the unrounded results."""
+    layout = bsfa.compile_mask("causal & window(20)", 48, 48, block_size=16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 48, 16, generator=g).bfloat16() for _ in range(4))
+    s = Shapes(1, 2, 2, 48, 48, 16)
+    o32, lse = dispatch.forward(q, k, v, layout, s, 0.25, 0.0, 0, "triton", out_dtype=torch.float32)
+    o16, _ = dispatch.forward(q, k, v, layout, s, 0.25, 0.0, 0, "triton")
+    grads = dispatch.backward(q, k, v, o16, lse, do, layout, s, 0.25, 0.0, 0, "triton", grad_dtype=torch.float32)
+    ref = dispatch.backward(q, k, v, o16, lse, do, layout, s, 0.25, 0.0, 0, "triton")
+    for a, b in ((o32, o16), *zip(grads, ref)):  # the same values, before rounding to bfloat16
+        assert a.dtype == torch.float32 and b.dtype == torch.bfloat16
+        assert torch.allclose(a, b.float(), rtol=2 ** -7, atol=1e-5)
+        assert not torch.equal(a, a.bfloat16().float())
+
+
+# ------------------------------------------------------------------------------------------------
+# plans (single process)
+# ------------------------------------------------------------------------------------------------
+def test_plan_causal_is_zigzag_and_balanced():
+    plan = plan_context_parallel("causal", 1 << 14, 4, heads=(8, 4))
+    assert plan.strategy == "zigzag"
+    est = plan.candidates["zigzag"]
+    assert est["imbalance"] < 1.01 and est["tokens_max"] == est["tokens_min"] == 1 << 12
+    assert "zigzag" in plan.describe() and "ulysses" in plan.describe()
+
+
+@pytest.mark.parametrize("pattern", ["sliding_window", "longformer", "document_causal"])
+def test_plan_sparse_patterns_move_little(pattern):
+    n = 1 << 17
+    docs = np.random.default_rng(0).integers(500, 12000, 40)  # packed documents of 0.5K-12K tokens
+    kw = {"document": _ids(n, list(docs))} if pattern == "document_causal" else {}
+    plan = plan_context_parallel(bsfa.load_pattern(pattern, **kw), n, 2, heads=(8, 2), strategy="auto")
+    per = plan.bytes_per_rank()
+    sent = max(p["fwd"] + p["bwd"] for p in per)
+    assert sent <= 0.05 * max(p["ring_fwd"] + p["ring_bwd"] for p in per), plan.describe()
+    assert plan.estimate()["imbalance"] < 1.05, plan.describe()
+    if pattern == "longformer":  # the global rows are split, so no rank fetches every key block
+        assert len(plan.split) == 1 and all(p["kv_blocks_fetched"] < 8 for p in per)
+
+
+def test_plan_indices_shard_unshard_and_errors():
+    plan = plan_context_parallel("causal & window(50)", 1000, 3, block_size=16, strategy="zigzag", heads=(3, 3))
+    perm = plan.permutation()
+    assert torch.equal(perm.sort().values, torch.arange(1000))
+    x = torch.randn(2, 1000, 3)
+    shards = [plan.shard(x, 1, r) for r in range(3)]
+    assert [s.shape[1] for s in shards] == [plan.local_len(r) for r in range(3)]
+    assert torch.equal(plan.unshard(shards, 1), x)
+    assert torch.equal(torch.cat(shards, 1)[:, plan.restore_indices()], x)
+    with pytest.raises(ValueError, match="plan is for 1000"):
+        plan.shard(x[:, :999], 1, 0)
+    given = plan_context_parallel("causal", 100, 2, block_size=16, shard_lengths=[48, 52])
+    assert given.strategy == "given" and given.local_len(0) == 48
+    with pytest.raises(ValueError, match="multiple of 16"):
+        plan_context_parallel("causal", 100, 2, block_size=16, shard_lengths=[50, 50])
+    with pytest.raises(ValueError, match="self-attention"):
+        plan_context_parallel(bsfa.compile_mask("causal", 64, 80, block_size=16), 64, 2)
+    with pytest.raises(ValueError, match="ulysses"):
+        plan_context_parallel("causal", 1024, 4, strategy="ulysses", heads=(8, 2))
+
+
+def test_plan_ulysses_for_strided():
+    # strided keeps few elements of almost every causal block; the rewrite makes it cheap under Ulysses
+    plan = plan_context_parallel(bsfa.load_pattern("sparse_transformer_strided"), 1 << 17, 2, heads=(8, 2))
+    assert plan.strategy == "ulysses"
+    assert plan.candidates["ulysses"]["time"] < 0.2 * plan.candidates["zigzag"]["time"]
+
+
+# ------------------------------------------------------------------------------------------------
+# several processes (gloo)
+# ------------------------------------------------------------------------------------------------
+def _run(world, cases, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    store = str(tmp_path / f"store{world}")
+    procs = [ctx.Process(target=distributed_cases.worker, args=(r, world, store, cases, q), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, done, deadline = [], 0, time.monotonic() + PROCESS_TIMEOUT
+    try:
+        while done < world:
+            try:
+                item = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                pytest.fail(f"{world}-process run timed out after {PROCESS_TIMEOUT} s; results so far: {results}")
+            if item[1] == "<done>":
+                done += 1
+            else:
+                results.append(item)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return results
+
+
+def _doc_mask(n, lengths):
+    return bsfa.causal() & bsfa.document(_ids(n, lengths))
+
+
+LONGFORMER = "window(12) | global_tokens(10)"
+BIGBIRD = bsfa.load_pattern("bigbird", window=12, n_global=16, n_random=2, block=16)
+STRIDED = "causal & (sliding_window(16) | strided(16))"
+
+CASES_2 = [
+    dict(name="causal", mask="causal", N=200, exact_forward=True, float64_reference=True),
+    dict(name="causal overlap", mask="causal", N=200, overlap=True),
+    dict(name="sliding window", mask="causal & sliding_window(20)", N=200, exact_forward=True),
+    dict(name="longformer split rows", mask=LONGFORMER, N=200, split=1.5, H=4, Hkv=2, float64_reference=True),
+    dict(name="longformer split overlap", mask=LONGFORMER, N=200, split=1.5, overlap=True, lse_grad=True),
+    dict(name="bigbird split rows", mask=BIGBIRD, N=200, split=1.2),
+    dict(name="documents (200 tokens, 5 docs)", mask=_doc_mask(200, [37, 50, 3, 61, 49]), N=200),
+    dict(name="strided", mask=STRIDED, N=200, strategy="zigzag"),
+    dict(name="strided ulysses", mask=STRIDED, N=256, strategy="ulysses", H=4, Hkv=2),
+    dict(name="gqa greedy", mask="window(30)", N=200, strategy="greedy", H=4, Hkv=1),
+    dict(name="empty rows", mask="causal & ~sliding_window(20)", N=200, lse_grad=True),
+    dict(name="dropout", mask="causal & window(30)", N=200, p=0.3, exact_forward=True),
+    dict(name="dropout split overlap", mask=LONGFORMER, N=200, p=0.25, split=1.5, overlap=True),
+    dict(name="batch-dependent documents", mask=bsfa.causal() & bsfa.document(torch.stack(
+        [_ids(150, [40, 110]), _ids(150, [70, 30, 50])])), N=150, B=2),
+    dict(name="contiguous shards without a plan", mask="causal & window(40)", N=150, plan=False,
+         lengths=[64, 86]),
+    dict(name="float32", mask=LONGFORMER, N=200, split=1.5, dtype=torch.float32, tol=1e-5),
+    dict(name="mismatched shard", error=True, mask="causal", N=200, cut={1: 1},
+         expect=["rank 1 passed", "tokens"]),
+    dict(name="plan for another world size", error=True, mask="causal", N=200, plan_world=4,
+         expect=["made for 4 ranks"]),
+    dict(name="different plans", error=True, mask="causal", mask1="causal & window(20)", N=200,
+         expect=["different plan"]),
+    dict(name="unaligned contiguous shards", error=True, mask="causal", N=200, lengths=[100, 100],
+         expect=["multiple of 16"]),
+]
+
+CASES_4 = [
+    dict(name="causal", mask="causal", N=200),
+    dict(name="longformer split overlap", mask=LONGFORMER, N=200, split=1.5, overlap=True, H=4, Hkv=2),
+    dict(name="documents", mask=_doc_mask(200, [37, 50, 3, 61, 49]), N=200, strategy="contiguous"),
+    dict(name="bigbird dropout", mask=BIGBIRD, N=200, split=1.2, p=0.2),
+    dict(name="strided ulysses", mask=STRIDED, N=256, strategy="ulysses", H=4, Hkv=4),
+    dict(name="mismatched shard", error=True, mask="causal", N=200, cut={2: 3}, expect=["rank 2 passed"]),
+]
+
+
+def _check_results(results, cases, world):
+    names = {c["name"] for c in cases}
+    errors = [c["name"] for c in cases if c.get("error")]
+    by = {}
+    for rank, name, ok, detail in results:
+        by.setdefault(name, []).append((rank, ok, detail))
+    bad = [f"{n}: {d}" for n, v in by.items() for _, ok, d in v if not ok]
+    assert not bad, "\n".join(bad)
+    assert "<worker>" not in by
+    for n in names:
+        want = world if n in errors else 1  # error cases report from every rank
+        assert len(by.get(n, [])) == want, (n, by.get(n))
+
+
+def test_two_ranks(tmp_path):
+    _check_results(_run(2, CASES_2, tmp_path), CASES_2, 2)
+
+
+def test_four_ranks(tmp_path):
+    _check_results(_run(4, CASES_4, tmp_path), CASES_4, 4)
