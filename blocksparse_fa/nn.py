@@ -53,12 +53,17 @@ class BlockSparseAttention(nn.Module):
         scale: softmax scale (default ``1/sqrt(D)``).
         dropout: attention dropout probability, applied in training mode only.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
+        context_parallel: a process group or 1-D DeviceMesh: q, k, v are this rank's shard of a
+            sequence split across the group (self-attention), computed by
+            :func:`blocksparse_fa.distributed.context_parallel_attention`; pass the sharding's plan
+            as ``forward(..., cp_plan=plan)`` (default: contiguous shards in rank order).
 
     Shapes:
         q ``(B, H, Lq, D)``, k/v ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0`` -> ``(B, H, Lq, D)``.
     """
 
-    def __init__(self, mask=None, *, block_size=None, scale=None, dropout: float = 0.0, backend: str = "auto"):
+    def __init__(self, mask=None, *, block_size=None, scale=None, dropout: float = 0.0, backend: str = "auto",
+                 context_parallel=None):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
@@ -68,6 +73,7 @@ class BlockSparseAttention(nn.Module):
         self.scale = scale
         self.dropout = float(dropout)
         self.backend = backend
+        self.context_parallel = context_parallel
 
     def __setstate__(self, state):  # copy.deepcopy / unpickling: the copy registers and pins its own handle
         super().__setstate__(state)
@@ -77,8 +83,18 @@ class BlockSparseAttention(nn.Module):
         """The compiled layout for these lengths and device (cached per ``(q_len, kv_len, device)``)."""
         return registry.layout(self.handle, q_len, kv_len, device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, cp_plan=None):
         p = self.dropout if self.training else 0.0
+        if self.context_parallel is not None:
+            from .distributed import context_parallel_attention
+
+            m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
+            return context_parallel_attention(q, k, v, None if cp_plan is not None else m, plan=cp_plan,
+                                              group=self.context_parallel, scale=self.scale, dropout_p=p,
+                                              return_lse=return_lse, backend=self.backend,
+                                              block_size=None if cp_plan is not None else self.block_size)
+        if cp_plan is not None:
+            raise ValueError("cp_plan needs a module built with context_parallel=<process group or mesh>")
         return attention_op(q, k, v, self.handle, scale=self.scale, dropout_p=p, return_lse=return_lse,
                             backend=self.backend)
 
@@ -113,18 +129,20 @@ class BlockSparseMultiheadAttention(nn.Module):
         head_dim: per-head width (default ``E // H``).
         rotary: apply rotary position embeddings to q and k (query positions align bottom-right).
         rope_base: rotary base frequency.
-        block_size, scale, backend: as in :class:`BlockSparseAttention`.
+        block_size, scale, backend, context_parallel: as in :class:`BlockSparseAttention`.
         device, dtype: of the parameters.
 
     Forward:
         ``x`` ``(B, Lq, E)``; optional ``context`` ``(B, Lk, E)`` for cross-attention (keys and values
-        are projected from it; default ``x``) -> ``(B, Lq, E)``.
+        are projected from it; default ``x``) -> ``(B, Lq, E)``. With ``context_parallel``, ``x`` is
+        this rank's shard of the sequence (``cp_plan``: its plan; rotary positions are the plan's
+        global token indices), and cross-attention is not supported.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, mask=None, num_kv_heads: int | None = None,
                  bias: bool = False, dropout: float = 0.0, *, head_dim: int | None = None, rotary: bool = False,
                  rope_base: float = 10000.0, block_size=None, scale=None, backend: str = "auto",
-                 device=None, dtype=None):
+                 context_parallel=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -140,7 +158,8 @@ class BlockSparseMultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **fk)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **fk)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **fk)
-        self.attn = BlockSparseAttention(mask, block_size=block_size, scale=scale, dropout=dropout, backend=backend)
+        self.attn = BlockSparseAttention(mask, block_size=block_size, scale=scale, dropout=dropout, backend=backend,
+                                         context_parallel=context_parallel)
 
     @property
     def mask(self):
@@ -149,9 +168,12 @@ class BlockSparseMultiheadAttention(nn.Module):
     def layout(self, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
         return self.attn.layout(q_len, kv_len, device)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, cp_plan=None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must have shape (B, L, {self.embed_dim}), got {tuple(x.shape)}")
+        cp = self.attn.context_parallel
+        if cp is not None and context is not None:
+            raise ValueError("context parallelism shards self-attention; cross-attention (context=...) is not supported")
         ctx = x if context is None else context
         B, Lq, _ = x.shape
         Lk = ctx.shape[1]
@@ -159,11 +181,33 @@ class BlockSparseMultiheadAttention(nn.Module):
         k = self.k_proj(ctx).view(B, Lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(ctx).view(B, Lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary:
-            q = apply_rotary(q, torch.arange(Lk - Lq, Lk, device=x.device), self.rope_base)
-            k = apply_rotary(k, torch.arange(Lk, device=x.device), self.rope_base)
-        o = self.attn(q, k, v)
+            if cp is not None:  # this rank's tokens sit at their global positions
+                plan = cp_plan if cp_plan is not None else _contiguous_plan(self.attn, cp, Lq, x.device)
+                pos = plan.indices(_rank(cp), x.device)
+                q, k = apply_rotary(q, pos, self.rope_base), apply_rotary(k, pos, self.rope_base)
+                cp_plan = plan
+            else:
+                q = apply_rotary(q, torch.arange(Lk - Lq, Lk, device=x.device), self.rope_base)
+                k = apply_rotary(k, torch.arange(Lk, device=x.device), self.rope_base)
+        o = self.attn(q, k, v, cp_plan=cp_plan) if cp is not None else self.attn(q, k, v)
         return self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, rotary={self.rotary}")
+
+
+def _rank(group) -> int:
+    from .distributed.comm import resolve_group
+
+    return torch.distributed.get_rank(resolve_group(group))
+
+
+def _contiguous_plan(attn: BlockSparseAttention, group, length: int, device):
+    """The plan of contiguous shards in rank order (lengths gathered from the group)."""
+    from .distributed.api import _default_plan
+    from .distributed.comm import resolve_group
+
+    pg = resolve_group(group)
+    m = attn.mask.mask if isinstance(attn.mask, BlockLayout) else attn.mask
+    return _default_plan(m, attn.block_size, pg, torch.distributed.get_world_size(pg), length, device)

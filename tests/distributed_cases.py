@@ -136,7 +136,8 @@ def worker(rank, world, store_path, cases, queue):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=GLOO_TIMEOUT))
         for case in cases:
-            fn = run_error if case.get("error") else run_case
+            fn = (run_error if case.get("error") else run_compiled if case.get("compiled") else
+                  run_module if case.get("module") else run_case)
             try:
                 res = fn(case, rank, world)
             except Exception:  # recorded; the next case may time out if ranks fell out of step
@@ -148,3 +149,57 @@ def worker(rank, world, store_path, cases, queue):
     except Exception:
         queue.put((rank, "<worker>", False, traceback.format_exc(limit=6)))
     queue.put((rank, "<done>", True, ""))
+
+
+def run_compiled(case, rank, world):
+    """``torch.compile(fullgraph=True)`` (aot_eager) of a function calling the op: same values and
+    gradients as eager."""
+    from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
+
+    N = case["N"]
+    q, k, v, do = _inputs(case, N, torch.float64)
+    plan = plan_context_parallel(case["mask"], N, world, block_size=16, split_factor=case.get("split", 4.0),
+                                 strategy=case.get("strategy", "auto"))
+    idx = plan.indices(rank)
+
+    def f(q, k, v):
+        return context_parallel_attention(q, k, v, plan=plan, overlap=case.get("overlap", False))
+
+    res = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+        out = fn(ql, kl, vl)
+        (out * do[:, :, idx]).sum().backward()
+        res.append((out.detach(), ql.grad, kl.grad, vl.grad))
+    errs = [_max_err(a, b) for a, b in zip(*res)]
+    return (case["name"], max(errs) < 1e-12, f"errors {errs}") if rank == 0 else None
+
+
+def run_module(case, rank, world):
+    """``BlockSparseMultiheadAttention(context_parallel=group)`` with rotary embeddings on a
+    sharded sequence: the gathered output and the all-reduced parameter gradients equal the
+    single-process module's."""
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.distributed import plan_context_parallel
+
+    N, E = case["N"], 16
+    torch.manual_seed(0)
+    mods = [bsfa.nn.BlockSparseMultiheadAttention(E, 4, case["mask"], num_kv_heads=2, rotary=True, block_size=16,
+                                                  dtype=torch.float64, context_parallel=cp)
+            for cp in (None, dist.group.WORLD)]
+    mods[1].load_state_dict(mods[0].state_dict())
+    x = torch.randn(2, N, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plan = plan_context_parallel(case["mask"], N, world, block_size=16, heads=(4, 2), head_dim=4,
+                                 strategy=case.get("strategy", "auto"))
+    y = mods[1](plan.shard(x, 1, rank), cp_plan=plan)
+    (y * y).sum().backward()
+    for p in mods[1].parameters():
+        dist.all_reduce(p.grad)
+    got = plan.gather(y.detach(), 1)
+    if rank != 0:
+        return None
+    ref = mods[0](x)
+    (ref * ref).sum().backward()
+    errs = [_max_err(got, ref.detach())] + [_max_err(a.grad, b.grad) for a, b in zip(mods[1].parameters(),
+                                                                                    mods[0].parameters())]
+    return case["name"], max(errs) < 1e-10, f"errors {errs}"

@@ -89,6 +89,9 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
         ``out`` ``(B, H, L_r, D)`` (and ``lse`` ``(B, H, L_r)`` float32 if asked), this rank's rows
         of the unsharded attention.
     """
+    if torch.compiler.is_compiling():
+        return _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap,
+                         check)
     pg = resolve_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     local_error = None
@@ -137,4 +140,22 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
             out, lse = _CPAttention.apply(q, k, v, ex, scale, dropout_p, seed, be, pg, bool(overlap))
         else:
             out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, seed, be, pg, bool(overlap))
+    return (out, lse) if return_lse else out
+
+
+def _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap, check):
+    """The ``torch.compile`` path: the custom ops of :mod:`.custom_op` (a plan is required)."""
+    from ..ops.custom_op import _seed_tensor
+    from .custom_op import cp_attention_op
+
+    if plan is None:
+        raise ValueError("context_parallel_attention under torch.compile needs a plan (plan_context_parallel), made "
+                         "outside the compiled function")
+    if plan.strategy == "ulysses":
+        raise ValueError("the Ulysses strategy is not traceable (its all-to-alls are autograd functions); compile "
+                         "with a sparse strategy or call it outside torch.compile")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    out, lse = cp_attention_op(q, k, v, plan, group, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed),
+                               backend, bool(overlap), bool(check))
     return (out, lse) if return_lse else out

@@ -29,7 +29,7 @@ from ..ops.validate import Shapes
 from .comm import Pending, all_to_all
 from .exchange import Exchange
 
-__all__ = ["cp_forward", "cp_backward"]
+__all__ = ["cp_forward", "cp_backward", "fetch", "Saved"]
 
 
 def _acc(dtype) -> torch.dtype:
@@ -151,6 +151,25 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
     return out.to(q.dtype), lse.float() if lse.dtype != torch.float64 else lse, saved
 
 
+def fetch(ex: Exchange, q, k, v, group, overlap: bool = False) -> Saved:
+    """The exchanges of :func:`cp_forward` without the attention: the buffers its backward needs
+    (the custom op's backward fetches them again)."""
+    kv_in = _send_kv(ex, k, v, group, async_op=False)
+    gq_in = _send_guest_q(ex, q, group, async_op=False)
+    saved = Saved()
+    if kv_in is not None:
+        recv = kv_in.wait()
+        if overlap and ex.part_remote is not None:
+            saved.kvrem = recv.index_select(0, ex.remote_idx).movedim(0, 3)
+        elif not overlap and ex.fetches:
+            saved.kvbuf = torch.cat([torch.stack([k, v]), recv.movedim(0, 3)], dim=3).index_select(3, ex.buf_idx)
+    if gq_in is not None:
+        got = gq_in.wait()
+        if ex.guest is not None:
+            saved.gq = got.index_select(0, ex.gq_order).movedim(0, 2)
+    return saved
+
+
 def _add_by_peer(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, splits) -> None:
     """``dst[:, :, idx] += src`` along dim 2, one peer's rows at a time (indices are distinct within
     a peer, so the sums are deterministic)."""
@@ -209,7 +228,7 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
         if ex.guest is not None:
             got = got.index_select(0, ex.gq_order).movedim(0, 2)  # (B, H, G, 2D + 2)
             gdo, gout = got[..., :D], got[..., D:2 * D]
-            glse, gdlse = got[..., 2 * D], got[..., 2 * D + 1]
+            glse, gdlse = got[..., 2 * D].contiguous(), got[..., 2 * D + 1].contiguous()
             gdo, gout = gdo.to(q.dtype), gout.to(q.dtype)
             glse = glse.to(lse.dtype)
             gq = saved.gq
@@ -227,7 +246,8 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
             if n:
                 dkv_own.index_add_(3, ex.kv_send_idx[off:off + n], flat[:, :, :, off:off + n])
             off += n
-    return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
+    # separate tensors (never views of one buffer): the custom op may not return aliases
+    return dq.to(q.dtype), dkv_own[0].to(k.dtype, copy=True), dkv_own[1].to(v.dtype, copy=True)
 
 
 def _split_order(ex: Exchange) -> torch.Tensor:

@@ -450,6 +450,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     are returned. ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps
     partial gradients exact for a later sum)."""
     q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
+    lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
     dev = q.device
     if delta is None:
         delta = backward_delta(out, dout, lse, s, dlse)
