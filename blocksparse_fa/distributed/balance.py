@@ -30,14 +30,23 @@ __all__ = ["STRATEGIES", "row_costs", "row_counts", "split_rows", "unit_costs", 
 STRATEGIES = ("contiguous", "zigzag", "greedy")
 
 
+def _counts(layout: BlockLayout):
+    """``(full, partial)`` blocks per row block (summed over instances), cached on the layout."""
+    hit = layout.cache.get("cp_row_counts")
+    if hit is None:
+        segs = layout._segs
+        tr = segs.n_rowblocks
+        rows, n = segs.rows % tr, segs.ends - segs.starts
+        hit = layout.cache["cp_row_counts"] = tuple(
+            np.bincount(rows, weights=n * (segs.state == st), minlength=tr) for st in (FULL, PARTIAL))
+    return hit
+
+
 def row_costs(layout: BlockLayout, kappa: float) -> np.ndarray:
     """``(Tr,)`` float: ``full + kappa * partial`` blocks of each row block, summed over the
     layout's batch/head instances."""
-    segs = layout._segs
-    tr = segs.n_rowblocks
-    n = segs.ends - segs.starts
-    w = np.where(segs.state == FULL, 1.0, np.where(segs.state == PARTIAL, kappa, 0.0)) * n
-    return np.bincount(segs.rows % tr, weights=w, minlength=tr)
+    full, part = _counts(layout)
+    return full + kappa * part
 
 
 def split_rows(costs: np.ndarray, counts: np.ndarray, factor: float, n_ranks: int, window: int = 8) -> np.ndarray:
@@ -58,10 +67,8 @@ def split_rows(costs: np.ndarray, counts: np.ndarray, factor: float, n_ranks: in
 
 def row_counts(layout: BlockLayout) -> np.ndarray:
     """``(Tr,)``: non-empty blocks of each row block, summed over the layout's instances."""
-    segs = layout._segs
-    tr = segs.n_rowblocks
-    n = (segs.ends - segs.starts) * (segs.state != 0)
-    return np.bincount(segs.rows % tr, weights=n, minlength=tr)
+    full, part = _counts(layout)
+    return full + part
 
 
 def _col_costs(layout: BlockLayout, rows: np.ndarray, kappa: float) -> np.ndarray:
@@ -71,10 +78,13 @@ def _col_costs(layout: BlockLayout, rows: np.ndarray, kappa: float) -> np.ndarra
     out = np.zeros(tc + 1)
     if len(rows) == 0:
         return out[:tc]
-    sel = np.isin(segs.rows % tr, rows) & (segs.state != 0)
-    w = np.where(segs.state[sel] == FULL, 1.0, kappa)
-    np.add.at(out, segs.starts[sel], w)
-    np.add.at(out, segs.ends[sel], -w)
+    sel = np.nonzero(np.isin(segs.rows % tr, rows) & (segs.state != 0))[0]
+    st = segs.state[sel]
+    starts = segs.key[sel] % (tc + 1)
+    ends = segs.ends[sel]
+    w = np.where(st == FULL, 1.0, kappa)
+    np.add.at(out, starts, w)
+    np.add.at(out, ends, -w)
     return np.cumsum(out)[:tc]
 
 

@@ -69,6 +69,16 @@ class _Rank:
     guests_from: list = field(default_factory=list)  # per peer: its split rows this rank computes a part of
 
 
+def _segment_arrays(layout: BlockLayout):
+    """``(row block, start, end, non-empty)`` of every segment of the layout (cached on it)."""
+    hit = layout.cache.get("cp_segments")
+    if hit is None:
+        segs = layout._segs
+        hit = layout.cache["cp_segments"] = (segs.rows % segs.n_rowblocks, segs.starts, segs.ends,
+                                             segs.state != EMPTY)
+    return hit
+
+
 def _block_len(blocks, b, n):
     blocks = np.asarray(blocks, np.int64)
     return np.minimum((blocks + 1) * b, n) - blocks * b
@@ -143,7 +153,7 @@ class ContextParallelPlan:
 
     def _rank(self, r: int) -> _Rank:
         lay = self.layout
-        segs = lay._segs
+        rrow, starts, ends, nonempty = _segment_arrays(lay)
         tr, tc = lay.shape[-2:]
         n = self.seq_len
         units = np.nonzero(self.owner == r)[0]
@@ -153,17 +163,16 @@ class ContextParallelPlan:
         is_split = np.zeros(tr, bool)
         is_split[self.split] = True
         # columns the rank's unsplit rows visit (any instance)
-        rrow = segs.rows % tr
-        sel = row_own[rrow] & ~is_split[rrow] & (segs.state != EMPTY)
+        sel = row_own[rrow] & ~is_split[rrow] & nonempty
         diff = np.zeros(tc + 1, np.int64)
-        np.add.at(diff, segs.starts[sel], 1)
-        np.add.at(diff, segs.ends[sel], -1)
+        np.add.at(diff, starts[sel], 1)
+        np.add.at(diff, ends[sel], -1)
         need = np.cumsum(diff)[:tc] > 0
         remote = np.nonzero(need & ~col_own)[0]
         # split rows with blocks in this rank's columns
         pref = np.concatenate([[0], np.cumsum(col_own)])
-        ssel = is_split[rrow] & (segs.state != EMPTY)
-        hit = pref[segs.ends[ssel]] - pref[segs.starts[ssel]] > 0
+        ssel = is_split[rrow] & nonempty
+        hit = pref[ends[ssel]] - pref[starts[ssel]] > 0
         touched = np.unique(rrow[ssel][hit])
         guest = touched[~row_own[touched]]
         own_split = self.split[row_own[self.split]]
@@ -342,8 +351,9 @@ def ulysses_estimate(plan: ContextParallelPlan, dropout: bool = False) -> dict |
     (heads not divisible by the world size, head-dependent masks)."""
     B, H, Hkv, D = plan.shape
     P = plan.world_size
-    if H % P or Hkv % P or (plan.layout.batch_shape and plan.layout.batch_shape[1] > 1):
+    if H % P or (Hkv % P and P % Hkv) or (plan.layout.batch_shape and plan.layout.batch_shape[1] > 1):
         return None
+    Hkv = max(Hkv, P)  # fewer key/value heads than ranks: replicated to the ranks of their query heads
     cm = plan.cost_model
     es = plan._esize()
     total = _layout_cost(plan.layout, cm.kappa, not dropout)
@@ -398,8 +408,8 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         strategy: ``"contiguous"``, ``"zigzag"``, ``"greedy"`` (sparse context parallelism with
             that assignment), ``"ulysses"`` (head-sharded all-to-all) or ``"auto"``: the one with
             the least estimated time (see :meth:`ContextParallelPlan.describe`).
-        heads: ``(H, Hkv)`` query and key/value heads (estimates; Ulysses needs both divisible by
-            ``world_size``).
+        heads: ``(H, Hkv)`` query and key/value heads (estimates; Ulysses needs ``H`` divisible by
+            ``world_size`` and ``Hkv`` divisible by it or dividing it).
         head_dim, batch, dtype: the attention inputs' (estimates only).
         cost_model: machine assumptions (:class:`CostModel`).
         split_factor: rows costing more than this times the mean row are split between ranks
@@ -451,8 +461,9 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         cands["ulysses"] = uly
     if strategy == "ulysses":
         if uly is None:
-            raise ValueError(f"strategy='ulysses' needs heads divisible by world_size={world_size} (got H={H}, "
-                             f"Hkv={Hkv}), a mask without per-head dependence and no dropout")
+            raise ValueError(f"strategy='ulysses' needs H divisible by world_size={world_size} and Hkv divisible by "
+                             f"it or dividing it (got H={H}, Hkv={Hkv}), a mask without per-head dependence and no "
+                             f"dropout")
         chosen = uly_plan
     elif strategy == "auto":
         mean = seq_len / world_size + unit  # one unit of slack: units are whole blocks

@@ -5,8 +5,10 @@ Each rank holds all heads of its tokens. One all-to-all per input turns that int
 as on one GPU (with the compiler's exact rewrites, e.g. the strided pattern as band plus residue
 classes), and one all-to-all returns the output to the token owners. It is exact and balanced by
 construction; its traffic is independent of the mask (``(H + 2 Hkv) / P`` heads of every token
-each way), and it needs ``H`` and ``Hkv`` divisible by the world size, a mask that does not depend
-on the head, and no dropout (the dropout counters number heads globally).
+each way), and it needs ``H`` divisible by the world size ``P``, ``Hkv`` divisible by ``P`` or
+dividing it (then each key/value head goes to the ``P / Hkv`` ranks of its query heads, and their
+gradients are summed on the way back), a mask that does not depend on the head, and no dropout
+(the dropout counters number heads globally).
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ class _HeadToSeq(torch.autograd.Function):
 def ulysses_check(plan: ContextParallelPlan, H: int, Hkv: int, dropout_p: float) -> str | None:
     """Why Ulysses cannot run this call, or None."""
     P = plan.world_size
-    if H % P or Hkv % P:
-        return f"Ulysses needs the query heads ({H}) and key/value heads ({Hkv}) divisible by the world size ({P})"
+    if H % P or (Hkv % P and P % Hkv):
+        return (f"Ulysses needs the query heads ({H}) divisible by the world size ({P}) and the key/value heads "
+                f"({Hkv}) divisible by it or dividing it")
     if plan.layout.batch_shape and plan.layout.batch_shape[1] > 1:
         return "Ulysses needs a mask that does not depend on the head"
     if dropout_p > 0.0:
@@ -91,6 +94,9 @@ def ulysses_check(plan: ContextParallelPlan, H: int, Hkv: int, dropout_p: float)
 
 def ulysses_forward(q, k, v, ex: UlyssesExchange, scale: float, backend: str, group, layout_device):
     """Differentiable ``(out (B, H, L_r, D), lse (B, H, L_r))`` of the rank's tokens."""
+    P = ex.P
+    if k.shape[1] % P:  # fewer key/value heads than ranks: each goes to the ranks of its query heads
+        k, v = (t.repeat_interleave(P // t.shape[1], dim=1) for t in (k, v))
     qh, kh, vh = (_SeqToHead.apply(t, ex, group) for t in (q, k, v))
     B, hq, N, D = qh.shape
     s = Shapes(B, hq, kh.shape[1], N, N, D)
