@@ -120,8 +120,9 @@ def run_error(case, rank, world):
     idx = plan.indices(min(rank, plan_world - 1))
     cut = case.get("cut", {}).get(rank, 0)
     idx = idx[: len(idx) - cut]
+    kidx = idx[: len(idx) - case.get("k_cut", {}).get(rank, 0)]
     try:
-        context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], plan=plan)
+        context_parallel_attention(q[:, :, idx], k[:, :, kidx], v[:, :, kidx], plan=plan)
     except ValueError as e:
         ok = all(w in str(e) for w in case["expect"])
         return case["name"], ok, str(e)

@@ -288,6 +288,8 @@ CASES_2 = [
     dict(name="nn module with rotary", module=True, mask="causal & window(40)", N=96, strategy="zigzag"),
     dict(name="mismatched shard", error=True, mask="causal", N=200, cut={1: 1},
          expect=["rank 1 passed", "tokens"]),
+    dict(name="k/v shorter than q on one rank", error=True, mask="causal", N=200, k_cut={1: 2},
+         expect=["rank 1 failed its own checks"]),
     dict(name="plan for another world size", error=True, mask="causal", N=200, plan_world=4,
          expect=["made for 4 ranks"]),
     dict(name="different plans", error=True, mask="causal", mask1="causal & window(20)", N=200,

@@ -48,7 +48,7 @@ def test_every_mask_file_is_in_the_wheel(wheel):
 def test_wheel_has_the_packages_and_entry_point(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        for sub in ("mask", "compiler", "ops", "cli", "analysis", "analysis/traffic"):
+        for sub in ("mask", "compiler", "ops", "cli", "analysis", "analysis/traffic", "distributed"):
             for f in (ROOT / "blocksparse_fa" / sub).glob("*.py"):
                 assert f"blocksparse_fa/{sub}/{f.name}" in names, f
         assert "blocksparse_fa/__init__.py" in names

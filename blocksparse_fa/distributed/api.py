@@ -46,6 +46,10 @@ class _CPAttention(torch.autograd.Function):
 _DEFAULT_PLANS = LRUCache(32)
 
 
+def _length(q) -> int:
+    return q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+
+
 def _default_plan(mask, block_size, group, world: int, length: int, device) -> ContextParallelPlan:
     """A plan for inputs already split into contiguous shards in rank order (lengths gathered)."""
     t = torch.tensor([length], dtype=torch.int64, device=device)
@@ -95,7 +99,7 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
     pg = resolve_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     local_error = None
-    be = "torch"
+    be, seed = "torch", 0
     try:
         s = check_qkv(q, k, v)
         check_scalars(scale, dropout_p)
@@ -113,17 +117,19 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
                 raise ValueError(why)
         if not check and float(dropout_p) > 0 and dropout_seed is None:
             raise ValueError("dropout with check=False needs an explicit dropout_seed (the same on every rank)")
+        scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
+        dropout_p = float(dropout_p)
+        seed = draw_seed(dropout_p, dropout_seed)
     except (TypeError, ValueError, RuntimeError) as e:
         if not check:
             raise
         local_error = str(e)
+        scale, dropout_p = 1.0, 0.0  # placeholders: the check below raises on every rank
     if plan is None:
-        plan = _default_plan(mask, block_size, pg, world, q.shape[2], q.device)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
-    seed = draw_seed(dropout_p, dropout_seed) if isinstance(dropout_p, float) else 0
+        plan = _default_plan(mask, block_size, pg, world, _length(q), q.device if isinstance(q, torch.Tensor) else "cpu")
     if check:
-        seed = check_call(pg, plan, rank, world, q, k, v, scale, dropout_p, seed, local_error, q.device)
+        seed = check_call(pg, plan, rank, world, q, k, v, scale, dropout_p, seed, local_error,
+                          q.device if isinstance(q, torch.Tensor) else "cpu")
     elif plan.world_size != world or plan.local_len(rank) != q.shape[2]:
         raise ValueError(f"rank {rank}: the plan is for {plan.world_size} ranks and gives this rank "
                          f"{plan.local_len(rank) if plan.world_size == world else '?'} tokens; got a group of {world} "

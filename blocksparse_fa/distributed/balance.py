@@ -25,7 +25,7 @@ import numpy as np
 from ..compiler.layout import BlockLayout
 from ..compiler.segments import FULL, PARTIAL
 
-__all__ = ["STRATEGIES", "row_costs", "row_counts", "split_rows", "unit_costs", "assign"]
+__all__ = ["STRATEGIES", "row_costs", "row_counts", "split_rows", "unit_costs", "assign", "halo_counter"]
 
 STRATEGIES = ("contiguous", "zigzag", "greedy")
 
@@ -102,9 +102,40 @@ def unit_costs(layout: BlockLayout, unit: int, kappa: float, split: np.ndarray) 
     return cost
 
 
-def _contiguous(cost: np.ndarray, n_ranks: int, cap: float = np.inf) -> np.ndarray:
+def halo_counter(layout: BlockLayout, unit: int, max_segments: int = 1 << 20):
+    """``halo(u)``: distinct key blocks a cut before unit ``u`` makes cross it (keys left of the cut
+    that rows right of it visit, and the reverse), or None for layouts with too many segments to
+    count cheaply. Split rows are left out by the caller's cost; here every row counts."""
+    segs = layout._segs
+    if len(segs.key) > max_segments:
+        return None
+    bm, bn = layout.block_size
+    tc = segs.n_cols
+    ne = segs.state != 0
+    rows = (segs.rows % segs.n_rowblocks)[ne]
+    starts, ends = segs.starts[ne], segs.ends[ne]
+
+    def halo(u: int) -> int:
+        ru, cu = (u * unit) // bm, (u * unit) // bn
+        out = 0
+        for sel, lo, hi in ((rows >= ru, starts, np.minimum(ends, cu)), (rows < ru, np.maximum(starts, cu), ends)):
+            a, b = lo[sel], hi[sel]
+            keep = b > a
+            if keep.any():
+                d = np.zeros(tc + 1, np.int64)
+                np.add.at(d, a[keep], 1)
+                np.add.at(d, b[keep], -1)
+                out += int((np.cumsum(d)[:tc] > 0).sum())
+        return out
+    return halo
+
+
+def _contiguous(cost: np.ndarray, n_ranks: int, cap: float = np.inf, halo=None, halo_weight: float = 0.0,
+                search: float = 0.03) -> np.ndarray:
     """Cut into pieces of equal cost, left to right, none longer than ``cap`` times the mean
-    number of units (the rest of a model's work follows the tokens) nor empty."""
+    number of units (the rest of a model's work follows the tokens) nor empty. With ``halo``
+    (:func:`halo_counter`), each cut moves within ``search`` of a piece's cost to where
+    ``imbalance + halo_weight * halo`` is least: documents are cut at their boundaries."""
     n = len(cost)
     c = np.concatenate([[0.0], np.cumsum(cost) + 1e-9 * np.arange(1, n + 1)])  # zero-cost units advance too
     most = max(1, int(np.floor(cap * n / n_ranks))) if np.isfinite(cap) else n
@@ -117,6 +148,16 @@ def _contiguous(cost: np.ndarray, n_ranks: int, cap: float = np.inf) -> np.ndarr
         lo = max(start + 1, n - most * (left - 1))  # the others must fit under the cap
         hi = min(start + most, n - (left - 1))  # and each must get a unit
         cut = min(max(cut, lo), hi)
+        if halo is not None and halo_weight > 0:
+            width = search * (c[-1] - c[start]) / left  # a fraction of one piece's cost
+            a = max(lo, int(np.searchsorted(c, target - width, side="left")))
+            b = min(hi, int(np.searchsorted(c, target + width, side="right")))
+            cands = np.unique(np.linspace(a, b, num=min(b - a + 1, 33)).astype(np.int64)) if b > a else [cut]
+
+            def score(u):
+                over = c[u] - target  # > 0: this piece is heavier; < 0: the remaining ones are
+                return max(over, -over / max(1, left - 1)) + halo_weight * halo(u)
+            cut = int(min(cands, key=lambda u: (score(u), abs(u - cut))))
         owner[cut:] = r + 1
         start = cut
     return owner
@@ -140,15 +181,17 @@ def _greedy(cost: np.ndarray, n_ranks: int, group: int) -> np.ndarray:
     return owner_g[g]
 
 
-def assign(cost: np.ndarray, n_ranks: int, strategy: str, cap: float = np.inf) -> np.ndarray:
+def assign(cost: np.ndarray, n_ranks: int, strategy: str, cap: float = np.inf, halo=None,
+           halo_weight: float = 0.0) -> np.ndarray:
     """Owner rank of each unit under ``strategy`` (one of :data:`STRATEGIES`); ``contiguous``
-    pieces hold at most ``cap`` times the mean number of units."""
+    pieces hold at most ``cap`` times the mean number of units, cut where ``halo`` is small (see
+    :func:`_contiguous`)."""
     n = len(cost)
     if n < n_ranks:
         raise ValueError(f"the sequence has {n} units of work for {n_ranks} ranks; use a smaller block size or "
                          f"fewer ranks")
     if strategy == "contiguous":
-        return _contiguous(cost, n_ranks, cap)
+        return _contiguous(cost, n_ranks, cap, halo, halo_weight)
     if strategy == "zigzag":
         if n < 2 * n_ranks:
             return _contiguous(np.ones(n), n_ranks)

@@ -77,10 +77,12 @@ def check_call(group, plan, rank: int, world: int, q, k, v, scale: float, dropou
     """Exchange the call's description with every rank; raise the same ``ValueError`` on every rank
     if any rank's call differs or failed its local checks. Returns rank 0's dropout seed (so that
     ranks drawing seeds independently still drop the same elements)."""
-    B, H, L, D = q.shape
-    Hkv = k.shape[1]
-    mine = [_MAGIC, plan.fingerprint, plan.world_size, L, B, H, Hkv, D, _DTYPES.get(q.dtype, 0), _bits(scale),
-            _bits(dropout_p), seed, 1 if local_error else 0]
+    ok4 = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
+    B, H, L, D = q.shape if ok4 else (0, 0, 0, 0)
+    Hkv = k.shape[1] if ok4 else 0
+    dt = _DTYPES.get(q.dtype, 0) if ok4 else 0
+    mine = [_MAGIC, plan.fingerprint, plan.world_size, L, B, H, Hkv, D, dt, _bits(scale), _bits(dropout_p), seed,
+            1 if local_error else 0]
     t = torch.tensor(mine, dtype=torch.int64, device=device)
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t, group=group)
@@ -92,7 +94,9 @@ def check_call(group, plan, rank: int, world: int, q, k, v, scale: float, dropou
             problems.append(f"rank {r} is not in a context-parallel attention call (another collective is pending)")
             continue
         if d["error"]:
-            problems.append(f"rank {r} failed its own checks" + (f": {local_error}" if r == rank else ""))
+            problems.append(f"rank {r} failed its own checks" + (f" ({local_error})" if r == rank else
+                                                                   " (its error names the argument)"))
+            continue
         if d["world"] != world:
             problems.append(f"rank {r} passed a plan made for {d['world']} ranks; the group has {world}")
         elif d["fingerprint"] != rows[0][1]:

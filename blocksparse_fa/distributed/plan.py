@@ -27,7 +27,7 @@ from ..compiler.layout import BlockLayout
 from ..compiler.segments import EMPTY
 from ..mask.dsl import parse
 from ..mask.expr import Mask
-from .balance import STRATEGIES, assign, row_costs, row_counts, split_rows, unit_costs
+from .balance import STRATEGIES, assign, halo_counter, row_costs, row_counts, split_rows, unit_costs
 
 __all__ = ["CostModel", "ContextParallelPlan", "plan_context_parallel"]
 
@@ -449,8 +449,14 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
     if strategy not in STRATEGIES + ("auto", "ulysses"):
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto', 'ulysses')}, got {strategy!r}")
     cands, plans = {}, {}
+    # a key block crossing a cut costs its bytes (K and V forward, float32 dK and dV back) over the
+    # bandwidth; in units of one full block's compute, so that cuts trade imbalance for traffic
+    es = torch.empty(0, dtype=dtype).element_size()
+    block_s = cm.block_seconds * (bm * bn * head_dim) / (128 * 128 * 128) * batch * H * (1 + cm.backward_factor)
+    halo_w = bn * batch * Hkv * head_dim * 2 * (es + 4) / cm.bandwidth / block_s
+    halo = halo_counter(layout, unit)
     for name in names:
-        owner = assign(ucost, world_size, name, cap=max_token_imbalance)
+        owner = assign(ucost, world_size, name, cap=max_token_imbalance, halo=halo, halo_weight=halo_w)
         p = _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
         plans[name] = p
         cands[name] = p.estimate()
