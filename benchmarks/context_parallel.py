@@ -591,15 +591,17 @@ def cmd_plans(args):
                 fb = max(x["fwd"] + x["bwd"] for x in per)
                 rf = max(x["ring_fwd"] for x in per)
                 rfb = max(x["ring_fwd"] + x["ring_bwd"] for x in per)
-                if plan.strategy == "ulysses":
+                if plan.strategy == "ulysses":  # the all-to-alls' bytes (fwd+bwd) from the estimate
                     fb = plan.candidates["ulysses"]["bytes"]
-                    fwd = float("nan")
+                    fwd = None
                 est = plan.candidates[plan.strategy]
                 rows.append(dict(pattern=name, N=n, world=P, strategy=plan.strategy, split=len(plan.split), fwd=fwd,
                                  fb=fb, ring_fwd=rf, ring_fb=rfb, imbalance=est["imbalance"],
                                  plan_s=time.perf_counter() - t))
-                print(f"| {name} | {n // 1024}K | {P} | {plan.strategy} | {len(plan.split)} | {fwd / 1e6:.1f} / "
-                      f"{fb / 1e6:.1f} | {rf / 1e6:.0f} / {rfb / 1e6:.0f} | {100 * fwd / rf:.2f} / {100 * fb / rfb:.2f} "
+                fwd_mb = "" if fwd is None else f"{fwd / 1e6:.1f}"
+                fwd_pc = "" if fwd is None else f"{100 * fwd / rf:.2f}"
+                print(f"| {name} | {n // 1024}K | {P} | {plan.strategy} | {len(plan.split)} | {fwd_mb} / "
+                      f"{fb / 1e6:.1f} | {rf / 1e6:.0f} / {rfb / 1e6:.0f} | {fwd_pc} / {100 * fb / rfb:.2f} "
                       f"| {est['imbalance']:.3f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
