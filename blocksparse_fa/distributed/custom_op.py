@@ -1,7 +1,7 @@
 """Context-parallel attention as ``torch.library`` custom ops, so ``torch.compile`` traces it.
 
     blocksparse_fa::cp_attention_fwd(Tensor q, Tensor k, Tensor v, int plan, str group, float scale,
-        float dropout_p, Tensor seed, str backend, bool overlap, bool check) -> (Tensor out, Tensor lse, Tensor seed)
+        float dropout_p, Tensor? seed, str backend, bool overlap, bool check) -> (Tensor out, Tensor lse, Tensor seed)
     blocksparse_fa::cp_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
         Tensor? dlse, int plan, str group, float scale, float dropout_p, Tensor seed, str backend,
         bool overlap) -> (Tensor dq, Tensor dk, Tensor dv)
@@ -55,12 +55,12 @@ def _plan(handle: int) -> ContextParallelPlan:
 
 @torch.library.custom_op("blocksparse_fa::cp_attention_fwd", mutates_args=())
 def cp_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int, group: str, scale: float,
-                     dropout_p: float, seed: torch.Tensor, backend: str, overlap: bool,
+                     dropout_p: float, seed: torch.Tensor | None, backend: str, overlap: bool,
                      check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _plan(plan)
     pg = resolve_group(group)
     rank, world = torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
-    s = int(seed.item())
+    s = 0 if seed is None else int(seed.item())  # no seed tensor without dropout
     if check:
         s = check_call(pg, p, rank, world, q, k, v, scale, dropout_p, s, None, q.device)
     ex = exchange_for(p, rank, q.device)
