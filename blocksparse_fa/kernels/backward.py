@@ -7,7 +7,7 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, block_positions, dropout_keep, load_tile, lut_first, lut_next, mma, store_grad_tile, work_item
+from .common import LOG2E, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, store_grad_tile, work_item
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -39,7 +39,7 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                 stride_qm, stride_dom, LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale,
                 PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -51,7 +51,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_
         rblk, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
             offs_m = rblk * LAYOUT_BM + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-            gm = block_positions(QPOS, rblk, offs_m, LAYOUT_BM, HAS_POS)
+            q_shift = block_shift(QPOS, rblk, LAYOUT_BM, HAS_POS)
             q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
             do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
@@ -65,13 +65,14 @@ def _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_
             s_t = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
             if MASKED:
-                qp = gm + Q_OFF
-                keep = PREDICATE(qp[None, :], gn[:, None], gm[None, :], b, h, PARAMS, AUX, True)
+                qp = offs_m + (Q_OFF + q_shift)
+                keep = PREDICATE(qp[None, :], (offs_n + k_shift)[:, None], (offs_m + q_shift)[None, :], b, h, PARAMS,
+                                 AUX, True)
                 keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
                 p_t = tl.where(keep, p_t, 0.0)
             dp_t = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
-                drop = dropout_keep(gm[None, :], gn[:, None], b * H + h, seed_lo, seed_hi, drop_thresh)
+                drop = dropout_keep((offs_m + q_shift)[None, :], (offs_n + k_shift)[:, None], b * H + h, seed_lo, seed_hi, drop_thresh)
                 dv = mma(tl.where(drop, p_t * drop_scale, 0.0).to(do.dtype), do, dv, DOT_PRECISION)
                 dp_t = tl.where(drop, dp_t * drop_scale, 0.0)
             else:
@@ -107,7 +108,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                                            LAYOUT_BN, USE_WORK)
     col_in_lut = (tile * BLOCK_N) // LAYOUT_BN
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    gn = block_positions(KPOS, col_in_lut, offs_n, LAYOUT_BN, HAS_POS)
+    k_shift = block_shift(KPOS, col_in_lut, LAYOUT_BN, HAS_POS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k = load_tile(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
                   offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -126,12 +127,12 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         LSE_row = LSE + (b64 * H + h64) * q_len
         DELTA_row = DELTA + (b64 * H + h64) * q_len
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT,
                              HAS_POS)
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, gn, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load",
@@ -149,19 +150,19 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
               LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
               LUT_MODE: tl.constexpr, HAS_POS: tl.constexpr):
-    qp = gi + Q_OFF
+    qp = offs_m + (Q_OFF + q_shift)
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-            gj = block_positions(KPOS, col, offs_n, LAYOUT_BN, HAS_POS)
+            k_shift = block_shift(KPOS, col, LAYOUT_BN, HAS_POS)
             k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
             v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
@@ -169,12 +170,13 @@ def _dq_inner(dq, q, do, lse2, delta, gi, offs_d, b, h, H, K_base, V_base, strid
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
             if MASKED:
-                keep = PREDICATE(qp[:, None], gj[None, :], gi[:, None], b, h, PARAMS, AUX, False)
+                keep = PREDICATE(qp[:, None], (offs_n + k_shift)[None, :], (offs_m + q_shift)[:, None], b, h, PARAMS,
+                                 AUX, False)
                 keep = keep & (offs_n[None, :] < kv_len)
                 p = tl.where(keep, p, 0.0)
             dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
-                drop = dropout_keep(gi[:, None], gj[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
+                drop = dropout_keep((offs_m + q_shift)[:, None], (offs_n + k_shift)[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 dp = tl.where(drop, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
@@ -207,7 +209,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     blk = (tile * BLOCK_M) // LAYOUT_BM
     line = lut_base + blk
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    gi = block_positions(QPOS, blk, offs_m, LAYOUT_BM, HAS_POS)
+    q_shift = block_shift(QPOS, blk, LAYOUT_BM, HAS_POS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -218,10 +220,10 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT, HAS_POS)
-    dq = _dq_inner(dq, q, do, lse2, delta, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
                    drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load", HAS_POS)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)

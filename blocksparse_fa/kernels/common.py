@@ -44,18 +44,17 @@ def store_grad_tile(ptrs, x, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
-def block_positions(POS, blk, offs, LAYOUT_B: tl.constexpr, HAS_POS: tl.constexpr):
-    """Global indices of the local rows (or keys) ``offs``, which lie in local layout block ``blk``.
-
-    Without ``HAS_POS`` a layout's indices are the global ones. With it (a shard of a larger
-    layout, ``compiler/shard.py``), ``POS[blk]`` holds the global index of the block's first row
-    (or key), so the element predicate and the dropout counters see the positions the unsharded
-    run sees; bounds checks keep using the local indices."""
+def block_shift(POS, blk, LAYOUT_B: tl.constexpr, HAS_POS: tl.constexpr):
+    """Global index minus local index of the rows (or keys) of local layout block ``blk``: 0 without
+    ``HAS_POS``. With it (a shard of a larger layout, ``compiler/shard.py``) ``POS[blk]`` holds the
+    global index of the block's first row (or key), so that the element predicate and the dropout
+    counters see the positions of the unsharded run; bounds checks keep using the local indices.
+    A scalar, added where positions are used, so that no second index vector stays live."""
     if HAS_POS:
-        g = tl.load(POS + blk) + (offs - blk * LAYOUT_B)
+        d = tl.load(POS + blk) - blk * LAYOUT_B
     else:
-        g = offs
-    return g
+        d = 0
+    return d
 
 
 @triton.jit

@@ -10,7 +10,7 @@ log, float32) saved for the backward. Fully masked rows produce 0 and LSE ``-inf
 import triton
 import triton.language as tl
 
-from .common import LN2, block_positions, dropout_keep, load_tile, lut_first, lut_next, mma, store_tile, work_item
+from .common import LN2, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, store_tile, work_item
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _kv_tile(BASE, row0, offs_n, stride_n, kv_len, offs_d, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, qp, gi, offs_d, b, h, H,
+def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
                K_base, V_base, stride_kn, stride_vn, LUT_IDX, line, start, end,
                q_len, kv_len, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -41,11 +41,12 @@ def _fwd_inner(acc, l_i, m_i, q, qp, gi, offs_d, b, h, H,
         for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
             row0 = col * LAYOUT_BN + sub * BLOCK_N
             offs_n = row0 + tl.arange(0, BLOCK_N)
-            gj = block_positions(KPOS, col, offs_n, LAYOUT_BN, HAS_POS)
+            k_shift = block_shift(KPOS, col, LAYOUT_BN, HAS_POS)
             k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, KV_DESC)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if MASKED:
-                keep = PREDICATE(qp[:, None], gj[None, :], gi[:, None], b, h, PARAMS, AUX, False)
+                keep = PREDICATE(qp[:, None], (offs_n + k_shift)[None, :], (offs_m + q_shift)[:, None], b, h, PARAMS, AUX,
+                                 False)
                 keep = keep & (offs_n[None, :] < kv_len)
                 s = tl.where(keep, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -58,7 +59,7 @@ def _fwd_inner(acc, l_i, m_i, q, qp, gi, offs_d, b, h, H,
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             if HAS_DROPOUT:
-                drop = dropout_keep(gi[:, None], gj[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
+                drop = dropout_keep((offs_m + q_shift)[:, None], (offs_n + k_shift)[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 p = tl.where(drop, p * drop_scale, 0.0)
             v = _kv_tile(V_base, row0, offs_n, stride_vn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, KV_DESC)
             acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
@@ -86,7 +87,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
     split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel.
     With ``HAS_POS`` the layout is a shard of a larger one: ``QPOS``/``KPOS`` hold the global index of
-    each local row/key block's first row/key (``kernels/common.block_positions``)."""
+    each local row/key block's first row/key (``kernels/common.block_shift``)."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD, "HEAD_DIM_PAD must cover HEAD_DIM")
@@ -101,8 +102,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     line = lut_base + blk
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    gi = block_positions(QPOS, blk, offs_m, LAYOUT_BM, HAS_POS)
-    qp = gi + Q_OFF
+    q_shift = block_shift(QPOS, blk, LAYOUT_BM, HAS_POS)
+    qp = offs_m + (Q_OFF + q_shift)
 
     b64 = b.to(tl.int64)
     q = load_tile(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
@@ -118,12 +119,14 @@ def _attn_fwd(Q, K, V, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
+                               stride_kn, stride_vn,
                                FULL_IDX, line, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
                                KV_DESC, WARP_SPEC, HAS_POS)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, gi, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
+                               stride_kn, stride_vn,
                                PART_IDX, line, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
