@@ -1,11 +1,11 @@
 """Context parallelism on several GPUs: correctness, strong scaling, bytes moved, torch's CP beside ours.
 
-``run`` (under torchrun, one process per GPU) measures, in this order, within a time budget
-(sections that would not fit are skipped and say so; results are written after every step):
+``run`` (under torchrun, one process per GPU) measures, within a time budget (the most important
+first; sections that would not fit are skipped and say so; results are written after every step):
 
 1. ``nvidia-smi topo -m`` and the bandwidth of all-gather and all-to-all;
 2. correctness: our context-parallel bf16 outputs and gradients against the single-GPU bf16 run on
-   the same inputs and both against a float64 reference (8K tokens, every pattern, and dropout);
+   the same inputs and both against a float64 reference (8K tokens, every pattern; dropout last);
 3. strong scaling at 128K and 256K tokens: single-GPU time ``T1`` and context-parallel time ``TP``
    (slowest rank), efficiency ``T1 / (P * TP)``, forward and forward+backward, per pattern, for the
    planner's choice and for Ulysses around our kernel; bytes sent per rank against a dense ring;
@@ -18,8 +18,9 @@
 ``report`` prints the Markdown tables of ``docs/distributed.md`` from the JSON; ``plans`` prints
 bytes per rank from the plans alone (CPU, any length and world size).
 
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py run --out $OUT [--budget 420]
-    python benchmarks/context_parallel.py report $OUT/context_parallel.json
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py run --out $OUT [--budget 330]
+    python benchmarks/context_parallel.py report $OUT/context_parallel.json \
+        --docs docs/distributed.md --data docs/data/context_parallel.json
     python benchmarks/context_parallel.py plans --lengths 131072 262144 1048576 --world 2 4 8
     torchrun --nproc-per-node 2 benchmarks/context_parallel.py run --device cpu --smoke   # CPU check (gloo)
 """
@@ -200,11 +201,11 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def section_correctness(run: Run, n: int, patterns, small: bool):
+def section_correctness(run: Run, n: int, patterns, small: bool, dropouts=(0.0,)):
     dtype = torch.float32 if run.cpu else torch.bfloat16
     backend = "torch" if run.cpu else "auto"
     for name in patterns:
-        for dropout in ((0.0, 0.1) if name == "causal" else (0.0,)):
+        for dropout in dropouts:
             if not run.fits(f"correctness {name}", 20):
                 return
             try:
@@ -470,7 +471,7 @@ def cmd_run(args):
     run = Run(args)
     small = args.smoke
     if small:
-        lengths, corr_n, million = [2048, 4096], 1024, 8192
+        lengths, corr_n, million = [1024, 2048], 1024, 4096
     else:
         lengths, corr_n, million = args.lengths, args.correctness_len, args.million
     patterns = args.patterns
@@ -478,11 +479,17 @@ def cmd_run(args):
         section_links(run)
     except Exception as e:  # noqa: BLE001
         run.error("links", e)
+    # most important first: what does not fit the budget is skipped from the end
     section_correctness(run, corr_n, patterns, small)
-    section_scaling(run, lengths, patterns, small)
-    section_torch_cp(run, lengths)
+    longest, rest = lengths[-1:], lengths[:-1]
+    section_scaling(run, longest, patterns, small)
+    section_torch_cp(run, longest)
     section_million(run, million, [p for p in ("sliding_window", "longformer", "documents", "bigbird", "causal")
                                    if p in patterns], small)
+    section_scaling(run, rest, patterns, small)
+    section_torch_cp(run, rest)
+    if "causal" in patterns:
+        section_correctness(run, corr_n, ["causal"], small, dropouts=(0.1,))
     run.sync()
     if run.rank == 0:
         run.save()
@@ -501,8 +508,9 @@ def _f(x, fmt="{:.2f}"):
 def report(res: dict) -> str:
     """Markdown tables of a run."""
     P = res.get("world_size", 2)
+    dt = "float32" if res.get("device") == "cpu" else "bf16"
     lines = [f"Device: {P}x {res.get('device')}, torch {res.get('torch')}, triton {res.get('triton')}; "
-             f"bf16, 1 sequence, {HEADS} query / {KV_HEADS} key-value heads, head dim {HEAD_DIM}.", ""]
+             f"{dt}, 1 sequence, {HEADS} query / {KV_HEADS} key-value heads, head dim {HEAD_DIM}.", ""]
     links = res.get("sections", {}).get("links", [])
     for r in links:
         if r["op"] == "all_gather":
@@ -567,9 +575,23 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+RESULTS_MARK, RESULTS_END = "<!-- results -->", "## Testing"
+
+
 def cmd_report(args):
     with open(args.json) as f:
-        print(report(json.load(f)))
+        res = json.load(f)
+    text = report(res)
+    print(text)
+    if args.docs:  # replace the results section of docs/distributed.md
+        with open(args.docs) as f:
+            doc = f.read()
+        a, b = doc.index(RESULTS_MARK) + len(RESULTS_MARK), doc.index(RESULTS_END)
+        with open(args.docs, "w") as f:
+            f.write(doc[:a] + "\n" + text + "\n\n" + doc[b:])
+    if args.data:
+        with open(args.data, "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -613,7 +635,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="measure (under torchrun)")
     r.add_argument("--out", default=os.environ.get("OUT", "."))
-    r.add_argument("--budget", type=float, default=420.0, help="seconds; sections that would not fit are skipped")
+    r.add_argument("--budget", type=float, default=330.0, help="seconds; sections that would not fit are skipped")
     r.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
     r.add_argument("--correctness-len", type=int, default=8192)
     r.add_argument("--million", type=int, default=1 << 20)
@@ -624,6 +646,8 @@ def main(argv=None):
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="Markdown tables from a run's JSON")
     p.add_argument("json")
+    p.add_argument("--docs", default=None, help="write the tables into this page's results section")
+    p.add_argument("--data", default=None, help="copy the raw results here (docs/data/context_parallel.json)")
     p.set_defaults(fn=cmd_report)
     q = sub.add_parser("plans", help="bytes per rank from the plans (CPU)")
     q.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 1048576])
