@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.primitives import full
 from . import dispatch
-from .api import resolve_backend
+from .api import check_mask_for, resolve_backend, run
 from .validate import check_layout, check_qkv, check_scalars
 
 __all__ = [
@@ -261,14 +262,24 @@ def register_mask(mask, block_size=None, *, pin: bool = False, owner=None) -> in
     return h
 
 
-@torch.compiler.assume_constant_result
+def _constant_result(fn):
+    """Mark ``fn`` for Dynamo as :func:`torch.compiler.assume_constant_result` does, without
+    importing Dynamo when it is not loaded yet (that import takes about a second and pulls in
+    Triton): the decorator only sets this attribute, which Dynamo reads when it traces a call."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_result
 def _handle_for(mask, block_size):
     # Trace-time constant under torch.compile (Dynamo guards on the mask object): for masks made
     # outside the compiled function, and for compiled layouts.
     return registry.register(mask, block_size)
 
 
-@torch.compiler.assume_constant_result
+@_constant_result
 def _handle_for_text(text: str, block_size):
     # Trace-time constant from the mask's DSL text: masks built inside a compiled function are
     # objects Dynamo creates lazily, but their text is an ordinary constant.
@@ -412,16 +423,30 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
     Returns:
         ``out`` ``(B, H, Lq, D)`` in q's dtype (and ``lse`` if asked).
     """
+    if q.device.type == "meta" and not torch.compiler.is_compiling():
+        return _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse)
     if not torch.compiler.is_compiling():
         return _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
                       rewrite)
     s = check_qkv(q, k, v)
-    check_scalars(scale, dropout_p)
+    scale, dropout_p = check_scalars(scale, dropout_p)
     handle = handle_of(mask, block_size)
-    scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
                              bool(rewrite))
+    return (out, lse.float()) if return_lse else out
+
+
+def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse):
+    """Meta tensors: shapes and dtypes through the ops' fake implementations (differentiable, so a
+    backward on meta tensors gives meta gradients); the mask is checked, not compiled."""
+    s = check_qkv(q, k, v)
+    scale, dropout_p = check_scalars(scale, dropout_p)
+    check_mask_for(mask, s, block_size)
+    handle = handle_of(mask, block_size)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
+    seed = torch.zeros((), dtype=torch.int64, device="meta")
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, seed, "auto", True)
     return (out, lse.float()) if return_lse else out
 
 
@@ -430,12 +455,11 @@ def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, bac
     from .api import draw_seed
 
     s = check_qkv(q, k, v)
-    check_scalars(scale, dropout_p)
+    scale, dropout_p = check_scalars(scale, dropout_p)
     be = resolve_backend(backend, q.device, q.dtype)
     layout = registry.layout(handle, s.Lq, s.Lk, q.device)
     check_layout(layout, s)
-    scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     seed = draw_seed(dropout_p, int(dropout_seed) if isinstance(dropout_seed, torch.Tensor) else dropout_seed)
-    out, lse = dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, bool(rewrite))
+    out, lse = run(q, k, v, layout, s, scale, dropout_p, seed, backend, be, bool(rewrite), return_lse)
     return (out, lse.float()) if return_lse else out
