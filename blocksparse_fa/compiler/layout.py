@@ -78,6 +78,11 @@ class BlockLayout:
         return self._grid.off
 
     @property
+    def align(self) -> str:
+        """``"bottom_right"`` (``q_offset = kv_len - q_len``) or ``"top_left"`` (``q_offset = 0``)."""
+        return self._grid.align
+
+    @property
     def n_blocks(self) -> int:
         return self._segs.n_rows * self._grid.tc
 

@@ -1,0 +1,102 @@
+"""``torch.compile(fullgraph=True)`` on every public entry point (forward and backward, masks built
+inside or outside the compiled function, text, compiled layouts, the nn modules), recompiles when
+the sequence length changes, and the caches under threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import rel_err
+
+import blocksparse_fa as bsfa
+
+MASK = bsfa.causal() & (bsfa.window(20) | bsfa.global_tokens(5))
+
+
+def _qkv(L=96, H=4, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(1, h, L, D, generator=g) for h in (H, Hkv, Hkv)]
+    return [t.requires_grad_() for t in ts]
+
+
+def _run(fn, q, k, v):
+    out = fn(q, k, v)
+    do = torch.ones_like(out) * 0.5 + torch.linspace(0, 1, out.shape[-1])
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+LAYOUT = bsfa.compile_mask(MASK, 96, 96, 16)
+MODULE = bsfa.nn.BlockSparseAttention(MASK, block_size=16)
+ENTRIES = {
+    "expr_inside": lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal() & (bsfa.window(20) | bsfa.global_tokens(5)),
+                                                  block_size=16),
+    "expr_outside": lambda q, k, v: bsfa.attention(q, k, v, mask=MASK, block_size=16),
+    "text": lambda q, k, v: bsfa.attention(q, k, v, mask="causal & (window(20) | global_tokens(5))", block_size=16),
+    "layout": lambda q, k, v: bsfa.attention(q, k, v, mask=LAYOUT),
+    "op_inside": lambda q, k, v: bsfa.attention_op(q, k, v, bsfa.causal() & (bsfa.window(20) | bsfa.global_tokens(5)),
+                                                   block_size=16),
+    "module": lambda q, k, v: MODULE(q, k, v),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_fullgraph_forward_backward_matches_eager(entry):
+    torch._dynamo.reset()
+    fn = ENTRIES[entry]
+    q, k, v = _qkv()
+    got = _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v)
+    want = _run(fn, q, k, v)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-6
+
+
+def test_multihead_module_compiles_fullgraph():
+    torch._dynamo.reset()
+    layer = bsfa.nn.BlockSparseMultiheadAttention(64, 4, MASK, num_kv_heads=2, rotary=True, block_size=16)
+    x = torch.randn(2, 96, 64, requires_grad=True)
+    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    g, = torch.autograd.grad(out.sum(), x)
+    ref = layer(x)
+    gr, = torch.autograd.grad(ref.sum(), x)
+    assert rel_err(out, ref) < 1e-6 and rel_err(g, gr) < 1e-6
+
+
+def test_length_changes_recompile_at_most_once():
+    """The op's fake implementation needs shapes only: after one recompile (Dynamo marks the length
+    dynamic) new lengths reuse the graph."""
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    cfn = torch.compile(lambda q, k, v: MODULE(q, k, v), fullgraph=True, backend=backend)
+    for L in (64, 96, 128, 160, 208):
+        q, k, v = _qkv(L=L)
+        out = cfn(q, k, v)
+        assert rel_err(out, MODULE(q, k, v)) < 1e-6
+    assert len(frames) <= 2
+
+
+def test_caches_under_threads():
+    """Layouts compiled from several threads at once (no lock in the caches) give the results of a
+    sequential run."""
+    masks = [bsfa.causal() & bsfa.window(w) for w in (8, 16, 24, 32)] * 3
+    q, k, v = (t.detach() for t in _qkv())
+    want = [bsfa.attention(q, k, v, mask=m, block_size=16) for m in masks]
+    bsfa.compiler.clear_cache()
+    got = [None] * len(masks)
+
+    def work(i):
+        got[i] = bsfa.attention(q, k, v, mask=masks[i], block_size=16)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(masks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
