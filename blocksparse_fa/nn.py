@@ -28,9 +28,8 @@ import torch
 from torch import nn
 
 from .compiler.layout import BlockLayout
-from .mask.dsl import parse
-from .mask.expr import Mask
-from .mask.primitives import dense_mask, full
+from .mask.primitives import dense_mask, key_set
+from .ops.api import as_mask, check_align
 from .ops.custom_op import attention_op, register_mask, registry
 from .ops.sdpa import top_left_causal
 from .ops.validate import _OneEntry, keep_from_tensor
@@ -39,13 +38,7 @@ __all__ = ["BlockSparseAttention", "BlockSparseMultiheadAttention", "apply_rotar
 
 
 def _as_mask(mask):
-    if mask is None:
-        return full()
-    if isinstance(mask, str):
-        return parse(mask)
-    if isinstance(mask, (Mask, BlockLayout)):
-        return mask
-    raise TypeError(f"mask must be a Mask, DSL text / pattern name, BlockLayout or None, got {type(mask).__name__}")
+    return mask if isinstance(mask, BlockLayout) else as_mask(mask)
 
 
 class BlockSparseAttention(nn.Module):
@@ -59,16 +52,20 @@ class BlockSparseAttention(nn.Module):
         scale: softmax scale (default ``1/sqrt(D)``).
         dropout: attention dropout probability, applied in training mode only.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
+        align: ``"bottom_right"`` (default) or ``"top_left"``: where query row ``i`` sits when
+            ``Lq != Lk`` (see :func:`blocksparse_fa.attention`); a compiled layout keeps its own.
 
     Shapes:
         q ``(B, H, Lq, D)``, k/v ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0`` -> ``(B, H, Lq, D)``.
     """
 
-    def __init__(self, mask=None, *, block_size=None, scale=None, dropout: float = 0.0, backend: str = "auto"):
+    def __init__(self, mask=None, *, block_size=None, scale=None, dropout: float = 0.0, backend: str = "auto",
+                 align: str | None = None):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.mask = _as_mask(mask)
+        self.align = check_align(align, self.mask if isinstance(self.mask, BlockLayout) else None)
         self.handle = register_mask(self.mask, block_size, owner=self)
         self.block_size = registry.block_size(self.handle)
         self.scale = scale
@@ -77,20 +74,22 @@ class BlockSparseAttention(nn.Module):
 
     def __setstate__(self, state):  # copy.deepcopy / unpickling: the copy registers and pins its own handle
         super().__setstate__(state)
+        self.__dict__.setdefault("align", "bottom_right")  # modules pickled before align existed
         self.handle = register_mask(self.mask, self.block_size, owner=self)
 
     def layout(self, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
         """The compiled layout for these lengths and device (cached per ``(q_len, kv_len, device)``)."""
-        return registry.layout(self.handle, q_len, kv_len, device)
+        return registry.layout(self.handle, q_len, kv_len, device, self.align)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False):
         p = self.dropout if self.training else 0.0
         return attention_op(q, k, v, self.handle, scale=self.scale, dropout_p=p, return_lse=return_lse,
-                            backend=self.backend)
+                            backend=self.backend, align=self.align)
 
     def extra_repr(self) -> str:
         m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
-        return f"mask={str(m)!r}, block_size={self.block_size}, dropout={self.dropout}"
+        al = "" if self.align == "bottom_right" else f", align={self.align!r}"
+        return f"mask={str(m)!r}, block_size={self.block_size}, dropout={self.dropout}{al}"
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -109,30 +108,30 @@ def _version(t):
     return None if t is None else (id(t), None if t.is_inference() else t._version, tuple(t.shape))
 
 
-def _mha_keep(key_padding_mask, attn_mask, B: int, H: int, Lq: int, Lk: int):
-    """The keep-mask ``(B or 1, H or 1, Lq, Lk)`` of ``nn.MultiheadAttention``'s masks, where
-    ``True`` in either means *masked* (the inverse of SDPA's ``attn_mask``); float masks add to the
-    scores and are accepted when they only mask (``0``/``-inf``)."""
-    keep = None
+def _mha_masks(key_padding_mask, attn_mask, B: int, H: int, Lq: int, Lk: int, device) -> list:
+    """Mask expressions for ``nn.MultiheadAttention``'s masks, where ``True`` in either means *masked*
+    (the inverse of SDPA's ``attn_mask``); float masks add to the scores and are accepted when they
+    only mask (``0``/``-inf``). Padding becomes ``~key_set(padded positions)`` (``O(B · Lk)``), an
+    ``attn_mask`` a bit-packed ``dense_mask``."""
+    out = []
     if attn_mask is not None:
-        am = ~attn_mask if attn_mask.dtype == torch.bool else keep_from_tensor("attn_mask", attn_mask)
-        if am.dim() == 2 and tuple(am.shape) == (Lq, Lk):
-            keep = am.view(1, 1, Lq, Lk)
-        elif am.dim() == 3 and tuple(am.shape) == (B * H, Lq, Lk):
-            keep = am.view(B, H, Lq, Lk)
+        keep = ~attn_mask if attn_mask.dtype == torch.bool else keep_from_tensor("attn_mask", attn_mask)
+        if keep.dim() == 2 and tuple(keep.shape) == (Lq, Lk):
+            out.append(dense_mask(keep.to(device)))
+        elif keep.dim() == 3 and tuple(keep.shape) == (B * H, Lq, Lk):
+            out.append(dense_mask(keep.reshape(B, H, Lq, Lk).to(device)))
         else:
             raise ValueError(f"attn_mask must have shape (L, S) = {(Lq, Lk)} or (N * num_heads, L, S) = "
                              f"{(B * H, Lq, Lk)}, got {tuple(attn_mask.shape)}")
     if key_padding_mask is not None:
-        kp = key_padding_mask
-        if kp.dim() == 1:
-            kp = kp.unsqueeze(0)
+        kp = key_padding_mask if key_padding_mask.dim() == 2 else key_padding_mask.unsqueeze(0)
         if tuple(kp.shape) != (B, Lk):
             raise ValueError(f"key_padding_mask must have shape (N, S) = {(B, Lk)}, got {tuple(key_padding_mask.shape)}")
-        valid = ~kp if kp.dtype == torch.bool else keep_from_tensor("key_padding_mask", kp)
-        valid = valid.view(B, 1, 1, Lk)
-        keep = valid if keep is None else keep & valid
-    return keep.expand(keep.shape[0], keep.shape[1], Lq, Lk)
+        pad = kp if kp.dtype == torch.bool else ~keep_from_tensor("key_padding_mask", kp)
+        if bool(pad.any()):
+            pos = torch.where(pad, torch.arange(Lk, device=pad.device), -1)
+            out.append(~key_set(pos))
+    return out
 
 
 class BlockSparseMultiheadAttention(nn.Module):
@@ -147,9 +146,9 @@ class BlockSparseMultiheadAttention(nn.Module):
         bias: bias in the projections.
         dropout: attention dropout probability (training mode only).
         head_dim: per-head width (default ``E // H``).
-        rotary: apply rotary position embeddings to q and k (query positions align bottom-right).
+        rotary: apply rotary position embeddings to q and k (at the query positions ``align`` gives).
         rope_base: rotary base frequency.
-        block_size, scale, backend: as in :class:`BlockSparseAttention`.
+        block_size, scale, backend, align: as in :class:`BlockSparseAttention`.
         batch_first: inputs and outputs are ``(B, L, E)`` (default); ``False``: ``(L, B, E)``, the
             default of :class:`torch.nn.MultiheadAttention`.
         kdim, vdim: widths of the key and value inputs (default ``embed_dim``).
@@ -164,18 +163,19 @@ class BlockSparseMultiheadAttention(nn.Module):
       ``(output, None)``. ``key_padding_mask`` ``(B, Lk)`` (``True`` = padding) and a bool
       ``attn_mask`` ``(Lq, Lk)`` or ``(B * H, Lq, Lk)`` (``True`` = *not* allowed, torch's MHA
       convention; float masks of ``0``/``-inf`` too) are intersected with the pattern exactly:
-      padded keys are never attended, and rows left with no key output zeros (``nn.MultiheadAttention``
-      gives NaN there). ``is_causal=True`` adds a causal mask (top-left aligned, as torch's). The
-      attention weights are never materialised, so ``need_weights=True`` raises; the second
-      element is always ``None``. Masks given as tensors are rebuilt when the tensors change (one
-      dense ``(B, Lq, Lk)`` bool mask at most; under ``torch.compile`` this breaks the graph).
+      padded keys are never attended (``~key_set(padded positions)``, ``O(B · Lk)``), and rows left
+      with no key output zeros. ``is_causal=True`` adds a causal mask (top-left aligned, as
+      torch's). The attention weights are never materialised, so ``need_weights=True`` raises; the
+      second element is always ``None``. Masks given as tensors are rebuilt when the tensors change
+      (an ``attn_mask`` is stored as one bit per element); building them reads tensor values, so
+      under ``torch.compile`` it breaks the graph.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, mask=None, num_kv_heads: int | None = None,
                  bias: bool = False, dropout: float = 0.0, *, head_dim: int | None = None, rotary: bool = False,
                  rope_base: float = 10000.0, block_size=None, scale=None, backend: str = "auto",
                  batch_first: bool = True, kdim: int | None = None, vdim: int | None = None,
-                 device=None, dtype=None):
+                 align: str | None = None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -194,7 +194,8 @@ class BlockSparseMultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, num_kv_heads * head_dim, bias=bias, **fk)
         self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, bias=bias, **fk)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **fk)
-        self.attn = BlockSparseAttention(mask, block_size=block_size, scale=scale, dropout=dropout, backend=backend)
+        self.attn = BlockSparseAttention(mask, block_size=block_size, scale=scale, dropout=dropout, backend=backend,
+                                         align=align)
         self._tensor_mask = _OneEntry()
 
     @classmethod
@@ -258,11 +259,10 @@ class BlockSparseMultiheadAttention(nn.Module):
             return hit
         pattern, bs = self.attn.mask, self.attn.block_size
         m = pattern.mask if isinstance(pattern, BlockLayout) else pattern
-        if key_padding_mask is not None or attn_mask is not None:
-            keep = _mha_keep(key_padding_mask, attn_mask, B, self.num_heads, Lq, Lk)
-            m = m & dense_mask(keep.to(device))
+        for part in _mha_masks(key_padding_mask, attn_mask, B, self.num_heads, Lq, Lk, device):
+            m = m & part
         if is_causal:
-            m = m & top_left_causal(Lq, Lk)
+            m = m & top_left_causal(Lq, Lk, self.attn.align)
         if anchor is not None:
             self._tensor_mask.put(anchor, key, (m, bs))
         return m, bs
@@ -294,14 +294,16 @@ class BlockSparseMultiheadAttention(nn.Module):
         k = self.k_proj(ctx).view(B, Lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(val).view(B, Lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary:
-            q = apply_rotary(q, torch.arange(Lk - Lq, Lk, device=x.device), self.rope_base)
+            q0 = Lk - Lq if self.attn.align == "bottom_right" else 0
+            q = apply_rotary(q, torch.arange(q0, q0 + Lq, device=x.device), self.rope_base)
             k = apply_rotary(k, torch.arange(Lk, device=x.device), self.rope_base)
         m, bs = self._mask_with(key_padding_mask, attn_mask, is_causal, B, Lq, Lk, x.device)
         if bs is None:
             o = self.attn(q, k, v)
         else:
             p = self.attn.dropout if self.training else 0.0
-            o = attention_op(q, k, v, m, scale=self.attn.scale, dropout_p=p, backend=self.attn.backend, block_size=bs)
+            o = attention_op(q, k, v, m, scale=self.attn.scale, dropout_p=p, backend=self.attn.backend, block_size=bs,
+                             align=self.attn.align)
         out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
         if not self.batch_first:
             out = out.transpose(0, 1)

@@ -342,3 +342,66 @@ def test_dynamo_marker_still_what_assume_constant_result_sets():
     from blocksparse_fa.ops.custom_op import _handle_for, _handle_for_text
 
     assert _handle_for._dynamo_marked_constant and _handle_for_text._dynamo_marked_constant
+
+
+# ------------------------------------------------------------------------------------------------
+# align, and mask_mod callables as masks
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lq, lk", [(37, 90), (90, 37)])
+def test_align_through_every_entry_point(lq, lk):
+    m = bsfa.sliding_window(12) | bsfa.global_tokens(3)
+    q, k, v = _rand(2, 4, lq, 8), _rand(2, 2, lk, 8, seed=2), _rand(2, 2, lk, 8, seed=3)
+    for align in ("top_left", "bottom_right"):
+        keep = m.to_dense(lq, lk, align=align)
+        ref = _grads(lambda q, k, v: bsfa.reference_attention(q, k, v, mask=keep), (q, k, v))
+        got = _grads(lambda q, k, v: bsfa.attention(q, k, v, mask=m, align=align, block_size=16), (q, k, v))
+        _assert_same(got, ref, 1e-10)
+        got_op = _grads(lambda q, k, v: bsfa.attention_op(q, k, v, m, align=align, block_size=16), (q, k, v))
+        _assert_same(got_op, ref, 1e-10)
+        core = bsfa.nn.BlockSparseAttention(m, block_size=16, align=align)
+        _assert_same(_grads(core, (q, k, v)), ref, 1e-10)
+        assert core.layout(lq, lk).align == align
+        lay = bsfa.compile_mask(m, lq, lk, 16, align=align)
+        _assert_same(_grads(lambda q, k, v: bsfa.attention(q, k, v, mask=lay), (q, k, v)), ref, 1e-10)
+        sd = _grads(lambda q, k, v: bsfa.scaled_dot_product_attention(q, k, v, mask=m, align=align, enable_gqa=True,
+                                                                      block_size=16), (q, k, v))
+        _assert_same(sd, ref, 1e-10)
+    # the SDPA entry point aligns top-left by default; attention() bottom-right
+    a = bsfa.scaled_dot_product_attention(q, k, v, mask=m, enable_gqa=True)
+    assert rel_err(a, bsfa.attention(q, k, v, mask=m, align="top_left")) < 1e-12
+    with pytest.raises(ValueError, match="conflicts"):
+        bsfa.attention(q, k, v, mask=bsfa.compile_mask(m, lq, lk, align="top_left"), align="bottom_right")
+    with pytest.raises(ValueError, match="align"):
+        bsfa.attention(q, k, v, mask=m, align="center")
+
+
+def test_align_under_torch_compile():
+    torch._dynamo.reset()
+    m = bsfa.causal() & bsfa.sliding_window(8)
+    q, k, v = (_rand(1, 2, 24, 8, dtype=torch.float32, seed=s).requires_grad_() for s in (1, 2, 3))
+    k2, v2 = (torch.cat([t, t], 2).detach().requires_grad_() for t in (k, v))  # Lk = 48 != Lq
+
+    def f(q, k, v):
+        return bsfa.attention_op(q, k, v, m, align="top_left", block_size=16)
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k2, v2)
+    ref = bsfa.reference_attention(q, k2, v2, mask=m.to_dense(24, 48, align="top_left"))
+    assert rel_err(out, ref) < 1e-5
+    (g,) = torch.autograd.grad(out.sum(), q)
+    (g_ref,) = torch.autograd.grad(ref.sum(), q)
+    assert rel_err(g, g_ref) < 1e-5
+
+
+def test_mask_mod_callable_as_mask():
+    ids = torch.tensor([0] * 30 + [1] * 50)
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    q, k, v = _rand(1, 2, 80, 8), _rand(1, 2, 80, 8, seed=2), _rand(1, 2, 80, 8, seed=3)
+    keep = (ids[:, None] == ids[None, :]) & torch.ones(80, 80, dtype=torch.bool).tril()
+    ref = _grads(lambda q, k, v: bsfa.reference_attention(q, k, v, mask=keep), (q, k, v))
+    for fn in (lambda q, k, v: bsfa.attention(q, k, v, mask=doc_causal, block_size=16),
+               lambda q, k, v: bsfa.scaled_dot_product_attention(q, k, v, mask=doc_causal, block_size=16),
+               lambda q, k, v: bsfa.nn.BlockSparseAttention(doc_causal, block_size=16)(q, k, v)):
+        _assert_same(_grads(fn, (q, k, v)), ref, 1e-10)

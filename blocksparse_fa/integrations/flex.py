@@ -10,9 +10,11 @@
 FlexAttention's ``BlockMask`` lists, per (batch, head, query block), the key blocks to visit:
 ``full_kv_indices`` (every pair kept, no ``mask_mod`` call) and ``kv_indices`` (partial blocks,
 evaluated with ``mask_mod``). :func:`from_block_mask` turns them into the mask expression
-``block_mask(full) | (block_mask(partial) & element_mask)``, where the element mask is the
-``mask_mod`` (evaluated once, to a dense bool mask; a ``noop_mask`` keeps partial blocks whole), and
-compiles it at the ``BlockMask``'s block size, so the layout visits the same blocks.
+``block_mask(full) | (block_mask(partial) & mask_mod(fn))``, where the element mask is the
+``BlockMask``'s ``mask_mod`` as a :func:`~blocksparse_fa.mask_mod` primitive (evaluated only on the
+partial blocks; a ``noop_mask`` keeps partial blocks whole), and compiles it at the ``BlockMask``'s
+block size, so the layout visits the same blocks. A plain callable works too:
+``bsfa.attention(q, k, v, mask=mask_mod)``.
 :func:`to_block_mask` goes the other way; its ``mask_mod`` is the layout's own expression where that
 runs under ``torch.vmap`` (as FlexAttention calls it), else a lookup in the layout's dense mask.
 
@@ -33,7 +35,7 @@ import torch
 from ..compiler.compile import compile_mask
 from ..compiler.layout import BlockLayout
 from ..mask.expr import EvalContext, Mask
-from ..mask.primitives import block_mask, dense_mask
+from ..mask.primitives import block_mask, dense_mask, mask_mod as mask_mod_primitive
 
 __all__ = ["from_block_mask", "to_block_mask", "mask_from_block_mask", "as_mask_mod", "block_grids"]
 
@@ -107,21 +109,42 @@ def mask_from_block_mask(bm, q_len: int | None = None, kv_len: int | None = None
     if mm is None or mm is fa.noop_mask:
         return _block_primitive(_squeeze(full | partial), bq, bkv, q_len, kv_len)
     B, H = partial.shape[:2]
-    keep = fa.create_mask(mm, B, H, q_len, kv_len, device=partial.device)
-    part = _block_primitive(_squeeze(partial), bq, bkv, q_len, kv_len) & dense_mask(_squeeze(keep).cpu().contiguous())
+    if _broadcasts(mm, B, H, q_len, kv_len):
+        elem = mask_mod_primitive(mm, B=B if B > 1 else None, H=H if H > 1 else None)
+    else:  # written for torch.vmap only: evaluate it once, as FlexAttention's create_mask does
+        elem = dense_mask(_squeeze(fa.create_mask(mm, B, H, q_len, kv_len, device="cpu")).contiguous())
+    part = _block_primitive(_squeeze(partial), bq, bkv, q_len, kv_len) & elem
     if not bool(full.any()):
         return part
     return _block_primitive(_squeeze(full), bq, bkv, q_len, kv_len) | part
+
+
+def _broadcasts(fn, B: int, H: int, q_len: int, kv_len: int) -> bool:
+    """Whether ``fn`` gives, on broadcast index tensors (how the ``mask_mod`` primitive calls it),
+    what FlexAttention's ``torch.vmap`` evaluation gives, on a sample of rows and keys."""
+    fa = _flex()
+    n, m = min(q_len, 16), min(kv_len, 16)
+    for q0, k0 in {(0, 0), (q_len - n, kv_len - m), (q_len - n, 0)}:
+        try:
+            want = fa.create_mask(lambda b, h, q, kv: fn(b, h, q + q0, kv + k0), B, H, n, m, device="cpu")
+            got = fn(torch.arange(B).view(-1, 1, 1, 1), torch.arange(H).view(1, -1, 1, 1),
+                     torch.arange(q0, q0 + n).view(1, 1, -1, 1), torch.arange(k0, k0 + m).view(1, 1, 1, -1))
+        except Exception:  # noqa: BLE001 - a callable that only runs under vmap
+            return False
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or not torch.equal(got.expand_as(want), want):
+            return False
+    return True
 
 
 def from_block_mask(bm, *, device=None, q_len: int | None = None, kv_len: int | None = None) -> BlockLayout:
     """A FlexAttention ``BlockMask`` as a compiled :class:`~blocksparse_fa.BlockLayout` (same block
     size, same visited blocks), with its lookup tables on ``device`` (default: the ``BlockMask``'s).
 
-    A ``mask_mod`` other than ``noop_mask`` is evaluated once over ``(B, H, q_len, kv_len)`` (the
-    ``BlockMask``'s batch and head dims) and applied on the partial blocks only, as FlexAttention
-    does. A ``mask_mod`` that depends on ``b`` or ``h`` therefore needs a ``BlockMask`` with those
-    dims (FlexAttention would call it with each batch and head index).
+    A ``mask_mod`` other than ``noop_mask`` applies on the partial blocks only, as in FlexAttention,
+    through the :func:`~blocksparse_fa.mask_mod` primitive (called on broadcast index tensors; a
+    callable that only runs under ``torch.vmap`` is evaluated once to a dense mask instead). It is
+    called with the ``BlockMask``'s batch and head indices: a ``mask_mod`` that depends on ``b`` or
+    ``h`` needs a ``BlockMask`` with those dims (FlexAttention builds its block lists that way too).
     """
     q_len, kv_len = _lengths(bm, q_len, kv_len)
     m = mask_from_block_mask(bm, q_len, kv_len)

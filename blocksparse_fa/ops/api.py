@@ -17,8 +17,8 @@ from ..compiler.cache import LRUCache
 from ..compiler.compile import block_pair, compile_mask, generation
 from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
-from ..mask.expr import Mask
-from ..mask.primitives import full
+from ..mask.expr import Mask, query_offset
+from ..mask.primitives import full, mask_mod
 from . import dispatch
 from .dense import dense_forward, inputs_finite, prefer_dense
 from .validate import (Shapes, bool_mask_to_mask, check_layout, check_qkv, check_scalars, flatten_batch,
@@ -78,42 +78,64 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     return backend
 
 
-_BY_ID = LRUCache(256)  # (id(mask), lengths, block, device, rewrite) -> (mask, layout): no hashing of the tree
+_BY_ID = LRUCache(256)  # (id(mask), lengths, block, device, rewrite, align) -> (mask, layout): no hashing of the tree
 
 
-def layout_for(mask, s: Shapes, device, block_size=None, rewrite: bool = True) -> BlockLayout:
+def check_align(align, layout=None) -> str:
+    """``align`` (``None``: ``layout``'s own, else ``"bottom_right"``) validated against ``layout``."""
+    if layout is not None:
+        if align is not None and align != layout.align:
+            raise ValueError(f"align={align!r} conflicts with the compiled layout's align={layout.align!r}")
+        return layout.align
+    align = "bottom_right" if align is None else align
+    query_offset(1, 1, align)  # validates it
+    return align
+
+
+def layout_for(mask, s: Shapes, device, block_size=None, rewrite: bool = True, align=None) -> BlockLayout:
     """The compiled layout of ``mask`` (Mask, DSL text, BlockLayout or None) for these shapes."""
     if isinstance(mask, BlockLayout):
         if block_size is not None and tuple(mask.block_size) != block_pair(block_size):
             raise ValueError(f"block_size={block_size!r} conflicts with the layout's block size {mask.block_size}")
+        check_align(align, mask)
         check_layout(mask, s)
         return mask
-    key = (id(mask), s.Lq, s.Lk, block_size, device, rewrite)
+    align = check_align(align)
+    key = (id(mask), s.Lq, s.Lk, block_size, device, rewrite, align)
     hit = _BY_ID.get(key)
     if hit is not None and hit[0] is mask and hit[2] == generation():
         return hit[1]
     m = as_mask(mask)
-    layout = compile_mask(m, s.Lq, s.Lk, block_pair(block_size), device=device, rewrite=rewrite)
+    layout = compile_mask(m, s.Lq, s.Lk, block_pair(block_size), device=device, rewrite=rewrite, align=align)
     check_layout(layout, s)
     _BY_ID.put(key, (mask, layout, generation()))
     return layout
 
 
 def as_mask(mask) -> Mask:
-    """``mask`` (Mask, DSL text or None = dense) as a Mask; a clear error for anything else."""
-    m = full() if mask is None else parse(mask) if isinstance(mask, str) else mask
-    if not isinstance(m, Mask):
-        raise TypeError(f"mask must be a Mask, BlockLayout, DSL text, a bool tensor or None, got {type(mask).__name__}")
-    return m
+    """``mask`` as a Mask: a Mask, DSL text, a FlexAttention-style ``mask_mod`` callable
+    ``fn(b, h, q_idx, kv_idx)`` (wrapped in :func:`~blocksparse_fa.mask_mod`) or None (dense)."""
+    if mask is None:
+        return full()
+    if isinstance(mask, str):
+        return parse(mask)
+    if isinstance(mask, Mask):
+        return mask
+    if callable(mask) and not isinstance(mask, (torch.Tensor, BlockLayout)):
+        return mask_mod(mask)
+    raise TypeError(f"mask must be a Mask, BlockLayout, DSL text, a bool tensor, a mask_mod callable or None, "
+                    f"got {type(mask).__name__}")
 
 
-def check_mask_for(mask, s: Shapes, block_size=None) -> None:
+def check_mask_for(mask, s: Shapes, block_size=None, align=None) -> None:
     """Validate ``mask`` against these shapes without compiling it (used for meta tensors)."""
     if isinstance(mask, BlockLayout):
         if block_size is not None and tuple(mask.block_size) != block_pair(block_size):
             raise ValueError(f"block_size={block_size!r} conflicts with the layout's block size {mask.block_size}")
+        check_align(align, mask)
         check_layout(mask, s)
         return
+    check_align(align)
     if isinstance(mask, int) and not isinstance(mask, bool):
         return  # a registry handle (attention_op)
     m = as_mask(mask)
@@ -150,7 +172,7 @@ def run(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float,
 
 def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
               return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
-              enable_gqa: bool = True):
+              enable_gqa: bool = True, align: str | None = None):
     """Block-sparse scaled-dot-product attention.
 
     Args:
@@ -160,8 +182,9 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
         mask: a :class:`Mask`, DSL text, a compiled :class:`BlockLayout` (from
             :func:`blocksparse_fa.compile_mask`; it runs exactly as the expression does), a bool
             tensor (``True`` = attend) broadcastable to ``(*batch, H, Lq, Lk)`` as SDPA's
-            ``attn_mask`` (it becomes a :func:`~blocksparse_fa.dense_mask`) or ``None`` (dense).
-            Query row ``i`` sits at position ``i + Lk - Lq`` (bottom-right alignment).
+            ``attn_mask`` (it becomes a :func:`~blocksparse_fa.dense_mask`), a FlexAttention-style
+            ``mask_mod(b, h, q_idx, kv_idx)`` callable (wrapped in :func:`~blocksparse_fa.mask_mod`;
+            called with ``b = h = 0`` unless wrapped with ``B``/``H``) or ``None`` (dense).
         scale: softmax scale, default ``1/sqrt(D)``; any positive finite real (Python or numpy
             scalar, 0-d CPU tensor).
         dropout_p: attention dropout probability in ``[0, 1)``.
@@ -178,6 +201,9 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             band plus a residue-regrouped part, merged); they apply without dropout.
         enable_gqa: accepted for SDPA compatibility; grouped-query inputs (``Hkv < H``) always
             work, and ``enable_gqa=False`` refuses them as SDPA does.
+        align: where query row ``i`` sits when the mask is compiled here: ``"bottom_right"``
+            (default: position ``i + Lk - Lq``, decode sees the whole cache) or ``"top_left"``
+            (position ``i``, FlexAttention's and SDPA's convention). A compiled layout keeps its own.
 
     Returns:
         ``out`` ``(B, H, Lq, D)`` (q's leading dims) in q's dtype (and ``lse`` if asked). Fully
@@ -199,10 +225,11 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
         from .custom_op import attention_op
 
         res = attention_op(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                           return_lse=return_lse, backend=backend, block_size=block_size, rewrite=rewrite)
+                           return_lse=return_lse, backend=backend, block_size=block_size, rewrite=rewrite,
+                           align=align)
     else:
         be = resolve_backend(backend, q4.device, q4.dtype)
-        layout = layout_for(mask, s, q4.device, block_size, rewrite)
+        layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
         scale = 1.0 / math.sqrt(s.D) if scale is None else scale
         seed = draw_seed(dropout_p, dropout_seed)
         out, lse = run(q4, k4, v4, layout, s, scale, dropout_p, seed, backend, be, rewrite, return_lse)

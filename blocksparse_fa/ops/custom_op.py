@@ -71,9 +71,9 @@ from ..compiler.compile import compile_mask
 from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..mask.expr import Mask
-from ..mask.primitives import full
+from ..mask.primitives import full, mask_mod
 from . import dispatch
-from .api import check_mask_for, resolve_backend, run
+from .api import check_align, check_mask_for, resolve_backend, run
 from .validate import check_layout, check_qkv, check_scalars
 
 __all__ = [
@@ -131,6 +131,8 @@ class LayoutRegistry:
             mask = full()
         if isinstance(mask, str):
             mask = parse(mask)
+        if callable(mask) and not isinstance(mask, (Mask, BlockLayout, torch.Tensor)):
+            mask = mask_mod(mask)  # a FlexAttention-style mask_mod callable
         if isinstance(mask, BlockLayout):
             if block_size is not None and _block_pair(block_size) != tuple(mask.block_size):
                 raise ValueError(f"block_size={block_size!r} conflicts with the layout's block size {mask.block_size}")
@@ -201,13 +203,15 @@ class LayoutRegistry:
         with self._lock:
             return self._entry(handle).block_size
 
-    def layout(self, handle: int, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
-        """The layout of ``handle`` for ``(q_len, kv_len)`` with lookup tables on ``device`` (cached)."""
+    def layout(self, handle: int, q_len: int, kv_len: int | None = None, device=None,
+               align: str = "bottom_right") -> BlockLayout:
+        """The layout of ``handle`` for ``(q_len, kv_len)`` and ``align`` with lookup tables on
+        ``device`` (cached)."""
         kv_len = q_len if kv_len is None else kv_len
         dev = torch.device("cpu" if device is None else device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        ckey = (int(q_len), int(kv_len), str(dev))
+        ckey = (int(q_len), int(kv_len), str(dev), align)
         with self._lock:
             e = self._entry(handle)
             self._entries.move_to_end(handle)
@@ -220,9 +224,10 @@ class LayoutRegistry:
             if (src.q_len, src.kv_len) != (ckey[0], ckey[1]):
                 raise ValueError(f"mask layout was compiled for (q_len, kv_len) = ({src.q_len}, {src.kv_len}), "
                                  f"but q/k have lengths ({ckey[0]}, {ckey[1]})")
+            check_align(align, src)
             lay = src.to(dev)
         else:
-            lay = compile_mask(src, ckey[0], ckey[1], bs, device=dev)
+            lay = compile_mask(src, ckey[0], ckey[1], bs, device=dev, align=check_align(align))
         with self._lock:
             e.layouts[ckey] = lay
             while len(e.layouts) > self.layouts_per_entry:
@@ -319,9 +324,9 @@ def handle_of(mask, block_size=None) -> int:
 # ------------------------------------------------------------------------------------------------
 # the ops
 # ------------------------------------------------------------------------------------------------
-def _layout(q, k, v, handle):
+def _layout(q, k, v, handle, align):
     s = check_qkv(q, k, v)
-    layout = registry.layout(handle, s.Lq, s.Lk, q.device)
+    layout = registry.layout(handle, s.Lq, s.Lk, q.device, align)
     check_layout(layout, s)
     return s, layout
 
@@ -329,17 +334,17 @@ def _layout(q, k, v, handle):
 @torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor | None, backend: str,
-                  rewrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  rewrite: bool, align: str = "bottom_right") -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``. ``seed``: int64 CPU scalar
     tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible)."""
-    s, layout = _layout(q, k, v, handle)
+    s, layout = _layout(q, k, v, handle, align)
     be = resolve_backend(backend, q.device, q.dtype)
     out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, _seed(seed), be, rewrite)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite):
+def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align="bottom_right"):
     B, H, Lq, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=dispatch.lse_dtype(q.dtype), device=q.device)
@@ -350,9 +355,9 @@ def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrit
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, dlse: torch.Tensor | None, handle: int, scale: float, dropout_p: float,
                   seed: torch.Tensor | None, backend: str,
-                  rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rewrite: bool, align: str = "bottom_right") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
-    s, layout = _layout(q, k, v, handle)
+    s, layout = _layout(q, k, v, handle, align)
     be = resolve_backend(backend, q.device, q.dtype)
     dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, _seed(seed), be,
                                    dlse=dlse, use_rewrite=rewrite)
@@ -360,7 +365,8 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite):
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite,
+                        align="bottom_right"):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -371,11 +377,11 @@ def _seed(seed) -> int:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, handle, scale, dropout_p, seed, backend, rewrite = inputs
+    q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed)
     ctx.args = (handle, scale, dropout_p)
-    ctx.backend, ctx.rewrite = backend, rewrite
+    ctx.backend, ctx.rewrite, ctx.align = backend, rewrite, align
 
 
 def _backward(ctx, dout, dlse):
@@ -383,8 +389,8 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.blocksparse_fa.attention_bwd(q, k, v, out, lse, dout, dlse, *ctx.args, seed,
-                                                        ctx.backend, ctx.rewrite)
-    return dq, dk, dv, None, None, None, None, None, None
+                                                        ctx.backend, ctx.rewrite, ctx.align)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -406,7 +412,8 @@ def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor | None:
 
 
 def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
-                 return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True):
+                 return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
+                 align: str | None = None):
     """:func:`blocksparse_fa.attention` through the custom op (``torch.compile``-safe).
 
     Eager calls take the same path as :func:`blocksparse_fa.attention` without the custom-op
@@ -415,8 +422,8 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
     Args:
         q: ``(B, H, Lq, D)``; k, v: ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0``.
         mask: a :class:`Mask` (built inside or outside the compiled function), DSL text / pattern
-            name, a :class:`BlockLayout`, ``None`` (dense) or an int handle from
-            :func:`register_mask`. Masks that hold tensors (documents, block or dense masks) must
+            name, a :class:`BlockLayout`, a ``mask_mod`` callable, ``None`` (dense) or an int
+            handle from :func:`register_mask`. Masks that hold tensors (documents, block or dense masks) must
             be made outside the compiled function (or registered).
         scale: softmax scale (default ``1/sqrt(D)``).
         dropout_p: attention dropout probability in ``[0, 1)``.
@@ -426,45 +433,47 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
         block_size: layout block size (default 128).
         rewrite: allow the compiler's exact rewrites.
+        align: ``"bottom_right"`` (default) or ``"top_left"``, as in :func:`blocksparse_fa.attention`
+            (a compiled layout keeps its own).
 
     Returns:
         ``out`` ``(B, H, Lq, D)`` in q's dtype (and ``lse`` if asked).
     """
+    align = check_align(align, mask if isinstance(mask, BlockLayout) else None)
     if q.device.type == "meta" and not torch.compiler.is_compiling():
-        return _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse)
+        return _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align)
     if not torch.compiler.is_compiling():
         return _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
-                      rewrite)
+                      rewrite, align)
     s = check_qkv(q, k, v)
     scale, dropout_p = check_scalars(scale, dropout_p)
     handle = handle_of(mask, block_size)
     scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
-                             bool(rewrite))
+                             bool(rewrite), align)
     return (out, lse.float()) if return_lse else out
 
 
-def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse):
+def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align):
     """Meta tensors: shapes and dtypes through the ops' fake implementations (differentiable, so a
     backward on meta tensors gives meta gradients); the mask is checked, not compiled."""
     s = check_qkv(q, k, v)
     scale, dropout_p = check_scalars(scale, dropout_p)
-    check_mask_for(mask, s, block_size)
+    check_mask_for(mask, s, block_size, None if isinstance(mask, BlockLayout) else align)
     handle = handle_of(mask, block_size)
     scale = 1.0 / math.sqrt(s.D) if scale is None else scale
-    seed = torch.zeros((), dtype=torch.int64, device="meta")
-    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, seed, "auto", True)
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, None, "auto", True, align)
     return (out, lse.float()) if return_lse else out
 
 
-def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite):
+def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite, align="bottom_right"):
     """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch."""
     from .api import draw_seed
 
     s = check_qkv(q, k, v)
     scale, dropout_p = check_scalars(scale, dropout_p)
     be = resolve_backend(backend, q.device, q.dtype)
-    layout = registry.layout(handle, s.Lq, s.Lk, q.device)
+    layout = registry.layout(handle, s.Lq, s.Lk, q.device, align)
     check_layout(layout, s)
     scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     seed = draw_seed(dropout_p, int(dropout_seed) if isinstance(dropout_seed, torch.Tensor) else dropout_seed)

@@ -14,19 +14,20 @@ import torch
 from ..compiler.layout import BlockLayout
 from ..mask.expr import Mask
 from ..mask.primitives import causal, sliding_window, window
-from .api import as_mask, attention
+from .api import as_mask, attention, check_align
 from .validate import _check_tensor, _dv_error, bool_mask_to_mask
 
 __all__ = ["scaled_dot_product_attention", "top_left_causal"]
 
 
-def top_left_causal(q_len: int, kv_len: int) -> Mask:
-    """SDPA's ``is_causal`` mask as an expression: query row ``i`` keeps keys ``j <= i`` (top-left
-    aligned). Our positions align bottom-right (row ``i`` at ``qp = i + kv_len - q_len``), so with
-    ``d = kv_len - q_len`` this is ``j <= qp - d``: ``causal()`` for ``d = 0``,
-    ``causal() & ~sliding_window(d)`` for ``d > 0`` and ``causal() | window(-d)`` for ``d < 0``."""
+def top_left_causal(q_len: int, kv_len: int, align: str = "bottom_right") -> Mask:
+    """SDPA's ``is_causal`` mask as an expression for queries aligned by ``align``: query row ``i``
+    keeps keys ``j <= i``. That is ``causal()`` when queries align top-left (or ``q_len == kv_len``).
+    Aligned bottom-right (row ``i`` at ``qp = i + kv_len - q_len``), with ``d = kv_len - q_len`` it
+    is ``j <= qp - d``: ``causal() & ~sliding_window(d)`` for ``d > 0`` and ``causal() | window(-d)``
+    for ``d < 0``."""
     d = kv_len - q_len
-    if d == 0:
+    if d == 0 or align == "top_left":
         return causal()
     if d > 0:
         return causal() & ~sliding_window(d)
@@ -63,7 +64,7 @@ def _broadcast_heads(q, k, v, enable_gqa: bool):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale=None, enable_gqa: bool = False, *, mask=None, backend: str = "auto",
-                                 block_size=None):
+                                 block_size=None, align: str | None = None):
     """:func:`torch.nn.functional.scaled_dot_product_attention` on block-sparse attention.
 
     For the inputs SDPA accepts it computes what SDPA computes, with these exceptions: rows with
@@ -83,10 +84,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         scale: softmax scale (default ``1/sqrt(D)``); a positive finite real.
         enable_gqa: allow ``Hkv < H`` with ``H % Hkv == 0`` (grouped-query attention, no copies of
             k/v); without it heads must match or broadcast (one k/v head), as in SDPA.
-        mask: a block-sparse mask (:class:`~blocksparse_fa.Mask`, DSL text / pattern name or a
-            compiled :class:`~blocksparse_fa.BlockLayout`), intersected with the others. Its
-            positions follow :func:`blocksparse_fa.attention` (query row ``i`` at ``i + Lk - Lq``).
+        mask: a block-sparse mask (:class:`~blocksparse_fa.Mask`, DSL text / pattern name, a
+            FlexAttention ``mask_mod`` callable or a compiled :class:`~blocksparse_fa.BlockLayout`),
+            intersected with the others.
         backend, block_size: as in :func:`blocksparse_fa.attention`.
+        align: where query row ``i`` sits for ``mask``: ``"top_left"`` (default here, position
+            ``i``: SDPA's and FlexAttention's convention) or ``"bottom_right"`` (position
+            ``i + Lk - Lq``, the default of :func:`blocksparse_fa.attention`). A compiled layout
+            keeps its own. ``is_causal`` is top-left whatever the alignment.
 
     Returns:
         ``(..., H, Lq, D)``, the broadcast leading dims and query's dtype.
@@ -106,6 +111,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     q, k, v, lead, H = _broadcast_heads(q, k, v, bool(enable_gqa))
     Lq, Lk = q.shape[-2], k.shape[-2]
     parts, bs = [], block_size
+    align = check_align(align, mask) if isinstance(mask, BlockLayout) else check_align(align or "top_left")
     if mask is not None:
         if isinstance(mask, BlockLayout):
             parts.append(mask)
@@ -116,12 +122,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if attn_mask is not None:
         parts.append(bool_mask_to_mask(attn_mask, lead, H, Lq, Lk))
     if is_causal:
-        parts.append(top_left_causal(Lq, Lk))
+        parts.append(top_left_causal(Lq, Lk, align))
     if len(parts) > 1 and isinstance(parts[0], BlockLayout):
         bs = parts[0].block_size if bs is None else bs
         parts[0] = parts[0].mask
     m = None
     for p in parts:
         m = p if m is None else m & p
-    out = attention(q, k, v, mask=m, scale=scale, dropout_p=dropout_p, backend=backend, block_size=bs)
+    if isinstance(m, BlockLayout):
+        align = None  # the layout's own
+    out = attention(q, k, v, mask=m, scale=scale, dropout_p=dropout_p, backend=backend, block_size=bs, align=align)
     return out[0] if unbatched else out
