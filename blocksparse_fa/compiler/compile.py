@@ -87,12 +87,15 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
             return hit
     t0 = time.perf_counter()
     grid = Grid(q_len, kv_len, bm, bn, align)
-    segs = classify(mask, grid)
-    bs = mask.batch_shape or (1, 1)
-    segs = segs.broadcast_to(bs)
-    segs, n_refined = refine(segs, mask, grid, refine_budget)
+
+    def states():
+        segs = classify(mask, grid).broadcast_to(mask.batch_shape or (1, 1))
+        return refine(segs, mask, grid, refine_budget)
+
     rw = build_rewrite(mask, q_len, kv_len, (bm, bn), dev, compile_mask) if rewrite else None
-    layout = BlockLayout(mask, grid, segs, dev, n_refined, 0.0, rewrite=rw)
+    # A rewritten mask runs as its parts: its own block states are classified only when asked for
+    # (statistics, pictures, the CPU backend), since the rewrite exists because they are costly.
+    layout = BlockLayout(mask, grid, states if rw is not None else states(), dev, rewrite=rw)
     layout.compile_seconds = time.perf_counter() - t0
     if cache:
         _cache.put(key, layout)

@@ -292,7 +292,11 @@ def register_compiler(fn) -> None:
 
 
 def _check_depth(children) -> int:
-    d = 1 + max((c.depth for c in children), default=0)
+    d = 0
+    for c in children:  # a plain loop: Dynamo traces it when masks are built inside torch.compile
+        if c.depth > d:
+            d = c.depth
+    d += 1
     if d > MAX_DEPTH - 1:
         raise ValueError(
             f"mask expression nested deeper than {MAX_DEPTH - 1} operator levels (the text DSL reads at most "
