@@ -126,7 +126,8 @@ def _mha_masks(key_padding_mask, attn_mask, B: int, H: int, Lq: int, Lk: int, de
     if key_padding_mask is not None:
         kp = key_padding_mask if key_padding_mask.dim() == 2 else key_padding_mask.unsqueeze(0)
         if tuple(kp.shape) != (B, Lk):
-            raise ValueError(f"key_padding_mask must have shape (N, S) = {(B, Lk)}, got {tuple(key_padding_mask.shape)}")
+            raise ValueError(f"key_padding_mask must have shape (N, S) = {(B, Lk)}, "
+                             f"got {tuple(key_padding_mask.shape)}")
         pad = kp if kp.dtype == torch.bool else ~keep_from_tensor("key_padding_mask", kp)
         if bool(pad.any()):
             pos = torch.where(pad, torch.arange(Lk, device=pad.device), -1)

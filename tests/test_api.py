@@ -168,7 +168,7 @@ def test_attention_leading_dims_and_bool_mask():
     full_keep = keep & m.to_dense(41, 41)
     flat = lambda t: t.reshape(6, *t.shape[2:])  # noqa: E731
     ref_mask = full_keep.expand(2, 3, 4, 41, 41).reshape(6, 4, 41, 41)
-    ref = _grads(lambda q, k, v: bsfa.reference_attention(flat(q), flat(k), flat(v), mask=ref_mask).view(2, 3, 4, 41, 8),
+    ref = _grads(lambda q, k, v: bsfa.reference_attention(flat(q), flat(k), flat(v), mask=ref_mask).view(q.shape),
                  (q, k, v))
     got = _grads(lambda q, k, v: bsfa.attention(q, k, v, mask=full_keep, block_size=16), (q, k, v))
     _assert_same(got, ref, 1e-10)
@@ -219,6 +219,14 @@ def test_meta_shapes_and_gradients(dtype):
     o = bsfa.scaled_dot_product_attention(q[0, 0], k[0, 0], v[0, 0], is_causal=True, enable_gqa=True)
     assert o.shape == (8, 100, 32) and o.device.type == "meta"
     assert bsfa.attention_op(q[0], k[0], v[0], "causal").shape == (3, 8, 100, 32)
+    keep = torch.empty(100, 130, dtype=torch.bool, device="meta")  # masks as tensors: shapes checked
+    assert bsfa.attention(q, k, v, mask=keep).shape == q.shape
+    assert bsfa.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True).shape == q.shape
+    with pytest.raises(ValueError, match="broadcast"):
+        bsfa.attention(q, k, v, mask=torch.empty(99, 130, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="meta tensor"):
+        bsfa.attention(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8),
+                       mask=torch.empty(10, 10, dtype=torch.bool, device="meta"))
 
 
 def test_meta_module_and_errors():

@@ -438,4 +438,5 @@ class LayoutInstance:
         return self.ascii()
 
     def __repr__(self) -> str:
-        return f"LayoutInstance(b={self.b}, h={self.h}, density={self.density:.4f}) of {self.layout.summary().splitlines()[0]}"
+        return (f"LayoutInstance(b={self.b}, h={self.h}, density={self.density:.4f}) of "
+                f"{self.layout.summary().splitlines()[0]}")

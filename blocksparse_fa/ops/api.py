@@ -220,7 +220,7 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
                          f"(the default) for grouped-query attention")
     scale, dropout_p = check_scalars(scale, dropout_p)
     if isinstance(mask, torch.Tensor):
-        mask = bool_mask_to_mask(mask, tuple(q.shape[:-3]), s.H, s.Lq, s.Lk, "mask")
+        mask = bool_mask_to_mask(mask, tuple(q.shape[:-3]), s.H, s.Lq, s.Lk, "mask", q4.device)
     if torch.compiler.is_compiling() or q4.device.type == "meta":
         from .custom_op import attention_op
 

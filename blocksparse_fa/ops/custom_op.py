@@ -3,10 +3,15 @@
 Two ops are registered in the ``blocksparse_fa`` namespace::
 
     blocksparse_fa::attention_fwd(Tensor q, Tensor k, Tensor v, int handle, float scale,
-                                  float dropout_p, Tensor seed, str backend) -> (Tensor out, Tensor lse)
+                                  float dropout_p, Tensor? seed, str backend, bool rewrite,
+                                  str align="bottom_right") -> (Tensor out, Tensor lse)
     blocksparse_fa::attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
-                                  int handle, float scale, float dropout_p, Tensor seed, str backend)
+                                  Tensor? dlse, int handle, float scale, float dropout_p, Tensor? seed,
+                                  str backend, bool rewrite, str align="bottom_right")
                                   -> (Tensor dq, Tensor dk, Tensor dv)
+
+``align`` places the queries (``"bottom_right"`` or ``"top_left"``, see
+:func:`blocksparse_fa.attention`); the registry compiles one layout per alignment.
 
 Each has a fake (meta) implementation, and ``attention_fwd`` has registered autograd whose backward
 *is* ``attention_bwd``: a graph compiled with ``torch.compile(fullgraph=True)`` (forward and the
@@ -25,9 +30,9 @@ A custom op's arguments are tensors and scalars: a :class:`~blocksparse_fa.Mask`
   the device from the tensors, inside the op. One handle therefore serves every sequence length and
   device, and a compiled graph does not have to be re-specialised when only shapes change (dynamic
   shapes work: the fake implementations need shapes only).
-* Each registry entry caches the layouts compiled for it, keyed on ``(q_len, kv_len, device)``
+* Each registry entry caches the layouts compiled for it, keyed on ``(q_len, kv_len, device, align)``
   (a small LRU per entry, on top of :func:`~blocksparse_fa.compile_mask`'s own cache). This is the
-  per-length/per-device layout cache used by :mod:`blocksparse_fa.nn`.
+  per-length/per-device layout cache used by :mod:`blocksparse_fa.nn` (and per alignment).
 * Registration is idempotent: an equal mask (masks compare structurally; tensor-backed masks by a
   content hash) at the same block size gets the same handle, so re-creating ``causal() &
   window(256)`` each step does not grow the registry. A compiled ``BlockLayout`` registers as itself

@@ -120,7 +120,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         else:
             parts.append(as_mask(mask))
     if attn_mask is not None:
-        parts.append(bool_mask_to_mask(attn_mask, lead, H, Lq, Lk))
+        parts.append(bool_mask_to_mask(attn_mask, lead, H, Lq, Lk, device=q.device))
     if is_causal:
         parts.append(top_left_causal(Lq, Lk, align))
     if len(parts) > 1 and isinstance(parts[0], BlockLayout):

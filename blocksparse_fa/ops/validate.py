@@ -196,13 +196,29 @@ def keep_from_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"{name} must be a bool tensor (True = attend) or a float 0/-inf mask, got {t.dtype}")
 
 
-def bool_mask_to_mask(t: torch.Tensor, lead: tuple, H: int, Lq: int, Lk: int, name: str = "attn_mask"):
+def bool_mask_to_mask(t: torch.Tensor, lead: tuple, H: int, Lq: int, Lk: int, name: str = "attn_mask",
+                      device=None):
     """A ``dense_mask`` from a boolean mask (``True`` = attend) broadcastable, as in SDPA, to
     ``(*lead, H, Lq, Lk)``; its batch dims are flattened like the inputs' (:func:`flatten_batch`).
-    Size-1 batch and head dims stay size 1 (the mask broadcasts, nothing is copied per head)."""
-    from ..mask.primitives import dense_mask
+    Size-1 batch and head dims stay size 1 (the mask broadcasts, nothing is copied per head).
+    For meta inputs (``device``) only the shape is checked and ``full()`` returned."""
+    from ..mask.primitives import dense_mask, full
 
     full_shape = (*lead, H, Lq, Lk)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a bool torch.Tensor, got {type(t).__name__}")
+    meta_inputs = device is not None and torch.device(device).type == "meta"
+    if t.device.type == "meta" or meta_inputs:
+        if not meta_inputs:
+            raise ValueError(f"{name} is a meta tensor (it holds no values) but the inputs are on {device}")
+        if t.dtype != torch.bool and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a bool tensor (True = attend) or a float 0/-inf mask, got {t.dtype}")
+        try:
+            torch.broadcast_shapes(tuple(t.shape), full_shape)
+        except RuntimeError:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (..., H, Lq, Lk) = "
+                             f"{full_shape}") from None
+        return full()
     key = (full_shape, str(t.dtype), t._version if not t.is_inference() else None)
     hit = _LAST_TENSOR_MASK.get(t, key) if key[2] is not None else None
     if hit is not None:
