@@ -1,12 +1,14 @@
 """The long-context training benchmark (benchmarks/train_long_context.py, benchmarks/train/) at tiny
-CPU sizes: the data split, the recall probe's construction, the FlexAttention mask translation, a
-short run of two variants with its JSON, and the report."""
+CPU sizes: the data split, the recall probe's construction, the FlexAttention mask translation and
+block masks (built from block states, equal to ``create_block_mask``'s, without evaluating the
+``L x L`` mask), the deadline planning, a short run of two variants with its JSON, and the report."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,9 +20,12 @@ _BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 if str(_BENCH) not in sys.path:
     sys.path.insert(0, str(_BENCH))
 
-from train import cli, data, report  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
+
+from train import cli, data, report, runner, variants  # noqa: E402
 from train.model import Decoder, rope_tables  # noqa: E402
-from train.variants import BsfaCore, Patterns, SDPACore, Variant, mask_mod_from  # noqa: E402
+from train.variants import (BsfaCore, Patterns, SDPACore, Variant, block_mask_from_states,  # noqa: E402
+                            document_block_states, layout_block_states, mask_mod_from)
 
 TINY = ["--device", "cpu", "--seq-len", "256", "--batch", "1", "--layers", "2", "--d-model", "64", "--heads", "4",
         "--kv-heads", "2", "--block-size", "32", "--sliding-window", "32", "--longformer-window", "16",
@@ -175,12 +180,14 @@ def test_flex_mask_mod_equals_mask(text):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_documents_block_mask_follows_the_batch(corpus):
+@pytest.mark.parametrize("how", ["layout", "create"])
+def test_flex_documents_block_mask_follows_the_batch(corpus, how):
     """The per-batch Flex block mask of the documents variant equals causal & document(ids) (forward,
     against the float64 reference; Flex has no CPU backward)."""
     L = 128
     pats = Patterns(block_size=32)
-    v = Variant("flex_documents", L, pats, torch.device("cpu"), compiled=False, heads=2, kv_heads=1, head_dim=16)
+    v = Variant("flex_documents", L, pats, torch.device("cpu"), compiled=False, heads=2, kv_heads=1, head_dim=16,
+                flex_block_mask=how)
     stream = data.TrainStream(corpus, L, 2, data.probe_spec(L, 2, 8, 1), 0.0, seed=5)
     for _ in range(2):
         b = stream.next()
@@ -216,6 +223,189 @@ def test_flex_and_ours_compute_the_same_model(corpus):
             with torch.no_grad():
                 ce[impl] = model(b.tokens, b.targets, b.weights, cos, sin, v.arg(b, b))[1]
         assert (ce["flex"] - ce["bsfa"]).abs().max().item() < 1e-4, fam
+
+
+_BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+              "full_q_num_blocks", "full_q_indices")
+
+
+def _assert_same_block_mask(got, ref, what):
+    for name in _BM_FIELDS:
+        a, b = getattr(got, name), getattr(ref, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape, a.dtype, b.dtype)
+        assert torch.equal(a, b), (what, name)
+    assert got.BLOCK_SIZE == ref.BLOCK_SIZE and tuple(got.seq_lengths) == tuple(ref.seq_lengths), what
+
+
+@pytest.mark.parametrize("fam", ["causal", "sliding", "longformer", "bigbird"])
+@pytest.mark.parametrize("L,bs", [(1024, 64), (2048, 128)])
+def test_flex_block_mask_from_layout_equals_create_block_mask(fam, L, bs):
+    """Every tensor of the BlockMask built from the pattern's block states (visited and full blocks,
+    both directions) equals ``create_block_mask``'s, which evaluates all L x L pairs."""
+    pats = Patterns(block_size=bs, sliding_window=300, longformer_window=200, longformer_global=160,
+                    bigbird_window=100, bigbird_global=bs, bigbird_random=2)
+    mask = pats.mask(fam)
+    mod = mask_mod_from(mask, L, "cpu")
+    got = block_mask_from_states(layout_block_states(mask, L, bs, "cpu"), bs, mod)
+    ref = create_block_mask(mod, None, None, L, L, device="cpu", BLOCK_SIZE=bs)
+    _assert_same_block_mask(got, ref, fam)
+    assert 0 < got.sparsity() < 100
+
+
+def test_flex_document_block_mask_equals_create_block_mask():
+    """Per-batch document block states from the ids (block id ranges) give create_block_mask's
+    BlockMask, with boundaries inside blocks, on block edges, one-token documents and a probe row
+    (a single document)."""
+    L, bs = 1024, 64
+    doc = torch.zeros(3, L, dtype=torch.int32)
+    for cut in (100, 128, 129, 300, 301, 512, 700, 1000):  # row 0: many files, some on block edges
+        doc[0, cut:] += 1
+    for cut in (64, 640):  # row 1: boundaries exactly on block edges only
+        doc[1, cut:] += 1
+    # row 2: one document (a probe sequence)
+
+    def mod(b, h, q, kv):
+        return (kv <= q) & (doc[b, q] == doc[b, kv])
+
+    states = document_block_states(doc, bs)
+    assert states.shape == (3, 1, L // bs, L // bs) and states.dtype == torch.int8
+    got = block_mask_from_states(states, bs, mod)
+    ref = create_block_mask(mod, 3, None, L, L, device="cpu", BLOCK_SIZE=bs)
+    _assert_same_block_mask(got, ref, "documents")
+    # the same states as the blocksparse_fa layout of causal() & document(ids), row by row
+    for b in range(3):
+        lay = bsfa.compile_mask(bsfa.causal() & bsfa.document(doc[b]), L, L, bs, cache=False)
+        assert torch.equal(states[b, 0], lay.block_states().reshape(L // bs, L // bs)), b
+    # unsorted ids: a superset of the visited blocks, full blocks still exact (correct, maybe slower)
+    perm = doc[0].clone()
+    perm[200:260] = 7
+    loose = document_block_states(perm[None], bs)[0, 0]
+    exact = bsfa.compile_mask(bsfa.causal() & bsfa.document(perm), L, L, bs, cache=False).block_states()
+    exact = exact.reshape(L // bs, L // bs)
+    assert ((loose > 0) | (exact == 0)).all()  # every visited block is visited
+    assert torch.equal(loose == 2, exact == 2)
+
+
+def test_flex_setup_does_not_evaluate_the_full_mask(monkeypatch, corpus):
+    """At 64K tokens the Flex variants build their block masks from block states: create_block_mask
+    (L x L evaluation, or minutes of compilation on CUDA) is never called, neither at setup nor per
+    batch."""
+    def forbidden(*a, **k):
+        raise AssertionError("create_block_mask called")
+
+    monkeypatch.setattr(variants, "create_block_mask", forbidden)
+    L, bs = 65536, 128
+    pats = Patterns()
+    for fam in ("longformer", "bigbird"):
+        v = Variant(f"flex_{fam}", L, pats, torch.device("cpu"), compiled=False)
+        bm = v.arg(None, None)
+        T = L // bs
+        assert bm.kv_indices.shape == (1, 1, T, T) and tuple(bm.seq_lengths) == (L, L)
+        lay = bsfa.compile_mask(pats.mask(fam), L, L, bs)
+        assert int(bm.kv_num_blocks.sum()) == lay.n_partial and int(bm.full_kv_num_blocks.sum()) == lay.n_full
+    v = Variant("flex_documents", L, pats, torch.device("cpu"), compiled=False)
+    spec = data.probe_spec(L, 16, 8192, 2)
+    b = data.TrainStream(corpus, L, 1, spec, 0.0, seed=11).next()
+    bm = v.arg(b, b)
+    lay = bsfa.compile_mask(bsfa.causal() & bsfa.document(b.doc[0]), L, L, bs, cache=False)
+    assert int(bm.kv_num_blocks.sum()) + int(bm.full_kv_num_blocks.sum()) == lay.n_nonempty
+
+
+# ------------------------------------------------------------------------------------------------
+# planning under a deadline
+# ------------------------------------------------------------------------------------------------
+def test_plan_steps_fits_the_deadline_and_keeps_steps_equal():
+    cfg = runner.RunConfig(device="cuda", steps=250, eval_every=25, eval_windows=4, eval_probes=2, profile_steps=3,
+                           deadline_reserve=10.0)
+    later = [(40.0, 0.4), (40.0, 0.4)]
+    # plenty of time: the planned steps
+    assert runner.plan_steps(0.5, 0.0, 1000.0, cfg, later, done=5) == 250
+    # too little: fewer steps, and the running variant plus the later ones fit in the time left
+    n = runner.plan_steps(1.5, 30.0, 540.0, cfg, later, done=5)
+    assert 5 < n < 250
+
+    def total(n, step):
+        ev = runner.eval_cost_s(cfg, step) / cfg.eval_every
+        t = (n - 5) * (step + ev) + runner.tail_s(cfg, step)
+        for over, ratio in later:
+            t += over + n * step * ratio * (1 + ev / step) + runner.tail_s(cfg, step * ratio, reserve=False)
+        return t
+
+    assert total(n, 1.5) <= 540.0 - 30.0 < total(n + 2, 1.5)
+    # never fewer than already done, never more than planned
+    assert runner.plan_steps(10.0, 500.0, 540.0, cfg, later, done=7) == 7
+    assert runner.plan_steps(0.01, 0.0, 1e6, cfg, [], done=0) == 250
+
+
+def test_estimates_from_measured_variants():
+    res = [{"status": "ok", "impl": "sdpa", "seq_len": 65536, "median_step_ms": 500.0, "block_density": 0.5,
+            "overhead_s": 20.0},
+           {"status": "ok", "impl": "bsfa", "seq_len": 65536, "median_step_ms": 100.0, "block_density": 0.0136,
+            "overhead_s": 35.0}]
+    assert runner.estimate_step_s(0.0136, "bsfa", 65536, res) == pytest.approx(0.1)
+    assert 0.1 < runner.estimate_step_s(0.0175, "bsfa", 65536, res) < 0.15  # a slightly denser pattern
+    assert runner.estimate_step_s(0.5, "bsfa", 65536, res) > 0.4  # ours dense: far slower than its sparse
+    assert runner.estimate_step_s(0.5, "sdpa", 131072, res) >= 4 * 0.5  # attention grows with L^2
+    assert runner.estimate_step_s(0.5, "sdpa", 65536, []) is None
+    assert runner.estimate_overhead_s("bsfa", res) == 35.0 and runner.estimate_overhead_s("flex", res) == 35.0
+    assert runner.estimate_overhead_s("flex", [], default=45.0) == 45.0
+
+
+def test_compile_dominated_first_step_does_not_stop_the_variant(monkeypatch, corpus):
+    """A first step that takes most of the time left (compilation) is not taken as the step time:
+    the variant goes on training until the deadline really comes near (a simulated clock: the
+    first step "takes" 100 s, the others 50 ms; 3 s are left after the first)."""
+    class Clock:
+        t = 1000.0
+
+        def perf_counter(self):
+            return self.t
+
+    clock = Clock()
+    monkeypatch.setattr(runner, "time", clock)
+    orig = runner._Setup.step
+
+    def step(self, i):
+        clock.t += 100.0 if i == 0 else 0.05
+        return orig(self, i)
+
+    monkeypatch.setattr(runner._Setup, "step", step)
+    cfg = runner.RunConfig(device="cpu", seq_len=128, batch=1, layers=1, d_model=32, heads=2, kv_heads=1,
+                           head_dim=16, steps=12, warmup=2, eval_every=-1, compile=False, sync_steps=2,
+                           profile_steps=0, log_every=0, probe_pairs=4, deadline_reserve=0.5, mode="throughput")
+    pats = Patterns(block_size=32, sliding_window=32, longformer_window=16, longformer_global=32,
+                    bigbird_window=16, bigbird_global=32, bigbird_random=1)
+    r = runner.train_variant("sdpa_causal", cfg, pats, corpus, lambda *a: None, deadline=clock.t + 103.0)
+    assert r["status"] == "ok" and r["steps"] == 12 and r["stopped"] == "steps", (r.get("steps"), r.get("stopped"))
+    assert r["first_steps_s"][0] == pytest.approx(100.0) and r["compile_s"] == pytest.approx(99.95)
+    # ... and the deadline does stop it when the steps after compilation would pass it
+    r = runner.train_variant("sdpa_causal", replace(cfg, steps=200), pats, corpus, lambda *a: None,
+                             deadline=clock.t + 103.0)
+    assert r["status"] == "ok" and r["stopped"] == "deadline" and 30 < r["steps"] < 60, r["steps"]
+
+
+def test_deadline_caps_and_skips_are_recorded(tmp_path):
+    """Under a deadline: the first (core) variant's step count caps every later variant (equal
+    steps); a variant whose setup and first steps cannot fit is skipped with the reason, never
+    silently dropped."""
+    out = tmp_path / "d.json"
+    payload = cli.main(["run", *TINY, "--variants", "sdpa_causal,bsfa_longformer,bsfa_sliding", "--steps", "8",
+                        "--max-steps", "4", "--eval-every", "2", "--json", str(out)])
+    res = {r["variant"]: r for r in payload["results"]}
+    for v in ("sdpa_causal", "bsfa_longformer", "bsfa_sliding"):
+        r = res[v]
+        assert r["status"] == "ok" and r["steps"] == 4 and r["steps_planned"] == 8 and r["stopped"] == "max_steps"
+        assert [e["step"] for e in r["evals"]] == [2, 4]
+        assert set(r["setup_detail"]) >= {"variant_s", "model_s", "data_s", "eval_data_s"}
+        assert r["setup_s"] >= 0 and r["compile_s"] >= 0 and r["overhead_s"] >= r["setup_s"]
+    # same initial weights and batches for every variant
+    assert abs(res["sdpa_causal"]["train_loss"][0] - res["bsfa_longformer"]["train_loss"][0]) < 0.05
+    payload = cli.main(["run", *TINY, "--variants", "sdpa_causal,bsfa_longformer", "--steps", "8",
+                        "--deadline", "0.001", "--json", str(out)])
+    for r in payload["results"]:
+        assert r["status"] == "skipped" and "deadline" in r["reason"] and r["block_density"] > 0
+    md = report.markdown(payload, {})
+    assert "Not run: " in md and "sdpa_causal (invocation deadline" in md
 
 
 # ------------------------------------------------------------------------------------------------

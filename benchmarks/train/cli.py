@@ -4,7 +4,10 @@
     throughput  a few steps per variant and length: tokens/s, GPU busy, memory (no evaluation)
     report      merge result files and regenerate docs/training.md and the figures
 
-Results are written after every variant, so a killed run keeps what finished.
+Variants run in the order given (priority). With ``--deadline`` the first ``--core`` variants run
+the same number of steps (planned from the first one's measured step time), later variants run at
+most as many and stop before the deadline, and a variant that cannot reach its first evaluation is
+skipped with the reason. Results are written after every variant, so a killed run keeps what finished.
 """
 
 from __future__ import annotations
@@ -14,28 +17,36 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from . import report as rep
 from .data import N_KEYS, load_corpus
-from .runner import RunConfig, train_variant
-from .variants import DEFAULT_VARIANTS, VARIANTS, Patterns
+from .runner import (DEFAULT_OVERHEAD_S, RunConfig, estimate_overhead_s, estimate_step_s, plan_steps, tail_s,
+                     train_variant, variant_density)
+from .variants import DEFAULT_VARIANTS, FLEX_BLOCK_MASKS, VARIANTS, Patterns
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DEFAULT_JSON = os.path.join(ROOT, "docs", "data", "training_results.json")
 DEFAULT_DOCS = os.path.join(ROOT, "docs")
 
-# defaults that depend on the device (GPU: the issue's configuration; CPU: seconds)
-GPU = dict(seq_len="65536", batch=1, layers=8, d_model=1024, heads=8, kv_heads=2, steps=120, lr=1e-3, warmup=12,
+# defaults that depend on the device. GPU: the target configuration at 64K, sized so that one
+# invocation with --deadline 540 on an H100 trains the first three variants (dense, ours and Flex
+# Longformer) for the same 250 steps in about six minutes including compilation (dense ~0.55 s per
+# step), then as many of the others as time allows. CPU: seconds.
+GPU = dict(seq_len="65536", batch=1, layers=8, d_model=1024, heads=8, kv_heads=2, steps=250, lr=1e-3, warmup=25,
            block_size=128, sliding_window=1024, longformer_window=512, longformer_global=256, bigbird_window=384,
-           bigbird_global=128, bigbird_random=3, probe_pairs=16, probe_rounds=8, eval_every=20, eval_windows=2,
-           eval_probes=2, profile_steps=3, log_every=20, compile=True)
+           bigbird_global=128, bigbird_random=3, probe_pairs=16, probe_rounds=8, eval_every=25, eval_windows=4,
+           eval_probes=2, profile_steps=3, log_every=25, compile=True)
 CPU = dict(seq_len="512", batch=2, layers=2, d_model=64, heads=4, kv_heads=2, steps=30, lr=3e-3, warmup=3,
            block_size=32, sliding_window=64, longformer_window=32, longformer_global=32, bigbird_window=32,
            bigbird_global=32, bigbird_random=1, probe_pairs=8, probe_rounds=3, eval_every=10, eval_windows=2,
            eval_probes=2, profile_steps=0, log_every=10, compile=False)
-THROUGHPUT = dict(gpu=dict(seq_len="16384,32768,131072", steps=10), cpu=dict(seq_len="512", steps=6))
+# throughput: a few steps per variant and length, no evaluation (GPU: about four minutes in all)
+THROUGHPUT = dict(gpu=dict(seq_len="16384,32768,131072", steps=8, profile_steps=2, log_every=0),
+                  cpu=dict(seq_len="512", steps=6))
+THROUGHPUT_VARIANTS = ("sdpa_causal", "flex_longformer", "bsfa_longformer")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -44,16 +55,28 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", help="comma-separated sequence lengths (GPU run 65536; throughput 16384,32768,"
                                      "131072; CPU 512)")
     g.add_argument("--variants", default=None,
-                   help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but flex_causal)")
-    g.add_argument("--steps", type=int, help="training steps per variant (GPU run 120, throughput 10; CPU 30 / 6)")
+                   help=f"comma-separated, in priority order, from {', '.join(VARIANTS)}; 'all' for every one "
+                        f"(default: run {', '.join(DEFAULT_VARIANTS)}; throughput {', '.join(THROUGHPUT_VARIANTS)})")
+    g.add_argument("--steps", type=int,
+                   help="planned training steps per variant: learning-rate schedule and evaluation cadence "
+                        "(GPU run 250, throughput 8; CPU 30 / 6)")
+    g.add_argument("--max-steps", type=int, default=0,
+                   help="run at most this many steps per variant; the schedule still spans --steps (0 = --steps)")
+    g.add_argument("--core", type=int, default=3,
+                   help="with --deadline: the first N variants run the same number of steps; the first one "
+                        "plans it from its measured step time so that all N finish, and every later variant "
+                        "runs at most that many")
     g.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds of training per variant, compilation and evaluation not counted (0 = none)")
     g.add_argument("--deadline", type=float, default=0.0,
                    help="seconds for the whole invocation: variants stop early and later ones are skipped "
                         "so that results are written before it (0 = none)")
-    g.add_argument("--min-variant-s", type=float, default=90.0,
-                   help="with --deadline: do not start a variant with less than this many seconds left "
-                        "(compilation alone takes about a minute on the GPU)")
+    g.add_argument("--min-variant-s", type=float, default=30.0,
+                   help="with --deadline: a variant is skipped when its estimated setup, compilation and steps "
+                        "up to its first evaluation do not fit (estimated from the variants measured before it); "
+                        "before anything was measured, when less than this many seconds are left")
+    g.add_argument("--deadline-reserve", type=float, default=10.0,
+                   help="seconds kept free before the deadline (cleanup, writing the results)")
     g.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("model and optimiser")
     for name, typ, hlp in (("batch", int, "sequences per step"), ("layers", int, "decoder layers"),
@@ -96,7 +119,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "(island), or op with a fallback to island when it does not compile (auto)")
     c.add_argument("--bsfa-api", choices=("module", "attention", "attention_op"), default="module",
                    help="static patterns through nn.BlockSparseAttention, bsfa.attention or bsfa.attention_op")
-    c.add_argument("--profile-steps", type=int, help="profiled steps for GPU busy (GPU 3, 0 = none)")
+    c.add_argument("--flex-block-mask", choices=FLEX_BLOCK_MASKS, default="layout",
+                   help="how the Flex BlockMask is built: from block states without evaluating the L x L mask "
+                        "(layout, default) or with torch.compile(create_block_mask) (create: minutes of "
+                        "compilation on torch 2.11)")
+    c.add_argument("--profile-steps", type=int, help="profiled steps for GPU busy (GPU 3, throughput 2, 0 = none)")
     c.add_argument("--sync-steps", type=int, default=2, help="first steps timed with synchronisation "
                                                              "(compilation); excluded from tokens/s")
     c.add_argument("--log-every", type=int)
@@ -142,7 +169,8 @@ def _resolve(args, ap) -> tuple[list[RunConfig], Patterns, list[str]]:
         args.head_dim = args.d_model // args.heads
     if args.heads % args.kv_heads:
         ap.error("--heads must be a multiple of --kv-heads")
-    variants = list(DEFAULT_VARIANTS) if args.variants in (None, "default") else \
+    default_variants = THROUGHPUT_VARIANTS if args.cmd == "throughput" else DEFAULT_VARIANTS
+    variants = list(default_variants) if args.variants in (None, "default") else \
         list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -162,7 +190,8 @@ def _resolve(args, ap) -> tuple[list[RunConfig], Patterns, list[str]]:
         cfgs.append(RunConfig(
             device=args.device, seq_len=L, batch=args.batch, layers=args.layers, d_model=args.d_model,
             heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, rope_base=args.rope_base,
-            steps=args.steps, lr=args.lr, warmup=min(args.warmup, max(1, args.steps // 2)),
+            steps=args.steps, max_steps=max(0, args.max_steps), lr=args.lr,
+            warmup=min(args.warmup, max(1, args.steps // 2)),
             min_lr_frac=args.min_lr_frac, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
             time_budget=args.time_budget, eval_every=args.eval_every, eval_windows=args.eval_windows,
             eval_probes=args.eval_probes, probe_rate=args.probe_rate, probe_pairs=args.probe_pairs,
@@ -170,9 +199,10 @@ def _resolve(args, ap) -> tuple[list[RunConfig], Patterns, list[str]]:
             held_out_permille=args.held_out_permille, compile=gpu if args.compile is None else args.compile,
             compile_scope=args.compile_scope, compile_mode=args.compile_mode,
             compile_backend=args.compile_backend, bsfa_mode=args.bsfa_mode,
-            bsfa_api=args.bsfa_api, sync_steps=min(args.sync_steps, max(1, args.steps - 1)),
+            bsfa_api=args.bsfa_api, sync_steps=max(1, min(args.sync_steps, args.steps - 1)),
             profile_steps=args.profile_steps, log_every=args.log_every, seed=args.seed,
-            mode="throughput" if args.cmd == "throughput" else "train"))
+            mode="throughput" if args.cmd == "throughput" else "train", flex_block_mask=args.flex_block_mask,
+            deadline_reserve=args.deadline_reserve))
     return cfgs, pats, variants
 
 
@@ -213,27 +243,11 @@ def _run(args, ap, argv) -> dict:
         log(f"{base['runs'][run_id]['env']['device']}: {len(corpus.train.files)} training files "
             f"({corpus.info['bytes_train'] / 1e6:.1f} MB), unigram entropy {corpus.info['unigram_entropy_bpb']:.3f} "
             f"bits/byte; lengths {[c.seq_len for c in cfgs]}; variants {variants}")
-        payload = base
+        ref = [base]
+        rep.save(base, args.json)  # the run's configuration, even if it is killed during the first variant
         for cfg in cfgs:
-            for v in variants:
-                if deadline is not None and time.perf_counter() > deadline - args.min_variant_s:
-                    r = {"variant": v, "impl": v.split("_")[0], "family": v.split("_", 1)[1], "seq_len": cfg.seq_len,
-                         "mode": cfg.mode, "status": "skipped", "reason": "invocation deadline reached"}
-                    log(f"== {v} @ {cfg.seq_len}: skipped (deadline)")
-                else:
-                    log(f"== {v} @ {cfg.seq_len} tokens")
-                    r = train_variant(v, cfg, pats, corpus, log, deadline=deadline)
-                    if r["status"] == "skipped":
-                        log(f"  {v}: skipped ({r['reason']})")
-                    if r["status"] == "ok":
-                        fin = r.get("final") or {}
-                        log(f"  {v}: {r['tokens_per_s']:,.0f} tokens/s, compile {r['compile_s']:.1f} s"
-                            + (f", peak {r['peak_mem_gb']:.1f} GB" if r.get("peak_mem_gb") is not None else "")
-                            + (f", busy {r['gpu']['busy_fraction']:.0%}" if r.get("gpu") else "")
-                            + (f", held-out {fin['bpb']:.4f} bits/byte" if fin.get("bpb") is not None else ""))
-                r["run_id"] = run_id
-                payload = rep.merge([payload, {"schema": rep.SCHEMA, "runs": {}, "results": [r]}])
-                rep.save(payload, args.json)  # after every variant
+            _run_length(cfg, variants, pats, corpus, args, deadline, run_id, log, ref)
+        payload = ref[0]
         docs = args.docs if args.docs is not None else (DEFAULT_DOCS if os.path.abspath(args.json) ==
                                                         os.path.abspath(DEFAULT_JSON) else None)
         if docs:
@@ -243,6 +257,81 @@ def _run(args, ap, argv) -> dict:
         return payload
     finally:
         torch.set_num_threads(threads)
+
+
+def _skipped(v: str, cfg: RunConfig, reason: str, density=(None, None)) -> dict:
+    r = {"variant": v, "impl": v.split("_")[0], "family": v.split("_", 1)[1], "seq_len": cfg.seq_len,
+         "mode": cfg.mode, "steps_planned": cfg.steps, "status": "skipped", "reason": reason,
+         "block_density": density[0]}
+    if density[1]:
+        r["block_density_note"] = density[1]
+    return r
+
+
+def _ratio(d_later, d_now) -> float:
+    """Expected step time of a later variant relative to the running one, from block densities
+    (attention plus a fixed part for the rest of the model), clipped to [0.4, 8]."""
+    if d_later is None or d_now is None:
+        return 1.0
+    return min(8.0, max(0.4, (0.05 + d_later) / (0.05 + d_now)))
+
+
+def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, log, payload_ref) -> None:
+    """Every variant at one length, in priority order. Under a deadline the first ``--core``
+    variants run the same number of steps (planned by the first from its measured step time);
+    every later variant runs at most as many (equal steps), stops before the deadline, and is
+    skipped when its estimated setup, compilation and steps to its first evaluation do not fit."""
+    dens = {v: variant_density(v, cfg, pats, corpus) for v in variants}
+    core = variants[:max(0, args.core)] if cfg.mode == "train" else []
+    cap = cfg.max_steps or 0
+    for v in variants:
+        impl = v.split("_")[0]
+        cfg_v = replace(cfg, max_steps=cap)
+        plan = None
+        if deadline is not None:
+            measured = [r for r in payload_ref[0]["results"] if r.get("run_id") == run_id]
+            left = deadline - time.perf_counter()
+            step_s = estimate_step_s(dens[v][0], impl, cfg.seq_len, measured)
+            over = estimate_overhead_s(impl, measured, default=DEFAULT_OVERHEAD_S if cfg.compile else 5.0)
+            first = cfg_v.run_steps if cfg.eval_every <= 0 else min(cfg.eval_every, cfg_v.run_steps)
+            need = over + first * step_s + tail_s(cfg_v, step_s) if step_s else None
+            if (need if need is not None else args.min_variant_s) > left and \
+                    not (impl == "flex" and not cfg.device.startswith("cuda")):
+                reason = f"invocation deadline: {max(0.0, left):.0f} s left, " + (
+                    f"about {need:.0f} s needed (setup, compilation, {first} steps, evaluation)" if need is not None
+                    else f"less than --min-variant-s {args.min_variant_s:g} s")
+                log(f"== {v} @ {cfg.seq_len}: skipped ({reason})")
+                _record(_skipped(v, cfg_v, reason, dens[v]), run_id, args, payload_ref)
+                continue
+            if v in core:
+                def plan(step_s, now, done, own_overhead, v=v, cfg_v=cfg_v, measured=measured):
+                    # later core variants: their measured overhead if any ran, else this one's plus half
+                    # (their compilation may take longer), at a step time scaled by block density
+                    later = [(estimate_overhead_s(w.split("_")[0], measured, default=1.5 * own_overhead + 5.0),
+                              _ratio(dens[w][0], dens[v][0])) for w in core[core.index(v) + 1:]]
+                    return plan_steps(step_s, now, deadline, cfg_v, later, done)
+        log(f"== {v} @ {cfg.seq_len} tokens" + (f" (at most {cap} steps, equal to the variants before)" if cap
+                                                 and cap < cfg.steps else ""))
+        r = train_variant(v, cfg_v, pats, corpus, log, deadline=deadline, plan=plan, density=dens[v])
+        if r["status"] == "skipped":
+            log(f"  {v}: skipped ({r['reason']})")
+        if r["status"] == "ok":
+            fin = r.get("final") or {}
+            log(f"  {v}: {r['steps']} steps, {r['tokens_per_s']:,.0f} tokens/s, setup {r['setup_s']:.1f} s, compile "
+                + (f"{r['compile_s']:.1f} s" if r.get("compile_s") is not None else "n/a")
+                + (f", peak {r['peak_mem_gb']:.1f} GB" if r.get("peak_mem_gb") is not None else "")
+                + (f", busy {r['gpu']['busy_fraction']:.0%}" if r.get("gpu") else "")
+                + (f", held-out {fin['bpb']:.4f} bits/byte" if fin.get("bpb") is not None else ""))
+            if v in core and cfg.mode == "train" and r["steps"] < cfg_v.run_steps:
+                cap = r["steps"]  # equal steps: later variants run no more than this one did
+        _record(r, run_id, args, payload_ref)
+
+
+def _record(r: dict, run_id: str, args, payload_ref) -> None:
+    """Add a result and write the results file (after every variant: a killed run keeps what finished)."""
+    r["run_id"] = run_id
+    payload_ref[0] = rep.merge([payload_ref[0], {"schema": rep.SCHEMA, "runs": {}, "results": [r]}])
+    rep.save(payload_ref[0], args.json)
 
 
 def main(argv=None) -> dict:

@@ -354,10 +354,18 @@ def _f(x, fmt="{:.2f}", na="n/a"):
     return na if x is None or (isinstance(x, float) and not math.isfinite(x)) else fmt.format(x)
 
 
+_STOPPED = {"plan": "steps planned to fit the deadline", "max_steps": "capped: equal steps with the variants before",
+            "deadline": "stopped by the deadline", "time_budget": "stopped by the time budget"}
+
+
 def _status_cell(r):
     st = r.get("status")
     if st == "ok":
-        return "ok" if r.get("stopped") in (None, "steps") else f"ok ({r['stopped'].replace('_', ' ')})"
+        stopped = r.get("stopped")
+        if stopped in (None, "steps"):
+            return "ok"
+        planned = f" of {r['steps_planned']}" if r.get("steps_planned") else ""
+        return f"ok ({r.get('steps')}{planned} steps: {_STOPPED.get(stopped, stopped.replace('_', ' '))})"
     if st == "oom":
         return "**out of memory**"
     if st == "error":
@@ -368,7 +376,7 @@ def _status_cell(r):
 def _speed_cols(res, r):
     L = r["seq_len"]
     if not _ok(r):
-        return ["", "", "", "", "", ""]
+        return ["", "", "", "", "", "", ""]
     sd = _speed(res, L, "sdpa_causal", prefer=r["mode"])
     fl = _speed(res, L, f"flex_{r['family']}", prefer=r["mode"]) if r["impl"] == "bsfa" else None
     x_sdpa = r["tokens_per_s"] / sd["tokens_per_s"] if sd else None
@@ -376,16 +384,16 @@ def _speed_cols(res, r):
     g = r.get("gpu")
     return [f"{r['tokens_per_s']:,.0f}", _f(x_sdpa, "{:.2f}x"), _f(x_flex, "{:.2f}x"),
             _f(g["busy_fraction"] * 100 if g else None, "{:.0f} %"), _f(r.get("peak_mem_gb"), "{:.1f}"),
-            _f(r.get("compile_s"), "{:.0f}")]
+            _f(r.get("setup_s"), "{:.1f}"), _f(r.get("compile_s"), "{:.0f}")]
 
 
 def _train_table(payload, L) -> list[str]:
     res = payload["results"]
     rows = [r for r in res if r.get("mode") == "train" and r.get("seq_len") == L]
     dense = _find(res, "train", L, "sdpa_causal")
-    lines = ["| variant | status | steps | tokens/s | vs SDPA | vs Flex | GPU busy | peak GB | compile s | "
+    lines = ["| variant | status | steps | tokens/s | vs SDPA | vs Flex | GPU busy | peak GB | setup s | compile s | "
              "attention ms/step | held-out bpb (step) | gap vs dense | probe acc | block density |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         sp = _speed_cols(res, r)
         if _ok(r):
@@ -406,9 +414,9 @@ def _train_table(payload, L) -> list[str]:
 def _speed_table(payload, L) -> list[str]:
     res = payload["results"]
     rows = [r for r in res if r.get("mode") == "throughput" and r.get("seq_len") == L]
-    lines = ["| variant | status | tokens/s | vs SDPA | vs Flex | GPU busy | peak GB | compile s | "
+    lines = ["| variant | status | tokens/s | vs SDPA | vs Flex | GPU busy | peak GB | setup s | compile s | "
              "attention kernels ms/step | block density |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         g = r.get("gpu") or {}
         att = _f(g.get("attention_kernel_ms_per_step"), "{:.1f}")
@@ -495,7 +503,14 @@ def markdown(payload: dict, figures: dict) -> str:
         "`bsfa.attention(q, k, v, mask=causal() & document(ids))` inside the compiled block (`op`), or, "
         "where that does not compile, in a "
         "`torch.compiler.disable` region with the layout compiled once per batch outside the model "
-        "(`island`). The mode each run used is listed below.",
+        "(`island`). The mode each run used is listed below. FlexAttention gets the same patterns as "
+        "`mask_mod` functions; its `BlockMask` (visited and full blocks) is built from block states "
+        "with `BlockMask.from_kv_blocks` (static patterns: from the pattern's block layout, once per "
+        "length; documents: from the first and last document id of every block, on the GPU, once per "
+        "batch), identical to what `create_block_mask` returns and built in milliseconds. "
+        "(`torch.compile(create_block_mask)` on torch 2.11 spends minutes compiling the block-mask sort "
+        "on its first call, and the eager `create_block_mask` evaluates all L x L pairs; "
+        "`--flex-block-mask create` selects it.)",
         "",
         f"Patterns (layout block size {pats.get('block_size', '?')}):",
         "",
@@ -515,8 +530,13 @@ def markdown(payload: dict, figures: dict) -> str:
         "",
         "Measurements: tokens/s from the median step time after the first "
         f"{c.get('sync_steps', 2)} steps (their excess over the median is the compile time, reported "
-        "separately); a step runs from one step's start to the next (CUDA events, no synchronisation in "
-        "the loop). GPU busy: `torch.profiler` over a few extra steps, the union of device activity "
+        "separately, as is the setup: model, optimiser, block masks or layouts, evaluation data); a step "
+        "runs from one step's start to the next (CUDA events, no synchronisation in the loop), so "
+        "per-batch host work such as building a document mask counts. Every variant follows the same "
+        f"learning-rate schedule over {c.get('steps')} planned steps; under a time limit the first "
+        "variants run an equal number of steps, planned from the measured step time, and later ones run "
+        "at most as many (the schedule is not rescaled, so equal steps mean identical learning rates and "
+        "batches). GPU busy: `torch.profiler` over a few extra steps, the union of device activity "
         "intervals over their wall time. Peak memory: `torch.cuda.max_memory_allocated`. Held-out bits "
         f"per byte on {c.get('eval_windows')} fixed held-out windows, probe accuracy on "
         f"{c.get('eval_probes')} fixed held-out probe sequences, both evaluated every "
@@ -526,15 +546,16 @@ def markdown(payload: dict, figures: dict) -> str:
         "",
     ]
     for L in L_train:
-        out += [f"## Training at {length_label(L)} tokens", ""] + _probe_line(payload, L) \
-            + _train_table(payload, L) + [""]
+        out += [f"## Training at {length_label(L)} tokens", ""] + _coverage(payload, L, "train") \
+            + _probe_line(payload, L) + _train_table(payload, L) + [""]
         if figures.get(L):
             out += [f"![training curves at {length_label(L)}]({figures[L]})", ""]
         out += _modes(payload, L, "train")
     if L_speed:
         out += ["## Throughput (a few steps, no evaluation)", ""]
         for L in L_speed:
-            out += [f"### {length_label(L)} tokens", ""] + _speed_table(payload, L) + [""]
+            out += [f"### {length_label(L)} tokens", ""] + _coverage(payload, L, "throughput") \
+                + _speed_table(payload, L) + [""]
         if figures.get("throughput"):
             out += [f"![tokens/s]({figures['throughput']})", ""]
     tg = targets(payload)
@@ -547,6 +568,16 @@ def markdown(payload: dict, figures: dict) -> str:
     prof = _profiles(payload, TARGET["seq_len"])
     if prof:
         out += ["", "Profiles of the variants below the GPU-busy target:", ""] + prof
+    out += ["", "## Reproduce", "", "```",
+            "# GPU: the 64K comparison (priority order: dense, ours and Flex Longformer for equal steps, then the",
+            "# other patterns as time allows; whatever the deadline leaves out is listed above as not run)",
+            "python benchmarks/train_long_context.py run --deadline 540 --json /tmp/train.json",
+            "# GPU: tokens/s, GPU busy and memory at 16K, 32K and 128K (a few steps, no evaluation)",
+            "python benchmarks/train_long_context.py throughput --deadline 250 --json /tmp/speed.json",
+            "# this page and the figures from the result files",
+            "python benchmarks/train_long_context.py report /tmp/train.json /tmp/speed.json",
+            "# a tiny run on the CPU (seconds; FlexAttention has no CPU backward and is skipped)",
+            "python benchmarks/train_long_context.py --device cpu", "```"]
     out += ["", "## Runs", ""]
     for rid, run in sorted(runs.items()):
         rc = run.get("config", {})
@@ -557,6 +588,24 @@ def markdown(payload: dict, figures: dict) -> str:
     out += ["", "Raw data, including per-step times and losses, evaluation histories and profiles: "
             "`docs/data/training_results.json`.", ""]
     return "\n".join(out)
+
+
+def _coverage(payload, L, mode) -> list[str]:
+    """Which variants were measured at this length and which were not (and why)."""
+    rs = [r for r in payload["results"] if r.get("seq_len") == L and r.get("mode") == mode]
+    ok = [r["variant"] for r in rs if _ok(r)]
+    short = [f"{r['variant']} ({r['steps']} of {r['steps_planned']})" for r in rs
+             if _ok(r) and r.get("steps_planned") and r.get("steps", 0) < r["steps_planned"]]
+    skipped = [f"{r['variant']} ({r.get('reason', '')})" for r in rs if r.get("status") == "skipped"]
+    failed = [f"{r['variant']} ({r.get('status')})" for r in rs if r.get("status") in ("oom", "error")]
+    out = [f"Measured: {', '.join(f'`{v}`' for v in ok) or 'none'}."]
+    if short:
+        out.append(f"Fewer steps than planned: {', '.join(short)}.")
+    if skipped:
+        out.append(f"Not run: {'; '.join(skipped)}.")
+    if failed:
+        out.append(f"Failed: {', '.join(failed)}.")
+    return [" ".join(out), ""]
 
 
 def _probe_line(payload, L) -> list[str]:

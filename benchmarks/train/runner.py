@@ -1,12 +1,26 @@
-"""Training loop of one variant at one length: timing, evaluation, profiling, failure handling.
+"""Training loop of one variant at one length: timing, evaluation, profiling, failure handling,
+and the time planning of an invocation with a deadline.
 
-Timing. The first ``sync_steps`` steps (compilation, autotuning, first-touch allocation) are timed
-on the host with a synchronisation after each; their excess over the steady median is reported as
-``compile_s``. Later steps are timed with CUDA events and never synchronise (the loss is read only
-every ``log_every`` steps and at evaluations), so the host runs ahead as a real training loop does.
-A step's time runs from its start event to the next step's start event, so host work between steps
-(batch copy, mask building) counts. Tokens/s = tokens per step / median step time. The wall-clock
-axis of the curves is the cumulative step time with the compile steps counted at the median.
+Timing. Setup (model, optimiser, the variant's block masks or layouts, evaluation data) is timed
+as ``setup_s`` (with ``setup_detail``). The first ``sync_steps`` steps (compilation, autotuning,
+first-touch allocation) are timed on the host with a synchronisation after each; their excess over
+the steady median is reported as ``compile_s``. Later steps are timed with CUDA events and never
+synchronise (the loss is read only every ``log_every`` steps and at evaluations), so the host runs
+ahead as a real training loop does. A step's time runs from its start event to the next step's
+start event, so host work between steps (batch copy, per-batch masks: ``prep_ms``) counts.
+Tokens/s = tokens per step / median step time. The wall-clock axis of the curves is the cumulative
+step time with the compile steps counted at the median. Neither setup, compilation, evaluation
+nor profiling counts as training time.
+
+Steps. ``steps`` is the planned number of steps: it fixes the learning-rate schedule and the
+evaluation cadence of every variant. ``max_steps`` (and a planner, see :func:`plan_steps`) can end a
+variant earlier; the schedule is not rescaled, so variants that run the same number of steps have
+had exactly the same learning rates and batches, and are compared at equal steps.
+
+Deadline. A variant stops early when the next step, its final evaluation, the profile and a reserve
+would not fit before the deadline. The check uses the measured time of a step *after* compilation
+(the compile step is never taken for the step time), so a long first compile does not stop a
+variant after one step.
 
 Evaluation runs the training forward (grad enabled, same compiled graphs: no recompilation) on
 fixed held-out batches and discards the graph; its time is not training time.
@@ -26,6 +40,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -48,7 +63,8 @@ class RunConfig:
     kv_heads: int = 2
     head_dim: int = 128
     rope_base: float = 500000.0
-    steps: int = 120
+    steps: int = 120  # planned steps: learning-rate schedule and evaluation cadence
+    max_steps: int = 0  # run at most this many (0 = steps); the schedule still spans ``steps``
     lr: float = 1e-3
     warmup: int = 12
     min_lr_frac: float = 0.1
@@ -75,6 +91,13 @@ class RunConfig:
     log_every: int = 10
     seed: int = 0
     mode: str = "train"  # train or throughput
+    flex_block_mask: str = "layout"  # layout (block states -> BlockMask.from_kv_blocks) or create
+    deadline_reserve: float = 10.0  # seconds kept free before the deadline (cleanup, writing results)
+
+    @property
+    def run_steps(self) -> int:
+        """Steps this variant runs (``min(steps, max_steps)``)."""
+        return min(self.steps, self.max_steps) if self.max_steps > 0 else self.steps
 
     def reach(self, pats: Patterns) -> int:
         return self.probe_reach or self.layers * pats.max_hop()
@@ -161,15 +184,21 @@ def gpu_busy(step_fn, n: int, dev: torch.device, impl: str) -> dict | None:
 # one variant
 # ------------------------------------------------------------------------------------------------
 class _Setup:
-    """Model, optimiser, variant and data of one attempt (rebuilt from the seed on a retry)."""
+    """Model, optimiser, variant and data of one attempt (rebuilt from the seed on a retry).
+    ``detail`` holds the seconds each part of the setup took."""
 
     def __init__(self, name: str, cfg: RunConfig, pats: Patterns, corpus, spec: ProbeSpec, bsfa_mode: str):
         dev = torch.device(cfg.device)
         self.dev = dev
+        self.detail = {}
+        t = time.perf_counter()
         torch._dynamo.reset()
         compiled = cfg.compile
         self.variant = Variant(name, cfg.seq_len, pats, dev, compiled=compiled, bsfa_mode=bsfa_mode,
-                               bsfa_api=cfg.bsfa_api, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
+                               bsfa_api=cfg.bsfa_api, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                               flex_block_mask=cfg.flex_block_mask)
+        self.detail["variant_s"] = time.perf_counter() - t  # attention core, static block masks / layouts
+        t = time.perf_counter()
         torch.manual_seed(cfg.seed)  # identical initial weights for every variant
         model = Decoder(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, self.variant.core)
         self.model = model.to(dev)
@@ -193,15 +222,21 @@ class _Setup:
         self.cos, self.sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base, dev)
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" \
             else torch.autocast("cpu", enabled=False)
+        self.detail["model_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         self.stream = Prefetcher(TrainStream(corpus, cfg.seq_len, cfg.batch, spec, cfg.probe_rate, cfg.probe_weight,
                                              seed=cfg.seed + 1), pin=dev.type == "cuda")
+        self.detail["data_s"] = time.perf_counter() - t
         self.cfg = cfg
+        self.prep_s: list = []  # host seconds of the per-batch argument (block mask, layout) per step
 
     def step(self, step_index: int):
         cfg = self.cfg
         b_cpu = self.stream.next()
         b = b_cpu.to(self.dev, non_blocking=True)
+        t = time.perf_counter()
         arg = self.variant.arg(b_cpu, b)
+        self.prep_s.append(time.perf_counter() - t)
         lr = lr_at(step_index, cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -248,25 +283,130 @@ def _evaluate(setup: _Setup, text_evals, probe_evals) -> dict:
     return out
 
 
+def variant_density(name: str, cfg: RunConfig, pats: Patterns, corpus) -> tuple:
+    """``(block density, note)`` of a variant's pattern at ``cfg.seq_len`` (documents: of the first
+    held-out window); ``(None, error)`` when it cannot be computed."""
+    fam = name.split("_", 1)[1]
+    try:
+        if fam == "documents":
+            spec = probe_spec(cfg.seq_len, cfg.probe_pairs, cfg.reach(pats), cfg.probe_rounds)
+            doc0 = eval_batches(corpus, cfg.seq_len, cfg.batch, spec, 1, 0)[0].doc
+            return block_density(pats, fam, cfg.seq_len, doc0), "of the first held-out window"
+        return block_density(pats, fam, cfg.seq_len), None
+    except Exception as e:  # noqa: BLE001
+        return None, _short(e)
+
+
+# ------------------------------------------------------------------------------------------------
+# planning under a deadline
+# ------------------------------------------------------------------------------------------------
+def eval_cost_s(cfg: RunConfig, step_s: float) -> float:
+    """Estimated seconds of one evaluation: a forward (about a third of a training step) per
+    held-out batch."""
+    if cfg.eval_every < 0:
+        return 0.0
+    n = -(-cfg.eval_windows // cfg.batch) + (-(-cfg.eval_probes // cfg.batch) if cfg.eval_probes else 0)
+    return n * step_s / 3 + 0.2
+
+
+def tail_s(cfg: RunConfig, step_s: float, eval_s: float = 0.0, reserve: bool = True) -> float:
+    """Seconds a variant needs after its last step: final evaluation (the larger of ``eval_s``, a
+    measured one, and the estimate), profile and (``reserve``) the deadline reserve."""
+    prof = (cfg.profile_steps * step_s + 3.0) if cfg.device.startswith("cuda") and cfg.profile_steps > 0 else 0.0
+    ev = max(eval_s, eval_cost_s(cfg, step_s)) if cfg.eval_every >= 0 else 0.0
+    return ev + prof + (cfg.deadline_reserve if reserve else 0.0)
+
+
+def plan_steps(step_s: float, now: float, deadline: float, cfg: RunConfig, later: list, done: int = 0) -> int:
+    """Most steps the running variant can take so that it, and the ``later`` variants that must
+    run the same number of steps, finish before ``deadline``.
+
+    Args:
+        step_s: measured seconds per training step of the running variant (after compilation).
+        now, deadline: ``time.perf_counter()`` values.
+        cfg: the running variant's configuration (evaluation cadence, profile steps, reserve).
+        later: ``(overhead_s, step_ratio)`` of each later variant: its setup + compilation +
+            profile seconds and its step time relative to ``step_s``.
+        done: steps the running variant has already taken.
+
+    Returns:
+        A step count ``>= done`` (``done`` when nothing more fits).
+    """
+    every = cfg.eval_every if cfg.eval_every > 0 else 0
+    per_step_eval = eval_cost_s(cfg, step_s) / every if every else 0.0
+    budget = deadline - now - tail_s(cfg, step_s)
+    per_step = step_s + per_step_eval  # the running variant, from now on
+    fixed = 0.0
+    shared = 0.0  # seconds per step of the whole run that the later variants add
+    for overhead, ratio in later:
+        t = step_s * ratio
+        fixed += overhead + tail_s(cfg, t, reserve=False)
+        shared += t + (eval_cost_s(cfg, t) / every if every else 0.0)
+    # the running variant takes (n - done) more steps, every later one takes n steps
+    n = (budget - fixed + done * per_step) / (per_step + shared) if per_step + shared > 0 else float("inf")
+    if not math.isfinite(n):
+        return cfg.run_steps
+    return max(done, min(cfg.run_steps, int(n)))
+
+
+def estimate_step_s(density: float | None, impl: str, L: int, results: list) -> float | None:
+    """Seconds per step of a variant not yet run, from finished ones: the same implementation
+    (else any) at the nearest length, then the nearest block density, scaled by the larger of the
+    length ratio (the rest of the model) and the ratio of attended pairs (density x length^2).
+    ``None`` when nothing was measured."""
+    ok = [r for r in results if r.get("status") == "ok" and r.get("median_step_ms") and r.get("seq_len")]
+    if not ok:
+        return None
+    same = [r for r in ok if r.get("impl") == impl] or ok
+    d = density if density is not None else 0.5
+
+    def dist(r):
+        rd = r.get("block_density")
+        return (abs(math.log(L / r["seq_len"])),
+                abs(math.log((0.05 + d) / (0.05 + rd))) if rd is not None else 1e9)
+
+    ref = min(same, key=dist)
+    rd = ref.get("block_density") or d
+    lr = L / ref["seq_len"]
+    scale = max(lr, (0.05 + d) / (0.05 + rd) * lr * lr)
+    return ref["median_step_ms"] / 1e3 * min(64.0, max(0.4, scale))
+
+
+DEFAULT_OVERHEAD_S = 45.0  # setup + compilation + profile of a variant before one was measured (H100)
+
+
+def estimate_overhead_s(impl: str, results: list, default: float = DEFAULT_OVERHEAD_S) -> float:
+    """Setup + compilation + profile seconds of a variant not yet run: the largest measured for the
+    same implementation (else for any), else ``default``."""
+    ok = [r for r in results if r.get("status") == "ok" and r.get("overhead_s") is not None]
+    same = [r for r in ok if r.get("impl") == impl] or ok
+    return max((r["overhead_s"] for r in same), default=default)
+
+
+# ------------------------------------------------------------------------------------------------
+# one variant
+# ------------------------------------------------------------------------------------------------
 def train_variant(name: str, cfg: RunConfig, pats: Patterns, corpus, log, deadline: float | None = None,
-                  deadline_reserve: float = 20.0) -> dict:
+                  plan: Callable | None = None, density: tuple | None = None) -> dict:
     """Train (or time) one variant at ``cfg.seq_len``; never raises for OOM or compile failures:
-    the result's ``status`` says what happened."""
+    the result's ``status`` says what happened.
+
+    Args:
+        deadline: ``time.perf_counter()`` value by which the variant must have finished.
+        plan: ``plan(step_s, now, done, overhead_s) -> steps``, asked once the step time after
+            compilation is measured (``overhead_s``: this variant's setup and compilation seconds;
+            see :func:`plan_steps`); the variant then runs at most that many steps.
+        density: ``(block density, note)`` if already computed (:func:`variant_density`).
+    """
     dev = torch.device(cfg.device)
     spec = probe_spec(cfg.seq_len, cfg.probe_pairs, cfg.reach(pats), cfg.probe_rounds)
     base = {"variant": name, "impl": name.split("_")[0], "family": name.split("_", 1)[1], "seq_len": cfg.seq_len,
-            "mode": cfg.mode, "batch": cfg.batch, "tokens_per_step": cfg.batch * cfg.seq_len}
-    try:
-        fam = base["family"]
-        if fam == "documents":
-            doc0 = eval_batches(corpus, cfg.seq_len, cfg.batch, spec, 1, 0)[0].doc
-            base["block_density"] = block_density(pats, fam, cfg.seq_len, doc0)
-            base["block_density_note"] = "of the first held-out window"
-        else:
-            base["block_density"] = block_density(pats, fam, cfg.seq_len)
-    except Exception as e:  # noqa: BLE001
-        base["block_density"] = None
-        base["block_density_note"] = _short(e)
+            "mode": cfg.mode, "batch": cfg.batch, "tokens_per_step": cfg.batch * cfg.seq_len,
+            "steps_planned": cfg.steps}
+    dens, note = density if density is not None else variant_density(name, cfg, pats, corpus)
+    base["block_density"] = dens
+    if note:
+        base["block_density_note"] = note
     if base["impl"] == "flex" and dev.type != "cuda":
         return {**base, "status": "skipped", "reason": "FlexAttention has no backward on CPU"}
     modes = ["op", "island"] if cfg.bsfa_mode == "auto" else [cfg.bsfa_mode]
@@ -275,7 +415,7 @@ def train_variant(name: str, cfg: RunConfig, pats: Patterns, corpus, log, deadli
     notes = []
     for i, bmode in enumerate(modes):
         last = i == len(modes) - 1
-        res = _attempt(name, cfg, pats, corpus, spec, bmode, log, deadline, deadline_reserve, retry_ok=not last)
+        res = _attempt(name, cfg, pats, corpus, spec, bmode, log, deadline, plan, retry_ok=not last)
         if res.get("status") == "retry":
             notes.append(f"bsfa_mode={bmode} failed at the first step: {res['error']}")
             log(f"  {name}: {notes[-1]}; retrying with bsfa_mode={modes[i + 1]}")
@@ -292,7 +432,10 @@ def _cleanup(dev):
         torch.cuda.empty_cache()
 
 
-def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline, reserve, retry_ok) -> dict:
+PLAN_AFTER = 3  # timed steps after compilation before the planner is asked
+
+
+def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline, plan, retry_ok) -> dict:
     dev = torch.device(cfg.device)
     cuda = dev.type == "cuda"
     _cleanup(dev)
@@ -310,18 +453,18 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
                                                                     "pairs": spec.n_pairs,
                                                                     "window_reachable": spec.window_reachable}})
         evaluate = cfg.eval_every >= 0
+        t = time.perf_counter()
         if evaluate:
             te = eval_batches(corpus, cfg.seq_len, cfg.batch, spec, cfg.eval_windows, 0)
             pe = eval_batches(corpus, cfg.seq_len, cfg.batch, spec, 0, cfg.eval_probes) if cfg.eval_probes else []
             text_evals = [(b, b.to(dev)) for b in te]
             probe_evals = [(b, b.to(dev)) for b in pe]
-            eval_at = set(range(cfg.eval_every, cfg.steps + 1, cfg.eval_every)) if cfg.eval_every > 0 else set()
-            eval_at.add(cfg.steps)
-        else:
-            eval_at = set()
+        setup.detail["eval_data_s"] = time.perf_counter() - t
         setup_s = time.perf_counter() - t_setup
+        target = cfg.run_steps
+        cap_reason = "max_steps" if target < cfg.steps else None
 
-        losses = torch.zeros(cfg.steps, dtype=torch.float32, device=dev)
+        losses = torch.zeros(target, dtype=torch.float32, device=dev)
         host_s = []  # synchronised timings of the first steps
         starts, ends = [], []  # CUDA events (or host times on CPU) of the later steps
         evals, probe_steps = [], 0
@@ -329,6 +472,9 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
         t_train0 = time.perf_counter()
         eval_s = 0.0
         last_eval_s = 0.0
+        mark = None  # (time, steps done, eval seconds) right after the synchronised steps
+        step_est = None  # seconds per step after compilation (host wall clock, running estimate)
+        planned = False
 
         def timed_steps_s() -> list:
             """Seconds of every step so far (synchronises)."""
@@ -342,7 +488,8 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
                     ts.append(e[0] - s)
             return ts
 
-        for step in range(cfg.steps):
+        step = 0
+        while step < target:
             if step < cfg.sync_steps:
                 _sync(dev)
                 t0 = time.perf_counter()
@@ -351,6 +498,8 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
                 host_s.append(time.perf_counter() - t0)
                 if step == 0:
                     log(f"  {name}: first step {host_s[0]:.1f} s (compilation)")
+                if step >= 1:
+                    step_est = min(host_s[1:])  # a synchronised step after the compile step
             else:
                 if cuda:
                     ev0 = torch.cuda.Event(enable_timing=True)
@@ -368,14 +517,42 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
             losses[step] = loss
             probe_steps += npb > 0
             n_done = step + 1
+            step += 1
+            now = time.perf_counter()
+            if n_done == min(cfg.sync_steps, target):
+                mark = (now, n_done, eval_s)
+            elif mark is not None and n_done > mark[1]:
+                # host wall clock per step since the synchronised steps: the host runs at most a
+                # couple of steps ahead of the device, so this tracks the device step time
+                step_est = (now - mark[0] - (eval_s - mark[2])) / (n_done - mark[1])
+            if plan is not None and not planned and mark is not None and n_done >= mark[1] + PLAN_AFTER:
+                _sync(dev)
+                now = time.perf_counter()
+                step_est = (now - mark[0] - (eval_s - mark[2])) / (n_done - mark[1])
+                planned = True
+                own = setup_s + max(0.0, sum(host_s) - step_est * len(host_s))  # setup + compilation
+                n_plan = plan(step_est, now, n_done, own)
+                out["plan"] = {"step_s": step_est, "steps": n_plan, "at_step": n_done}
+                if n_plan < target:
+                    log(f"  {name}: {step_est * 1e3:.0f} ms/step; the deadline allows {n_plan} steps for this and "
+                        f"the variants after it (planned {cfg.steps})")
+                    target, cap_reason = max(n_done, n_plan), "plan"
             if cfg.log_every and n_done % cfg.log_every == 0:
                 log(f"  {name:<16} step {n_done:>5}  loss {float(loss):.4f}")
             train_s = time.perf_counter() - t_train0 - eval_s - sum(host_s)
-            over_budget = cfg.time_budget and train_s > cfg.time_budget
-            over_deadline = deadline is not None and time.perf_counter() > deadline - reserve - 2 * last_eval_s
+            over_budget = bool(cfg.time_budget) and train_s > cfg.time_budget and n_done < target
+            over_deadline = False
+            if deadline is not None and n_done < target:
+                # the next step, the final evaluation and the profile must still fit (the compile
+                # step never counts as the step time: without a post-compile measurement, only the
+                # reserve is checked)
+                need = cfg.deadline_reserve if step_est is None else \
+                    step_est + tail_s(cfg, step_est, last_eval_s)
+                over_deadline = now + need > deadline
             if over_budget or over_deadline:
                 stopped = "time_budget" if over_budget else "deadline"
-            if evaluate and (n_done in eval_at or stopped != "steps"):
+            periodic = cfg.eval_every > 0 and n_done % cfg.eval_every == 0
+            if evaluate and (periodic or n_done == target or stopped != "steps"):
                 if ends:
                     ends[-1][1] = False  # this step's time ends at its own end event (excludes the evaluation)
                 t0 = time.perf_counter()
@@ -390,17 +567,24 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
             if stopped != "steps":
                 log(f"  {name}: stopped after {n_done} steps ({stopped.replace('_', ' ')})")
                 break
+        if stopped == "steps" and n_done < cfg.steps:
+            stopped = cap_reason or "steps"
         ts = timed_steps_s()
-        timed = ts[cfg.sync_steps:] or ts
-        med = float(np.median(timed))
-        compile_s = max(0.0, sum(host_s) - med * len(host_s))
+        timed = ts[cfg.sync_steps:]
+        if timed:
+            med = float(np.median(timed))
+        else:  # too few steps for a timed one: the synchronised steps after the compile step
+            med = float(np.median(host_s[1:] if len(host_s) > 1 else host_s))
+        compile_s = max(0.0, sum(host_s) - med * len(host_s)) if (timed or len(host_s) > 1) else None
         wall_steps = [med] * len(host_s) + ts[len(host_s):]  # compile excluded from the time axis
         cum = np.cumsum(wall_steps)
         for ev in evals:
             ev["train_s"] = float(cum[ev["step"] - 1])
         loss_list = losses[:n_done].float().cpu().tolist()
         prof = None
-        if cuda and cfg.profile_steps > 0 and (deadline is None or time.perf_counter() < deadline - 5):
+        t_prof = time.perf_counter()
+        prof_fits = deadline is None or time.perf_counter() + cfg.profile_steps * med + 3.0 < deadline - 2.0
+        if cuda and cfg.profile_steps > 0 and prof_fits:
             k = [n_done]
 
             def one():
@@ -415,14 +599,22 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
                 if _is_oom(e):
                     raise
                 out["gpu_error"] = _short(e)
+        elif cuda and cfg.profile_steps > 0:
+            out["gpu_error"] = "not profiled: the deadline was too close"
+        profile_s = time.perf_counter() - t_prof
+        prep = setup.prep_s[cfg.sync_steps:n_done] or setup.prep_s[:n_done]
         out.update({
             "status": "ok", "stopped": stopped, "steps": n_done, "probe_sequences": int(probe_steps),
             "step_ms": [t * 1e3 for t in ts], "median_step_ms": med * 1e3,
             "tokens_per_s": cfg.batch * cfg.seq_len / med, "compile_s": compile_s, "setup_s": setup_s,
-            "first_steps_s": host_s, "train_loss": loss_list, "evals": evals,
+            "setup_detail": setup.detail, "first_steps_s": host_s,
+            "prep_ms": float(np.median(prep)) * 1e3 if prep else None,
+            "train_loss": loss_list, "evals": evals,
             "final": evals[-1] if evals else None, "gpu": prof,
             "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
-            "eval_s": eval_s, "wall_s": time.perf_counter() - t_setup,
+            "eval_s": eval_s, "profile_s": profile_s,
+            "overhead_s": setup_s + (compile_s or 0.0) + profile_s,
+            "wall_s": time.perf_counter() - t_setup,
         })
         return out
     except Exception as e:  # noqa: BLE001  (OOM, compile errors: recorded as results)

@@ -5,8 +5,15 @@ Variants are ``<impl>_<pattern>``:
 * ``sdpa_causal``: ``F.scaled_dot_product_attention(is_causal=True)``, cuDNN backend where it runs
   (checked once per process), else FlashAttention-2, else PyTorch's choice.
 * ``flex_<pattern>``: ``torch.nn.attention.flex_attention`` with a ``mask_mod`` equal to the pattern
-  (translated from the blocksparse_fa expression); the ``BlockMask`` is built once per sequence
-  length, for documents once per batch (``torch.compile(create_block_mask)`` on CUDA).
+  (translated from the blocksparse_fa expression). The ``BlockMask`` (which blocks are visited, which
+  of them are full) is built without evaluating the ``L x L`` mask: for static patterns from the
+  block states of the pattern's blocksparse_fa layout, once per sequence length; for documents from
+  the per-block first and last document id, on the device, once per batch. Both go through
+  ``BlockMask.from_kv_blocks`` and give exactly what ``create_block_mask`` gives (tested).
+  ``flex_block_mask="create"`` uses ``torch.compile(create_block_mask)`` instead (on CUDA; eager on
+  CPU): on torch 2.11 its first call compiles the block mask's sort into a Triton kernel that
+  takes minutes (about 200 s at 16K on an H100), and eager ``create_block_mask`` materialises
+  ``L x L`` elements.
 * ``bsfa_<pattern>``: blocksparse_fa. Static patterns through ``nn.BlockSparseAttention`` (a
   registered mask, the custom op under ``torch.compile``); documents through
   ``bsfa.attention(q, k, v, mask=causal() & document(ids))`` with the mask built per batch.
@@ -29,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.mask import primitives as P
@@ -41,8 +48,10 @@ FAMILIES = ("causal", "sliding", "longformer", "bigbird", "documents")
 VARIANTS = ("sdpa_causal",
             "flex_causal", "flex_sliding", "flex_longformer", "flex_bigbird", "flex_documents",
             "bsfa_causal", "bsfa_sliding", "bsfa_longformer", "bsfa_bigbird", "bsfa_documents")
-DEFAULT_VARIANTS = ("sdpa_causal", "flex_sliding", "flex_longformer", "flex_bigbird", "flex_documents",
-                    "bsfa_causal", "bsfa_sliding", "bsfa_longformer", "bsfa_bigbird", "bsfa_documents")
+# priority order of a run (under a deadline the first ones are measured first; the first three
+# are the targets' comparison: dense, ours and Flex on the Longformer pattern)
+DEFAULT_VARIANTS = ("sdpa_causal", "bsfa_longformer", "flex_longformer", "bsfa_sliding", "bsfa_documents",
+                    "bsfa_bigbird", "bsfa_causal", "flex_sliding", "flex_documents", "flex_bigbird")
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -216,10 +225,74 @@ def mask_mod_from(mask: Mask, n: int, device):
     return build(mask)
 
 
+FLEX_BLOCK_MASKS = ("layout", "create")
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block states, as in ``BlockLayout.block_states()``
+
+
+def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a boolean block matrix ``(..., Tr, Tc)``: the number of selected columns
+    ``(..., Tr)`` and the column indices ``(..., Tr, Tc)``, selected ones first in ascending order,
+    then the others (int32: FlexAttention's ``kv_num_blocks`` / ``kv_indices`` format, the same
+    order ``create_block_mask`` produces)."""
+    s = sel.to(torch.int32)
+    num = s.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(s, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num.contiguous(), idx.contiguous()
+
+
+def block_mask_from_states(states: torch.Tensor, block_size: int, mask_mod) -> BlockMask:
+    """A FlexAttention ``BlockMask`` from block states.
+
+    Args:
+        states: ``int8`` ``(Tr, Tc)`` or ``(B, H, Tr, Tc)``: 0 empty, 1 partial (``mask_mod`` is
+            evaluated there), 2 full (every pair kept; ``mask_mod`` is skipped), on the device the
+            mask is used on.
+        block_size: the square block size the states were computed for.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx)`` of the pattern.
+
+    Eager tensor operations on ``(Tr, Tc)`` blocks only: no ``L x L`` evaluation, no compilation.
+    """
+    while states.dim() < 4:
+        states = states.unsqueeze(0)
+    kv_num, kv_idx = _ordered(states == PARTIAL)
+    full_num, full_idx = _ordered(states == FULL)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod)
+
+
+def layout_block_states(mask: Mask, L: int, block_size: int, device) -> torch.Tensor:
+    """Block states ``(Tr, Tc)`` int8 of ``mask`` for self-attention over ``L`` positions, from its
+    blocksparse_fa layout (compiled from the expression in O(blocks); cached per length)."""
+    return bsfa.compile_mask(mask, L, L, block_size).block_states().to(device)
+
+
+def document_block_states(doc: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block states ``(B, 1, Tr, Tc)`` int8 of ``causal() & document(doc)`` from document ids
+    ``doc`` ``(B, L)`` (``L`` a multiple of ``block_size``), with tensor operations on the ids' device
+    (no synchronisation). A block pair is visited when it is causal and the id ranges of the two
+    blocks overlap, full when it is strictly below the diagonal and both blocks hold one and the same
+    id. Exact when every row's ids are sorted and step by at most 1 (packed windows: files in
+    order); otherwise a superset of the visited blocks (still correct: ``mask_mod`` decides there)."""
+    B, L = doc.shape
+    if L % block_size:
+        raise ValueError(f"document ids of length {L} are not a multiple of the block size {block_size}")
+    T = L // block_size
+    d = doc.view(B, T, block_size)
+    lo, hi = d.amin(-1), d.amax(-1)  # (B, T)
+    lo_q, hi_q, lo_k, hi_k = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
+    i = torch.arange(T, device=doc.device)
+    causal = i[None, :, None] >= i[None, None, :]
+    below = i[None, :, None] > i[None, None, :]
+    visited = causal & (lo_q <= hi_k) & (lo_k <= hi_q)
+    full = below & (lo_q == hi_q) & (lo_k == hi_k) & (lo_q == lo_k)
+    states = torch.where(full, FULL, torch.where(visited, PARTIAL, EMPTY)).to(torch.int8)
+    return states[:, None]
+
+
 _FLEX = {}
 
 
 def _flex_fns(compiled: bool):
+    """``(flex_attention, create_block_mask)``: compiled wrappers on CUDA, the eager functions else."""
     if not compiled:
         return flex_attention, create_block_mask
     if "fns" not in _FLEX:
@@ -307,7 +380,7 @@ class Variant:
 
     def __init__(self, name: str, L: int, pats: Patterns, device: torch.device, *, compiled: bool,
                  bsfa_mode: str = "op", bsfa_api: str = "module", heads: int = 8, kv_heads: int = 2,
-                 head_dim: int = 128):
+                 head_dim: int = 128, flex_block_mask: str = "layout"):
         self.name = name
         self.impl, self.family = split_name(name)
         self.L, self.pats, self.device = L, pats, device
@@ -322,14 +395,23 @@ class Variant:
             if choice.get("rejected"):
                 self.info["sdpa_rejected"] = choice["rejected"]
         elif self.impl == "flex":
+            if flex_block_mask not in FLEX_BLOCK_MASKS:
+                raise ValueError(f"flex_block_mask must be one of {FLEX_BLOCK_MASKS}, got {flex_block_mask!r}")
             self.core = FlexCore(compiled_kernel=cuda)
-            self._cbm = _flex_fns(cuda)[1]
+            self.flex_block_mask = flex_block_mask
+            self.info["flex_block_mask"] = {"layout": "BlockMask.from_kv_blocks (block states)",
+                                            "create": "create_block_mask"}[flex_block_mask]
             if self.family == "documents":
                 self._doc_buf = None  # (B, L) int32 on device, filled per batch; the mask_mod reads it
                 self._doc_mod = None
             else:
                 mod = mask_mod_from(pats.mask(self.family), L, device)
-                self._static_arg = self._cbm(mod, None, None, L, L, device=device, BLOCK_SIZE=pats.block_size)
+                if flex_block_mask == "layout":
+                    states = layout_block_states(pats.mask(self.family), L, pats.block_size, device)
+                    self._static_arg = block_mask_from_states(states, pats.block_size, mod)
+                else:
+                    self._static_arg = _flex_fns(cuda)[1](mod, None, None, L, L, device=device,
+                                                          BLOCK_SIZE=pats.block_size)
         else:
             island = bsfa_mode == "island" or not compiled
             self.info["bsfa_mode"] = "eager" if not compiled else bsfa_mode
@@ -353,9 +435,12 @@ class Variant:
                 buf = self._doc_buf
                 self._doc_mod = lambda b, h, q, kv: (kv <= q) & (buf[b, q] == buf[b, kv])
             self._doc_buf.copy_(batch_dev.doc, non_blocking=True)
+            bs = self.pats.block_size
+            if self.flex_block_mask == "layout":
+                return block_mask_from_states(document_block_states(self._doc_buf, bs), bs, self._doc_mod)
             B = batch_dev.doc.shape[0]
-            return self._cbm(self._doc_mod, B, None, self.L, self.L, device=self.device,
-                             BLOCK_SIZE=self.pats.block_size)
+            return _flex_fns(self.device.type == "cuda")[1](self._doc_mod, B, None, self.L, self.L,
+                                                            device=self.device, BLOCK_SIZE=bs)
         if self.impl == "bsfa" and self.family == "documents":
             if self.core.island:
                 self.core.prepare(batch_cpu.doc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -92,7 +93,7 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
         segs = classify(mask, grid).broadcast_to(mask.batch_shape or (1, 1))
         return refine(segs, mask, grid, refine_budget)
 
-    rw = build_rewrite(mask, q_len, kv_len, (bm, bn), dev, compile_mask) if rewrite else None
+    rw = build_rewrite(mask, q_len, kv_len, (bm, bn), dev, functools.partial(compile_mask, cache=cache)) if rewrite else None
     # A rewritten mask runs as its parts: its own block states are classified only when asked for
     # (statistics, pictures, the CPU backend), since the rewrite exists because they are costly.
     layout = BlockLayout(mask, grid, states if rw is not None else states(), dev, rewrite=rw)
