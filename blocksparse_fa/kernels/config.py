@@ -46,6 +46,11 @@ SHORT_ROW_PARTIAL = 0.3
 # (A/B v9, benchmarks/NOTES.md).
 _BWD_PARTIAL = {128: (TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2))}
 PARTIAL_HEAVY = 0.1
+# The five-GEMM backward (kernels/backward_atomic.py): one tile, dK/dV programs that also add dQ.
+# sm_90, triton 3.6 (benchmarks/experiments/sass_probe.py --kernel atomic, Longformer): 32x128 with
+# two stages fits shared memory (214 KB; 230 KB with TMA reduce-adds); 64x128 spills 400 B per
+# thread at one stage, and two stages do not fit. Not yet timed on the GPU (kernel_ab.py).
+_BWD_ATOMIC = {64: TileConfig(32, 64, 4, 2), 128: TileConfig(32, 128, 8, 2), 256: TileConfig(16, 32, 4, 1)}
 _OVERRIDES: dict[str, TileConfig] = {}
 OVERRIDE_VERSION = [0]  # bumped by set_override (launch plans built before are not reused)
 
@@ -118,8 +123,20 @@ def bwd_configs(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int,
     return out[0], out[1]
 
 
+def atomic_bwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int) -> TileConfig:
+    """Tiles of the five-GEMM backward: ``(queries per step, keys per program)``."""
+    if "atomic" in _OVERRIDES:
+        c = _OVERRIDES["atomic"]
+        return TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)
+    cfg = _pick(_BWD_ATOMIC, d_pad, layout_bm, layout_bn)
+    if dtype == torch.float32:
+        cfg = TileConfig(min(cfg.block_m, 16), min(cfg.block_n, 32), cfg.num_warps, 1)
+    return cfg
+
+
 def set_override(kernel: str, cfg: TileConfig | None) -> None:
-    """Force a tile config for ``"fwd"``, ``"dkdv"`` or ``"dq"`` (benchmarks/tuning); None resets."""
+    """Force a tile config for ``"fwd"``, ``"dkdv"``, ``"dq"`` or ``"atomic"`` (the five-GEMM
+    backward) (benchmarks/tuning); None resets."""
     if cfg is None:
         _OVERRIDES.pop(kernel, None)
     else:
