@@ -115,3 +115,41 @@ def test_atomic_backward_dq_descriptor_falls_back_off_hopper(options):
 def test_kernel_options_reject_unknown_names():
     with pytest.raises(ValueError, match="unknown kernel option 'atomic'"):
         tb.set_kernel_options(atomic=True)
+
+
+def test_flat_backward_loops_match_reference():
+    """FlexAttention's backward tiles in flat loops (one iteration per 64-token kernel tile of a
+    128-token layout block) give the reference's gradients, with ragged lengths and GQA."""
+    from blocksparse_fa.kernels.config import TileConfig, set_override
+
+    set_override("dkdv", TileConfig(64, 128, 8, 3, flat=True))
+    set_override("dq", TileConfig(128, 64, 8, 3, flat=True))
+    try:
+        _check(bsfa.load_pattern("longformer", window=100, n_global=20), H=2, Hkv=1, Lq=300, Lk=270, block=128)
+    finally:
+        set_override("dkdv", None)
+        set_override("dq", None)
+
+
+def test_band_backward_table_is_selectable():
+    """``set_band_backward("flex")`` gives band-like partial-heavy layouts (windows, documents)
+    FlexAttention's tiles; Longformer (mostly partial) and causal keep theirs."""
+    from blocksparse_fa.kernels.config import TileConfig, bwd_configs, set_band_backward
+
+    def tiles(mask, n=16384):
+        lay = bsfa.compile_mask(mask, n, n, 128)
+        band, _, ph, band_bwd = tb._tile_class(lay)
+        return bwd_configs(128, torch.bfloat16, 128, 128, band, ph, band_bwd)
+
+    window, longformer, causal = bsfa.sliding_window(1024), bsfa.load_pattern("longformer"), bsfa.causal()
+    before = [tiles(m) for m in (window, longformer, causal)]
+    set_band_backward("flex")
+    try:
+        kv, q = tiles(window)
+        assert kv == TileConfig(64, 128, 8, 3, flat=True) and q == TileConfig(128, 64, 8, 3, flat=True)
+        assert [tiles(m) for m in (longformer, causal)] == before[1:]
+    finally:
+        set_band_backward("partial")
+    assert tiles(window) == before[0] and before[0][0] == TileConfig(32, 128, 8, 2)
+    with pytest.raises(ValueError, match="unknown band backward table"):
+        set_band_backward("fa3")

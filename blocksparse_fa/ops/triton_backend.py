@@ -13,8 +13,8 @@ from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_comb
 from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
 from ..kernels.merge import _merge_residue
 from ..kernels import config as _config
-from ..kernels.config import (TileConfig, atomic_bwd_config, bwd_configs, check_layout_block, fwd_config,
-                             head_dim_pad, short_rows, short_partial_rows, PARTIAL_HEAVY)
+from ..kernels.config import (TileConfig, atomic_bwd_config, band_backward_rows, bwd_configs, check_layout_block,
+                             fwd_config, head_dim_pad, short_rows, short_partial_rows, PARTIAL_HEAVY)
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
@@ -130,15 +130,15 @@ def _ensure_tma_allocator(device: torch.device) -> None:
         _ALLOCATOR_SET[0] = True
 
 
-def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool]:
-    """``(band, short_partial, partial_heavy)`` of a layout's shape (``kernels/config.py``), cached
-    on the layout: the launchers ask on every call."""
+def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool, bool]:
+    """``(band, short_partial, partial_heavy, band_bwd)`` of a layout's shape (``kernels/config.py``),
+    cached on the layout: the launchers ask on every call."""
     cls = layout.cache.get("tile_class")
     if cls is None:
         mean_row = layout.n_nonempty / max(1, layout._segs.n_rows)
         pf = layout.partial_fraction
         cls = (short_rows(mean_row, pf), short_partial_rows(mean_row, pf),
-               layout.n_nonempty > 0 and pf >= PARTIAL_HEAVY)
+               layout.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf))
         layout.cache["tile_class"] = cls
     return cls
 
@@ -207,12 +207,12 @@ _FALLBACK: dict = {}
 def _shrink(cfg: TileConfig) -> TileConfig | None:
     """Next smaller config: fewer stages first, then the larger tile side halved (>= 16)."""
     if cfg.num_stages > 1:
-        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1, cfg.flat)
     if max(cfg.block_m, cfg.block_n) <= 16:
         return None
     if cfg.block_n >= cfg.block_m:
-        return TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 2)
-    return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 2)
+        return TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 2, cfg.flat)
+    return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 2, cfg.flat)
 
 
 def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
@@ -385,7 +385,7 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
     check_layout_block(lbm, lbn)
     rows, cols, pay, modes = _device_state(layout, device)
     d_pad = head_dim_pad(s.D)
-    wanted = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout))
+    wanted = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout), _tile_class(layout)[3])
     fkey = ("bwd", run, wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the configs that fit, per requested pair
     if cfgs is None:
         cfgs = _FALLBACK.get(fkey, wanted)
@@ -417,6 +417,8 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
                   num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1))
     if _even(layout):
         consts["EVEN"] = True
+    if cfg_kv.flat or cfg_q.flat:
+        consts.update(KV_FLAT=cfg_kv.flat, Q_FLAT=cfg_q.flat)
     bufs = (*rows, *cols, pay.params, pay.aux, wl_kv.work if wl_kv is not None else ph,
             wl_q.work if wl_q is not None else ph)
     ints = (kv_nslot, q_nslot, n_kv_items, n_kv_progs, n_q_items, int(head_major),
