@@ -11,6 +11,7 @@ from triton.runtime.errors import OutOfResources
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
+from ..kernels.forward_ws import _attn_fwd_ws
 from ..kernels.merge import _merge_residue
 from ..kernels import config as _config
 from ..kernels.config import (TileConfig, atomic_bwd_config, band_backward_rows, bwd_configs, check_layout_block,
@@ -72,13 +73,16 @@ def set_lut_policy(**kw) -> None:
 
 # Forward loop options on Hopper (benchmarks/experiments/ab_variants.py compares them): K/V tiles through
 # tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
-_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None}
+_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None}
 
 
 def set_forward_options(**kw) -> None:
     """``kv_desc`` (bool: load K/V through tensor descriptors where the device and strides allow),
     ``warp_specialize`` (bool, needs ``kv_desc``) and ``masked_stages`` (int or None: pipelining
-    depth of the masked loop). All off by default: none was faster on the H100 (NOTES.md v9)."""
+    depth of the masked loop). All off by default: none was faster on the H100 (NOTES.md v9).
+    ``dense``: layouts whose every block is full run ``kernels/forward_ws.py`` instead: ``"ws"``
+    warp-specialised (4 warps), ``"plain"`` the same loop with 8 warps, None (default) the
+    block-sparse kernel. Triton specialises warps only in that kernel (NOTES.md, issue 17 levers)."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
@@ -317,13 +321,41 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None) -> 
     return plan
 
 
+_DENSE_BLOCK = 128
+
+
+def _dense_ok(layout: BlockLayout, s: Shapes, dropout_p: float, *ts) -> bool:
+    """Whether ``kernels/forward_ws.py`` computes this call exactly: every block full, no ragged key
+    edge, no dropout, a power-of-two head dim, 16-bit inputs on a Hopper GPU (or the interpreter)."""
+    if _FWD_OPTS["dense"] is None or dropout_p > 0.0 or layout.batch_shape or layout.kv_len % _DENSE_BLOCK:
+        return False
+    if layout.n_partial or layout.n_full != layout.n_blocks or head_dim_pad(s.D) != s.D or s.D > 128:
+        return False
+    if ts[0].device.type == "cpu":  # the interpreter: descriptors need no alignment there
+        return True
+    return ts[0].dtype in (torch.float16, torch.bfloat16) and _tma_ok(*ts)
+
+
+def _dense_launch(q, k, v, out, lse, s: Shapes, scale: float) -> None:
+    _ensure_tma_allocator(q.device)
+    ws = _FWD_OPTS["dense"] == "ws"
+    _attn_fwd_ws[(_cdiv(s.Lq, _DENSE_BLOCK), s.B * s.H)](
+        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        s.H, s.G, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=_DENSE_BLOCK, BLOCK_N=_DENSE_BLOCK,
+        WARP_SPEC=ws, num_warps=4 if ws else 8, num_stages=2)
+
+
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
     """Forward kernel; returns ``out (B, H, Lq, D)`` and ``lse (B, H, Lq)`` float32."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dev = q.device
-    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
+    if _FWD_OPTS["dense"] is not None and _dense_ok(layout, s, dropout_p, q, k, v, out):
+        _dense_launch(q, k, v, out, lse, s, scale)
+        return out, lse
+    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0)
     while True:
         try:
             _fwd_launch(q, k, v, out, lse, plan, scale, dropout_p, seed)
