@@ -183,6 +183,26 @@ def main():
     dm = torch.rand(1, 2, 1500, 1500) > 0.6
     record("dense_mask per head", 1500, 64, torch.bfloat16, "B1H2", mask=bsfa.dense_mask(dm), B=1, H=2, Hkv=2, Lq=1500, Lk=1500)
 
+    # the mask algebra's newer primitives (ranges, position sets, per-batch/per-head values, NATTEN,
+    # STA, periodic windows, chunk bands, documents with shuffled labels; benchmarks/flex_equivalents.py)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from flex_equivalents import cases as new_cases
+
+    for name, m, _, (Bc, _Hc) in new_cases(4096, B=2, H=4):
+        record(name, 4096, 128, torch.bfloat16, f"B={Bc} H=4", mask=m, B=Bc, H=4, Hkv=2, Lq=4096, Lk=4096)
+    record("chunk_band cross-attention", 1000, 64, torch.bfloat16, "Lq=1000,Lk=3001",
+           mask=bsfa.chunk_band(7, 3, lo=-1, hi=2), B=1, H=2, Hkv=2, Lq=1000, Lk=3001)
+    record("mask_mod & sliding", 3000, 128, torch.bfloat16, "mask_mod",
+           mask=bsfa.mask_mod(lambda b, h, q, kv: ((q * 7 + kv * 3) % 5) != 0) & bsfa.sliding_window(700),
+           B=1, H=2, Hkv=2, Lq=3000, Lk=3000)
+    lens = torch.tensor([4099, 1500, 37])  # batched decode over a padded cache, one position per sequence
+    record("shift: decode per sequence", 1, 128, torch.bfloat16, "Lq=1,Lk=4099 B=3",
+           mask=bsfa.shift(bsfa.causal() & bsfa.sliding_window(1024), bsfa.per_batch(lens - 4099))
+           & bsfa.key_range(0, bsfa.per_batch(lens)), B=3, H=4, Hkv=2, Lq=1, Lk=4099)
+    bmh = torch.rand(1, 4, 24, 24) < 0.3
+    record("block_mask per head", 3000, 64, torch.bfloat16, "(1,4,Tr,Tc)", mask=bsfa.block_mask(bmh) | bsfa.causal(),
+           B=1, H=4, Hkv=4, Lq=3000, Lk=3000)
+
     # recompilation check: window size and length changes reuse compiled kernels
     def run_fwd_bwd(mask, n):
         q = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -7,9 +7,10 @@
 """
 
 from .mask import (
-    Mask, MaskSyntaxError, block_mask, causal, chunked, dense_mask, document, full, global_tokens,
-    list_patterns, load_pattern, parse, pattern_info, prefix_lm, random_blocks, sliding_window, strided,
-    summary, window,
+    Mask, MaskSyntaxError, block_mask, causal, chunk_band, chunked, dense_mask, document, full, global_tokens,
+    key_range, key_set, list_patterns, load_pattern, mask_mod, neighborhood, parse, pattern_info, per_batch,
+    per_head, periodic_window, prefix_lm, query_range, query_set, random_blocks, sliding_tiles, sliding_window,
+    shift, strided, summary, window,
 )
 
 from .compiler import BlockLayout, compile_mask
@@ -24,5 +25,6 @@ __all__ = [
     "Mask", "MaskSyntaxError", "BlockLayout", "compile_mask", "attention", "reference_attention",
     "dropout_keep_mask", "attention_op", "register_mask", "merge_attention", "nn", "parse", "load_pattern", "list_patterns", "pattern_info",
     "full", "causal", "window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm",
-    "summary", "document", "random_blocks", "block_mask", "dense_mask",
+    "summary", "document", "random_blocks", "block_mask", "dense_mask", "chunk_band", "key_range", "query_range",
+    "key_set", "query_set", "periodic_window", "neighborhood", "sliding_tiles", "mask_mod", "per_head", "per_batch", "shift",
 ]

@@ -7,7 +7,7 @@ import time
 import torch
 
 from ..mask.dsl import parse
-from ..mask.expr import Mask
+from ..mask.expr import Mask, query_offset
 from .cache import LRUCache
 from .classify import Grid, classify, refine
 from .layout import BlockLayout
@@ -46,7 +46,7 @@ def _device(device) -> torch.device:
 
 def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *, device=None,
                  refine_budget: int = DEFAULT_REFINE_BUDGET, cache: bool = True,
-                 rewrite: bool = True) -> BlockLayout:
+                 rewrite: bool = True, align: str = "bottom_right") -> BlockLayout:
     """Compile a mask into a block layout without materialising the ``q_len × kv_len`` mask.
 
     The result is everything the kernels need for these lengths: block states, lookup tables
@@ -57,13 +57,16 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
     Args:
         mask: a :class:`Mask` or DSL text.
         q_len: query length.
-        kv_len: key length (default ``q_len``); queries align bottom-right.
+        kv_len: key length (default ``q_len``).
         block_size: ``bm`` or ``(bm, bn)``.
         device: where the lookup tables live (default CPU).
         refine_budget: mask elements the compiler may evaluate to settle blocks that the state
             algebra leaves uncertain (``&``/``|`` of two partial blocks); 0 disables refinement.
-        cache: reuse a layout compiled for the same (mask, lengths, block size, device, budget).
+        cache: reuse a layout compiled for the same (mask, lengths, block size, device, budget, align).
         rewrite: let the compiler plan exact rewrites (used by the Triton backend without dropout).
+        align: where query row ``i`` sits: ``"bottom_right"`` (position ``i + kv_len - q_len``,
+            decode sees the whole cache) or ``"top_left"`` (position ``i``, as FlexAttention and
+            SDPA's ``is_causal``).
 
     Returns:
         A :class:`BlockLayout`.
@@ -76,19 +79,23 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
     mask.check_lengths(q_len, kv_len)
     bm, bn = block_pair(block_size)
     dev = _device(device)
-    key = (mask, q_len, kv_len, bm, bn, str(dev), refine_budget, bool(rewrite))
+    query_offset(q_len, kv_len, align)  # validates align
+    key = (mask, q_len, kv_len, bm, bn, str(dev), refine_budget, bool(rewrite), align)
     if cache:
         hit = _cache.get(key)
         if hit is not None:
             return hit
     t0 = time.perf_counter()
-    grid = Grid(q_len, kv_len, bm, bn)
-    segs = classify(mask, grid)
-    bs = mask.batch_shape or (1, 1)
-    segs = segs.broadcast_to(bs)
-    segs, n_refined = refine(segs, mask, grid, refine_budget)
+    grid = Grid(q_len, kv_len, bm, bn, align)
+
+    def states():
+        segs = classify(mask, grid).broadcast_to(mask.batch_shape or (1, 1))
+        return refine(segs, mask, grid, refine_budget)
+
     rw = build_rewrite(mask, q_len, kv_len, (bm, bn), dev, compile_mask) if rewrite else None
-    layout = BlockLayout(mask, grid, segs, dev, n_refined, 0.0, rewrite=rw)
+    # A rewritten mask runs as its parts: its own block states are classified only when asked for
+    # (statistics, pictures, the CPU backend), since the rewrite exists because they are costly.
+    layout = BlockLayout(mask, grid, states if rw is not None else states(), dev, rewrite=rw)
     layout.compile_seconds = time.perf_counter() - t0
     if cache:
         _cache.put(key, layout)

@@ -43,27 +43,46 @@ class BlockLayout:
         cache: per-device state the backends build once (tables on the device, payload, work lists).
     """
 
-    def __init__(self, mask: Mask, grid: Grid, segs: Segments, device, n_refined: int = 0, compile_seconds: float = 0.0,
+    def __init__(self, mask: Mask, grid: Grid, segs, device, n_refined: int = 0, compile_seconds: float = 0.0,
                  rewrite=None):
+        """``segs``: the block states, ``(Segments, n_refined)``, or a function returning that pair
+        (called on first use)."""
         self.mask = mask
         self._grid = grid
-        self._segs = segs
+        if isinstance(segs, tuple):
+            segs, n_refined = segs
+        self._states = segs
         self.q_len, self.kv_len = grid.q_len, grid.kv_len
         self.block_size = (grid.bm, grid.bn)
         self.batch_shape = mask.batch_shape
         self.device = torch.device(device)
-        self.n_refined = n_refined
+        self._n_refined = n_refined
         self.compile_seconds = compile_seconds
         self.rewrite = rewrite
         self.cache: dict = {}
+
+    @property
+    def _segs(self) -> Segments:
+        """The block states, run-length encoded (classified on first use when compiled lazily)."""
+        st = self._states
+        if not isinstance(st, Segments):
+            st, self._n_refined = st()
+            self._states = st
+        return st
+
+    @property
+    def n_refined(self) -> int:
+        """Blocks whose state was settled by evaluating the mask on them."""
+        self._segs
+        return self._n_refined
 
     def to(self, device) -> "BlockLayout":
         """The same layout with its tables on ``device`` (shares the block states and rewrite)."""
         device = torch.device(device)
         if device == self.device:
             return self
-        return BlockLayout(self.mask, self._grid, self._segs, device, self.n_refined, self.compile_seconds,
-                           self.rewrite)
+        segs = self._states if not isinstance(self._states, Segments) else (self._states, self._n_refined)
+        return BlockLayout(self.mask, self._grid, segs, device, 0, self.compile_seconds, self.rewrite)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -75,6 +94,11 @@ class BlockLayout:
     def q_offset(self) -> int:
         """Absolute position of query row 0: query row ``i`` sits at ``i + q_offset``."""
         return self._grid.off
+
+    @property
+    def align(self) -> str:
+        """``"bottom_right"`` (``q_offset = kv_len - q_len``) or ``"top_left"`` (``q_offset = 0``)."""
+        return self._grid.align
 
     @property
     def n_blocks(self) -> int:

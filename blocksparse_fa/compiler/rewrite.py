@@ -58,8 +58,8 @@ def _match_strided(mask: Mask):
     x, y = b.children
     if isinstance(x, P.Strided):
         x, y = y, x
-    if not isinstance(y, P.Strided):
-        return None
+    if not isinstance(y, P.Strided) or y.has_tensor_params or getattr(x, "has_tensor_params", False):
+        return None  # per-head/per-batch strides and windows are not rewritten
     if isinstance(x, P.SlidingWindow):
         return x.w, y.s
     if isinstance(x, P.Window):

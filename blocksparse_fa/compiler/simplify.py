@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..mask.expr import And, Mask, Not, Or
-from ..mask.primitives import full
+from ..mask.primitives import MaskMod, full
+from ..mask.shift import Shift
 from .classify import Grid, classify
 from .segments import EMPTY, FULL, Segments
 
@@ -39,8 +40,8 @@ def masked_blocks(segs: Segments, grid: Grid) -> tuple[np.ndarray, np.ndarray]:
 
 def _leaf_constant(leaf: Mask, grid: Grid, r: np.ndarray, c: np.ndarray):
     """``True``/``False`` when ``leaf`` is full/empty on every block ``(r, c)``, else ``None``."""
-    if leaf.batch_shape or len(r) == 0:
-        return None  # batch-dependent primitives keep their predicate
+    if leaf.batch_shape or len(r) == 0 or isinstance(leaf, MaskMod):
+        return None  # batch-dependent primitives keep their predicate; callables are not re-evaluated
     segs = classify(leaf, grid)
     keys = segs.key
     pos = np.searchsorted(keys, r * (grid.tc + 1) + c, side="right") - 1
@@ -69,6 +70,8 @@ def _fold(mask: Mask, const: dict):
     if isinstance(mask, Not):
         v = _fold(mask.children[0], const)
         return (not v) if isinstance(v, bool) else Not(v)
+    if isinstance(mask, Shift):
+        return mask  # its operand sees other positions: kept whole
     return const.get(id(mask), mask)
 
 
@@ -80,7 +83,10 @@ def predicate_mask(mask: Mask, segs: Segments, grid: Grid) -> Mask:
     """
     r, c = masked_blocks(segs, grid)
     const = {}
+    shifted = {id(leaf) for node in mask.nodes() if isinstance(node, Shift) for leaf in node.leaves()}
     for leaf in mask.leaves():
+        if id(leaf) in shifted:
+            continue
         v = _leaf_constant(leaf, grid, r, c)
         if v is not None:
             const[id(leaf)] = v

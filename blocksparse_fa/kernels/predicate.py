@@ -5,9 +5,13 @@ Only the expression's *structure* goes into the generated source (which primitiv
 how); every integer parameter, length-dependent constant and tensor payload travels at run time in
 two int32 buffers:
 
-* ``PARAMS``: per primitive its integer parameters and payload offsets/strides;
-* ``AUX``: concatenated payloads — document ids (int32), random/block-grid bits and dense-mask bits
-  (32 per int32 word), read only while a partial block is being processed.
+* ``PARAMS``: per primitive its integer parameters and payload offsets/strides. A parameter given
+  per (batch, head) (``window(per_head(...))``) takes three slots (offset of its value table in
+  PARAMS, batch stride, head stride) and is read as ``PARAMS[off + b * sb + h * sh]``; only
+  *whether* a parameter is per-head/per-batch is structure;
+* ``AUX``: concatenated payloads — document ids (int32), position bitsets, random/block-grid bits,
+  dense-mask bits (32 per int32 word) and, for ``mask_mod``, the bits of its partial blocks with
+  their index — read only while a partial block is being processed.
 
 So changing a window size, a sequence length or document boundaries reuses the compiled kernel;
 only a new expression structure generates (and compiles) a new predicate. The generated source is
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 import os
 import sys
 import tempfile
@@ -33,9 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..compiler.classify import evaluate_blocks
 from ..compiler.layout import BlockLayout
 from ..compiler.simplify import predicate_mask
+from ..mask.base import ParamTensor, Primitive, pack_bits
 from ..mask.expr import And, Mask, Not, Or
+from ..mask.shift import Shift
 
 _lock = threading.Lock()
 _functions: dict[str, object] = {}
@@ -51,7 +59,22 @@ def structure_key(mask: Mask, forms: dict | None = None) -> str:
         return f"{op}({','.join(structure_key(c, forms) for c in mask.children)})"
     if isinstance(mask, Not):
         return f"not({structure_key(mask.children[0], forms)})"
-    return forms.get(id(mask), mask.name)
+    if isinstance(mask, Shift):
+        return f"shift{'[t]' if mask._own_batch_shape() else ''}({structure_key(mask.children[0], forms)})"
+    return forms.get(id(mask), mask.name) + _flag_suffix(mask)
+
+
+def _tensor_flags(leaf: Mask) -> tuple:
+    """Which of a leaf's template parameters are per-(batch, head) (only primitives whose template
+    parameters are their own parameters can have them)."""
+    if isinstance(leaf, Primitive) and leaf.has_tensor_params:
+        return tuple(isinstance(v, ParamTensor) for v in leaf._params)
+    return ()
+
+
+def _flag_suffix(leaf: Mask) -> str:
+    flags = _tensor_flags(leaf)
+    return "[" + "".join("t" if f else "s" for f in flags) + "]" if flags else ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -68,6 +91,21 @@ _TEMPLATES = {
     "chunked": (1, "chunked_keep(qp, kj, {p0})"),
     "prefix_lm": (1, "(kj <= qp) | (kj < {p0})"),
     "summary": (2, "summary_keep(kj, {p0}, {p1})"),
+    "chunk_band": (4, "chunk_band_keep(qp, kj, {p0}, {p1}, {p2}, {p3})"),
+    "key_range": (2, "(kj >= {p0}) & (kj < {p1})"),
+    "query_range": (2, "(qp >= {p0}) & (qp < {p1})"),
+    "periodic_window": (2, "periodic_keep(qp, kj, {p0}, {p1})"),
+    # position bitsets: AUX[p0 + b * p1 + x // 32], p2 bits
+    "key_set": (3, "bitset_keep(kj, AUX + {p0} + b * {p1}, {p2})"),
+    "query_set": (3, "bitset_keep(qp, AUX + {p0} + b * {p1}, {p2})"),
+    # grid neighbourhoods read their 30 parameters themselves, from PARAMS + {base}
+    "neighborhood": (30, "grid_keep(qp, kj, PARAMS + {base})", "raw"),
+    "sliding_tiles": (30, "grid_keep(qp, kj, PARAMS + {base})", "raw"),
+    # mask_mod: bits of partial layout blocks; instance z = b * p0 + h * p1; per layout row
+    # (cmin, count, base) at AUX[p2 + 3 * (z * p5 + r)], block index at AUX[p3 + base + c - cmin]
+    # (-1 full, -2 empty), bits at AUX[p4 + idx * p6 * p10 + ...]; p7, p9 = log2 of p6, p8
+    "mask_mod": (11, "partial_bits_keep(i, kj, b * {p0} + h * {p1}, AUX + {p2}, AUX + {p3}, AUX + {p4}, "
+                     "{p5}, {p6}, {p7}, {p8}, {p9}, {p10})"),
     # ids at AUX[p0 + b * p1 + pos], length p2
     "document": (3, "(tl.load(AUX + {p0} + b * {p1} + qp, mask=(qp >= 0) & (qp < {p2}), other=-1) == "
                     "tl.load(AUX + {p0} + b * {p1} + kj, mask=(kj >= 0) & (kj < {p2}), other=-2)) & (qp >= 0)"),
@@ -89,25 +127,49 @@ _TEMPLATES = {
 }
 
 
-_GATHER_2D = {"random_blocks", "block_mask", "dense_mask"}
+_GATHER_2D = {"random_blocks", "block_mask", "dense_mask", "mask_mod"}
 
 
-def _emit(mask: Mask, lines: list, counter: list, slot: list, forms: dict) -> str:
+def _load_param(lines: list, slot: list, per_bh: bool) -> str:
+    """Emit the load of the next parameter slot; a per-(batch, head) value reads its table."""
+    var = f"p{slot[0]}"
+    s0 = slot[0]
+    if per_bh:  # table offset, batch stride, head stride
+        lines.append(f"    {var} = tl.load(PARAMS + tl.load(PARAMS + {s0}) + b * tl.load(PARAMS + {s0 + 1}) "
+                     f"+ h * tl.load(PARAMS + {s0 + 2}))")
+        slot[0] += 3
+    else:
+        lines.append(f"    {var} = tl.load(PARAMS + {s0})")
+        slot[0] += 1
+    return var
+
+
+def _emit(mask: Mask, lines: list, counter: list, slot: list, forms: dict, qp: str = "qp") -> str:
     if isinstance(mask, (And, Or)):
         op = " & " if isinstance(mask, And) else " | "
-        return "(" + op.join(_emit(c, lines, counter, slot, forms) for c in mask.children) + ")"
+        return "(" + op.join(_emit(c, lines, counter, slot, forms, qp) for c in mask.children) + ")"
     if isinstance(mask, Not):
-        return f"(~{_emit(mask.children[0], lines, counter, slot, forms)})"
-    n, tmpl = _TEMPLATES[forms.get(id(mask), mask.name)]
+        return f"(~{_emit(mask.children[0], lines, counter, slot, forms, qp)})"
+    if isinstance(mask, Shift):  # the operand sees query positions qp + offset
+        d = _load_param(lines, slot, bool(mask._own_batch_shape()))
+        var = f"q{counter[0]}"
+        counter[0] += 1
+        lines.append(f"    {var} = {qp} + {d}")
+        return _emit(mask.children[0], lines, counter, slot, forms, var)
+    n, tmpl, *raw = _TEMPLATES[forms.get(id(mask), mask.name)]
     names = {}
-    for k in range(n):
-        var = f"p{slot[0]}"
-        lines.append(f"    {var} = tl.load(PARAMS + {slot[0]})")
-        names[f"p{k}"] = var
-        slot[0] += 1
+    if raw:  # the helper reads its own parameters
+        names["base"] = str(slot[0])
+        slot[0] += n
+    flags = _tensor_flags(mask) or (False,) * n
+    for k in range(0 if raw else n):
+        names[f"p{k}"] = _load_param(lines, slot, flags[k])
     var = f"m{counter[0]}"
     counter[0] += 1
-    lines.append(f"    {var} = {tmpl.format(**names)}")
+    expr = tmpl.format(**names)
+    if qp != "qp":
+        expr = re.sub(r"\bqp\b", qp, expr)
+    lines.append(f"    {var} = {expr}")
     return var
 
 
@@ -120,7 +182,8 @@ def generate_source(mask: Mask, forms: dict | None = None) -> str:
     return (
         f'"""Generated by blocksparse_fa for the structure {structure_key(mask, forms)}."""\n'
         "import triton\nimport triton.language as tl\n"
-        "from blocksparse_fa.kernels.predicate_ops import chunked_keep, div_floor, doc_run_keep, strided_keep, summary_keep\n\n\n"
+        "from blocksparse_fa.kernels.predicate_ops import (bitset_keep, chunk_band_keep, chunked_keep, div_floor, "
+        "doc_run_keep, grid_keep, partial_bits_keep, periodic_keep, strided_keep, summary_keep)\n\n\n"
         "@triton.jit\n"
         "def predicate(qp, kj, i, b, h, PARAMS, AUX, KEY_SIDE: tl.constexpr):\n"
         f"{body}\n"
@@ -172,13 +235,8 @@ def predicate_function(mask: Mask, forms: dict | None = None):
 # run-time payload
 # ------------------------------------------------------------------------------------------------
 def _pack_bits(grid: np.ndarray) -> np.ndarray:
-    """bool (..., R, C) -> int32 (..., R, ceil(C/32)), bit c%32 of word c//32."""
-    *lead, r, c = grid.shape
-    w = -(-c // 32)
-    padded = np.zeros((*lead, r, w * 32), dtype=bool)
-    padded[..., :c] = grid
-    bits = padded.reshape(*lead, r, w, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
-    return bits.sum(-1).astype(np.uint32).view(np.int32)
+    """bool (..., R, C) -> int32 (..., R, ceil(C/32)), bit c%32 of word c//32 (in row chunks)."""
+    return pack_bits(torch.from_numpy(np.ascontiguousarray(grid))).numpy()
 
 
 _DOCUMENT_RUNS = {"on": True}
@@ -209,6 +267,101 @@ def _document_runs(ids: np.ndarray):
 
 def _log2_or_minus1(x: int) -> int:
     return x.bit_length() - 1 if x & (x - 1) == 0 else -1
+
+
+# primitives whose template parameters are their own parameters (these may be per-(batch, head))
+_SIMPLE = {"window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm", "summary", "chunk_band",
+           "key_range", "query_range", "periodic_window"}
+
+
+def _payload_nodes(mask: Mask):
+    """Leaves and ``shift`` nodes in the order :func:`_emit` assigns their parameter slots."""
+    if isinstance(mask, Shift):
+        yield mask
+    if not mask.children:
+        yield mask
+    for c in mask.children:
+        yield from _payload_nodes(c)
+
+
+def _resolve_slots(slots: list) -> list:
+    """PARAMS: scalar slots, and for each per-(batch, head) value ``(table offset, batch stride,
+    head stride)`` with its table appended after the slots."""
+    params: list = []
+    tables = []
+    for v in slots:
+        if isinstance(v, ParamTensor):
+            bp, hp = v.t.shape
+            tables.append((len(params), v.t))
+            params.extend([0, hp if bp > 1 else 0, 1 if hp > 1 else 0])
+        else:
+            params.append(int(v))
+    for pos, t in tables:
+        params[pos] = len(params)
+        params.extend(int(x) for x in t.reshape(-1).tolist())
+    return params
+
+
+def _grid_params(leaf) -> list:
+    """The 30 parameters ``grid_keep`` reads: start, V, tile volume, then per dim (3, padded)
+    ``G, K, D`` and the coordinate map ``((x // tv // A) % N) * M + ((x % tv // C) % T) * E``."""
+    grid, kernel, dilation, tile, start = leaf._params
+    n = len(grid)
+    sta = leaf.STA
+    out = [start, int(np.prod(grid)), int(np.prod(tile)) if tile else 1]
+    for d in range(3):
+        if d >= n:
+            out.extend([1, 1, 1, 1, 1, 0, 1, 1, 0])
+            continue
+        if tile:
+            ntiles = [g // t for g, t in zip(grid, tile)]
+            a = int(np.prod(ntiles[d + 1:]))
+            c = int(np.prod(tile[d + 1:]))
+            G = ntiles[d] if sta else grid[d]
+            out.extend([G, kernel[d], dilation[d], a, ntiles[d], 1 if sta else tile[d], c, tile[d], 0 if sta else 1])
+        else:
+            out.extend([grid[d], kernel[d], dilation[d], int(np.prod(grid[d + 1:])), grid[d], 1, 1, 1, 0])
+    return out
+
+
+def _mask_mod_params(leaf, layout: BlockLayout, add_aux) -> list:
+    """Bits of ``mask_mod`` on the layout's masked blocks (evaluated here, one bit per element of
+    the partial ones) and the per-row index the predicate looks them up in."""
+    g, segs = layout._grid, layout._segs
+    rows, cols, st = segs.blocks(nonempty=True)
+    masked = st != 2
+    if g.kv_len % g.bn:
+        masked |= cols == g.tc - 1
+    if g.q_len % g.bm:
+        masked |= rows % g.tr == g.tr - 1
+    rows, cols = rows[masked], cols[masked]
+    Bl, Hl = segs.batch_shape
+    Bo, Ho = leaf.batch_shape or (1, 1)
+    z = rows // g.tr
+    zo = np.where(Bo > 1, z // Hl, 0) * Ho + np.where(Ho > 1, z % Hl, 0)
+    key = np.unique((zo * g.tr + rows % g.tr) * g.tc + cols)
+    orow, ocol = key // g.tc, key % g.tc  # orow = zo * tr + r, sorted by (row, col)
+    states, words = evaluate_blocks(leaf, g, orow, ocol, (Bo, Ho), bits=True)
+    part = states == 1
+    idx = np.where(part, np.cumsum(part) - 1, np.where(states == 2, -1, -2)).astype(np.int64)
+    n_rows = Bo * Ho * g.tr
+    first = np.searchsorted(orow, np.arange(n_rows), side="left")
+    last = np.searchsorted(orow, np.arange(n_rows), side="right")
+    has = last > first
+    if len(ocol):
+        cmin = np.where(has, ocol[np.minimum(first, len(ocol) - 1)], 0)
+        cmax = np.where(has, ocol[np.maximum(last - 1, 0)], -1)
+    else:
+        cmin, cmax = np.zeros(n_rows, np.int64), np.full(n_rows, -1, np.int64)
+    count = np.where(has, cmax - cmin + 1, 0)
+    base = np.cumsum(count) - count
+    table = np.full(max(1, int(count.sum())), -2, np.int64)  # never empty: the kernel reads entry 0
+    table[base[orow] + ocol - cmin[orow]] = idx
+    rows_tab = np.stack([cmin, count, base], 1)
+    # never empty: the kernel reads block 0 when a tile has no stored bits
+    bits = words[torch.from_numpy(part)].numpy() if part.any() else np.zeros((1, g.bm, -(-g.bn // 32)), np.int32)
+    return [Ho if Bo > 1 else 0, 1 if Ho > 1 else 0, add_aux(rows_tab), add_aux(table), add_aux(bits), g.tr,
+            g.bm, _log2_or_minus1(g.bm), g.bn, _log2_or_minus1(g.bn), bits.shape[-1]]
 
 
 @dataclass
@@ -242,24 +395,31 @@ def build_payload(layout: BlockLayout, device) -> Payload:
 
     q_len, kv_len = layout.q_len, layout.kv_len
     forms: dict = {}
-    for leaf in pmask.leaves():
+    slots: list = []  # ints, or ParamTensor for per-(batch, head) values
+    for leaf in _payload_nodes(pmask):
+        if isinstance(leaf, Shift):
+            slots.append(leaf._offset)
+            continue
         name = leaf.name
         if name in ("full", "causal"):
             continue
-        if name in ("window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm"):
-            params.append(leaf._params[0])
-        elif name == "summary":
-            params.extend(leaf._params)
+        if name in _SIMPLE:
+            slots.extend(leaf._params)
         elif name == "document":
             ids = leaf.ids.detach().to("cpu").long().numpy()
             runs = _document_runs(ids) if _DOCUMENT_RUNS["on"] else None
             if runs is not None:  # each document one run: compare positions with the run's bounds
                 forms[id(leaf)] = "document_runs"
                 start, end = runs
-                params.extend([add_aux(start), ids.shape[1] if ids.shape[0] > 1 else 0, add_aux(end), ids.shape[1]])
+                slots.extend([add_aux(start), ids.shape[1] if ids.shape[0] > 1 else 0, add_aux(end), ids.shape[1]])
             else:
                 off = add_aux(ids)
-                params.extend([off, ids.shape[1] if ids.shape[0] > 1 else 0, ids.shape[1]])
+                slots.extend([off, ids.shape[1] if ids.shape[0] > 1 else 0, ids.shape[1]])
+        elif name in ("key_set", "query_set"):
+            bits = leaf.bits().numpy()  # (B, W)
+            slots.extend([add_aux(bits), bits.shape[1] if bits.shape[0] > 1 else 0, bits.shape[1] * 32])
+        elif name in ("neighborhood", "sliding_tiles"):
+            slots.extend(_grid_params(leaf))
         elif name == "random_blocks":
             bs = leaf.block_size
             n_kb = -(-kv_len // bs)
@@ -268,22 +428,23 @@ def build_payload(layout: BlockLayout, device) -> Payload:
                 ch = leaf.chosen(np.arange(n_kb), n_kb)
                 np.put_along_axis(grid, ch, True, axis=1)
             bits = _pack_bits(grid)
-            params.extend([add_aux(bits), bs, bits.shape[-1], n_kb, n_kb, _log2_or_minus1(bs)])
+            slots.extend([add_aux(bits), bs, bits.shape[-1], n_kb, n_kb, _log2_or_minus1(bs)])
         elif name == "block_mask":
-            t = leaf.tensor.detach().to("cpu").numpy()
-            bits = _pack_bits(t)  # (B, H, R, W)
+            bits = leaf.tensor.numpy()  # stored bit-packed: (B, H, R, W)
             bb, hh, rr, ww = bits.shape
-            params.extend([add_aux(bits), leaf.block_size, ww, rr, t.shape[-1],
+            slots.extend([add_aux(bits), leaf.block_size, ww, rr, leaf.n_cols,
                            hh * rr * ww if bb > 1 else 0, rr * ww if hh > 1 else 0, _log2_or_minus1(leaf.block_size)])
         elif name == "dense_mask":
-            t = leaf.tensor.detach().to("cpu").numpy()
-            bits = _pack_bits(t)
+            bits = leaf.tensor.numpy()  # stored bit-packed: (B, H, Lq, W)
             bb, hh, rr, ww = bits.shape
-            params.extend([add_aux(bits), ww, q_len, hh * rr * ww if bb > 1 else 0, rr * ww if hh > 1 else 0, kv_len])
+            slots.extend([add_aux(bits), ww, q_len, hh * rr * ww if bb > 1 else 0, rr * ww if hh > 1 else 0, kv_len])
+        elif name == "mask_mod":
+            slots.extend(_mask_mod_params(leaf, layout, add_aux))
         else:  # pragma: no cover - every primitive has a template
             raise NotImplementedError(name)
     if aux_len[0] >= 2**31:
         raise ValueError("mask payload exceeds 2**31 int32 words")
+    params = _resolve_slots(slots)
     params_t = torch.tensor(params or [0], dtype=torch.int32, device=device)
     aux_t = torch.from_numpy(np.concatenate(aux) if aux else np.zeros(1, np.int32)).to(device)
     gathers = any(leaf.name in _GATHER_2D for leaf in pmask.leaves())

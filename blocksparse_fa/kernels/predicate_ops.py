@@ -63,3 +63,118 @@ def doc_run_keep(qp, kj, START, END, n, KEY_SIDE: tl.constexpr):
         ok = (qp >= 0) & (qp < n)
         r = (kj >= tl.load(START + qp, mask=ok, other=1 << 30)) & (kj < tl.load(END + qp, mask=ok, other=0))
     return r
+
+
+@triton.jit
+def floor_div(x, d):
+    """``x // d`` rounded towards minus infinity for any sign of ``x`` (``d > 0``)."""
+    q = x // d
+    return tl.where((q * d != x) & (x < 0), q - 1, q)
+
+
+@triton.jit
+def floor_mod(x, d):
+    """``x % d`` in ``[0, d)`` for any sign of ``x`` (``d > 0``)."""
+    r = x % d
+    return tl.where(r < 0, r + d, r)
+
+
+@triton.jit
+def chunk_band_keep(qp, kj, qc, kc, lo, hi):
+    """``lo <= kj // kc - qp // qc <= hi`` (floor division; the query chunk is read per row)."""
+    d = floor_div(kj, kc) - floor_div(qp, qc)
+    return (d >= lo) & (d <= hi)
+
+
+@triton.jit
+def periodic_keep(qp, kj, period, w):
+    """``|qp % period - kj % period| <= w`` (floor modulo)."""
+    return tl.abs(floor_mod(qp, period) - floor_mod(kj, period)) <= w
+
+
+@triton.jit
+def bitset_keep(x, WORDS, n_bits):
+    """Position ``x`` is in the set: bit ``x % 32`` of ``WORDS[x // 32]`` (``n_bits`` positions)."""
+    ok = (x >= 0) & (x < n_bits)
+    xs = tl.where(ok, x, 0)
+    w = tl.load(WORDS + (xs >> 5), mask=ok, other=0)
+    return ok & (((w >> (xs & 31)) & 1) != 0)
+
+
+@triton.jit
+def _grid_coord(x, tv, a, n, m, c, t, e):
+    """Coordinate along one dim of grid offsets ``x``: tile digit ``(x // tv // a) % n`` times
+    ``m`` plus within-tile digit ``(x % tv // c) % t`` times ``e`` (raster order: ``tv = 1``)."""
+    tile = x // tv
+    return ((tile // a) % n) * m + (((x - tile * tv) // c) % t) * e
+
+
+@triton.jit
+def _window_dim(cq, ck, G, K, D):
+    """NATTEN's clamped (dilated) window along one dim: ``ck`` in the window of ``cq``."""
+    if D == 1:
+        s = tl.minimum(tl.maximum(cq - K // 2, 0), G - K)
+        r = (ck >= s) & (ck < s + K)
+    else:
+        g = cq % D
+        n = (G - g + D - 1) // D
+        s = tl.minimum(tl.maximum(cq // D - K // 2, 0), n - K)
+        u = ck // D
+        r = ((ck % D) == g) & (u >= s) & (u < s + K)
+    return r
+
+
+@triton.jit
+def grid_keep(qp, kj, P):
+    """NATTEN / sliding-tile neighbourhood on a token grid; parameters at ``P``: start, token
+    count V, tile volume, then per dim (3) ``G, K, D, a, n, m, c, t, e``. The coordinates are
+    computed on the row and the column side separately; per element only comparisons remain."""
+    start = tl.load(P)
+    V = tl.load(P + 1)
+    tv = tl.load(P + 2)
+    xq = qp - start
+    xk = kj - start
+    r = (xq >= 0) & (xq < V) & (xk >= 0) & (xk < V)
+    xq = tl.minimum(tl.maximum(xq, 0), V - 1)
+    xk = tl.minimum(tl.maximum(xk, 0), V - 1)
+    for d in tl.static_range(3):
+        B = P + 3 + 9 * d
+        G = tl.load(B)
+        if G > 1:
+            K = tl.load(B + 1)
+            D = tl.load(B + 2)
+            a = tl.load(B + 3)
+            n = tl.load(B + 4)
+            m = tl.load(B + 5)
+            c = tl.load(B + 6)
+            t = tl.load(B + 7)
+            e = tl.load(B + 8)
+            cq = _grid_coord(xq, tv, a, n, m, c, t, e)
+            ck = _grid_coord(xk, tv, a, n, m, c, t, e)
+            r = r & _window_dim(cq, ck, G, K, D)
+    return r
+
+
+@triton.jit
+def partial_bits_keep(i, kj, z, ROWS, IDX, BITS, TR, BM, BM_SHIFT, BN, BN_SHIFT, WPR):
+    """Bits stored for the partial blocks of a ``mask_mod``: block ``(z, r, c)`` has index
+    ``IDX[base + c - cmin]`` inside its row's window ``(cmin, count, base) = ROWS[3 * row:]``;
+    -1 means all kept, -2 none, else its ``BM x WPR`` words start at ``BITS + idx * BM * WPR``.
+    A kernel tile never straddles layout blocks (its sizes divide them), so the block is read once
+    per tile (from the tile's first row and key) and only the bit words are gathered."""
+    i0 = tl.min(i)
+    k0 = tl.maximum(tl.min(kj), 0)
+    r = div_floor(i0, BM, BM_SHIFT)
+    c = div_floor(k0, BN, BN_SHIFT)
+    row = z * TR + r  # the tile's first row and key lie inside the lengths: r < TR, c < Tc
+    cmin = tl.load(ROWS + 3 * row)
+    cnt = tl.load(ROWS + 3 * row + 1)
+    base = tl.load(ROWS + 3 * row + 2)
+    inw = (c >= cmin) & (c < cmin + cnt)
+    idx = tl.where(inw, tl.load(IDX + tl.where(inw, base + c - cmin, 0)), -2)
+    li = i - r * BM
+    lj = tl.maximum(kj, 0) - c * BN
+    # 0 <= li < BM and 0 <= lj < BN inside the tile's block; without stored bits, block 0 is read
+    word = tl.load(BITS + tl.where(idx >= 0, idx, 0).to(tl.int64) * (BM * WPR) + li * WPR + (lj >> 5))
+    bit = ((word >> (lj & 31)) & 1) != 0
+    return tl.where(idx >= 0, bit, (idx == -1) & (li >= 0))

@@ -5,14 +5,21 @@ Grammar (precedence ``~`` > ``&`` > ``|``)::
     expr    := term ('|' term)*
     term    := factor ('&' factor)*
     factor  := '~' factor | atom
-    atom    := '(' expr ')' | NAME [ '(' [args] ')' ]
+    atom    := '(' expr ')' | 'shift' '(' expr ',' ['offset' '='] value ')' | NAME [ '(' [args] ')' ]
     args    := arg (',' arg)*
     arg     := value | NAME '=' value          (positional arguments first)
-    value   := ['-'] INT | NAME                (a NAME is a variable: a pattern parameter or keyword)
+    value   := sum | '(' sum (',' sum)+ ')'    (a tuple of ints: grid shapes, kernel sizes)
+    sum     := product (('+' | '-') product)*  (integer arithmetic; '//' is floor division)
+    product := unary (('*' | '//') unary)*
+    unary   := '-' unary | INT | NAME | '(' sum ')'
 
-Names are primitives (``causal``, ``window``, ...) or named patterns from ``masks/``. Tensor-backed
-primitives (``document``, ``block_mask``, ``dense_mask``) take their tensor from a keyword given to
-:func:`parse`, e.g. ``parse("causal & document", document=ids)``.
+A NAME inside arguments is a variable given to :func:`parse` (or a pattern parameter): an int, a
+tensor (a per-head/per-batch parameter, ``window(w)`` with ``w=per_head(...)``) or, for
+``mask_mod``, a callable. Names outside arguments are primitives (``causal``, ``window``, ...) or
+named patterns from ``masks/``. Primitives that hold a tensor (``document``, ``block_mask``,
+``dense_mask``, ``key_set``, ``query_set``, ``mask_mod``) take it as their first argument
+(``document(ids)``) or, when it is left out, from the keyword of their own name:
+``parse("causal & document", document=ids)``.
 """
 
 from __future__ import annotations
@@ -22,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .expr import Mask, Not, And, Or
+from .expr import MAX_DEPTH, Mask, Not, And, Or
 from .primitives import INT32_MAX, PRIMITIVES
 
 __all__ = ["MaskSyntaxError", "parse"]
 
-MAX_DEPTH = 100
 MAX_TEXT = 100_000
+_MAX_VALUE = 2**62
 
 
 class MaskSyntaxError(ValueError):
@@ -55,7 +62,7 @@ class _Tok:
     pos: int
 
 
-_TOKEN_RE = re.compile(r"\s*(?:(?P<NAME>[A-Za-z_][A-Za-z0-9_]*)|(?P<INT>[0-9]+(?:_[0-9]+)*)|(?P<OP>[()&|~,=\-]))")
+_TOKEN_RE = re.compile(r"\s*(?:(?P<NAME>[A-Za-z_][A-Za-z0-9_]*)|(?P<INT>[0-9]+(?:_[0-9]+)*)|(?P<OP>//|[()&|~,=\-+*]))")
 
 
 def _tokenize(text: str) -> list[_Tok]:
@@ -151,6 +158,8 @@ class _Parser:
         if tok.kind != "NAME":
             found = "end of text" if tok.kind == "END" else repr(tok.text)
             raise self._err(f"expected a mask name or '(', found {found}")
+        if tok.text == "shift" and self.toks[self.k + 1].text == "(":
+            return self._shift()
         self.k += 1
         args: list = []
         kwargs: dict = {}
@@ -171,6 +180,24 @@ class _Parser:
         except (ValueError, TypeError) as e:
             raise MaskSyntaxError(str(e), self.text, tok.pos) from None
 
+    def _shift(self) -> Mask:
+        """``shift(expr, offset)`` (or ``offset=``): the one combinator taking a mask argument."""
+        from .shift import Shift
+
+        tok = self.tok
+        self.k += 2
+        m = self.expr()
+        self._expect(",")
+        if self.tok.kind == "NAME" and self.tok.text == "offset" and self.toks[self.k + 1].text == "=":
+            self.k += 2
+        off_tok = self.tok
+        offset = self._value()
+        self._expect(")")
+        try:
+            return Shift(m, offset)
+        except (ValueError, TypeError) as e:
+            raise MaskSyntaxError(str(e), self.text, off_tok.pos if off_tok else tok.pos) from None
+
     def _arg(self, args, kwargs):
         tok = self.tok
         if tok.kind == "NAME" and self.toks[self.k + 1].kind == "OP" and self.toks[self.k + 1].text == "=":
@@ -183,25 +210,107 @@ class _Parser:
             raise self._err("positional argument after a keyword argument")
         args.append(self._value())
 
-    def _value(self) -> int:
+    def _value(self):
+        """An argument value: an int (with arithmetic), a tuple of ints, or a variable's tensor/callable."""
         tok = self.tok
-        sign = 1
-        if tok.kind == "OP" and tok.text == "-":
-            sign = -1
+        if tok.kind == "OP" and tok.text == "(":
+            self._enter()
             self.k += 1
-            tok = self.tok
+            items = [self._sum()]
+            while self.tok.kind == "OP" and self.tok.text == ",":
+                self.k += 1
+                items.append(self._sum())
+            self._expect(")")
+            self.depth -= 1
+            if len(items) == 1:
+                return self._more(items[0], tok)
+            for v, _ in items:
+                if not isinstance(v, int):
+                    raise self._err("a tuple holds integers only", tok)
+            return tuple(v for v, _ in items)
+        v, _ = self._sum()
+        return v
+
+    def _more(self, first, tok):
+        """Continue an arithmetic expression that started with a parenthesised group."""
+        v, _ = first
+        # a parenthesised group may be followed by operators: "(n + 1) * 2"
+        while self.tok.kind == "OP" and self.tok.text in ("*", "//"):
+            op = self.tok
+            self.k += 1
+            rhs = self._unary()
+            v = self._arith(op, v, rhs)
+        while self.tok.kind == "OP" and self.tok.text in ("+", "-"):
+            op = self.tok
+            self.k += 1
+            rhs = self._product()
+            v = self._arith(op, v, rhs)
+        return v
+
+    def _arith(self, op, a, b):
+        if not (isinstance(a, int) and isinstance(b, int)):
+            raise self._err(f"'{op.text}' needs integer operands", op)
+        if op.text == "+":
+            r = a + b
+        elif op.text == "-":
+            r = a - b
+        elif op.text == "*":
+            r = a * b
+        else:
+            if b == 0:
+                raise self._err("division by zero", op)
+            r = a // b
+        if abs(r) > _MAX_VALUE:
+            raise self._err(f"integer result {r} is out of range", op)
+        return r
+
+    def _sum(self):
+        tok = self.tok
+        v = self._product()
+        while self.tok.kind == "OP" and self.tok.text in ("+", "-"):
+            op = self.tok
+            self.k += 1
+            v = self._arith(op, v, self._product())
+        return v, tok
+
+    def _product(self):
+        v = self._unary()
+        while self.tok.kind == "OP" and self.tok.text in ("*", "//"):
+            op = self.tok
+            self.k += 1
+            v = self._arith(op, v, self._unary())
+        return v
+
+    def _unary(self):
+        tok = self.tok
+        if tok.kind == "OP" and tok.text == "-":
+            self.k += 1
+            self._enter()
+            v = self._unary()
+            self.depth -= 1
+            if not isinstance(v, int):
+                raise self._err("'-' needs an integer operand", tok)
+            return -v
+        if tok.kind == "OP" and tok.text == "(":
+            self._enter()
+            self.k += 1
+            v, _ = self._sum()
+            self._expect(")")
+            self.depth -= 1
+            return v
         if tok.kind == "INT":
             self.k += 1
             digits = tok.text.replace("_", "")
             if len(digits) > 12 or int(digits) > INT32_MAX:
                 raise self._err(f"integer {tok.text} is out of range (at most {INT32_MAX})", tok)
-            return sign * int(digits)
-        if tok.kind == "NAME" and sign == 1:
+            return int(digits)
+        if tok.kind == "NAME":
             self.k += 1
-            if tok.text not in self.vars or not isinstance(self.vars[tok.text], int) or isinstance(self.vars[tok.text], bool):
-                known = ", ".join(sorted(k for k, v in self.vars.items() if isinstance(v, int) and not isinstance(v, bool)))
+            v = self.vars.get(tok.text)
+            if isinstance(v, bool) or not (isinstance(v, (int, torch.Tensor)) or callable(v)):
+                known = ", ".join(sorted(k for k, x in self.vars.items() if isinstance(x, int) and not isinstance(x, bool)))
                 raise self._err(f"unknown variable '{tok.text}'" + (f" (known: {known})" if known else ""), tok)
-            return self.vars[tok.text]
+            return v
         found = "end of text" if tok.kind == "END" else repr(tok.text)
         raise self._err(f"expected an integer argument, found {found}", tok)
 
@@ -215,9 +324,13 @@ def _resolve(name: str, args: list, kwargs: dict, variables: dict, depth: int) -
         try:
             if cls.TENSOR is None:
                 return cls(*args, **kwargs)
+            what = "a callable" if name == "mask_mod" else "a tensor"
+            if args and (isinstance(args[0], torch.Tensor) or callable(args[0])):
+                return cls(*args, **kwargs)
             t = variables.get(cls.TENSOR)
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"'{name}' needs a tensor: pass it by keyword, e.g. parse(text, {cls.TENSOR}=tensor)")
+            if not (isinstance(t, torch.Tensor) or (name == "mask_mod" and callable(t))):
+                raise ValueError(f"'{name}' needs {what}: give it as the first argument ({name}(x) with x=...) or "
+                                 f"by keyword, e.g. parse(text, {cls.TENSOR}=...)")
             return cls(t, *args, **kwargs)
         except ValueError:
             # a pattern of the same name (e.g. 'sliding_window', 'prefix_lm') takes what the primitive can't
@@ -242,8 +355,9 @@ def parse(text: str, **variables) -> Mask:
 
     Args:
         text: e.g. ``"causal & (window(256) | global_tokens(64))"``.
-        **variables: tensors for tensor-backed primitives (``document=ids``, ``block_mask=t``,
-            ``dense_mask=t``) and integers usable as argument values (``parse("window(w)", w=128)``).
+        **variables: integers usable as argument values (``parse("window(w)", w=128)``), tensors
+            (``document=ids``, per-head parameters ``window(w)`` with ``w=per_head(...)``) and
+            callables for ``mask_mod``. ``parse(str(m), **m.tensors()) == m`` for every mask ``m``.
 
     Raises:
         MaskSyntaxError: malformed text, unknown name or bad argument (message with a caret).

@@ -5,8 +5,13 @@ inner nodes are :class:`And`, :class:`Or` and :class:`Not`. Every node can evalu
 tensors (:meth:`Mask._eval`), which is *the* reference semantics: ``to_dense`` and the CPU backend
 both go through it, and the block compiler is tested against it.
 
-Positions: query row ``i`` sits at absolute position ``qp = i + (kv_len - q_len)`` (bottom-right
-alignment), key column ``j`` at position ``j``.
+Positions: query row ``i`` sits at absolute position ``qp = i + q_offset`` and key column ``j`` at
+position ``j``. ``q_offset`` is ``kv_len - q_len`` when queries align bottom-right (the default) and
+0 when they align top-left (``align="top_left"``, as FlexAttention and SDPA's ``is_causal`` do).
+
+Expressions are at most :data:`MAX_DEPTH` levels deep (the text DSL's limit), so that every mask
+prints as text that :func:`blocksparse_fa.parse` reads back; deeper expressions are rejected when
+they are built.
 """
 
 from __future__ import annotations
@@ -16,7 +21,22 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["Mask", "And", "Or", "Not", "EvalContext"]
+__all__ = ["Mask", "And", "Or", "Not", "EvalContext", "MAX_DEPTH", "ALIGNS", "query_offset"]
+
+MAX_DEPTH = 100
+"""Deepest nesting the text DSL reads (``(``/``~`` levels). An expression tree is limited to
+``MAX_DEPTH - 1`` operator levels, which always prints within the DSL's limit."""
+
+ALIGNS = ("bottom_right", "top_left")
+
+
+def query_offset(q_len: int, kv_len: int, align: str = "bottom_right") -> int:
+    """Absolute position of query row 0: ``kv_len - q_len`` (bottom-right) or 0 (top-left)."""
+    if align == "bottom_right":
+        return kv_len - q_len
+    if align == "top_left":
+        return 0
+    raise ValueError(f"align must be one of {ALIGNS}, got {align!r}")
 
 
 @dataclass(frozen=True)
@@ -71,10 +91,11 @@ class Mask:
 
     Combine with ``&`` (both keep), ``|`` (either keeps) and ``~`` (complement); precedence is
     ``~`` > ``&`` > ``|``, as in Python. ``str(mask)`` is DSL text that :func:`blocksparse_fa.parse`
-    reads back into an equal mask (tensor-backed primitives by keyword).
+    reads back into an equal mask: ``parse(str(m), **m.tensors()) == m`` (tensors and callables
+    travel by the names the text gives them). Expressions nest at most ``MAX_DEPTH - 1`` levels.
     """
 
-    __slots__ = ()
+    __slots__ = ("_cached_key", "_cached_hash")
 
     # ---- algebra -------------------------------------------------------------------------
     def __and__(self, other: "Mask") -> "Mask":
@@ -99,11 +120,28 @@ class Mask:
     def _key(self) -> tuple:
         raise NotImplementedError
 
+    def _ckey(self) -> tuple:
+        """``_key()``, computed once (expressions are immutable)."""
+        try:
+            return self._cached_key
+        except AttributeError:
+            self._cached_key = self._key()
+            return self._cached_key
+
     def __eq__(self, other) -> bool:
-        return isinstance(other, Mask) and self._key() == other._key()
+        return self is other or (isinstance(other, Mask) and self._ckey() == other._ckey())
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        try:
+            return self._cached_hash
+        except AttributeError:
+            self._cached_hash = hash(self._ckey())
+            return self._cached_hash
+
+    @property
+    def depth(self) -> int:
+        """Operator levels above the deepest leaf (0 for a primitive)."""
+        return 0
 
     @property
     def children(self) -> tuple["Mask", ...]:
@@ -116,10 +154,16 @@ class Mask:
         for c in self.children:
             yield from c.leaves()
 
+    def nodes(self) -> Iterator["Mask"]:
+        """Every node of the expression, parents before their operands, left to right."""
+        yield self
+        for c in self.children:
+            yield from c.nodes()
+
     @property
     def batch_shape(self) -> tuple[int, ...]:
         """``()`` for masks shared by every batch and head, else ``(B, H)`` (1 where shared)."""
-        return broadcast_batch_shapes(leaf._own_batch_shape() for leaf in self.leaves())
+        return broadcast_batch_shapes(node._own_batch_shape() for node in self.nodes())
 
     def _own_batch_shape(self) -> tuple[int, ...]:
         return ()
@@ -127,14 +171,44 @@ class Mask:
     # ---- text ----------------------------------------------------------------------------
     _PREC = 3  # binding strength: Or 1, And 2, Not/primitive 3
 
-    def _text(self) -> str:
+    def _text(self, names: dict) -> str:
         raise NotImplementedError
 
+    def _tensor_items(self) -> list:
+        """``(default name, identity key, value)`` of each tensor (or callable) a leaf holds; the
+        text names them (see :meth:`tensors`)."""
+        return []
+
+    def _names(self) -> dict:
+        """Variable names of the expression's tensors: identity key -> name. The first tensor with
+        a default name gets that name (``document``), different ones after it ``document_2``, ..."""
+        names: dict = {}
+        used: dict = {}
+        for node in self.nodes():
+            for default, ident, _ in node._tensor_items():
+                if ident in names:
+                    continue
+                n = used.get(default, 0) + 1
+                used[default] = n
+                names[ident] = default if n == 1 else f"{default}_{n}"
+        return names
+
+    def tensors(self) -> dict:
+        """The variables :func:`blocksparse_fa.parse` needs to read ``str(self)`` back:
+        ``parse(str(m), **m.tensors()) == m`` holds for every mask (tensors, and the callables of
+        ``mask_mod``, by the names the text uses)."""
+        names = self._names()
+        out = {}
+        for node in self.nodes():
+            for _, ident, value in node._tensor_items():
+                out.setdefault(names[ident], value)
+        return out
+
     def __str__(self) -> str:
-        return self._text()
+        return self._text(self._names())
 
     def __repr__(self) -> str:
-        return f"Mask({self._text()!r})"
+        return f"Mask({str(self)!r})"
 
     # ---- semantics -----------------------------------------------------------------------
     def _eval(self, ctx: EvalContext) -> torch.Tensor:
@@ -150,7 +224,7 @@ class Mask:
     def _check_lengths(self, q_len: int, kv_len: int) -> None:
         pass
 
-    def context(self, q_len: int, kv_len: int, device=None) -> EvalContext:
+    def context(self, q_len: int, kv_len: int, device=None, align: str = "bottom_right") -> EvalContext:
         """The full ``(q_len, kv_len)`` evaluation grid (with ``(B, H)`` dims if the mask has them)."""
         dev = torch.device("cpu") if device is None else torch.device(device)
         i = torch.arange(q_len, device=dev).view(q_len, 1)
@@ -160,15 +234,18 @@ class Mask:
         if bs:
             b = torch.arange(bs[0], device=dev).view(bs[0], 1, 1, 1)
             h = torch.arange(bs[1], device=dev).view(1, bs[1], 1, 1)
-        return EvalContext(q_len, kv_len, i, i + (kv_len - q_len), j, b, h)
+        return EvalContext(q_len, kv_len, i, i + query_offset(q_len, kv_len, align), j, b, h)
 
-    def to_dense(self, q_len: int, kv_len: int | None = None, *, device=None) -> torch.Tensor:
+    def to_dense(self, q_len: int, kv_len: int | None = None, *, device=None,
+                 align: str = "bottom_right") -> torch.Tensor:
         """Materialise the mask: the reference semantics.
 
         Args:
             q_len: number of query rows.
             kv_len: number of keys (default ``q_len``).
             device: device of the result (default CPU, or that of the mask's tensors).
+            align: ``"bottom_right"`` (query row ``i`` at position ``i + kv_len - q_len``) or
+                ``"top_left"`` (at position ``i``).
 
         Returns:
             ``torch.bool`` of shape ``(q_len, kv_len)``, or ``(B, H, q_len, kv_len)`` when the mask
@@ -178,7 +255,7 @@ class Mask:
         self.check_lengths(q_len, kv_len)
         if device is None:
             device = next((leaf._device() for leaf in self.leaves() if leaf._device() is not None), None)
-        ctx = self.context(q_len, kv_len, device)
+        ctx = self.context(q_len, kv_len, device, align)
         out = self._eval(ctx)
         shape = (*self.batch_shape, q_len, kv_len)
         return out.expand(shape).contiguous()
@@ -186,12 +263,12 @@ class Mask:
     def _device(self):
         return None
 
-    # ---- inspection (delegates to the compiler) --------------------------------------------
+    # ---- inspection (delegates to the compiler, which registers itself: no import of it here) --
     def compile(self, q_len: int, kv_len: int | None = None, block_size=128, **kw):
         """Shorthand for :func:`blocksparse_fa.compile_mask`."""
-        from ..compiler.compile import compile_mask
-
-        return compile_mask(self, q_len, q_len if kv_len is None else kv_len, block_size=block_size, **kw)
+        if _COMPILER[0] is None:
+            raise RuntimeError("no mask compiler registered: import blocksparse_fa (blocksparse_fa.compiler)")
+        return _COMPILER[0](self, q_len, q_len if kv_len is None else kv_len, block_size=block_size, **kw)
 
     def density(self, q_len: int, kv_len: int | None = None) -> float:
         """Fraction of kept (query, key) pairs, computed block-wise (no ``q_len × kv_len`` tensor)."""
@@ -206,6 +283,27 @@ class Mask:
         return self.compile(q_len, kv_len, block_size).plot(path)
 
 
+_COMPILER: list = [None]
+
+
+def register_compiler(fn) -> None:
+    """Called by :mod:`blocksparse_fa.compiler`: the function behind :meth:`Mask.compile`."""
+    _COMPILER[0] = fn
+
+
+def _check_depth(children) -> int:
+    d = 0
+    for c in children:  # a plain loop: Dynamo traces it when masks are built inside torch.compile
+        if c.depth > d:
+            d = c.depth
+    d += 1
+    if d > MAX_DEPTH - 1:
+        raise ValueError(
+            f"mask expression nested deeper than {MAX_DEPTH - 1} operator levels (the text DSL reads at most "
+            f"{MAX_DEPTH}); build wide expressions flat instead, e.g. Or.of(*terms) or And.of(*terms)")
+    return d
+
+
 def _as_mask(x, op: str) -> Mask:
     if not isinstance(x, Mask):
         raise TypeError(f"cannot combine a Mask with {type(x).__name__} using '{op}'")
@@ -213,7 +311,7 @@ def _as_mask(x, op: str) -> Mask:
 
 
 class _NAry(Mask):
-    __slots__ = ("_children",)
+    __slots__ = ("_children", "_depth")
     _OP = ""
 
     def __init__(self, children):
@@ -222,7 +320,12 @@ class _NAry(Mask):
             raise ValueError(f"{type(self).__name__} needs at least two operands")
         for c in children:
             _as_mask(c, self._OP)
+        self._depth = _check_depth(children)
         self._children = children
+
+    @property
+    def depth(self) -> int:
+        return self._depth
 
     @classmethod
     def of(cls, *items: Mask) -> Mask:
@@ -236,12 +339,12 @@ class _NAry(Mask):
         return self._children
 
     def _key(self):
-        return (type(self).__name__, tuple(c._key() for c in self._children))
+        return (type(self).__name__, tuple(c._ckey() for c in self._children))
 
-    def _text(self) -> str:
+    def _text(self, names) -> str:
         parts = []
         for c in self._children:
-            t = c._text()
+            t = c._text(names)
             parts.append(f"({t})" if c._PREC <= self._PREC else t)
         return f" {self._OP} ".join(parts)
 
@@ -277,21 +380,26 @@ class Or(_NAry):
 class Not(Mask):
     """Keeps exactly the pairs its operand drops."""
 
-    __slots__ = ("_child",)
+    __slots__ = ("_child", "_depth")
     _PREC = 3
 
     def __init__(self, child: Mask):
         self._child = _as_mask(child, "~")
+        self._depth = _check_depth((self._child,))
+
+    @property
+    def depth(self) -> int:
+        return self._depth
 
     @property
     def children(self):
         return (self._child,)
 
     def _key(self):
-        return ("Not", self._child._key())
+        return ("Not", self._child._ckey())
 
-    def _text(self) -> str:
-        t = self._child._text()
+    def _text(self, names) -> str:
+        t = self._child._text(names)
         return f"~({t})" if self._child._PREC < 3 else f"~{t}"
 
     def _eval(self, ctx):

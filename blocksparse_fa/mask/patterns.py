@@ -74,10 +74,11 @@ def _parse_file(name: str, text: str) -> PatternInfo:
 @functools.lru_cache(maxsize=None)
 def _registry() -> dict[str, PatternInfo]:
     out = {}
-    try:
+    source = Path(__file__).resolve().parents[2] / "masks"  # a source checkout's own patterns first
+    if (source / "__init__.py").is_file() and any(source.glob("*.mask")):
+        folder = source
+    else:
         folder = resources.files("blocksparse_fa.pattern_files")
-    except ModuleNotFoundError:  # running from a source checkout without installing (PYTHONPATH=.)
-        folder = Path(__file__).resolve().parents[2] / "masks"
     for entry in folder.iterdir():
         if entry.name.endswith(".mask"):
             name = entry.name[: -len(".mask")]
@@ -118,6 +119,8 @@ def _instantiate(name: str, args: list, kwargs: dict, tensors: dict, depth: int)
             raise ValueError(f"pattern '{name}': unknown parameter '{k}' (parameters: {', '.join(names) or 'none'})")
         values[k] = a
     for k, a in values.items():
+        if isinstance(a, torch.Tensor):
+            continue  # a per-(batch, head) value: the primitive it reaches validates it
         if isinstance(a, bool) or not isinstance(a, int):
             raise ValueError(f"pattern '{name}': parameter '{k}' must be an int, got {type(a).__name__} {a!r}")
     for t in info.tensors:
@@ -135,14 +138,17 @@ def load_pattern(name: str, **overrides) -> Mask:
 
     Args:
         name: a name from :func:`list_patterns` (e.g. ``"bigbird"``).
-        **overrides: integer parameters (``window=192``) and tensors (``document=ids``).
+        **overrides: integer parameters (``window=192``; a ``(B, H)`` tensor such as
+            ``per_batch(lengths)`` where the primitive takes per-batch/per-head values) and
+            tensors (``document=ids``).
 
     Returns:
         The pattern's mask expression.
     """
-    ints = {k: v for k, v in overrides.items() if not isinstance(v, torch.Tensor)}
-    tensors = {k: v for k, v in overrides.items() if isinstance(v, torch.Tensor)}
     info = pattern_info(name)
+    # tensors named like a parameter are per-(batch, head) values of it (padded_batch(length=...))
+    ints = {k: v for k, v in overrides.items() if not isinstance(v, torch.Tensor) or k in info.params}
+    tensors = {k: v for k, v in overrides.items() if isinstance(v, torch.Tensor) and k not in info.params}
     for k in tensors:
         if k not in info.tensors:
             raise ValueError(f"pattern '{name}' takes no tensor '{k}' (tensors: {', '.join(info.tensors) or 'none'})")

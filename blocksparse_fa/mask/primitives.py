@@ -1,145 +1,69 @@
 """Mask primitives: the leaves of a mask expression and their exact element semantics.
 
-| primitive                                   | keeps (qp, j) when                                       |
-|---------------------------------------------|----------------------------------------------------------|
-| ``full()``                                  | always                                                   |
-| ``causal()``                                | ``j <= qp``                                              |
-| ``window(w)``                               | ``abs(qp - j) <= w``                                     |
-| ``sliding_window(w)``                       | ``0 <= qp - j < w`` (w keys including itself)           |
-| ``global_tokens(g)``                        | ``qp < g or j < g``                                      |
-| ``strided(s)``                              | ``(qp - j) % s == 0``                                    |
-| ``chunked(c)``                              | ``qp // c == j // c`` (floor division)                   |
-| ``prefix_lm(p)``                            | ``j <= qp or j < p``                                     |
-| ``summary(stride, c)``                      | ``j % stride >= stride - c`` (last c keys of each stride)|
-| ``document(ids)``                           | ``ids[qp] == ids[j]`` (never for qp < 0)                 |
-| ``random_blocks(r, block_size=128, seed=0)``| key block ``j // bs`` is one of the r chosen for ``qp // bs`` |
-| ``block_mask(t, block_size=128)``           | ``t[i // bs, j // bs]``                                   |
-| ``dense_mask(t)``                           | ``t[i, j]``                                              |
+``qp`` is the query's absolute position (``i + q_offset``, see :mod:`blocksparse_fa.mask.expr`),
+``j`` the key's, ``i`` the query row index.
+
+| primitive                                     | keeps (qp, j) when                                         |
+|-----------------------------------------------|------------------------------------------------------------|
+| ``full()``                                    | always                                                     |
+| ``causal()``                                  | ``j <= qp``                                                |
+| ``window(w)``                                 | ``abs(qp - j) <= w``                                       |
+| ``sliding_window(w)``                         | ``0 <= qp - j < w`` (w keys including itself)             |
+| ``global_tokens(g)``                          | ``qp < g or j < g``                                        |
+| ``strided(s)``                                | ``(qp - j) % s == 0``                                      |
+| ``chunked(c)``                                | ``qp // c == j // c`` (floor division)                     |
+| ``chunk_band(qc, kc, lo=0, hi=0)``            | ``lo <= j // kc - qp // qc <= hi``                         |
+| ``prefix_lm(p)``                              | ``j <= qp or j < p``                                       |
+| ``summary(stride, c)``                        | ``j % stride >= stride - c`` (last c keys of each stride)  |
+| ``key_range(a, b)``                           | ``a <= j < b``                                             |
+| ``query_range(a, b)``                         | ``a <= qp < b``                                            |
+| ``key_set(t)``                                | ``j`` is one of the positions in ``t``                     |
+| ``query_set(t)``                              | ``qp`` is one of the positions in ``t``                    |
+| ``periodic_window(period, w)``                | ``abs(qp % period - j % period) <= w``                     |
+| ``document(ids)``                             | ``ids[qp] == ids[j]`` (never for qp outside the ids)       |
+| ``random_blocks(r, block_size=128, seed=0)``  | key block ``j // bs`` is one of the r chosen for ``qp // bs`` |
+| ``neighborhood(grid, kernel, ...)``           | NATTEN neighbourhood on a token grid (``mask/neighborhood.py``) |
+| ``sliding_tiles(grid, tile, kernel)``         | sliding tile attention (STA) on a token grid              |
+| ``block_mask(t, block_size=128)``             | ``t[i // bs, j // bs]``                                    |
+| ``dense_mask(t)``                             | ``t[i, j]``                                                |
+| ``mask_mod(fn, B=None, H=None)``              | ``fn(b, h, i, j)`` (FlexAttention's convention)            |
+| ``shift(m, d)`` (``mask/shift.py``)           | ``m`` keeps ``(qp + d, j)``                                |
+
+Integer parameters of ``window``, ``sliding_window``, ``global_tokens``, ``strided``, ``chunked``,
+``chunk_band``, ``prefix_lm``, ``key_range``, ``query_range`` and ``periodic_window`` may be
+``(B, H)`` tensors (``per_head(...)``, ``per_batch(...)``): e.g. per-batch valid lengths
+``key_range(0, per_batch(lens)) & query_range(0, per_batch(lens))``.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import ClassVar
-
 import numpy as np
 import torch
 
+from .base import (
+    BIG, INT32_MAX, IntervalPrimitive, ParamTensor, Primitive, RowPrimitive, check_int, pack_bits, per_batch,
+    per_head, tensor_fingerprint,
+)
 from .expr import EvalContext, Mask
 
 __all__ = [
-    "Primitive", "IntervalPrimitive", "Full", "Causal", "Window", "SlidingWindow", "GlobalTokens",
-    "Strided", "Chunked", "PrefixLM", "Summary", "Document", "RandomBlocks", "BlockMask", "DenseMask",
-    "PRIMITIVES", "full", "causal", "window", "sliding_window", "global_tokens", "strided",
-    "chunked", "prefix_lm", "summary", "document", "random_blocks", "block_mask", "dense_mask",
+    "Primitive", "IntervalPrimitive", "RowPrimitive", "Full", "Causal", "Window", "SlidingWindow", "GlobalTokens",
+    "Strided", "Chunked", "ChunkBand", "PrefixLM", "Summary", "KeyRange", "QueryRange", "KeySet", "QuerySet",
+    "PeriodicWindow", "Document", "RandomBlocks", "BlockMask", "DenseMask", "MaskMod", "Neighborhood",
+    "SlidingTiles", "PRIMITIVES", "full", "causal", "window", "sliding_window", "global_tokens", "strided",
+    "chunked", "chunk_band", "prefix_lm", "summary", "key_range", "query_range", "key_set", "query_set",
+    "periodic_window", "document", "random_blocks", "block_mask", "dense_mask", "mask_mod", "neighborhood",
+    "sliding_tiles", "per_head", "per_batch", "check_int", "tensor_fingerprint", "INT32_MAX",
 ]
 
-INT32_MAX = 2**31 - 1
-_BIG = 2**40  # "unbounded" interval end, safely inside int64
+_BIG = BIG
 
 
-def check_int(prim: str, arg: str, value, minimum: int) -> int:
-    """Validate an integer parameter; ``ValueError`` naming the primitive and the argument."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{prim}(): argument '{arg}' must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if value < minimum or value > INT32_MAX:
-        raise ValueError(f"{prim}(): argument '{arg}' must be an int in [{minimum}, {INT32_MAX}], got {value}")
-    return value
-
-
-def tensor_fingerprint(t: torch.Tensor) -> tuple:
-    """Content hash of a (small or large) tensor, used for equality and layout caching."""
-    data = t.detach().to("cpu").contiguous()
-    if data.dtype == torch.bool:
-        data = data.to(torch.uint8)
-    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
-    return (str(t.dtype), tuple(t.shape), digest)
-
-
-class Primitive(Mask):
-    """A leaf of the mask algebra.
-
-    Subclasses declare ``name`` (the DSL name), ``PARAMS`` (ordered ``(name, default, minimum)``;
-    default ``None`` means required) and, for tensor-backed primitives, ``TENSOR`` (the keyword that
-    supplies the tensor in DSL text).
-    """
-
-    __slots__ = ("_params", "_fp")
-    name: ClassVar[str] = ""
-    PARAMS: ClassVar[tuple] = ()
-    TENSOR: ClassVar[str | None] = None
-
-    def __init__(self, *args, **kwargs):
-        spec = self.PARAMS
-        if len(args) > len(spec):
-            raise ValueError(f"{self.name}() takes at most {len(spec)} positional argument(s), got {len(args)}")
-        values = {}
-        for (pname, _, _), a in zip(spec, args):
-            values[pname] = a
-        for k, a in kwargs.items():
-            if k not in {p[0] for p in spec}:
-                known = ", ".join(p[0] for p in spec) or "none"
-                raise ValueError(f"{self.name}(): unknown argument '{k}' (arguments: {known})")
-            if k in values:
-                raise ValueError(f"{self.name}(): argument '{k}' given twice")
-            values[k] = a
-        params = []
-        for pname, default, minimum in spec:
-            if pname not in values:
-                if default is None:
-                    raise ValueError(f"{self.name}(): missing required argument '{pname}'")
-                values[pname] = default
-            params.append(check_int(self.name, pname, values[pname], minimum))
-        self._params = tuple(params)
-        self._fp = None
-
-    # parameters by name
-    def __getattr__(self, item):
-        spec = type(self).PARAMS
-        for k, (pname, _, _) in enumerate(spec):
-            if pname == item:
-                return self._params[k]
-        raise AttributeError(item)
-
-    @property
-    def params(self) -> dict:
-        return {p[0]: v for p, v in zip(self.PARAMS, self._params)}
-
-    def _tensor_key(self):
-        return ()
-
-    def _key(self):
-        return (self.name, self._params, self._tensor_key())
-
-    def _text(self) -> str:
-        parts, kw_only = [], False
-        for (pname, default, _), v in zip(self.PARAMS, self._params):
-            if default is None and not kw_only:
-                parts.append(str(v))
-            elif v != default:
-                parts.append(f"{pname}={v}")
-                kw_only = True
-            else:
-                kw_only = True
-        return f"{self.name}({', '.join(parts)})" if parts else self.name
-
-
-class IntervalPrimitive(Primitive):
-    """A primitive that keeps ``lo(qp) <= j <= hi(qp)`` with ``lo``, ``hi`` non-decreasing in qp.
-
-    ``_bounds`` works on numpy and torch int64 arrays alike; the compiler uses it for exact
-    block classification, ``_eval`` for element semantics.
-    """
-
-    __slots__ = ()
-
-    def _bounds(self, qp):
-        raise NotImplementedError
-
-    def _eval(self, ctx: EvalContext):
-        lo, hi = self._bounds(ctx.qp)
-        return (ctx.j >= lo) & (ctx.j <= hi)
+def _maximum(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
+        return torch.maximum(a, torch.as_tensor(b, device=a.device))
+    return np.maximum(a, b)
 
 
 class Full(IntervalPrimitive):
@@ -148,8 +72,11 @@ class Full(IntervalPrimitive):
     __slots__ = ()
     name = "full"
 
-    def _bounds(self, qp):
+    def _bounds(self, qp, p=None):
         return qp * 0 - _BIG, qp * 0 + _BIG
+
+    def _affine(self):
+        return None, None, None, None
 
 
 class Causal(IntervalPrimitive):
@@ -158,8 +85,11 @@ class Causal(IntervalPrimitive):
     __slots__ = ()
     name = "causal"
 
-    def _bounds(self, qp):
+    def _bounds(self, qp, p=None):
         return qp * 0, qp
+
+    def _affine(self):
+        return 0, None, None, 0
 
 
 class Window(IntervalPrimitive):
@@ -168,10 +98,15 @@ class Window(IntervalPrimitive):
     __slots__ = ()
     name = "window"
     PARAMS = (("w", None, 0),)
+    TENSOR_PARAMS = True
 
-    def _bounds(self, qp):
-        w = self._params[0]
+    def _bounds(self, qp, p=None):
+        (w,) = self._params if p is None else p
         return qp - w, qp + w
+
+    def _affine(self):
+        (w,) = self._params
+        return None, -w, None, w
 
 
 class SlidingWindow(IntervalPrimitive):
@@ -180,9 +115,15 @@ class SlidingWindow(IntervalPrimitive):
     __slots__ = ()
     name = "sliding_window"
     PARAMS = (("w", None, 1),)
+    TENSOR_PARAMS = True
 
-    def _bounds(self, qp):
-        return qp - (self._params[0] - 1), qp
+    def _bounds(self, qp, p=None):
+        (w,) = self._params if p is None else p
+        return qp - (w - 1), qp
+
+    def _affine(self):
+        (w,) = self._params
+        return None, -(w - 1), None, 0
 
 
 class Chunked(IntervalPrimitive):
@@ -191,11 +132,30 @@ class Chunked(IntervalPrimitive):
     __slots__ = ()
     name = "chunked"
     PARAMS = (("c", None, 1),)
+    TENSOR_PARAMS = True
 
-    def _bounds(self, qp):
-        c = self._params[0]
+    def _bounds(self, qp, p=None):
+        (c,) = self._params if p is None else p
         lo = (qp // c) * c
         return lo, lo + (c - 1)
+
+
+class ChunkBand(IntervalPrimitive):
+    """Chunk-level band: keeps ``lo <= j // k_chunk - qp // q_chunk <= hi``.
+
+    ``chunk_band(c, c)`` is ``chunked(c)``; ``chunk_band(c, c, lo=-2**31 + 1)`` is block-causal
+    attention over chunks of c; ``chunk_band(t, v)`` maps query chunks of t onto key chunks of v
+    (text spans onto their image's visual tokens)."""
+
+    __slots__ = ()
+    name = "chunk_band"
+    PARAMS = (("q_chunk", None, 1), ("k_chunk", None, 1), ("lo", 0, -INT32_MAX), ("hi", 0, -INT32_MAX))
+    TENSOR_PARAMS = True
+
+    def _bounds(self, qp, p=None):
+        qc, kc, lo, hi = self._params if p is None else p
+        base = qp // qc
+        return (base + lo) * kc, (base + hi + 1) * kc - 1
 
 
 class PrefixLM(IntervalPrimitive):
@@ -204,9 +164,45 @@ class PrefixLM(IntervalPrimitive):
     __slots__ = ()
     name = "prefix_lm"
     PARAMS = (("p", None, 0),)
+    TENSOR_PARAMS = True
 
-    def _bounds(self, qp):
-        return qp * 0, qp.clip(min=self._params[0] - 1)
+    def _bounds(self, qp, p=None):
+        (pp,) = self._params if p is None else p
+        return qp * 0, _maximum(qp, pp - 1)
+
+
+class KeyRange(IntervalPrimitive):
+    """Keys in a range of positions: keeps ``start <= j < end`` (every query)."""
+
+    __slots__ = ()
+    name = "key_range"
+    PARAMS = (("start", None, 0), ("end", None, 0))
+    TENSOR_PARAMS = True
+    KIND = "col"
+
+    def _bounds(self, qp, p=None):
+        a, b = self._params if p is None else p
+        return qp * 0 + a, qp * 0 + (b - 1)
+
+    def _affine(self):
+        a, b = self._params
+        return a, None, b - 1, None
+
+
+class QueryRange(RowPrimitive):
+    """Queries in a range of positions: keeps ``start <= qp < end`` (every key)."""
+
+    __slots__ = ()
+    name = "query_range"
+    PARAMS = (("start", None, -INT32_MAX), ("end", None, -INT32_MAX))
+    TENSOR_PARAMS = True
+
+    def _rows(self, qp, p=None):
+        a, b = self._params if p is None else p
+        return (qp >= a) & (qp < b)
+
+    def _row_range(self):
+        return self._params
 
 
 class GlobalTokens(Primitive):
@@ -215,9 +211,10 @@ class GlobalTokens(Primitive):
     __slots__ = ()
     name = "global_tokens"
     PARAMS = (("g", None, 0),)
+    TENSOR_PARAMS = True
 
     def _eval(self, ctx):
-        g = self._params[0]
+        (g,) = self._pv(ctx)
         return (ctx.qp < g) | (ctx.j < g)
 
 
@@ -227,9 +224,11 @@ class Strided(Primitive):
     __slots__ = ()
     name = "strided"
     PARAMS = (("s", None, 1),)
+    TENSOR_PARAMS = True
 
     def _eval(self, ctx):
-        return torch.remainder(ctx.qp - ctx.j, self._params[0]) == 0
+        (s,) = self._pv(ctx)
+        return torch.remainder(ctx.qp - ctx.j, s) == 0
 
 
 class Summary(Primitive):
@@ -238,6 +237,7 @@ class Summary(Primitive):
     __slots__ = ()
     name = "summary"
     PARAMS = (("stride", None, 1), ("c", 1, 0))
+    KIND = "col"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -249,8 +249,23 @@ class Summary(Primitive):
         return torch.remainder(ctx.j, stride) >= stride - c
 
 
+class PeriodicWindow(Primitive):
+    """A band on positions modulo a period: keeps ``|qp % period - j % period| <= w`` (floor
+    modulo). With ``period`` = a frame's token count it relates the same place of every frame
+    (``w`` around it); with ``period`` = a grid row's width, the same columns of every row."""
+
+    __slots__ = ()
+    name = "periodic_window"
+    PARAMS = (("period", None, 1), ("w", None, 0))
+    TENSOR_PARAMS = True
+
+    def _eval(self, ctx):
+        period, w = self._pv(ctx)
+        return torch.abs(torch.remainder(ctx.qp, period) - torch.remainder(ctx.j, period)) <= w
+
+
 # ------------------------------------------------------------------------------------------------
-# tensor-backed primitives
+# primitives that hold a tensor
 # ------------------------------------------------------------------------------------------------
 class _TensorPrimitive(Primitive):
     __slots__ = ("tensor",)
@@ -260,24 +275,43 @@ class _TensorPrimitive(Primitive):
             self._fp = tensor_fingerprint(self.tensor)
         return self._fp
 
+    def _ident(self):
+        return (self.name, self._tensor_key())
+
+    def _user_tensor(self):
+        """The tensor to hand back to the constructor (``tensors()``, text round trip)."""
+        return self.tensor
+
+    def _tensor_items(self):
+        return [(self.TENSOR, self._ident(), self._user_tensor())] + super()._tensor_items()
+
+    def _text(self, names):
+        base = super()._text(names)
+        var = names[self._ident()]
+        if var == self.TENSOR:
+            return base
+        if base == self.name:
+            return f"{self.name}({var})"
+        return f"{self.name}({var}, {base[len(self.name) + 1:]}"
+
     def _device(self):
         return self.tensor.device
 
     def _bh_index(self, ctx: EvalContext, nb: int, nh: int | None = None):
         """Index tensors into the tensor's own batch (and head) dims, broadcasting size-1 dims."""
-        zero = torch.zeros((), dtype=torch.long, device=self.tensor.device)
-        b = ctx.b if (nb > 1 and ctx.b is not None) else zero
+        zero = torch.zeros((), dtype=torch.long, device=ctx.j.device)
+        b = ctx.b.to(ctx.j.device) if (nb > 1 and ctx.b is not None) else zero
         if nh is None:
             return b
-        h = ctx.h if (nh > 1 and ctx.h is not None) else zero
+        h = ctx.h.to(ctx.j.device) if (nh > 1 and ctx.h is not None) else zero
         return b, h
 
 
 class Document(_TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
-    with ``L == kv_len``. Query rows with ``qp < 0`` (``q_len > kv_len``) keep nothing."""
+    with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
 
-    __slots__ = ()
+    __slots__ = ("_runs_cache",)
     name = "document"
     TENSOR = "document"
 
@@ -293,6 +327,42 @@ class Document(_TensorPrimitive):
             raise ValueError("document(): ids must fit in int32")
         ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
+        self._runs_cache = None
+
+    def runs(self):
+        """``(start, end)`` int64 ``(B, L)``: position x's document is the run ``[start, end)`` —
+        when every document (of every batch row) is one contiguous run; else None. Cached."""
+        if self._runs_cache is None:
+            ids = self.tensor.detach().to("cpu").long().numpy()
+            bsz, n = ids.shape
+            change = np.ones((bsz, n), dtype=bool)
+            change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            one_run = all(len(np.unique(row[ch])) == int(ch.sum()) for row, ch in zip(ids, change))
+            if not one_run:
+                self._runs_cache = (None,)
+            else:
+                pos = np.broadcast_to(np.arange(n), (bsz, n))
+                start = np.maximum.accumulate(np.where(change, pos, 0), axis=1)
+                last = np.ones((bsz, n), dtype=bool)
+                last[:, :-1] = change[:, 1:]
+                end = np.ascontiguousarray(np.minimum.accumulate(np.where(last, pos + 1, n)[:, ::-1], axis=1)[:, ::-1])
+                self._runs_cache = (start, end)
+        return None if self._runs_cache[0] is None else self._runs_cache
+
+    def at(self, b: int, h: int) -> "Document":
+        """The ids of batch row ``b``."""
+        if self.tensor.shape[0] == 1:
+            return self
+        return Document(self.tensor[b])
+
+    def _bounds(self, qp, p=None):
+        """Run-structured ids as an interval per row (numpy; the compiler's form): ``[start, end)``
+        of the query's document, empty outside ``[0, L)``."""
+        start, end = self.runs()
+        n = start.shape[1]
+        ok = (qp >= 0) & (qp < n)
+        qc = np.clip(qp, 0, n - 1)
+        return np.where(ok, start[0, qc], BIG), np.where(ok, end[0, qc] - 1, -BIG)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -308,10 +378,98 @@ class Document(_TensorPrimitive):
 
     def _eval(self, ctx):
         ids = self.tensor.to(ctx.j.device).long()
-        b = self._bh_index(ctx, ids.shape[0]).to(ctx.j.device)
+        b = self._bh_index(ctx, ids.shape[0])
         L = ids.shape[1]
         qp = ctx.qp.clamp(0, L - 1)
-        return (ids[b, qp] == ids[b, ctx.j]) & (ctx.qp >= 0)
+        return (ids[b, qp] == ids[b, ctx.j]) & (ctx.qp >= 0) & (ctx.qp < L)
+
+
+class _PositionSet(_TensorPrimitive):
+    """A set of positions: int tensor ``(n,)`` or ``(B, n)`` (one set per batch row); negative
+    entries are padding and ignored, duplicates and order do not matter."""
+
+    __slots__ = ("_bits",)
+
+    def __init__(self, positions: torch.Tensor):
+        super().__init__()
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"{self.name}(): positions must be a torch.Tensor, got {type(positions).__name__}")
+        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+            raise ValueError(f"{self.name}(): positions must be an integer tensor, got {positions.dtype}")
+        if positions.dim() not in (1, 2):
+            raise ValueError(f"{self.name}(): positions must have shape (n,) or (B, n), got {tuple(positions.shape)}")
+        p = positions.detach().to("cpu", torch.int64).reshape(-1, positions.shape[-1]) if positions.numel() else \
+            torch.zeros(1 if positions.dim() == 1 else positions.shape[0], 0, dtype=torch.int64)
+        if p.numel() and int(p.max()) > INT32_MAX - 1:
+            raise ValueError(f"{self.name}(): positions must be < {INT32_MAX}")
+        rows = [torch.unique(r[r >= 0]) for r in p]  # sorted, distinct
+        n = max([len(r) for r in rows] + [0])
+        canon = torch.full((len(rows), n), -1, dtype=torch.int64)
+        for k, r in enumerate(rows):
+            canon[k, :len(r)] = r
+        self.tensor = canon
+        self._bits = None
+
+    def positions(self, b: int = 0) -> np.ndarray:
+        """Sorted distinct positions of batch row ``b`` (numpy int64)."""
+        r = self.tensor[b if self.tensor.shape[0] > 1 else 0].numpy()
+        return r[r >= 0]
+
+    def bits(self) -> torch.Tensor:
+        """int32 bitset words ``(B, W)``: bit ``x % 32`` of word ``x // 32`` set for position x."""
+        if self._bits is None:
+            n_bits = int(self.tensor.max()) + 1 if self.tensor.numel() else 0
+            w = max(1, -(-n_bits // 32))
+            grid = torch.zeros(self.tensor.shape[0], w * 32, dtype=torch.bool)
+            rows, cols = torch.nonzero(self.tensor >= 0, as_tuple=True)
+            grid[rows, self.tensor[rows, cols]] = True
+            self._bits = pack_bits(grid)
+        return self._bits
+
+    def _own_batch_shape(self):
+        return (self.tensor.shape[0], 1) if self.tensor.shape[0] > 1 else ()
+
+    def at(self, b: int, h: int):
+        """The set of batch row ``b``."""
+        if self.tensor.shape[0] == 1:
+            return self
+        return type(self)(self.tensor[b:b + 1])
+
+    def _member(self, x, ctx):
+        words = self.bits().to(x.device)
+        b = self._bh_index(ctx, words.shape[0])
+        n = words.shape[1] * 32
+        xc = x.clamp(0, n - 1)
+        w = words[b, torch.div(xc, 32, rounding_mode="floor")]
+        return (((w >> torch.remainder(xc, 32)) & 1) != 0) & (x >= 0) & (x < n)
+
+
+class KeySet(_PositionSet):
+    """Keys at a set of positions (globals anywhere, as keys): keeps ``j in positions``."""
+
+    __slots__ = ()
+    name = "key_set"
+    TENSOR = "key_set"
+    KIND = "col"
+
+    def _eval(self, ctx):
+        return self._member(ctx.j, ctx)
+
+
+class QuerySet(_PositionSet):
+    """Queries at a set of positions (globals anywhere, as queries): keeps ``qp in positions``."""
+
+    __slots__ = ()
+    name = "query_set"
+    TENSOR = "query_set"
+    KIND = "row"
+
+    def _rows(self, qp, p=None):
+        """Membership of positions ``qp`` (numpy) in the (single) set: the compiler's row filter."""
+        return np.isin(qp, self.positions(0))
+
+    def _eval(self, ctx):
+        return self._member(ctx.qp, ctx)
 
 
 class RandomBlocks(Primitive):
@@ -329,16 +487,16 @@ class RandomBlocks(Primitive):
     def _eval(self, ctx):
         bs = self.block_size
         n_kb = -(-ctx.kv_len // bs)
-        qb = torch.div(ctx.qp, bs, rounding_mode="floor")
-        uq = torch.unique(qb.clamp(min=0)).cpu().numpy()
+        qb = torch.div(ctx.qp, bs, rounding_mode="floor").clamp(0, n_kb - 1)
+        uq = torch.unique(qb).cpu().numpy()
         grid = np.zeros((len(uq), n_kb), dtype=bool)
         if self.r and len(uq):
             ch = self.chosen(uq, n_kb)
             np.put_along_axis(grid, ch, True, axis=1)
-        row = torch.from_numpy(np.searchsorted(uq, qb.clamp(min=0).cpu().numpy())).to(ctx.j.device)
+        row = torch.from_numpy(np.searchsorted(uq, qb.cpu().numpy())).to(ctx.j.device)
         g = torch.from_numpy(grid).to(ctx.j.device)
         kb = torch.div(ctx.j, bs, rounding_mode="floor")
-        return g[row, kb] & (ctx.qp >= 0)
+        return g[row, kb] & (ctx.qp >= 0) & (ctx.qp < n_kb * bs)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -394,78 +552,14 @@ def random_block_choice(seed: int, qblocks: np.ndarray, n_cols: int, r: int) -> 
     return out
 
 
-class BlockMask(_TensorPrimitive):
-    """A user block grid: keeps ``t[i // bs, j // bs]``; t bool ``(Tr, Tc)`` or ``(B, H, Tr, Tc)``
-    with ``Tr = ceil(q_len / bs)``, ``Tc = ceil(kv_len / bs)`` (rows index the query tensor)."""
-
-    __slots__ = ()
-    name = "block_mask"
-    PARAMS = (("block_size", 128, 1),)
-    TENSOR = "block_mask"
-
-    def __init__(self, t: torch.Tensor, block_size: int = 128):
-        super().__init__(block_size=block_size)
-        self.tensor = _bool_grid("block_mask", t)
-
-    def _own_batch_shape(self):
-        s = tuple(self.tensor.shape[:2])
-        return s if s != (1, 1) else ()
-
-    def _check_lengths(self, q_len, kv_len):
-        bs = self.block_size
-        want = (-(-q_len // bs), -(-kv_len // bs))
-        if tuple(self.tensor.shape[-2:]) != want:
-            raise ValueError(f"block_mask(): grid has shape {tuple(self.tensor.shape[-2:])}, expected "
-                             f"(ceil(q_len/{bs}), ceil(kv_len/{bs})) = {want}")
-
-    def _eval(self, ctx):
-        t = self.tensor.to(ctx.j.device)
-        b, h = self._bh_index(ctx, t.shape[0], t.shape[1])
-        bs = self.block_size
-        return t[b, h, torch.div(ctx.i, bs, rounding_mode="floor"), torch.div(ctx.j, bs, rounding_mode="floor")]
-
-
-class DenseMask(_TensorPrimitive):
-    """Escape hatch: a user bool mask ``(Lq, Lk)`` or ``(B, H, Lq, Lk)``; keeps ``t[i, j]``."""
-
-    __slots__ = ()
-    name = "dense_mask"
-    TENSOR = "dense_mask"
-
-    def __init__(self, t: torch.Tensor):
-        super().__init__()
-        self.tensor = _bool_grid("dense_mask", t)
-
-    def _own_batch_shape(self):
-        s = tuple(self.tensor.shape[:2])
-        return s if s != (1, 1) else ()
-
-    def _check_lengths(self, q_len, kv_len):
-        if tuple(self.tensor.shape[-2:]) != (q_len, kv_len):
-            raise ValueError(f"dense_mask(): mask has shape {tuple(self.tensor.shape[-2:])}, "
-                             f"expected (q_len, kv_len) = {(q_len, kv_len)}")
-
-    def _eval(self, ctx):
-        t = self.tensor.to(ctx.j.device)
-        b, h = self._bh_index(ctx, t.shape[0], t.shape[1])
-        return t[b, h, ctx.i, ctx.j]
-
-
-def _bool_grid(prim: str, t) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{prim}(): expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() not in (2, 4):
-        raise ValueError(f"{prim}(): expected shape (Lq, Lk) or (B, H, Lq, Lk), got {tuple(t.shape)}")
-    if t.dtype != torch.bool:
-        raise ValueError(f"{prim}(): expected a torch.bool tensor, got {t.dtype}")
-    t = t.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
-    return t if t.dim() == 4 else t.view(1, 1, *t.shape)
-
+from .custom import BlockMask, DenseMask, MaskMod  # noqa: E402  (they build on _TensorPrimitive)
+from .neighborhood import Neighborhood, SlidingTiles  # noqa: E402
 
 PRIMITIVES: dict[str, type[Primitive]] = {
     cls.name: cls
-    for cls in (Full, Causal, Window, SlidingWindow, GlobalTokens, Strided, Chunked, PrefixLM, Summary,
-                Document, RandomBlocks, BlockMask, DenseMask)
+    for cls in (Full, Causal, Window, SlidingWindow, GlobalTokens, Strided, Chunked, ChunkBand, PrefixLM, Summary,
+                KeyRange, QueryRange, KeySet, QuerySet, PeriodicWindow, Document, RandomBlocks, Neighborhood,
+                SlidingTiles, BlockMask, DenseMask, MaskMod)
 }
 
 
@@ -482,32 +576,38 @@ def causal() -> Mask:
     return Causal()
 
 
-def window(w: int) -> Mask:
-    """Symmetric local window ``|qp - j| <= w`` (w >= 0)."""
+def window(w) -> Mask:
+    """Symmetric local window ``|qp - j| <= w`` (w >= 0; an int or a ``(B, H)`` tensor)."""
     return Window(w)
 
 
-def sliding_window(w: int) -> Mask:
-    """Causal sliding window of w keys including the query's own (w >= 1)."""
+def sliding_window(w) -> Mask:
+    """Causal sliding window of w keys including the query's own (w >= 1): ``0 <= qp - j < w``.
+    A FlexAttention-style "look back w" window ``0 <= qp - j <= w`` is ``sliding_window(w + 1)``."""
     return SlidingWindow(w)
 
 
-def global_tokens(g: int) -> Mask:
+def global_tokens(g) -> Mask:
     """The first g positions attend to and are attended by every position."""
     return GlobalTokens(g)
 
 
-def strided(s: int) -> Mask:
+def strided(s) -> Mask:
     """Keep pairs whose distance is a multiple of s (s >= 1)."""
     return Strided(s)
 
 
-def chunked(c: int) -> Mask:
+def chunked(c) -> Mask:
     """Block-diagonal attention within chunks of c positions (c >= 1)."""
     return Chunked(c)
 
 
-def prefix_lm(p: int) -> Mask:
+def chunk_band(q_chunk, k_chunk, lo=0, hi=0) -> Mask:
+    """Keep ``lo <= j // k_chunk - qp // q_chunk <= hi`` (chunk-level bands; see :class:`ChunkBand`)."""
+    return ChunkBand(q_chunk, k_chunk, lo=lo, hi=hi)
+
+
+def prefix_lm(p) -> Mask:
     """Bidirectional over the first p keys, causal elsewhere."""
     return PrefixLM(p)
 
@@ -515,6 +615,32 @@ def prefix_lm(p: int) -> Mask:
 def summary(stride: int, c: int = 1) -> Mask:
     """The last c keys of every stride-long span (Sparse Transformer 'fixed' summary columns)."""
     return Summary(stride, c)
+
+
+def key_range(start, end) -> Mask:
+    """Keys ``start <= j < end`` for every query (an image span, a shared prefix, valid keys)."""
+    return KeyRange(start, end)
+
+
+def query_range(start, end) -> Mask:
+    """Queries ``start <= qp < end``, every key (rectangles: ``query_range(..) & key_range(..)``)."""
+    return QueryRange(start, end)
+
+
+def key_set(positions: torch.Tensor) -> Mask:
+    """Keys at the given positions (``(n,)`` or per batch ``(B, n)``; negative entries ignored)."""
+    return KeySet(positions)
+
+
+def query_set(positions: torch.Tensor) -> Mask:
+    """Queries at the given positions (``(n,)`` or per batch ``(B, n)``; negative entries ignored).
+    Global tokens anywhere: ``key_set(t) | query_set(t)``."""
+    return QuerySet(positions)
+
+
+def periodic_window(period, w) -> Mask:
+    """Band on positions modulo ``period``: ``|qp % period - j % period| <= w``."""
+    return PeriodicWindow(period, w)
 
 
 def document(ids: torch.Tensor) -> Mask:
@@ -528,10 +654,25 @@ def random_blocks(r: int, block_size: int = 128, seed: int = 0) -> Mask:
 
 
 def block_mask(t: torch.Tensor, block_size: int = 128) -> Mask:
-    """A user bool block grid ``(Tr, Tc)`` or ``(B, H, Tr, Tc)`` at block_size."""
+    """A user bool block grid ``(Tr, Tc)`` or ``(B, H, Tr, Tc)`` at block_size (one bit per block)."""
     return BlockMask(t, block_size=block_size)
 
 
 def dense_mask(t: torch.Tensor) -> Mask:
-    """A user bool element mask ``(Lq, Lk)`` or ``(B, H, Lq, Lk)`` (escape hatch: O(Lq·Lk) memory)."""
+    """A user bool element mask ``(Lq, Lk)`` or ``(B, H, Lq, Lk)``, stored as one bit per element."""
     return DenseMask(t)
+
+
+def mask_mod(fn, B: int | None = None, H: int | None = None) -> Mask:
+    """A FlexAttention-style callable ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (see :class:`MaskMod`)."""
+    return MaskMod(fn, B=B, H=H)
+
+
+def neighborhood(grid, kernel, dilation=1, tile=None, start: int = 0) -> Mask:
+    """NATTEN neighbourhood attention on a 1-D/2-D/3-D token grid (see :class:`Neighborhood`)."""
+    return Neighborhood(grid, kernel, dilation=dilation, tile=tile, start=start)
+
+
+def sliding_tiles(grid, tile, kernel, start: int = 0) -> Mask:
+    """Sliding tile attention (STA) on a token grid in tile order (see :class:`SlidingTiles`)."""
+    return SlidingTiles(grid, tile, kernel, start=start)

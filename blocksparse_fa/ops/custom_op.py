@@ -317,11 +317,13 @@ def _layout(q, k, v, handle):
 
 @torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
-                  dropout_p: float, seed: torch.Tensor, backend: str, rewrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``."""
+                  dropout_p: float, seed: torch.Tensor | None, backend: str,
+                  rewrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``. ``seed``: int64 CPU scalar
+    tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible)."""
     s, layout = _layout(q, k, v, handle)
     be = resolve_backend(backend, q.device, q.dtype)
-    out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, int(seed.item()), be, rewrite)
+    out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, _seed(seed), be, rewrite)
     return out.contiguous(), lse.contiguous()
 
 
@@ -336,11 +338,12 @@ def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrit
 @torch.library.custom_op("blocksparse_fa::attention_bwd", mutates_args=())
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, dlse: torch.Tensor | None, handle: int, scale: float, dropout_p: float,
-                  seed: torch.Tensor, backend: str, rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  seed: torch.Tensor | None, backend: str,
+                  rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
     s, layout = _layout(q, k, v, handle)
     be = resolve_backend(backend, q.device, q.dtype)
-    dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, int(seed.item()), be,
+    dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, _seed(seed), be,
                                    dlse=dlse, use_rewrite=rewrite)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -350,6 +353,10 @@ def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p,
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _seed(seed) -> int:
+    return 0 if seed is None else int(seed.item())
 
 
 def _setup_context(ctx, inputs, output):
@@ -375,9 +382,9 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------
 # the public entry point
 # ------------------------------------------------------------------------------------------------
-def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor:
+def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor | None:
     if dropout_p == 0.0:
-        return torch.zeros((), dtype=torch.int64)
+        return None
     if dropout_seed is None:
         return torch.randint(0, 2**62, (), dtype=torch.int64)
     if isinstance(dropout_seed, torch.Tensor):
