@@ -1,7 +1,7 @@
 """Kernel variants side by side on the H100, checked against float64, beside FlexAttention and cuDNN.
 
-The variants (all off by default in the package; ``NOTES.md`` "Issue 17 levers" says what each
-is and what the sm_90 compile showed):
+The variants (all off by default in the package; ``benchmarks/NOTES.md`` says what each
+is and what the sm_90 compile showed: "Lever 1" to "Lever 4"):
 
 - ``even``: masked loops without bounds checks when the lengths are multiples of the layout block
   (``set_kernel_options(even=True)``);

@@ -60,7 +60,7 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
                   BLOCK_M=bm, BLOCK_N=bn, LAYOUT_BM=128, LAYOUT_BN=128, DOT_PRECISION="tf32",
                   STAGES=stages, MASKED_STAGES=stages if masked_stages is None else masked_stages,
                   FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut, ACCUMULATE=False,
-                  KV_DESC=False, WARP_SPEC=False, KV_EVEN=False, EVEN=False, DQ_DESC=False)
+                  KV_DESC=False, WARP_SPEC=False, KV_EVEN=False, EVEN=False, DQ_DESC=False, KV_FLAT=False, Q_FLAT=False)
     if kernel not in ("fwd", "atomic"):  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at dq_tile)
         ms = consts["MASKED_STAGES"]
         kv = (bm, bn) if kernel != "dq" else (64, 128)

@@ -82,7 +82,7 @@ def set_forward_options(**kw) -> None:
     depth of the masked loop). All off by default: none was faster on the H100 (NOTES.md v9).
     ``dense``: layouts whose every block is full run ``kernels/forward_ws.py`` instead: ``"ws"``
     warp-specialised (4 warps), ``"plain"`` the same loop with 8 warps, None (default) the
-    block-sparse kernel. Triton specialises warps only in that kernel (NOTES.md, issue 17 levers)."""
+    block-sparse kernel. Triton specialises warps only in that kernel (NOTES.md, "Lever 4")."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
