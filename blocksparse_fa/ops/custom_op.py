@@ -86,6 +86,14 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class _Template:
+    """A mask's DSL text whose tensors travel with each op call, under these names."""
+
+    text: str
+    names: tuple
+
+
 @dataclass
 class _Entry:
     source: object  # a Mask, or a BlockLayout registered as itself
@@ -129,6 +137,22 @@ class LayoutRegistry:
         if isinstance(source, BlockLayout):
             return ("layout", id(source))
         return ("mask", source, block_size)
+
+    def register_template(self, text: str, names: tuple, block_size) -> int:
+        """Handle of a mask given as DSL text whose tensors (``names``) come with every op call: a
+        tensor-holding mask built inside a compiled function (per-step document ids)."""
+        src = _Template(text, tuple(names))
+        key = self._key(src, _block_pair(block_size))
+        with self._lock:
+            h = self._by_key.get(key)
+            if h is None:
+                h = self._next
+                self._next += 1
+                self._entries[h] = _Entry(src, _block_pair(block_size))
+                self._by_key[key] = h
+                self._evict(keep=h)
+            self._entries.move_to_end(h)
+            return h
 
     def register(self, mask, block_size=None) -> int:
         """Handle of ``mask`` (a Mask, DSL text / pattern name, BlockLayout or ``None`` = dense)."""
@@ -209,9 +233,9 @@ class LayoutRegistry:
             return self._entry(handle).block_size
 
     def layout(self, handle: int, q_len: int, kv_len: int | None = None, device=None,
-               align: str = "bottom_right") -> BlockLayout:
+               align: str = "bottom_right", tensors=None) -> BlockLayout:
         """The layout of ``handle`` for ``(q_len, kv_len)`` and ``align`` with lookup tables on
-        ``device`` (cached)."""
+        ``device`` (cached); ``tensors``: the tensors of a template handle, in its names' order."""
         kv_len = q_len if kv_len is None else kv_len
         dev = torch.device("cpu" if device is None else device)
         if dev.type == "cuda" and dev.index is None:
@@ -219,6 +243,12 @@ class LayoutRegistry:
         ckey = (int(q_len), int(kv_len), str(dev), align)
         with self._lock:
             e = self._entry(handle)
+            if isinstance(e.source, _Template):  # the mask's tensors change per call: compile_mask caches by content
+                src, bs = e.source, e.block_size
+                if not tensors or len(tensors) != len(src.names):
+                    raise ValueError(f"mask handle {handle} needs the tensors {src.names} with each call")
+                mask = parse(src.text, **dict(zip(src.names, tensors)))
+                return compile_mask(mask, ckey[0], ckey[1], bs, device=dev, align=check_align(align))
             self._entries.move_to_end(handle)
             lay = e.layouts.get(ckey)
             if lay is not None:
@@ -296,6 +326,25 @@ def _handle_for_text(text: str, block_size):
     return registry.register(parse(text), block_size)
 
 
+@_constant_result
+def _handle_for_template(text: str, names: tuple, block_size):
+    # Trace-time constant: a tensor-holding mask built inside a compiled function is its text plus
+    # tensors that become op inputs (e.g. document ids that change every step).
+    return registry.register_template(text, names, block_size)
+
+
+def mask_handle(mask, block_size=None) -> tuple[int, list | None]:
+    """``(handle, tensors)``: :func:`handle_of`, except that under ``torch.compile`` a Mask that holds
+    tensors becomes a template handle plus its tensors (graph inputs of the op), so it may be built
+    inside the compiled function from that step's tensors."""
+    if torch.compiler.is_compiling() and isinstance(mask, Mask):
+        tensors = mask.tensors()
+        if tensors:
+            names = tuple(tensors)
+            return _handle_for_template(str(mask), names, _block_pair(block_size)), [tensors[n] for n in names]
+    return handle_of(mask, block_size), None
+
+
 def _has_tensors(mask) -> bool:
     """Whether the expression holds tensors (their text does not carry the data)."""
     if mask.children:
@@ -329,9 +378,9 @@ def handle_of(mask, block_size=None) -> int:
 # ------------------------------------------------------------------------------------------------
 # the ops
 # ------------------------------------------------------------------------------------------------
-def _layout(q, k, v, handle, align):
+def _layout(q, k, v, handle, align, tensors=None):
     s = check_qkv(q, k, v)
-    layout = registry.layout(handle, s.Lq, s.Lk, q.device, align)
+    layout = registry.layout(handle, s.Lq, s.Lk, q.device, align, tensors)
     check_layout(layout, s)
     return s, layout
 
@@ -339,17 +388,18 @@ def _layout(q, k, v, handle, align):
 @torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor | None, backend: str,
-                  rewrite: bool, align: str = "bottom_right") -> tuple[torch.Tensor, torch.Tensor]:
+                  rewrite: bool, align: str, mask_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``. ``seed``: int64 CPU scalar
-    tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible)."""
-    s, layout = _layout(q, k, v, handle, align)
+    tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible).
+    ``mask_tensors``: the tensors of a template handle (masks built inside a compiled function)."""
+    s, layout = _layout(q, k, v, handle, align, mask_tensors)
     be = resolve_backend(backend, q.device, q.dtype)
     out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, _seed(seed), be, rewrite)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align="bottom_right"):
+def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors):
     B, H, Lq, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=dispatch.lse_dtype(q.dtype), device=q.device)
@@ -360,9 +410,10 @@ def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrit
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, dlse: torch.Tensor | None, handle: int, scale: float, dropout_p: float,
                   seed: torch.Tensor | None, backend: str,
-                  rewrite: bool, align: str = "bottom_right") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rewrite: bool, align: str,
+                  mask_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
-    s, layout = _layout(q, k, v, handle, align)
+    s, layout = _layout(q, k, v, handle, align, mask_tensors)
     be = resolve_backend(backend, q.device, q.dtype)
     dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, _seed(seed), be,
                                    dlse=dlse, use_rewrite=rewrite)
@@ -371,7 +422,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite,
-                        align="bottom_right"):
+                        align, mask_tensors):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -382,20 +433,20 @@ def _seed(seed) -> int:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align = inputs
+    q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.save_for_backward(q, k, v, out, lse, seed, *mask_tensors)
     ctx.args = (handle, scale, dropout_p)
     ctx.backend, ctx.rewrite, ctx.align = backend, rewrite, align
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, seed = ctx.saved_tensors
+    q, k, v, out, lse, seed, *mts = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.blocksparse_fa.attention_bwd(q, k, v, out, lse, dout, dlse, *ctx.args, seed,
-                                                        ctx.backend, ctx.rewrite, ctx.align)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                                        ctx.backend, ctx.rewrite, ctx.align, mts)
+    return dq, dk, dv, None, None, None, None, None, None, None, [None] * len(mts)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -428,8 +479,11 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
         q: ``(B, H, Lq, D)``; k, v: ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0``.
         mask: a :class:`Mask` (built inside or outside the compiled function), DSL text / pattern
             name, a :class:`BlockLayout`, a ``mask_mod`` callable, ``None`` (dense) or an int
-            handle from :func:`register_mask`. Masks that hold tensors (documents, block or dense masks) must
-            be made outside the compiled function (or registered).
+            handle from :func:`register_mask`. Under ``torch.compile`` a mask built inside the
+            function from that step's tensors (``causal() & document(ids)``) passes its text as a
+            constant and its tensors as op inputs, so new ids reuse the graph; masks whose
+            construction reads tensor values (per-head parameters, block or dense masks) must be
+            made outside the compiled function.
         scale: softmax scale (default ``1/sqrt(D)``).
         dropout_p: attention dropout probability in ``[0, 1)``.
         dropout_seed: int seed of the counter-based dropout RNG (default: drawn from torch's RNG, as
@@ -452,10 +506,10 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
                       rewrite, align)
     s = check_qkv(q, k, v)
     scale, dropout_p = check_scalars(scale, dropout_p)
-    handle = handle_of(mask, block_size)
+    handle, mask_tensors = mask_handle(mask, block_size)
     scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
-                             bool(rewrite), align)
+                             bool(rewrite), align, mask_tensors or [])
     return (out, lse.float()) if return_lse else out
 
 
@@ -467,7 +521,7 @@ def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align):
     check_mask_for(mask, s, block_size, None if isinstance(mask, BlockLayout) else align)
     handle = handle_of(mask, block_size)
     scale = 1.0 / math.sqrt(s.D) if scale is None else scale
-    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, None, "auto", True, align)
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, None, "auto", True, align, [])
     return (out, lse.float()) if return_lse else out
 
 
