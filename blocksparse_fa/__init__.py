@@ -4,7 +4,13 @@
     m = bsfa.causal() & (bsfa.window(256) | bsfa.global_tokens(64))
     lay = bsfa.compile_mask(m, 4096, 4096, block_size=128)
     out = bsfa.attention(q, k, v, mask=m)
+
+Importing the package imports neither Triton (loaded when the Triton backend first runs) nor
+Dynamo: the ``torch.library`` custom op (:func:`attention_op`, :func:`register_mask`), the ``nn``
+modules and the integrations load on first use.
 """
+
+import importlib
 
 from .mask import (
     Mask, MaskSyntaxError, block_mask, causal, chunk_band, chunked, dense_mask, document, full, global_tokens,
@@ -14,17 +20,32 @@ from .mask import (
 )
 
 from .compiler import BlockLayout, compile_mask
-from .ops import attention, dropout_keep_mask, reference_attention
-from .ops.custom_op import attention_op, register_mask
+from .ops import attention, dropout_keep_mask, last_backend, reference_attention, scaled_dot_product_attention
 from .ops.merge import merge_attention
-from . import nn  # noqa: E402  (BlockSparseAttention, BlockSparseMultiheadAttention)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mask", "MaskSyntaxError", "BlockLayout", "compile_mask", "attention", "reference_attention",
-    "dropout_keep_mask", "attention_op", "register_mask", "merge_attention", "nn", "parse", "load_pattern", "list_patterns", "pattern_info",
+    "Mask", "MaskSyntaxError", "BlockLayout", "compile_mask", "attention", "scaled_dot_product_attention",
+    "reference_attention", "dropout_keep_mask", "attention_op", "register_mask", "merge_attention", "last_backend",
+    "nn", "parse", "load_pattern", "list_patterns", "pattern_info",
     "full", "causal", "window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm",
     "summary", "document", "random_blocks", "block_mask", "dense_mask", "chunk_band", "key_range", "query_range",
     "key_set", "query_set", "periodic_window", "neighborhood", "sliding_tiles", "mask_mod", "per_head", "per_batch", "shift",
 ]
+
+_LAZY = {"attention_op": ".ops.custom_op", "register_mask": ".ops.custom_op", "nn": ".nn"}
+
+
+def __getattr__(name):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'blocksparse_fa' has no attribute {name!r}")
+    mod = importlib.import_module(where, __name__)
+    value = mod if name == "nn" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -8,7 +8,11 @@ Two modules, two levels:
   ``F.scaled_dot_product_attention``.
 * :class:`BlockSparseMultiheadAttention` is a complete layer: input/output projections, grouped-query
   attention (``num_kv_heads``), optional rotary position embeddings, attention dropout, and the core
-  above. Input and output are ``(B, L, embed_dim)`` (batch first).
+  above. Input and output are ``(B, L, embed_dim)`` (batch first; ``batch_first=False`` takes
+  ``(L, B, embed_dim)`` as :class:`torch.nn.MultiheadAttention` does by default). Called as
+  ``nn.MultiheadAttention`` is -- ``(query, key, value, key_padding_mask=..., attn_mask=...)`` -- it
+  returns ``(output, None)``, and :meth:`BlockSparseMultiheadAttention.from_torch` converts an
+  existing ``nn.MultiheadAttention`` with its weights.
 
 Both call :func:`blocksparse_fa.ops.custom_op.attention_op` with an integer mask *handle* registered
 (and pinned) when the module is built, so ``torch.compile(model, fullgraph=True)`` traces them
@@ -24,22 +28,17 @@ import torch
 from torch import nn
 
 from .compiler.layout import BlockLayout
-from .mask.dsl import parse
-from .mask.expr import Mask
-from .mask.primitives import full
+from .mask.primitives import dense_mask, key_set
+from .ops.api import as_mask, check_align
 from .ops.custom_op import attention_op, register_mask, registry
+from .ops.sdpa import top_left_causal
+from .ops.validate import _OneEntry, keep_from_tensor
 
 __all__ = ["BlockSparseAttention", "BlockSparseMultiheadAttention", "apply_rotary"]
 
 
 def _as_mask(mask):
-    if mask is None:
-        return full()
-    if isinstance(mask, str):
-        return parse(mask)
-    if isinstance(mask, (Mask, BlockLayout)):
-        return mask
-    raise TypeError(f"mask must be a Mask, DSL text / pattern name, BlockLayout or None, got {type(mask).__name__}")
+    return mask if isinstance(mask, BlockLayout) else as_mask(mask)
 
 
 class BlockSparseAttention(nn.Module):
@@ -53,6 +52,8 @@ class BlockSparseAttention(nn.Module):
         scale: softmax scale (default ``1/sqrt(D)``).
         dropout: attention dropout probability, applied in training mode only.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
+        align: ``"bottom_right"`` (default) or ``"top_left"``: where query row ``i`` sits when
+            ``Lq != Lk`` (see :func:`blocksparse_fa.attention`); a compiled layout keeps its own.
         context_parallel: a process group or 1-D DeviceMesh: q, k, v are this rank's shard of a
             sequence split across the group (self-attention), computed by
             :func:`blocksparse_fa.distributed.context_parallel_attention`; pass the sharding's plan
@@ -63,11 +64,12 @@ class BlockSparseAttention(nn.Module):
     """
 
     def __init__(self, mask=None, *, block_size=None, scale=None, dropout: float = 0.0, backend: str = "auto",
-                 context_parallel=None):
+                 align: str | None = None, context_parallel=None):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.mask = _as_mask(mask)
+        self.align = check_align(align, self.mask if isinstance(self.mask, BlockLayout) else None)
         self.handle = register_mask(self.mask, block_size, owner=self)
         self.block_size = registry.block_size(self.handle)
         self.scale = scale
@@ -77,15 +79,16 @@ class BlockSparseAttention(nn.Module):
 
     def __setstate__(self, state):  # copy.deepcopy / unpickling: the copy registers and pins its own handle
         super().__setstate__(state)
+        self.__dict__.setdefault("align", "bottom_right")  # modules pickled before align existed
         self.handle = register_mask(self.mask, self.block_size, owner=self)
 
     def layout(self, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
         """The compiled layout for these lengths and device (cached per ``(q_len, kv_len, device)``)."""
-        return registry.layout(self.handle, q_len, kv_len, device)
+        return registry.layout(self.handle, q_len, kv_len, device, self.align)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, cp_plan=None):
         p = self.dropout if self.training else 0.0
-        if self.context_parallel is not None:
+        if getattr(self, "context_parallel", None) is not None:
             from .distributed import context_parallel_attention
 
             m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
@@ -96,11 +99,12 @@ class BlockSparseAttention(nn.Module):
         if cp_plan is not None:
             raise ValueError("cp_plan needs a module built with context_parallel=<process group or mesh>")
         return attention_op(q, k, v, self.handle, scale=self.scale, dropout_p=p, return_lse=return_lse,
-                            backend=self.backend)
+                            backend=self.backend, align=self.align)
 
     def extra_repr(self) -> str:
         m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
-        return f"mask={str(m)!r}, block_size={self.block_size}, dropout={self.dropout}"
+        al = "" if self.align == "bottom_right" else f", align={self.align!r}"
+        return f"mask={str(m)!r}, block_size={self.block_size}, dropout={self.dropout}{al}"
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -115,6 +119,37 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0
     return torch.cat([rot, x[..., 2 * half:]], dim=-1) if d % 2 else rot
 
 
+def _version(t):
+    return None if t is None else (id(t), None if t.is_inference() else t._version, tuple(t.shape))
+
+
+def _mha_masks(key_padding_mask, attn_mask, B: int, H: int, Lq: int, Lk: int, device) -> list:
+    """Mask expressions for ``nn.MultiheadAttention``'s masks, where ``True`` in either means *masked*
+    (the inverse of SDPA's ``attn_mask``); float masks add to the scores and are accepted when they
+    only mask (``0``/``-inf``). Padding becomes ``~key_set(padded positions)`` (``O(B · Lk)``), an
+    ``attn_mask`` a bit-packed ``dense_mask``."""
+    out = []
+    if attn_mask is not None:
+        keep = ~attn_mask if attn_mask.dtype == torch.bool else keep_from_tensor("attn_mask", attn_mask)
+        if keep.dim() == 2 and tuple(keep.shape) == (Lq, Lk):
+            out.append(dense_mask(keep.to(device)))
+        elif keep.dim() == 3 and tuple(keep.shape) == (B * H, Lq, Lk):
+            out.append(dense_mask(keep.reshape(B, H, Lq, Lk).to(device)))
+        else:
+            raise ValueError(f"attn_mask must have shape (L, S) = {(Lq, Lk)} or (N * num_heads, L, S) = "
+                             f"{(B * H, Lq, Lk)}, got {tuple(attn_mask.shape)}")
+    if key_padding_mask is not None:
+        kp = key_padding_mask if key_padding_mask.dim() == 2 else key_padding_mask.unsqueeze(0)
+        if tuple(kp.shape) != (B, Lk):
+            raise ValueError(f"key_padding_mask must have shape (N, S) = {(B, Lk)}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+        pad = kp if kp.dtype == torch.bool else ~keep_from_tensor("key_padding_mask", kp)
+        if bool(pad.any()):
+            pos = torch.where(pad, torch.arange(Lk, device=pad.device), -1)
+            out.append(~key_set(pos))
+    return out
+
+
 class BlockSparseMultiheadAttention(nn.Module):
     """Multi-head (grouped-query) attention layer with a block-sparse mask.
 
@@ -127,22 +162,39 @@ class BlockSparseMultiheadAttention(nn.Module):
         bias: bias in the projections.
         dropout: attention dropout probability (training mode only).
         head_dim: per-head width (default ``E // H``).
-        rotary: apply rotary position embeddings to q and k (query positions align bottom-right).
+        rotary: apply rotary position embeddings to q and k (at the query positions ``align`` gives).
         rope_base: rotary base frequency.
-        block_size, scale, backend, context_parallel: as in :class:`BlockSparseAttention`.
+        block_size, scale, backend, align, context_parallel: as in :class:`BlockSparseAttention`. With
+            ``context_parallel``, the input is this rank's shard of the sequence (pass its plan as
+            ``cp_plan=``; rotary positions are the plan's global token indices); self-attention
+            only (no ``key``/``value``/``context``, no masks given as tensors).
+        batch_first: inputs and outputs are ``(B, L, E)`` (default); ``False``: ``(L, B, E)``, the
+            default of :class:`torch.nn.MultiheadAttention`.
+        kdim, vdim: widths of the key and value inputs (default ``embed_dim``).
         device, dtype: of the parameters.
 
-    Forward:
-        ``x`` ``(B, Lq, E)``; optional ``context`` ``(B, Lk, E)`` for cross-attention (keys and values
-        are projected from it; default ``x``) -> ``(B, Lq, E)``. With ``context_parallel``, ``x`` is
-        this rank's shard of the sequence (``cp_plan``: its plan; rotary positions are the plan's
-        global token indices), and cross-attention is not supported.
+    Forward, two call forms:
+
+    * ``layer(x)`` or ``layer(x, context)``: ``x`` ``(B, Lq, E)``; ``context`` ``(B, Lk, kdim)`` for
+      cross-attention (keys and values are projected from it; default ``x``) -> ``(B, Lq, E)``.
+    * ``layer(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+      average_attn_weights=True, is_causal=False)``, as :class:`torch.nn.MultiheadAttention` ->
+      ``(output, None)``. ``key_padding_mask`` ``(B, Lk)`` (``True`` = padding) and a bool
+      ``attn_mask`` ``(Lq, Lk)`` or ``(B * H, Lq, Lk)`` (``True`` = *not* allowed, torch's MHA
+      convention; float masks of ``0``/``-inf`` too) are intersected with the pattern exactly:
+      padded keys are never attended (``~key_set(padded positions)``, ``O(B · Lk)``), and rows left
+      with no key output zeros. ``is_causal=True`` adds a causal mask (top-left aligned, as
+      torch's). The attention weights are never materialised, so ``need_weights=True`` raises; the
+      second element is always ``None``. Masks given as tensors are rebuilt when the tensors change
+      (an ``attn_mask`` is stored as one bit per element); building them reads tensor values, so
+      under ``torch.compile`` it breaks the graph.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, mask=None, num_kv_heads: int | None = None,
                  bias: bool = False, dropout: float = 0.0, *, head_dim: int | None = None, rotary: bool = False,
                  rope_base: float = 10000.0, block_size=None, scale=None, backend: str = "auto",
-                 context_parallel=None, device=None, dtype=None):
+                 batch_first: bool = True, kdim: int | None = None, vdim: int | None = None,
+                 align: str | None = None, context_parallel=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -152,14 +204,59 @@ class BlockSparseMultiheadAttention(nn.Module):
                 raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; pass head_dim")
             head_dim = embed_dim // num_heads
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
         self.rotary, self.rope_base = rotary, rope_base
+        self.batch_first = bool(batch_first)
         fk = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **fk)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **fk)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **fk)
+        self.k_proj = nn.Linear(self.kdim, num_kv_heads * head_dim, bias=bias, **fk)
+        self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, bias=bias, **fk)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **fk)
         self.attn = BlockSparseAttention(mask, block_size=block_size, scale=scale, dropout=dropout, backend=backend,
-                                         context_parallel=context_parallel)
+                                         align=align, context_parallel=context_parallel)
+        self._tensor_mask = _OneEntry()
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, mask=None, **kwargs) -> "BlockSparseMultiheadAttention":
+        """A layer computing what ``mha`` computes, restricted to ``mask``, with copies of its weights
+        (same device, dtype and ``batch_first``). ``kwargs`` go to the constructor (``block_size``,
+        ``backend``, ``rotary``, ...). ``add_bias_kv`` and ``add_zero_attn`` are not supported."""
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"from_torch() takes a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise NotImplementedError("from_torch(): add_bias_kv and add_zero_attn are not supported")
+        w = mha.out_proj.weight
+        bias = mha.in_proj_bias is not None
+        layer = cls(mha.embed_dim, mha.num_heads, mask, bias=bias, dropout=mha.dropout, batch_first=mha.batch_first,
+                    kdim=mha.kdim, vdim=mha.vdim, device=w.device, dtype=w.dtype, **kwargs)
+        with torch.no_grad():
+            if mha._qkv_same_embed_dim:
+                wq, wk, wv = mha.in_proj_weight.chunk(3)
+            else:
+                wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+            for proj, wt in ((layer.q_proj, wq), (layer.k_proj, wk), (layer.v_proj, wv)):
+                proj.weight.copy_(wt)
+            if bias:
+                for proj, b in zip((layer.q_proj, layer.k_proj, layer.v_proj), mha.in_proj_bias.chunk(3)):
+                    proj.bias.copy_(b)
+            layer.out_proj.weight.copy_(mha.out_proj.weight)
+            if layer.out_proj.bias is not None:
+                if mha.out_proj.bias is None:
+                    layer.out_proj.bias.zero_()
+                else:
+                    layer.out_proj.bias.copy_(mha.out_proj.bias)
+        return layer
+
+    def __getstate__(self):  # pickling: the per-call mask cache holds a weak reference
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["_tensor_mask"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._tensor_mask = _OneEntry()
 
     @property
     def mask(self):
@@ -168,33 +265,90 @@ class BlockSparseMultiheadAttention(nn.Module):
     def layout(self, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
         return self.attn.layout(q_len, kv_len, device)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, cp_plan=None) -> torch.Tensor:
+    def _mask_with(self, key_padding_mask, attn_mask, is_causal, B, Lq, Lk, device):
+        """The module's handle, or the pattern intersected with the call's masks (cached per tensors)."""
+        if key_padding_mask is None and attn_mask is None and not is_causal:
+            return self.attn.handle, None
+        if device.type == "meta":  # shapes only: the masks cannot change them
+            return self.attn.handle, None
+        key = (_version(key_padding_mask), _version(attn_mask), bool(is_causal), B, Lq, Lk, str(device))
+        anchor = key_padding_mask if key_padding_mask is not None else attn_mask
+        hit = self._tensor_mask.get(anchor, key) if anchor is not None else None
+        if hit is not None:
+            return hit
+        pattern, bs = self.attn.mask, self.attn.block_size
+        m = pattern.mask if isinstance(pattern, BlockLayout) else pattern
+        for part in _mha_masks(key_padding_mask, attn_mask, B, self.num_heads, Lq, Lk, device):
+            m = m & part
+        if is_causal:
+            m = m & top_left_causal(Lq, Lk, self.attn.align)
+        if anchor is not None:
+            self._tensor_mask.put(anchor, key, (m, bs))
+        return m, bs
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, need_weights: bool = False,
+                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True, is_causal: bool = False,
+                *, cp_plan=None):
+        cp = getattr(self.attn, "context_parallel", None)
+        if cp is not None and (key is not None or value is not None or key_padding_mask is not None
+                               or attn_mask is not None or is_causal):
+            raise ValueError("context parallelism shards self-attention: pass only the query (the rank's shard); "
+                             "key/value, key_padding_mask, attn_mask and is_causal are not supported with it")
+        if cp is None and cp_plan is not None:
+            raise ValueError("cp_plan needs a module built with context_parallel=<process group or mesh>")
+        if need_weights:
+            raise NotImplementedError("need_weights=True: block-sparse attention never materialises the attention "
+                                      "weights; call with need_weights=False (the output's second element is None)")
+        mha_call = value is not None
+        unbatched = query.dim() == 2
+        x = query.unsqueeze(1 if not self.batch_first else 0) if unbatched else query
+        ctx = x if key is None else (key.unsqueeze(1 if not self.batch_first else 0) if unbatched else key)
+        val = ctx if value is None else (value.unsqueeze(1 if not self.batch_first else 0) if unbatched else value)
+        if not self.batch_first:
+            x, ctx, val = x.transpose(0, 1), ctx.transpose(0, 1), val.transpose(0, 1)
+        lay = "(B, L, E)" if self.batch_first else "(L, B, E)"
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(f"x must have shape (B, L, {self.embed_dim}), got {tuple(x.shape)}")
-        cp = self.attn.context_parallel
-        if cp is not None and context is not None:
-            raise ValueError("context parallelism shards self-attention; cross-attention (context=...) is not supported")
-        ctx = x if context is None else context
+            raise ValueError(f"query must have shape {lay} with E = {self.embed_dim}, got {tuple(query.shape)}")
         B, Lq, _ = x.shape
+        for name, t, d in (("key", ctx, self.kdim), ("value", val, self.vdim)):
+            if t.dim() != 3 or t.shape[0] != B or t.shape[-1] != d:
+                raise ValueError(f"{name} must have shape {lay} with batch {B} and E = {d}, got {tuple(t.shape)}")
         Lk = ctx.shape[1]
+        if val.shape[1] != Lk:
+            raise ValueError(f"key and value must have the same length, got {Lk} and {val.shape[1]}")
         q = self.q_proj(x).view(B, Lq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(ctx).view(B, Lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(ctx).view(B, Lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.rotary:
-            if cp is not None:  # this rank's tokens sit at their global positions
-                plan = cp_plan if cp_plan is not None else _contiguous_plan(self.attn, cp, Lq, x.device)
+        v = self.v_proj(val).view(B, Lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cp is not None:  # this rank's tokens sit at their global positions
+            plan = cp_plan if cp_plan is not None else _contiguous_plan(self.attn, cp, Lq, x.device)
+            if self.rotary:
                 pos = plan.indices(_rank(cp), x.device)
                 q, k = apply_rotary(q, pos, self.rope_base), apply_rotary(k, pos, self.rope_base)
-                cp_plan = plan
-            else:
-                q = apply_rotary(q, torch.arange(Lk - Lq, Lk, device=x.device), self.rope_base)
-                k = apply_rotary(k, torch.arange(Lk, device=x.device), self.rope_base)
-        o = self.attn(q, k, v, cp_plan=cp_plan) if cp is not None else self.attn(q, k, v)
-        return self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
+            o = self.attn(q, k, v, cp_plan=plan)
+            out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
+            return out.transpose(0, 1) if not self.batch_first else out
+        if self.rotary:
+            q0 = Lk - Lq if self.attn.align == "bottom_right" else 0
+            q = apply_rotary(q, torch.arange(q0, q0 + Lq, device=x.device), self.rope_base)
+            k = apply_rotary(k, torch.arange(Lk, device=x.device), self.rope_base)
+        m, bs = self._mask_with(key_padding_mask, attn_mask, is_causal, B, Lq, Lk, x.device)
+        if bs is None:
+            o = self.attn(q, k, v)
+        else:
+            p = self.attn.dropout if self.training else 0.0
+            o = attention_op(q, k, v, m, scale=self.attn.scale, dropout_p=p, backend=self.attn.backend, block_size=bs,
+                             align=self.attn.align)
+        out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out = out.squeeze(1 if not self.batch_first else 0)
+        return (out, None) if mha_call else out
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, rotary={self.rotary}")
+                f"head_dim={self.head_dim}, rotary={self.rotary}, batch_first={self.batch_first}")
 
 
 def _rank(group) -> int:

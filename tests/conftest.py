@@ -19,3 +19,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     nb = b.norm().item()
     return (a - b).norm().item() / nb if nb > 0 else (a - b).norm().item()
+
+
+@pytest.fixture
+def cpu_path(monkeypatch):
+    """``cpu_path("walk" | "dense" | "model")``: what ``backend="auto"`` runs on CPU in this test
+    (block walking always, the dense SDPA path whenever it applies, or the cost model)."""
+    from blocksparse_fa.ops import dense
+
+    def force(path):
+        weight = {"walk": float("inf"), "dense": 0.0, "model": dense.COST["dense"]}[path]
+        monkeypatch.setitem(dense.COST, "dense", weight)
+
+    return force

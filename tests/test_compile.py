@@ -100,3 +100,27 @@ def test_caches_under_threads():
         t.join(timeout=60)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_document_mask_built_inside_from_step_tensors():
+    """A tensor-holding mask built inside the compiled function (per-step document ids) becomes a
+    template handle plus op inputs: new ids reuse the graph and give the eager results."""
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    def f(q, k, v, doc):
+        return bsfa.attention(q, k, v, mask=bsfa.causal() & bsfa.document(doc), block_size=16)
+
+    cf = torch.compile(f, fullgraph=True, backend=backend)
+    q, k, v = _qkv()
+    for cuts in ([32, 32, 32], [50, 46], [7, 89]):
+        doc = torch.repeat_interleave(torch.arange(len(cuts), dtype=torch.int32), torch.tensor(cuts))[None]
+        got = _run(lambda q, k, v: cf(q, k, v, doc), q, k, v)
+        want = _run(lambda q, k, v: f(q, k, v, doc), q, k, v)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-6
+    assert len(frames) == 1

@@ -14,6 +14,13 @@ from torch.utils._pytree import tree_flatten
 import blocksparse_fa as bsfa
 
 
+@pytest.fixture(autouse=True)
+def _walk(cpu_path):
+    """These tests are about the block-walking backend: ``backend="auto"`` runs it here (the dense
+    path ``auto`` may pick for small problems is tested in test_api.py)."""
+    cpu_path("walk")
+
+
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
@@ -310,8 +317,19 @@ def _bad_calls():
     q, k, v = _qkv()
     A = bsfa.attention
     return [
-        ("q 3-D", lambda: A(q[0], k, v), ValueError, "q"),
+        ("q 3-D, k 4-D", lambda: A(q[0], k, v), ValueError, "leading"),
         ("k 5-D", lambda: A(q, k[None], v), ValueError, "k"),
+        ("q 2-D", lambda: A(q[0, 0], k[0, 0], v[0, 0]), ValueError, "at least 3"),
+        ("v head dim", lambda: A(q, k, v[..., :4]), NotImplementedError, "Dv=4"),
+        ("enable_gqa", lambda: A(*_qkv(H=4, Hkv=2), enable_gqa=False), ValueError, "enable_gqa"),
+        ("bool mask shape", lambda: A(q, k, v, mask=torch.ones(3, 32, 32, dtype=torch.bool)), ValueError,
+         "broadcast"),
+        ("float mask bias", lambda: A(q, k, v, mask=torch.randn(32, 32)), NotImplementedError, "score"),
+        ("int mask", lambda: A(q, k, v, mask=torch.ones(32, 32, dtype=torch.int64)), TypeError, "bool"),
+        ("block_size 0", lambda: A(q, k, v, mask="causal", block_size=0), ValueError, "block_size"),
+        ("scale str", lambda: A(q, k, v, scale="0.5"), ValueError, "scale"),
+        ("scale tensor 1-D", lambda: A(q, k, v, scale=torch.ones(2)), ValueError, "scale"),
+        ("scale bool", lambda: A(q, k, v, scale=True), ValueError, "scale"),
         ("v shape", lambda: A(q, k, v[:, :, :16]), ValueError, "v"),
         ("batch", lambda: A(q, *_qkv(B=2)[1:]), ValueError, "batch"),
         ("head dim", lambda: A(q, *_qkv(D=16)[1:]), ValueError, "head dim"),

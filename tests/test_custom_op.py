@@ -70,8 +70,15 @@ def test_opcheck():
     q, k, v, _ = qkv(B=1, H=4, Hkv=2, Lq=40, Lk=40, D=8, dtype=torch.float32)
     h = register_mask(MASK, 16)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), h, 0.3, 0.0,
-            None, "auto", True)
+            None, "auto", True, "bottom_right", [])
     res = torch.library.opcheck(attention_fwd, args)
+    assert all(v == "SUCCESS" for v in res.values()), res
+    # a template handle: the mask's tensors are op inputs
+    from blocksparse_fa.ops.custom_op import registry
+
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 20, 10]))[None]
+    ht = registry.register_template("causal & document", ("document",), 16)
+    res = torch.library.opcheck(attention_fwd, args[:3] + (ht,) + args[4:-1] + ([ids],))
     assert all(v == "SUCCESS" for v in res.values()), res
 
 

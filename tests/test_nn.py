@@ -149,3 +149,114 @@ def test_deepcopy_registers_its_own_handle():
     c = copy.deepcopy(m)
     assert c.handle == m.handle  # equal masks share the entry...
     assert registry._entries[m.handle].pins >= 2  # ...pinned by both modules
+
+
+# ------------------------------------------------------------------------------------------------
+# drop-in for torch.nn.MultiheadAttention
+# ------------------------------------------------------------------------------------------------
+def _torch_mha(E=32, H=4, batch_first=False, kdim=None, vdim=None, seed=0):
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(E, H, batch_first=batch_first, kdim=kdim, vdim=vdim, dtype=torch.float64)
+    with torch.no_grad():  # non-zero biases, so that every parameter is checked
+        for p in mha.parameters():
+            if p.dim() == 1:
+                p.normal_()
+    return mha
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("masks", ["none", "padding", "padding+attn_mask", "per-head attn_mask", "float masks",
+                                   "is_causal"])
+def test_mha_drop_in_matches_torch(batch_first, masks):
+    B, Lq, E, H = 3, 21, 32, 4
+    mha = _torch_mha(E, H, batch_first)
+    ours = BlockSparseMultiheadAttention.from_torch(mha, block_size=16)
+    g = torch.Generator().manual_seed(1)
+    shape = (B, Lq, E) if batch_first else (Lq, B, E)
+    x = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    kpm = torch.zeros(B, Lq, dtype=torch.bool)
+    kpm[1, 15:] = True
+    kpm[2, :4] = True
+    am = torch.rand(Lq, Lq, generator=g) < 0.3  # True = not allowed (torch's MHA convention)
+    kw = {
+        "none": {},
+        "padding": {"key_padding_mask": kpm},
+        "padding+attn_mask": {"key_padding_mask": kpm, "attn_mask": am},
+        "per-head attn_mask": {"attn_mask": torch.rand(B * H, Lq, Lq, generator=g) < 0.3},
+        "float masks": {"key_padding_mask": torch.zeros(B, Lq, dtype=torch.float64).masked_fill(kpm, -math.inf),
+                        "attn_mask": torch.zeros(Lq, Lq, dtype=torch.float64).masked_fill(am, -math.inf)},
+        "is_causal": {"attn_mask": torch.ones(Lq, Lq, dtype=torch.bool).triu(1), "is_causal": True},
+    }[masks]
+    ref, _ = mha(x, x, x, need_weights=False, **kw)
+    out, weights = ours(x, x, x, **kw)
+    assert weights is None and out.shape == ref.shape
+    assert rel_err(out, ref) < 1e-12
+    g_ours = _grads(out, [x, ours.out_proj.weight, ours.out_proj.bias, ours.q_proj.weight, ours.k_proj.weight,
+                          ours.v_proj.weight, ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias])
+    g_ref = _grads(ref, [x, mha.out_proj.weight, mha.out_proj.bias, mha.in_proj_weight, mha.in_proj_bias])
+    ours_packed = [*g_ours[:3], torch.cat(g_ours[3:6]), torch.cat(g_ours[6:])]
+    for a, b in zip(ours_packed, g_ref):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_mha_drop_in_cross_attention_kdim_vdim_and_unbatched():
+    mha = _torch_mha(32, 2, batch_first=True, kdim=12, vdim=20)
+    ours = BlockSparseMultiheadAttention.from_torch(mha, block_size=16)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 17, 32, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 40, 12, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 40, 20, generator=g, dtype=torch.float64)
+    kpm = torch.rand(2, 40, generator=g) < 0.3
+    ref, _ = mha(q, k, v, key_padding_mask=kpm, need_weights=False)
+    assert rel_err(ours(q, k, v, key_padding_mask=kpm)[0], ref) < 1e-12
+    ref1, _ = mha(q[0], k[0], v[0], key_padding_mask=kpm[0], need_weights=False)
+    out1, _ = ours(q[0], k[0], v[0], key_padding_mask=kpm[0])
+    assert out1.shape == (17, 32) and rel_err(out1, ref1) < 1e-12
+
+
+def test_mha_padding_with_pattern_and_fully_padded_rows():
+    """key_padding_mask intersects the module's pattern exactly; a sequence whose keys are all
+    padding gives zero attention (only the output projection's bias), never NaN."""
+    torch.manual_seed(0)
+    m = BlockSparseMultiheadAttention(16, 2, "causal & window(5)", bias=True, block_size=8, dtype=torch.float64)
+    with torch.no_grad():
+        m.out_proj.bias.normal_()
+    x = torch.randn(3, 30, 16, dtype=torch.float64, requires_grad=True)
+    kpm = torch.zeros(3, 30, dtype=torch.bool)
+    kpm[0, 10:20] = True
+    kpm[2] = True
+    out, _ = m(x, x, x, key_padding_mask=kpm)
+    q = m.q_proj(x).view(3, 30, 2, 8).transpose(1, 2)
+    k = m.k_proj(x).view(3, 30, 2, 8).transpose(1, 2)
+    v = m.v_proj(x).view(3, 30, 2, 8).transpose(1, 2)
+    keep = bsfa.parse("causal & window(5)").to_dense(30, 30) & ~kpm[:, None, None, :]
+    ref = m.out_proj(bsfa.reference_attention(q, k, v, mask=keep).transpose(1, 2).reshape(3, 30, 16))
+    assert rel_err(out, ref) < 1e-12
+    assert torch.equal(out[2], m.out_proj.bias.expand(30, 16))
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert torch.isfinite(gx).all()
+    assert torch.equal(out, m(x, x, x, key_padding_mask=kpm)[0])  # the cached mask, same result
+    kpm2 = kpm.clone()
+    kpm2[1, :5] = True
+    assert rel_err(m(x, x, x, key_padding_mask=kpm2)[0][1], out[1]) > 1e-3  # a new mask is a new mask
+
+
+def test_mha_call_forms_and_errors():
+    m = BlockSparseMultiheadAttention(16, 2, "causal", block_size=8, dtype=torch.float64)
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    assert isinstance(m(x), torch.Tensor) and isinstance(m(x, x), torch.Tensor)  # (x, context): a tensor
+    out, w = m(x, x, x)  # nn.MultiheadAttention's form: (output, None)
+    assert w is None and torch.equal(out, m(x))
+    with pytest.raises(NotImplementedError, match="need_weights"):
+        m(x, x, x, need_weights=True)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        m(x, x, x, key_padding_mask=torch.zeros(2, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, x, x, attn_mask=torch.zeros(3, 12, 12, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="additive"):
+        m(x, x, x, attn_mask=torch.randn(12, 12, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match="add_bias_kv"):
+        BlockSparseMultiheadAttention.from_torch(torch.nn.MultiheadAttention(16, 2, add_bias_kv=True))
+    lf = BlockSparseMultiheadAttention(16, 2, batch_first=False)
+    assert lf(torch.randn(12, 2, 16)).shape == (12, 2, 16)
+    assert "batch_first=False" in repr(lf)

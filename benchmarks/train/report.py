@@ -551,6 +551,10 @@ def markdown(payload: dict, figures: dict) -> str:
         if figures.get(L):
             out += [f"![training curves at {length_label(L)}]({figures[L]})", ""]
         out += _modes(payload, L, "train")
+    if not L_speed:
+        out += ["## Throughput at 16K, 32K and 128K", "",
+                "Not measured in the runs above (`throughput` below measures them; the GPU time available "
+                "went to the 64K comparison).", ""]
     if L_speed:
         out += ["## Throughput (a few steps, no evaluation)", ""]
         for L in L_speed:
@@ -621,6 +625,17 @@ def _probe_line(payload, L) -> list[str]:
             if p.get("window_reachable"):
                 line += (" **At this length the windowed models can reach the key-value prefix** (the "
                          "sequence is too short to keep the queries out of their reach).")
+            best = {}
+            for q in payload["results"]:
+                if q.get("seq_len") == L and q.get("mode") == "train" and _ok(q):
+                    accs = [e.get("probe_acc") or 0.0 for e in (q.get("evals") or []) if isinstance(e, dict)]
+                    best[q["variant"]] = max(accs, default=0.0)
+            if best and max(best.values()) <= 3.0 / N_VALS:
+                steps = max((q.get("steps") or 0) for q in payload["results"] if q.get("seq_len") == L)
+                line += (f" **No variant, dense included, learned the probe within {steps} steps** (best held-out "
+                         f"accuracy {max(best.values()):.3f}, chance {1 / N_VALS:.3f}): this run does not show the "
+                         "difference between a window alone and a window with global tokens; that needs a longer "
+                         "run than the time available here.")
             return [line, ""]
     return []
 

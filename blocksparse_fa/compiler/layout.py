@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 
 import numpy as np
 import torch
@@ -12,7 +13,7 @@ from .classify import Grid, block_context
 from .luts import LUT, SideTables, build_luts, build_side
 from .segments import EMPTY, FULL, PARTIAL, Segments
 
-__all__ = ["BlockLayout", "COL_LIST_LIMIT"]
+__all__ = ["BlockLayout", "LayoutInstance", "COL_LIST_LIMIT"]
 
 COL_LIST_LIMIT = 1 << 22
 """Column-side unmasked lists longer than this (in entries) are stored as runs when they are runs.
@@ -271,11 +272,38 @@ class BlockLayout:
         scale = f" (1 char = {fr}x{fc} blocks)" if fr > 1 or fc > 1 else ""
         return "\n".join([self.summary() + scale, self._legend(width), *self._char_grid(width, instance)])
 
+    def to_string(self, width: int = 64, instance: int = 0) -> str:
+        """The ASCII picture of :meth:`ascii` (the name of FlexAttention's ``BlockMask.to_string``)."""
+        return self.ascii(width, instance)
+
     def __str__(self) -> str:
         return self.ascii()
 
     def __repr__(self) -> str:
         return self.summary()
+
+    # -- per batch / head ------------------------------------------------------------------------
+    def __getitem__(self, index) -> "LayoutInstance":
+        """``layout[b, h]``: the blocks batch ``b``, head ``h`` attends with, as a read-only
+        :class:`LayoutInstance` (like FlexAttention's ``block_mask[b, h]``). A layout without batch
+        dims, or with size 1 in one, serves every index there."""
+        if not isinstance(index, tuple) or len(index) != 2:
+            raise TypeError(f"index a BlockLayout with [b, h] (two ints), got {index!r}")
+        bm, hm = self.batch_shape or (1, 1)
+        out = []
+        for name, i, n in (("b", index[0], bm), ("h", index[1], hm)):
+            try:
+                i = operator.index(i)
+            except TypeError:
+                raise TypeError(f"BlockLayout index {name} must be an int, got {type(i).__name__}") from None
+            if n == 1:
+                out.append(0)
+                continue
+            if not -n <= i < n:
+                raise IndexError(f"BlockLayout index {name}={i} is out of range for the mask's batch shape "
+                                 f"{self.batch_shape}")
+            out.append(i % n)
+        return LayoutInstance(self, out[0], out[1])
 
     def plot(self, path=None, instance: int = 0, ax=None):
         """Plot block states with matplotlib (white empty, orange partial, blue full, with a
@@ -314,3 +342,101 @@ class BlockLayout:
         if path is not None:
             fig.savefig(path, dpi=120, bbox_inches="tight")
         return fig
+
+
+class LayoutInstance:
+    """One (batch, head) instance of a :class:`BlockLayout` (``layout[b, h]``): its block states,
+    counts, dense mask and pictures. It reads the parent layout's block states; nothing is copied."""
+
+    def __init__(self, layout: BlockLayout, b: int, h: int):
+        self.layout = layout
+        self.b, self.h = b, h
+        hm = (layout.batch_shape or (1, 1))[1]
+        self._z = b * hm + h
+        self.q_len, self.kv_len = layout.q_len, layout.kv_len
+        self.block_size = layout.block_size
+        self.mask = layout.mask
+        self.device = layout.device
+
+    @property
+    def shape(self) -> tuple:
+        """``(Tr, Tc)``."""
+        return self.layout.shape[-2:]
+
+    def block_states(self) -> torch.Tensor:
+        """``torch.int8`` ``(Tr, Tc)``: 0 empty, 1 partial, 2 full."""
+        st = self.layout.block_states()
+        return st[self.b, self.h] if st.dim() == 4 else st
+
+    def nonempty_blocks(self):
+        """``(rows, cols, states)`` numpy arrays of this instance's non-empty blocks."""
+        rows, cols, st = self.layout.nonempty_blocks()
+        tr = self.layout._grid.tr
+        sel = rows // tr == self._z
+        return rows[sel] % tr, cols[sel], st[sel]
+
+    @functools.cached_property
+    def _counts(self):
+        _, _, st = self.nonempty_blocks()
+        return {s: int((st == s).sum()) for s in (PARTIAL, FULL)}
+
+    @property
+    def n_full(self) -> int:
+        return self._counts[FULL]
+
+    @property
+    def n_partial(self) -> int:
+        return self._counts[PARTIAL]
+
+    @property
+    def n_nonempty(self) -> int:
+        return self.n_full + self.n_partial
+
+    @property
+    def density(self) -> float:
+        """Fraction of this instance's blocks that are non-empty."""
+        tr, tc = self.shape
+        return self.n_nonempty / (tr * tc)
+
+    def sparsity(self) -> float:
+        """``1 - density``."""
+        return 1.0 - self.density
+
+    def to_dense(self) -> torch.Tensor:
+        """``bool (q_len, kv_len)``: this instance's mask, exactly."""
+        lay = self.layout
+        g = lay._grid
+        out = torch.zeros(g.tr, g.bm, g.tc, g.bn, dtype=torch.bool)
+        rows, cols, st = self.nonempty_blocks()
+        full = st == FULL
+        out[rows[full], :, cols[full], :] = True
+        part = np.nonzero(~full)[0]
+        for k0 in range(0, len(part), 4096):
+            sel = part[k0:k0 + 4096]
+            vals, _ = lay._block_values(rows[sel] + self._z * g.tr, cols[sel])
+            out[rows[sel], :, cols[sel], :] = vals
+        out = out.view(g.tr * g.bm, g.tc * g.bn)[: g.q_len, : g.kv_len]
+        return out.contiguous().to(self.device)
+
+    def ascii(self, width: int = 64) -> str:
+        """The ASCII picture of this instance (see :meth:`BlockLayout.ascii`)."""
+        lay = self.layout
+        fr, fc = lay._cell_scale(width)
+        scale = f" (1 char = {fr}x{fc} blocks)" if fr > 1 or fc > 1 else ""
+        head = (f"{lay.summary().splitlines()[0]} [b={self.b}, h={self.h}]{scale}\n  density={self.density:.4f} "
+                f"full={self.n_full} partial={self.n_partial}")
+        return "\n".join([head, lay._legend(width), *lay._char_grid(width, self._z)])
+
+    def to_string(self, width: int = 64) -> str:
+        return self.ascii(width)
+
+    def plot(self, path=None, ax=None):
+        """Plot this instance's block states (see :meth:`BlockLayout.plot`)."""
+        return self.layout.plot(path, instance=self._z, ax=ax)
+
+    def __str__(self) -> str:
+        return self.ascii()
+
+    def __repr__(self) -> str:
+        return (f"LayoutInstance(b={self.b}, h={self.h}, density={self.density:.4f}) of "
+                f"{self.layout.summary().splitlines()[0]}")

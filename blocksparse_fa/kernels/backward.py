@@ -45,19 +45,22 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                LUT_MODE: tl.constexpr, HAS_POS: tl.constexpr):
+                LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
+    # EVEN: both lengths are multiples of the layout blocks: no bounds terms or row checks (see _attn_bwd)
+    # FLAT: one loop iteration per kernel tile instead of per layout block (see _attn_bwd)
+    NSUB: tl.constexpr = LAYOUT_BM // BLOCK_M
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
-    for e in tl.range(start, end, num_stages=STAGES):
-        rblk, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
-        for sub in tl.static_range(LAYOUT_BM // BLOCK_M):
-            offs_m = rblk * LAYOUT_BM + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+    for t in tl.range(start * (NSUB if FLAT else 1), end * (NSUB if FLAT else 1), num_stages=STAGES):
+        rblk, carry = lut_next(LUT_IDX, t // NSUB if FLAT else t, end, carry, LUT_MODE)
+        for sub in tl.static_range(1 if FLAT else NSUB):
+            offs_m = rblk * LAYOUT_BM + ((t % NSUB) * BLOCK_M if FLAT else sub * BLOCK_M) + tl.arange(0, BLOCK_M)
             q_shift = block_shift(QPOS, rblk, LAYOUT_BM, HAS_POS)
             q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
-                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
-            lse2 = _load_lse2(LSE_row, offs_m, q_len, MASKED)
-            if MASKED:
+                           HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
+            lse2 = _load_lse2(LSE_row, offs_m, q_len, MASKED and not EVEN)
+            if MASKED and not EVEN:
                 delta = tl.load(DELTA_row + offs_m, mask=offs_m < q_len, other=0.0)
             else:
                 delta = tl.load(DELTA_row + offs_m)
@@ -68,7 +71,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
                 qp = offs_m + (Q_OFF + q_shift)
                 keep = PREDICATE(qp[None, :], (offs_n + k_shift)[:, None], (offs_m + q_shift)[None, :], b, h, PARAMS,
                                  AUX, True)
-                keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
+                if not EVEN:
+                    keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
                 p_t = tl.where(keep, p_t, 0.0)
             dp_t = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
@@ -95,7 +99,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
-                   ACCUMULATE: tl.constexpr, HAS_POS: tl.constexpr):
+                   ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -131,12 +135,12 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                              stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT,
-                             HAS_POS)
+                             False, FLAT, HAS_POS)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load",
-                             HAS_POS)
+                             EVEN, FLAT, HAS_POS)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
                         + offs_d[None, :], dk * sm_scale, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
@@ -155,24 +159,26 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, 
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-              LUT_MODE: tl.constexpr, HAS_POS: tl.constexpr):
+              LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
     qp = offs_m + (Q_OFF + q_shift)
+    NSUB: tl.constexpr = LAYOUT_BN // BLOCK_N
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
-    for e in tl.range(start, end, num_stages=STAGES):
-        col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
-        for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
-            offs_n = col * LAYOUT_BN + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+    for t in tl.range(start * (NSUB if FLAT else 1), end * (NSUB if FLAT else 1), num_stages=STAGES):
+        col, carry = lut_next(LUT_IDX, t // NSUB if FLAT else t, end, carry, LUT_MODE)
+        for sub in tl.static_range(1 if FLAT else NSUB):
+            offs_n = col * LAYOUT_BN + ((t % NSUB) * BLOCK_N if FLAT else sub * BLOCK_N) + tl.arange(0, BLOCK_N)
             k_shift = block_shift(KPOS, col, LAYOUT_BN, HAS_POS)
             k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
             if MASKED:
                 keep = PREDICATE(qp[:, None], (offs_n + k_shift)[None, :], (offs_m + q_shift)[:, None], b, h, PARAMS,
                                  AUX, False)
-                keep = keep & (offs_n[None, :] < kv_len)
+                if not EVEN:
+                    keep = keep & (offs_n[None, :] < kv_len)
                 p = tl.where(keep, p, 0.0)
             dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
@@ -196,7 +202,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
-                 ACCUMULATE: tl.constexpr, HAS_POS: tl.constexpr):
+                 ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
@@ -222,10 +228,12 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT, HAS_POS)
+                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
+                   False, FLAT, HAS_POS)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load", HAS_POS)
+                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load",
+                   EVEN, FLAT, HAS_POS)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
     if slot < 0:
@@ -256,6 +264,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               KV_STAGES: tl.constexpr, KV_MASKED_STAGES: tl.constexpr,
               Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
               ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr,
+              EVEN: tl.constexpr = False, KV_FLAT: tl.constexpr = False, Q_FLAT: tl.constexpr = False,
               HAS_POS: tl.constexpr = False):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
@@ -268,8 +277,13 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     (``N_KV_PROGS``) come first, then all dQ programs. With one of ``RUN_KV``/``RUN_Q`` set (and
     ``N_KV_PROGS = 0`` for dQ alone) the launch runs only that part, e.g. when the two parts want
     different warp counts. ``ACCUMULATE`` adds the gradients to what DQ/DK/DV hold instead of
-    overwriting them. ``HAS_POS``: the layout is a shard with block position tables
-    ``QPOS``/``KPOS`` (see ``_attn_fwd``)."""
+    overwriting them. ``EVEN`` (both lengths multiples of the layout blocks) drops the masked loops'
+    bounds terms and row checks. ``KV_FLAT``/``Q_FLAT`` run the dK/dV (dQ) loop once per kernel
+    tile rather than once per layout block: a layout block of 128 queries walked in 64-query steps
+    is then two iterations, and ``*_STAGES`` counts kernel tiles in flight as FlexAttention's
+    stages do (unrolled, every sub-tile gets its own stage buffers: twice the shared memory).
+    ``HAS_POS``: the layout is a shard with block position tables ``QPOS``/``KPOS`` (see
+    ``_attn_fwd``)."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     pid = tl.program_id(0)
     kv_item = pid % N_KV_ITEMS
@@ -300,7 +314,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       KV_NSLOT,
                       H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                       drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N,
-                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE, HAS_POS)
+                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE, EVEN, KV_FLAT,
+                      HAS_POS)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -309,7 +324,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, QPOS, KPOS, Q_WORK, DQPART, Q_NSLOT,
                     H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                     drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N,
-                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, HAS_POS)
+                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN, Q_FLAT,
+                    HAS_POS)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

@@ -18,6 +18,7 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    flat: bool = False  # backward: one loop iteration per kernel tile, not per layout block (_attn_bwd)
 
 
 # (head_dim_pad upper bound) -> config; chosen on an H100 (see benchmarks/NOTES.md)
@@ -46,6 +47,23 @@ SHORT_ROW_PARTIAL = 0.3
 # (A/B v9, benchmarks/NOTES.md).
 _BWD_PARTIAL = {128: (TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2))}
 PARTIAL_HEAVY = 0.1
+# FlexAttention's backward tiles at d = 128 on Hopper (dK/dV 64 queries x 128 keys, dQ 128 x 64,
+# 8 warps, 3 tiles in flight), in flat loops (one iteration per kernel tile: unrolled over a 128-token
+# layout block, three stages of 64-token tiles would need 264 KB of shared memory, flat 165 KB; sm_90
+# compile, triton 3.6, sliding_window(1024): 96 B of stack against 168 B for today's 64x128 pair).
+# A candidate for band-like backward layouts (partial-heavy but with short, mostly full rows: sliding
+# windows, packed documents), chosen with set_band_backward("flex"); not yet timed on the GPU.
+_BWD_BAND_TABLES = {
+    "partial": _BWD_PARTIAL,
+    "flex": {128: (TileConfig(64, 128, 8, 3, flat=True), TileConfig(128, 64, 8, 3, flat=True))},
+}
+BAND_BWD = ["partial"]
+BAND_BWD_ROW_BLOCKS = 16.0
+# The five-GEMM backward (kernels/backward_atomic.py): one tile, dK/dV programs that also add dQ.
+# sm_90, triton 3.6 (benchmarks/experiments/sass_probe.py --kernel atomic, Longformer): 32x128 with
+# two stages fits shared memory (214 KB; 230 KB with TMA reduce-adds); 64x128 spills 400 B per
+# thread at one stage, and two stages do not fit. Not yet timed on the GPU (kernel_ab.py).
+_BWD_ATOMIC = {64: TileConfig(32, 64, 4, 2), 128: TileConfig(32, 128, 8, 2), 256: TileConfig(16, 32, 4, 1)}
 _OVERRIDES: dict[str, TileConfig] = {}
 OVERRIDE_VERSION = [0]  # bumped by set_override (launch plans built before are not reused)
 
@@ -75,7 +93,8 @@ def check_layout_block(bm: int, bn: int) -> None:
 
 def _pick(table, d_pad: int, layout_bm: int, layout_bn: int) -> TileConfig:
     cfg = table[min(k for k in table if k >= d_pad)]
-    return TileConfig(min(cfg.block_m, layout_bm), min(cfg.block_n, layout_bn), cfg.num_warps, cfg.num_stages)
+    return TileConfig(min(cfg.block_m, layout_bm), min(cfg.block_n, layout_bn), cfg.num_warps, cfg.num_stages,
+                      cfg.flat)
 
 
 def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, band: bool = False,
@@ -96,30 +115,61 @@ def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, b
     return cfg
 
 
+def band_backward_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
+    """Band-like for the backward: at most ``BAND_BWD_ROW_BLOCKS`` visited blocks per row, at most
+    ``SHORT_ROW_PARTIAL`` of them partial (sliding windows, packed documents)."""
+    return 0 < mean_row_blocks <= BAND_BWD_ROW_BLOCKS and partial_fraction <= SHORT_ROW_PARTIAL
+
+
+def set_band_backward(table: str) -> None:
+    """Backward tiles of band-like, partial-heavy layouts: ``"partial"`` (the spill-free pair of
+    every partial-heavy layout, the default) or ``"flex"`` (FlexAttention's tiles in flat loops)."""
+    if table not in _BWD_BAND_TABLES:
+        raise ValueError(f"unknown band backward table {table!r}; expected one of {sorted(_BWD_BAND_TABLES)}")
+    BAND_BWD[0] = table
+    OVERRIDE_VERSION[0] += 1
+
+
 def bwd_configs(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int,
-                band: bool = False, partial_heavy: bool = False) -> tuple[TileConfig, TileConfig]:
+                band: bool = False, partial_heavy: bool = False,
+                band_bwd: bool = False) -> tuple[TileConfig, TileConfig]:
     """(dK/dV, dQ) tiles; ``band`` as in :func:`fwd_config`; ``partial_heavy``: at least
-    ``PARTIAL_HEAVY`` of the visited blocks are partial."""
+    ``PARTIAL_HEAVY`` of the visited blocks are partial; ``band_bwd`` (see
+    :func:`band_backward_rows`) takes the table chosen by :func:`set_band_backward` for
+    partial-heavy layouts."""
     out = []
     dq_table = _BWD_DQ_SHORT if band and d_pad in _BWD_DQ_SHORT else _BWD_DQ
     kv_table = _BWD_DKDV
-    if partial_heavy and d_pad in _BWD_PARTIAL:
-        kv_table = {d_pad: _BWD_PARTIAL[d_pad][0]}
-        dq_table = {d_pad: _BWD_PARTIAL[d_pad][1]}
+    partial = _BWD_BAND_TABLES[BAND_BWD[0]] if band_bwd else _BWD_PARTIAL
+    if partial_heavy and d_pad in partial:
+        kv_table = {d_pad: partial[d_pad][0]}
+        dq_table = {d_pad: partial[d_pad][1]}
     for name, table in (("dkdv", kv_table), ("dq", dq_table)):
         if name in _OVERRIDES:
             c = _OVERRIDES[name]
-            cfg = TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)
+            cfg = TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages, c.flat)
         else:
             cfg = _pick(table, d_pad, layout_bm, layout_bn)
             if dtype == torch.float32:
-                cfg = TileConfig(min(cfg.block_m, 32), min(cfg.block_n, 32), cfg.num_warps, 1)
+                cfg = TileConfig(min(cfg.block_m, 32), min(cfg.block_n, 32), cfg.num_warps, 1, cfg.flat)
         out.append(cfg)
     return out[0], out[1]
 
 
+def atomic_bwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int) -> TileConfig:
+    """Tiles of the five-GEMM backward: ``(queries per step, keys per program)``."""
+    if "atomic" in _OVERRIDES:
+        c = _OVERRIDES["atomic"]
+        return TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)
+    cfg = _pick(_BWD_ATOMIC, d_pad, layout_bm, layout_bn)
+    if dtype == torch.float32:
+        cfg = TileConfig(min(cfg.block_m, 16), min(cfg.block_n, 32), cfg.num_warps, 1)
+    return cfg
+
+
 def set_override(kernel: str, cfg: TileConfig | None) -> None:
-    """Force a tile config for ``"fwd"``, ``"dkdv"`` or ``"dq"`` (benchmarks/tuning); None resets."""
+    """Force a tile config for ``"fwd"``, ``"dkdv"``, ``"dq"`` or ``"atomic"`` (the five-GEMM
+    backward) (benchmarks/tuning); None resets."""
     if cfg is None:
         _OVERRIDES.pop(kernel, None)
     else:

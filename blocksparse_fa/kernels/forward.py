@@ -34,7 +34,10 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-               LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_POS: tl.constexpr):
+               LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
+               KV_EVEN: tl.constexpr, HAS_POS: tl.constexpr):
+    # KV_EVEN: kv_len is a multiple of the layout block, so no key row of a listed block is out of
+    # range: the masked loop drops the bounds term and the K/V row checks (ops/triton_backend.set_even_bounds)
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES, warp_specialize=WARP_SPEC):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
@@ -42,12 +45,13 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
             row0 = col * LAYOUT_BN + sub * BLOCK_N
             offs_n = row0 + tl.arange(0, BLOCK_N)
             k_shift = block_shift(KPOS, col, LAYOUT_BN, HAS_POS)
-            k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, KV_DESC)
+            k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN, KV_DESC)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if MASKED:
                 keep = PREDICATE(qp[:, None], (offs_n + k_shift)[None, :], (offs_m + q_shift)[:, None], b, h, PARAMS, AUX,
                                  False)
-                keep = keep & (offs_n[None, :] < kv_len)
+                if not KV_EVEN:
+                    keep = keep & (offs_n[None, :] < kv_len)
                 s = tl.where(keep, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -61,7 +65,7 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
             if HAS_DROPOUT:
                 drop = dropout_keep((offs_m + q_shift)[:, None], (offs_n + k_shift)[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 p = tl.where(drop, p * drop_scale, 0.0)
-            v = _kv_tile(V_base, row0, offs_n, stride_vn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, KV_DESC)
+            v = _kv_tile(V_base, row0, offs_n, stride_vn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN, KV_DESC)
             acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
     return acc, l_i, m_i
@@ -82,7 +86,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
               FULL_LUT: tl.constexpr, PART_LUT: tl.constexpr,
-              KV_DESC: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, HAS_POS: tl.constexpr = False):
+              KV_DESC: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+              KV_EVEN: tl.constexpr = False, HAS_POS: tl.constexpr = False):
     """One program per work item (or query tile) and batch·head. With ``USE_WORK`` the item
     ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
     split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel.
@@ -124,13 +129,13 @@ def _attn_fwd(Q, K, V, O, LSE,
                                FULL_IDX, line, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
-                               KV_DESC, WARP_SPEC, HAS_POS)
+                               KV_DESC, WARP_SPEC, False, HAS_POS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
                                stride_kn, stride_vn,
                                PART_IDX, line, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
                                seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
-                               KV_DESC, False, HAS_POS)
+                               KV_DESC, False, KV_EVEN, HAS_POS)
     empty = l_i == 0.0
     # rows with nothing to attend give exactly 0, whatever V holds (0 * NaN would leak through P @ V)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])

@@ -276,6 +276,8 @@ class _TensorPrimitive(Primitive):
         return self._fp
 
     def _ident(self):
+        if torch.compiler.is_compiling():  # traced: no data to hash; one variable per tensor object
+            return (self.name, "object", id(self.tensor))
         return (self.name, self._tensor_key())
 
     def _user_tensor(self):
@@ -323,7 +325,9 @@ class Document(_TensorPrimitive):
             raise ValueError(f"document(): ids must be an integer tensor, got {ids.dtype}")
         if ids.dim() not in (1, 2) or ids.shape[-1] < 1:
             raise ValueError(f"document(): ids must have shape (L,) or (B, L), got {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < -INT32_MAX or int(ids.max()) > INT32_MAX):
+        # value checks read the data: skipped while torch.compile traces (the op checks the real tensor)
+        if ids.numel() and not torch.compiler.is_compiling() and (
+                int(ids.min()) < -INT32_MAX or int(ids.max()) > INT32_MAX):
             raise ValueError("document(): ids must fit in int32")
         ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)

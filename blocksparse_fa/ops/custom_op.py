@@ -3,10 +3,15 @@
 Two ops are registered in the ``blocksparse_fa`` namespace::
 
     blocksparse_fa::attention_fwd(Tensor q, Tensor k, Tensor v, int handle, float scale,
-                                  float dropout_p, Tensor seed, str backend) -> (Tensor out, Tensor lse)
+                                  float dropout_p, Tensor? seed, str backend, bool rewrite,
+                                  str align="bottom_right") -> (Tensor out, Tensor lse)
     blocksparse_fa::attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
-                                  int handle, float scale, float dropout_p, Tensor seed, str backend)
+                                  Tensor? dlse, int handle, float scale, float dropout_p, Tensor? seed,
+                                  str backend, bool rewrite, str align="bottom_right")
                                   -> (Tensor dq, Tensor dk, Tensor dv)
+
+``align`` places the queries (``"bottom_right"`` or ``"top_left"``, see
+:func:`blocksparse_fa.attention`); the registry compiles one layout per alignment.
 
 Each has a fake (meta) implementation, and ``attention_fwd`` has registered autograd whose backward
 *is* ``attention_bwd``: a graph compiled with ``torch.compile(fullgraph=True)`` (forward and the
@@ -25,9 +30,9 @@ A custom op's arguments are tensors and scalars: a :class:`~blocksparse_fa.Mask`
   the device from the tensors, inside the op. One handle therefore serves every sequence length and
   device, and a compiled graph does not have to be re-specialised when only shapes change (dynamic
   shapes work: the fake implementations need shapes only).
-* Each registry entry caches the layouts compiled for it, keyed on ``(q_len, kv_len, device)``
+* Each registry entry caches the layouts compiled for it, keyed on ``(q_len, kv_len, device, align)``
   (a small LRU per entry, on top of :func:`~blocksparse_fa.compile_mask`'s own cache). This is the
-  per-length/per-device layout cache used by :mod:`blocksparse_fa.nn`.
+  per-length/per-device layout cache used by :mod:`blocksparse_fa.nn` (and per alignment).
 * Registration is idempotent: an equal mask (masks compare structurally; tensor-backed masks by a
   content hash) at the same block size gets the same handle, so re-creating ``causal() &
   window(256)`` each step does not grow the registry. A compiled ``BlockLayout`` registers as itself
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -70,14 +76,22 @@ from ..compiler.compile import compile_mask
 from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..mask.expr import Mask
-from ..mask.primitives import full
+from ..mask.primitives import full, mask_mod
 from . import dispatch
-from .api import resolve_backend
+from .api import check_align, check_mask_for, resolve_backend, run
 from .validate import check_layout, check_qkv, check_scalars
 
 __all__ = [
     "attention_op", "register_mask", "LayoutRegistry", "registry", "attention_fwd", "attention_bwd",
 ]
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A mask's DSL text whose tensors travel with each op call, under these names."""
+
+    text: str
+    names: tuple
 
 
 @dataclass
@@ -124,12 +138,30 @@ class LayoutRegistry:
             return ("layout", id(source))
         return ("mask", source, block_size)
 
+    def register_template(self, text: str, names: tuple, block_size) -> int:
+        """Handle of a mask given as DSL text whose tensors (``names``) come with every op call: a
+        tensor-holding mask built inside a compiled function (per-step document ids)."""
+        src = _Template(text, tuple(names))
+        key = self._key(src, _block_pair(block_size))
+        with self._lock:
+            h = self._by_key.get(key)
+            if h is None:
+                h = self._next
+                self._next += 1
+                self._entries[h] = _Entry(src, _block_pair(block_size))
+                self._by_key[key] = h
+                self._evict(keep=h)
+            self._entries.move_to_end(h)
+            return h
+
     def register(self, mask, block_size=None) -> int:
         """Handle of ``mask`` (a Mask, DSL text / pattern name, BlockLayout or ``None`` = dense)."""
         if mask is None:
             mask = full()
         if isinstance(mask, str):
             mask = parse(mask)
+        if callable(mask) and not isinstance(mask, (Mask, BlockLayout, torch.Tensor)):
+            mask = mask_mod(mask)  # a FlexAttention-style mask_mod callable
         if isinstance(mask, BlockLayout):
             if block_size is not None and _block_pair(block_size) != tuple(mask.block_size):
                 raise ValueError(f"block_size={block_size!r} conflicts with the layout's block size {mask.block_size}")
@@ -200,15 +232,23 @@ class LayoutRegistry:
         with self._lock:
             return self._entry(handle).block_size
 
-    def layout(self, handle: int, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
-        """The layout of ``handle`` for ``(q_len, kv_len)`` with lookup tables on ``device`` (cached)."""
+    def layout(self, handle: int, q_len: int, kv_len: int | None = None, device=None,
+               align: str = "bottom_right", tensors=None) -> BlockLayout:
+        """The layout of ``handle`` for ``(q_len, kv_len)`` and ``align`` with lookup tables on
+        ``device`` (cached); ``tensors``: the tensors of a template handle, in its names' order."""
         kv_len = q_len if kv_len is None else kv_len
         dev = torch.device("cpu" if device is None else device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        ckey = (int(q_len), int(kv_len), str(dev))
+        ckey = (int(q_len), int(kv_len), str(dev), align)
         with self._lock:
             e = self._entry(handle)
+            if isinstance(e.source, _Template):  # the mask's tensors change per call: compile_mask caches by content
+                src, bs = e.source, e.block_size
+                if not tensors or len(tensors) != len(src.names):
+                    raise ValueError(f"mask handle {handle} needs the tensors {src.names} with each call")
+                mask = parse(src.text, **dict(zip(src.names, tensors)))
+                return compile_mask(mask, ckey[0], ckey[1], bs, device=dev, align=check_align(align))
             self._entries.move_to_end(handle)
             lay = e.layouts.get(ckey)
             if lay is not None:
@@ -219,9 +259,10 @@ class LayoutRegistry:
             if (src.q_len, src.kv_len) != (ckey[0], ckey[1]):
                 raise ValueError(f"mask layout was compiled for (q_len, kv_len) = ({src.q_len}, {src.kv_len}), "
                                  f"but q/k have lengths ({ckey[0]}, {ckey[1]})")
+            check_align(align, src)
             lay = src.to(dev)
         else:
-            lay = compile_mask(src, ckey[0], ckey[1], bs, device=dev)
+            lay = compile_mask(src, ckey[0], ckey[1], bs, device=dev, align=check_align(align))
         with self._lock:
             e.layouts[ckey] = lay
             while len(e.layouts) > self.layouts_per_entry:
@@ -261,18 +302,47 @@ def register_mask(mask, block_size=None, *, pin: bool = False, owner=None) -> in
     return h
 
 
-@torch.compiler.assume_constant_result
+def _constant_result(fn):
+    """Mark ``fn`` for Dynamo as :func:`torch.compiler.assume_constant_result` does, without
+    importing Dynamo when it is not loaded yet (that import takes about a second and pulls in
+    Triton): the decorator only sets this attribute, which Dynamo reads when it traces a call."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_result
 def _handle_for(mask, block_size):
     # Trace-time constant under torch.compile (Dynamo guards on the mask object): for masks made
     # outside the compiled function, and for compiled layouts.
     return registry.register(mask, block_size)
 
 
-@torch.compiler.assume_constant_result
+@_constant_result
 def _handle_for_text(text: str, block_size):
     # Trace-time constant from the mask's DSL text: masks built inside a compiled function are
     # objects Dynamo creates lazily, but their text is an ordinary constant.
     return registry.register(parse(text), block_size)
+
+
+@_constant_result
+def _handle_for_template(text: str, names: tuple, block_size):
+    # Trace-time constant: a tensor-holding mask built inside a compiled function is its text plus
+    # tensors that become op inputs (e.g. document ids that change every step).
+    return registry.register_template(text, names, block_size)
+
+
+def mask_handle(mask, block_size=None) -> tuple[int, list | None]:
+    """``(handle, tensors)``: :func:`handle_of`, except that under ``torch.compile`` a Mask that holds
+    tensors becomes a template handle plus its tensors (graph inputs of the op), so it may be built
+    inside the compiled function from that step's tensors."""
+    if torch.compiler.is_compiling() and isinstance(mask, Mask):
+        tensors = mask.tensors()
+        if tensors:
+            names = tuple(tensors)
+            return _handle_for_template(str(mask), names, _block_pair(block_size)), [tensors[n] for n in names]
+    return handle_of(mask, block_size), None
 
 
 def _has_tensors(mask) -> bool:
@@ -308,9 +378,9 @@ def handle_of(mask, block_size=None) -> int:
 # ------------------------------------------------------------------------------------------------
 # the ops
 # ------------------------------------------------------------------------------------------------
-def _layout(q, k, v, handle):
+def _layout(q, k, v, handle, align, tensors=None):
     s = check_qkv(q, k, v)
-    layout = registry.layout(handle, s.Lq, s.Lk, q.device)
+    layout = registry.layout(handle, s.Lq, s.Lk, q.device, align, tensors)
     check_layout(layout, s)
     return s, layout
 
@@ -318,17 +388,18 @@ def _layout(q, k, v, handle):
 @torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor | None, backend: str,
-                  rewrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  rewrite: bool, align: str, mask_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``. ``seed``: int64 CPU scalar
-    tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible)."""
-    s, layout = _layout(q, k, v, handle)
+    tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible).
+    ``mask_tensors``: the tensors of a template handle (masks built inside a compiled function)."""
+    s, layout = _layout(q, k, v, handle, align, mask_tensors)
     be = resolve_backend(backend, q.device, q.dtype)
     out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, _seed(seed), be, rewrite)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite):
+def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors):
     B, H, Lq, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=dispatch.lse_dtype(q.dtype), device=q.device)
@@ -339,9 +410,10 @@ def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrit
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, dlse: torch.Tensor | None, handle: int, scale: float, dropout_p: float,
                   seed: torch.Tensor | None, backend: str,
-                  rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rewrite: bool, align: str,
+                  mask_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
-    s, layout = _layout(q, k, v, handle)
+    s, layout = _layout(q, k, v, handle, align, mask_tensors)
     be = resolve_backend(backend, q.device, q.dtype)
     dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, _seed(seed), be,
                                    dlse=dlse, use_rewrite=rewrite)
@@ -349,7 +421,8 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite):
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite,
+                        align, mask_tensors):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -360,20 +433,20 @@ def _seed(seed) -> int:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, handle, scale, dropout_p, seed, backend, rewrite = inputs
+    q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.save_for_backward(q, k, v, out, lse, seed, *mask_tensors)
     ctx.args = (handle, scale, dropout_p)
-    ctx.backend, ctx.rewrite = backend, rewrite
+    ctx.backend, ctx.rewrite, ctx.align = backend, rewrite, align
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, seed = ctx.saved_tensors
+    q, k, v, out, lse, seed, *mts = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.blocksparse_fa.attention_bwd(q, k, v, out, lse, dout, dlse, *ctx.args, seed,
-                                                        ctx.backend, ctx.rewrite)
-    return dq, dk, dv, None, None, None, None, None, None
+                                                        ctx.backend, ctx.rewrite, ctx.align, mts)
+    return dq, dk, dv, None, None, None, None, None, None, None, [None] * len(mts)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -395,7 +468,8 @@ def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor | None:
 
 
 def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
-                 return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True):
+                 return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
+                 align: str | None = None):
     """:func:`blocksparse_fa.attention` through the custom op (``torch.compile``-safe).
 
     Eager calls take the same path as :func:`blocksparse_fa.attention` without the custom-op
@@ -404,9 +478,12 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
     Args:
         q: ``(B, H, Lq, D)``; k, v: ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0``.
         mask: a :class:`Mask` (built inside or outside the compiled function), DSL text / pattern
-            name, a :class:`BlockLayout`, ``None`` (dense) or an int handle from
-            :func:`register_mask`. Masks that hold tensors (documents, block or dense masks) must
-            be made outside the compiled function (or registered).
+            name, a :class:`BlockLayout`, a ``mask_mod`` callable, ``None`` (dense) or an int
+            handle from :func:`register_mask`. Under ``torch.compile`` a mask built inside the
+            function from that step's tensors (``causal() & document(ids)``) passes its text as a
+            constant and its tensors as op inputs, so new ids reuse the graph; masks whose
+            construction reads tensor values (per-head parameters, block or dense masks) must be
+            made outside the compiled function.
         scale: softmax scale (default ``1/sqrt(D)``).
         dropout_p: attention dropout probability in ``[0, 1)``.
         dropout_seed: int seed of the counter-based dropout RNG (default: drawn from torch's RNG, as
@@ -415,34 +492,49 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
         block_size: layout block size (default 128).
         rewrite: allow the compiler's exact rewrites.
+        align: ``"bottom_right"`` (default) or ``"top_left"``, as in :func:`blocksparse_fa.attention`
+            (a compiled layout keeps its own).
 
     Returns:
         ``out`` ``(B, H, Lq, D)`` in q's dtype (and ``lse`` if asked).
     """
+    align = check_align(align, mask if isinstance(mask, BlockLayout) else None)
+    if q.device.type == "meta" and not torch.compiler.is_compiling():
+        return _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align)
     if not torch.compiler.is_compiling():
         return _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
-                      rewrite)
+                      rewrite, align)
     s = check_qkv(q, k, v)
-    check_scalars(scale, dropout_p)
-    handle = handle_of(mask, block_size)
-    scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    scale, dropout_p = check_scalars(scale, dropout_p)
+    handle, mask_tensors = mask_handle(mask, block_size)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
-                             bool(rewrite))
+                             bool(rewrite), align, mask_tensors or [])
     return (out, lse.float()) if return_lse else out
 
 
-def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite):
+def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align):
+    """Meta tensors: shapes and dtypes through the ops' fake implementations (differentiable, so a
+    backward on meta tensors gives meta gradients); the mask is checked, not compiled."""
+    s = check_qkv(q, k, v)
+    scale, dropout_p = check_scalars(scale, dropout_p)
+    check_mask_for(mask, s, block_size, None if isinstance(mask, BlockLayout) else align)
+    handle = handle_of(mask, block_size)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, None, "auto", True, align, [])
+    return (out, lse.float()) if return_lse else out
+
+
+def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite, align="bottom_right"):
     """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch."""
     from .api import draw_seed
 
     s = check_qkv(q, k, v)
-    check_scalars(scale, dropout_p)
+    scale, dropout_p = check_scalars(scale, dropout_p)
     be = resolve_backend(backend, q.device, q.dtype)
-    layout = registry.layout(handle, s.Lq, s.Lk, q.device)
+    layout = registry.layout(handle, s.Lq, s.Lk, q.device, align)
     check_layout(layout, s)
-    scale = 1.0 / math.sqrt(s.D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     seed = draw_seed(dropout_p, int(dropout_seed) if isinstance(dropout_seed, torch.Tensor) else dropout_seed)
-    out, lse = dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, bool(rewrite))
+    out, lse = run(q, k, v, layout, s, scale, dropout_p, seed, backend, be, bool(rewrite), return_lse)
     return (out, lse.float()) if return_lse else out

@@ -17,13 +17,29 @@ dK/dV for its keys.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..compiler.layout import BlockLayout
 from ..compiler.rewrite import residue_permutation
 from .validate import Shapes
 
-__all__ = ["forward", "backward", "apply", "lse_dtype"]
+__all__ = ["forward", "backward", "apply", "lse_dtype", "last_backend", "note_backend"]
+
+_last = threading.local()
+
+
+def note_backend(name: str) -> None:
+    """Record the backend an eager call ran (per thread), for :func:`last_backend`."""
+    _last.name = name
+
+
+def last_backend() -> str | None:
+    """The backend the last eager attention call of this thread ran: ``"triton"`` (the kernels),
+    ``"torch"`` (exact block walking in PyTorch) or ``"dense"`` (PyTorch's SDPA over the
+    materialised mask, chosen by ``backend="auto"`` on CPU); ``None`` before the first call."""
+    return getattr(_last, "name", None)
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -129,9 +129,12 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
             pd = p * st.drop
             dp = dp * st.drop
         ds = p * (dp - delta[st.bsel, st.hsel, st.rows].unsqueeze(-1))
-        ds = torch.where(torch.isinf(lse_safe[st.bsel, st.hsel, st.rows]).unsqueeze(-1), torch.zeros_like(ds), ds)
-        dq[st.bsel, st.hsel, st.rows] += torch.matmul(ds, st.ks) * scale
-        dk[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(ds.transpose(-1, -2), st.qs) * scale)
+        # rows with nothing to attend: exactly zero, whatever q, k or v hold (0 * NaN would leak through)
+        empty = torch.isinf(lse_safe[st.bsel, st.hsel, st.rows]).unsqueeze(-1)
+        ds = torch.where(empty, torch.zeros_like(ds), ds)
+        dq[st.bsel, st.hsel, st.rows] += torch.where(empty, 0.0, torch.matmul(ds, st.ks) * scale)
+        qs = torch.where(empty, 0.0, st.qs)
+        dk[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(ds.transpose(-1, -2), qs) * scale)
         dv[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(pd.transpose(-1, -2), do))
     return dq, dk, dv
 

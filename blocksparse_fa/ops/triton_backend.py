@@ -11,10 +11,12 @@ from triton.runtime.errors import OutOfResources
 
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
+from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
+from ..kernels.forward_ws import _attn_fwd_ws
 from ..kernels.merge import _merge_residue
 from ..kernels import config as _config
-from ..kernels.config import (TileConfig, bwd_configs, check_layout_block, fwd_config, head_dim_pad, short_rows,
-                             short_partial_rows, PARTIAL_HEAVY)
+from ..kernels.config import (TileConfig, atomic_bwd_config, band_backward_rows, bwd_configs, check_layout_block,
+                             fwd_config, head_dim_pad, short_rows, short_partial_rows, PARTIAL_HEAVY)
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
@@ -22,7 +24,7 @@ from .launcher import Launch
 from .validate import Shapes
 
 __all__ = ["triton_forward", "triton_backward", "set_fused_backward", "set_lut_policy",
-           "set_forward_options", "merge_residue", "backward_delta"]
+           "set_forward_options", "set_kernel_options", "merge_residue", "backward_delta"]
 
 _LOG2E = 1.4426950408889634
 
@@ -100,17 +102,45 @@ def set_lut_policy(**kw) -> None:
 
 # Forward loop options on Hopper (benchmarks/experiments/ab_variants.py compares them): K/V tiles through
 # tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
-_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None}
+_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None}
 
 
 def set_forward_options(**kw) -> None:
     """``kv_desc`` (bool: load K/V through tensor descriptors where the device and strides allow),
     ``warp_specialize`` (bool, needs ``kv_desc``) and ``masked_stages`` (int or None: pipelining
-    depth of the masked loop). All off by default: none was faster on the H100 (NOTES.md v9)."""
+    depth of the masked loop). All off by default: none was faster on the H100 (NOTES.md v9).
+    ``dense``: layouts whose every block is full run ``kernels/forward_ws.py`` instead: ``"ws"``
+    warp-specialised (4 warps), ``"plain"`` the same loop with 8 warps, None (default) the
+    block-sparse kernel. Triton specialises warps only in that kernel (NOTES.md, "Lever 4")."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
         _FWD_OPTS[k] = v
+    _bump()
+
+
+# Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them):
+# ``even``: when the lengths are multiples of the layout blocks, the masked loops drop their bounds
+# terms and row checks (sm_90 SASS, NOTES.md "Partial blocks": forward masked loop 1389 -> 1257
+# instructions, dK/dV 1994 -> 1488, dQ 1233 -> 1104). A length that is not a multiple then compiles
+# one more variant, which is why it is an option.
+# ``deterministic``: the default of ``triton_backward(deterministic=None)``: True runs the dK/dV and
+# dQ programs (seven GEMMs per visited block, bit-reproducible); False the five-GEMM backward whose
+# dK/dV programs add dQ with fp32 atomics (kernels/backward_atomic.py). ``dq_desc``: those adds as
+# TMA reduce-adds of whole tiles through a tensor descriptor (Hopper).
+_KERNEL_OPTS = {"even": False, "deterministic": True, "dq_desc": False}
+
+
+def set_kernel_options(**kw) -> None:
+    """``even`` (bool): let the forward and backward drop the masked loops' bounds checks where the
+    lengths are multiples of the layout blocks (one more compiled variant per kernel).
+    ``deterministic`` (bool): the backward's default (see :func:`triton_backward`). ``dq_desc``
+    (bool): the five-GEMM backward adds dQ tiles through a tensor descriptor (TMA) where the device
+    allows."""
+    for k, v in kw.items():
+        if k not in _KERNEL_OPTS:
+            raise ValueError(f"unknown kernel option {k!r}; expected one of {sorted(_KERNEL_OPTS)}")
+        _KERNEL_OPTS[k] = v
     _bump()
 
 
@@ -133,16 +163,16 @@ def _ensure_tma_allocator(device: torch.device) -> None:
         _ALLOCATOR_SET[0] = True
 
 
-def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool]:
-    """``(band, short_partial, partial_heavy)`` of a layout's shape (``kernels/config.py``), cached
-    on the layout: the launchers ask on every call."""
+def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool, bool]:
+    """``(band, short_partial, partial_heavy, band_bwd)`` of a layout's shape (``kernels/config.py``),
+    cached on the layout: the launchers ask on every call."""
     cls = layout.cache.get("tile_class")
     if cls is None:  # a shard takes its source's class: the same kernels as the unsharded run
         src = _source(layout)
         mean_row = src.n_nonempty / max(1, src._segs.n_rows)
         pf = src.partial_fraction
         cls = (short_rows(mean_row, pf), short_partial_rows(mean_row, pf),
-               src.n_nonempty > 0 and pf >= PARTIAL_HEAVY)
+               src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf))
         layout.cache["tile_class"] = cls
     return cls
 
@@ -211,12 +241,12 @@ _FALLBACK: dict = {}
 def _shrink(cfg: TileConfig) -> TileConfig | None:
     """Next smaller config: fewer stages first, then the larger tile side halved (>= 16)."""
     if cfg.num_stages > 1:
-        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1, cfg.flat)
     if max(cfg.block_m, cfg.block_n) <= 16:
         return None
     if cfg.block_n >= cfg.block_m:
-        return TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 2)
-    return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 2)
+        return TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 2, cfg.flat)
+    return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 2, cfg.flat)
 
 
 def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
@@ -308,7 +338,11 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out
                   DOT_PRECISION=_dot_precision(dtype, device), STAGES=cfg.num_stages,
                   MASKED_STAGES=_FWD_OPTS["masked_stages"] or _masked_stages(pay, cfg), num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, FULL_LUT=modes["FULL_LUT"], PART_LUT=modes["PART_LUT"],
-                  KV_DESC=False, WARP_SPEC=False, HAS_POS=pos is not None)
+                  KV_DESC=False, WARP_SPEC=False)
+    if _KERNEL_OPTS["even"] and layout.kv_len % lbn == 0:
+        consts["KV_EVEN"] = True
+    if pos is not None:
+        consts["HAS_POS"] = True
     ph = _placeholder(torch.int32, device)
     args = (*rows, pay.params, pay.aux, *(pos or (ph, ph)), work)
     ints = (nslot, s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), s.Lq, s.Lk, layout.q_offset)
@@ -320,6 +354,31 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out
     return plan
 
 
+_DENSE_BLOCK = 128
+
+
+def _dense_ok(layout: BlockLayout, s: Shapes, dropout_p: float, *ts) -> bool:
+    """Whether ``kernels/forward_ws.py`` computes this call exactly: every block full, no ragged key
+    edge, no dropout, a power-of-two head dim, 16-bit inputs on a Hopper GPU (or the interpreter)."""
+    if _FWD_OPTS["dense"] is None or dropout_p > 0.0 or layout.batch_shape or layout.kv_len % _DENSE_BLOCK:
+        return False
+    if layout.n_partial or layout.n_full != layout.n_blocks or head_dim_pad(s.D) != s.D or s.D > 128:
+        return False
+    if ts[0].device.type == "cpu":  # the interpreter: descriptors need no alignment there
+        return True
+    return ts[0].dtype in (torch.float16, torch.bfloat16) and _tma_ok(*ts)
+
+
+def _dense_launch(q, k, v, out, lse, s: Shapes, scale: float) -> None:
+    _ensure_tma_allocator(q.device)
+    ws = _FWD_OPTS["dense"] == "ws"
+    _attn_fwd_ws[(_cdiv(s.Lq, _DENSE_BLOCK), s.B * s.H)](
+        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        s.H, s.G, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=_DENSE_BLOCK, BLOCK_N=_DENSE_BLOCK,
+        WARP_SPEC=ws, num_warps=4 if ws else 8, num_stages=2)
+
+
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
                    out_dtype=None):
     """Forward kernel; returns ``out (B, H, Lq, D)`` (q's dtype, or ``out_dtype``: float32 keeps a
@@ -327,9 +386,12 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dev = q.device
     odt = None if out_dtype in (None, q.dtype) else out_dtype
-    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, out_dtype=odt)
     out = torch.empty(q.shape, dtype=odt or q.dtype, device=dev)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
+    if _FWD_OPTS["dense"] is not None and odt is None and _dense_ok(layout, s, dropout_p, q, k, v, out):
+        _dense_launch(q, k, v, out, lse, s, scale)
+        return out, lse
+    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, out_dtype=odt)
     while True:
         try:
             _fwd_launch(q, k, v, out, lse, plan, scale, dropout_p, seed)
@@ -391,7 +453,7 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
     check_layout_block(lbm, lbn)
     rows, cols, pay, modes, pos = _device_state(layout, device)
     d_pad = head_dim_pad(s.D)
-    wanted = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout))
+    wanted = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout), _tile_class(layout)[3])
     fkey = ("bwd", run, wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the configs that fit, per requested pair
     if cfgs is None:
         cfgs = _FALLBACK.get(fkey, wanted)
@@ -420,8 +482,13 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
                   KV_STAGES=cfg_kv.num_stages, KV_MASKED_STAGES=_masked_stages(pay, cfg_kv),
                   Q_STAGES=cfg_q.num_stages, Q_MASKED_STAGES=_masked_stages(pay, cfg_q), RUN_KV=run_kv, RUN_Q=run_q,
                   num_warps=cfg_kv.num_warps if run_kv else cfg_q.num_warps,
-                  num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1),
-                  HAS_POS=pos is not None)
+                  num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1))
+    if _even(layout):
+        consts["EVEN"] = True
+    if cfg_kv.flat or cfg_q.flat:
+        consts.update(KV_FLAT=cfg_kv.flat, Q_FLAT=cfg_q.flat)
+    if pos is not None:
+        consts["HAS_POS"] = True
     bufs = (*rows, *cols, pay.params, pay.aux, *(pos or (ph, ph)), wl_kv.work if wl_kv is not None else ph,
             wl_q.work if wl_q is not None else ph)
     ints = (kv_nslot, q_nslot, n_kv_items, n_kv_progs, n_q_items, int(head_major),
@@ -440,15 +507,27 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
     return plan
 
 
+def _even(layout: BlockLayout) -> bool:
+    """Both lengths are multiples of the layout blocks and the ``even`` option is on."""
+    lbm, lbn = layout.block_size
+    return bool(_KERNEL_OPTS["even"]) and layout.q_len % lbm == 0 and layout.kv_len % lbn == 0
+
+
 def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-                    dlse=None, delta=None, accumulate=None, grad_dtype=None):
+                    dlse=None, delta=None, accumulate=None, deterministic: bool | None = None, grad_dtype=None):
     """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype. ``dlse`` (gradient of the
     returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``.
 
     ``delta``: precomputed :func:`backward_delta` (then ``out`` and ``dlse`` are not read).
     ``accumulate``: ``(dq, dk, dv)`` tensors (any strides) to add this layout's gradients to; they
-    are returned. ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps
-    partial gradients exact for a later sum)."""
+    are returned.
+    ``deterministic``: True runs separate dK/dV and dQ programs, every output tile owned by one
+    program (bit-reproducible); False the five-GEMM backward, whose dK/dV programs add dQ in fp32
+    with atomics (dQ may differ in the last bits between runs; dK and dV do not). None: the
+    ``deterministic`` kernel option (:func:`set_kernel_options`, default True). Shards of a layout
+    (``compiler/shard.py``) always run the deterministic kernels, which read block position tables.
+    ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps partial gradients
+    exact for a later sum)."""
     q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
     lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
     dev = q.device
@@ -465,6 +544,11 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                                  f"contiguous last dim, got {tuple(g.shape)}, {g.dtype}, strides {g.stride()}")
     grads = (dq, dk, dv)
     has_drop, acc = dropout_p > 0.0, accumulate is not None
+    if deterministic is None:
+        deterministic = _KERNEL_OPTS["deterministic"]
+    if not deterministic and getattr(layout, "positions", None) is None and gdt is None:
+        _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc)
+        return grads
     if _FUSED_BWD["on"]:
         plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, grad_dtype=gdt)
         cfg_kv, cfg_q = plan.cfg
@@ -530,6 +614,92 @@ def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p,
         wl, nbh, _ = q_c
         plan.launch_combine[1]((wl.n_combine, nbh), dq, parts[2], wl.combine, q_nslot, dq.stride(0), dq.stride(1),
                                dq.stride(2), H, Lq)
+
+
+def _bwd_atomic_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: bool, cfg=None) -> _Plan:
+    """Launch plan of the five-GEMM backward (``kernels/backward_atomic.py``): one program per key
+    tile (or column-side work item) and batch·kv-head, then ``_dq_finish``."""
+    key = _plan_key("bwd_atomic", layout, s, dtype, device, has_dropout, (accumulate,))
+    plan = layout.cache.get(key) if cfg is None else None
+    if plan is not None:
+        return plan
+    lbm, lbn = layout.block_size
+    check_layout_block(lbm, lbn)
+    _, cols, pay, modes, _ = _device_state(layout, device)
+    d_pad = head_dim_pad(s.D)
+    wanted = atomic_bwd_config(d_pad, dtype, lbm, lbn)
+    fkey = ("bwd_atomic", wanted, d_pad, dtype, lbm, lbn, pay.gathers)
+    if cfg is None:
+        cfg = _FALLBACK.get(fkey, wanted)
+    else:
+        _FALLBACK[fkey] = cfg
+    wl = _worklist(layout, "col", cfg.block_n, s.B * s.Hkv, device)
+    n_items = wl.n_items if wl is not None else _cdiv(s.Lk, cfg.block_n)
+    nslot = wl.n_slots if wl is not None else 0
+    lzb, lzh = _layout_strides(layout)
+    consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=has_dropout, USE_WORK=wl is not None, HEAD_DIM=s.D,
+                  HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LAYOUT_BM=lbm, LAYOUT_BN=lbn,
+                  DOT_PRECISION=_dot_precision(dtype, device), STAGES=cfg.num_stages,
+                  MASKED_STAGES=_masked_stages(pay, cfg), COL_LUT=modes["COL_LUT"], ACCUMULATE=accumulate,
+                  EVEN=_even(layout), DQ_DESC=bool(_KERNEL_OPTS["dq_desc"]),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    bufs = (*cols, pay.params, pay.aux, wl.work if wl is not None else _placeholder(torch.int32, device))
+    ints = (nslot, n_items, s.B * s.H, s.H, s.G, lzb, lzh, _cdiv(s.Lk, lbn), s.Lq, s.Lk, layout.q_offset)
+    n_kv = s.B * s.Hkv * nslot * cfg.block_n
+    part_shapes = ((n_kv, d_pad), (n_kv, d_pad)) if nslot else ()
+    combine = ((wl, s.B * s.Hkv, cfg.block_n),) if nslot else ()
+    sums = dict(HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, ACCUMULATE=accumulate, num_warps=4)
+    plan = _Plan((cfg,), (n_items * s.B * s.Hkv,), (bufs, ints), consts, part_shapes, combine,
+                 Launch(_attn_bwd_atomic, consts, 27, device),
+                 (Launch(_sum_partials, dict(sums, BLOCK=cfg.block_n), 7, device),
+                  Launch(_dq_finish, dict(sums, BLOCK=64), 6, device)))
+    layout.cache[key] = plan
+    return plan
+
+
+def _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s: Shapes, scale, dropout_p, seed, acc: bool):
+    """The five-GEMM backward into ``grads`` (see :func:`triton_backward`), shrinking its tiles
+    when they do not fit the device."""
+    dev = q.device
+    plan = _bwd_atomic_plan(layout, s, q.dtype, dev, dropout_p > 0.0, acc)
+    while True:
+        try:
+            _bwd_atomic_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed)
+            return
+        except OutOfResources:
+            smaller = _shrink(plan.cfg[0])
+            if smaller is None:
+                raise
+            plan = _bwd_atomic_plan(layout, s, q.dtype, dev, dropout_p > 0.0, acc, cfg=smaller)
+
+
+def _bwd_atomic_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p, seed):
+    dq, dk, dv = grads
+    (bufs, ints), consts = plan.args, plan.consts
+    d_pad = consts["HEAD_DIM_PAD"]
+    n_bh, H, Lq, Lk = ints[2], ints[3], ints[8], ints[9]
+    dqa = torch.zeros((n_bh, Lq, d_pad), dtype=torch.float32, device=q.device)
+    launch = plan.launch
+    if consts["DQ_DESC"]:
+        if not _tma_ok(dqa):
+            launch = Launch(_attn_bwd_atomic, dict(consts, DQ_DESC=False), 27, q.device)
+        else:
+            _ensure_tma_allocator(q.device)
+    parts = [torch.empty(sh, dtype=torch.float32, device=q.device) for sh in plan.part_shapes]
+    if not parts:
+        parts = [_placeholder(torch.float32, q.device)] * 2
+    launch(plan.grid, q, k, v, dout, dqa, dk, dv, lse, delta,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+           dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+           *bufs, *parts, *ints, scale * _LOG2E, scale, *_dropout_args(dropout_p, seed))
+    if plan.combine:
+        wl, nbh, _ = plan.combine[0]
+        for t, part in ((dk, parts[0]), (dv, parts[1])):
+            plan.launch_combine[0]((wl.n_combine, nbh), t, part, wl.combine, ints[0], t.stride(0), t.stride(1),
+                                   t.stride(2), H // ints[4], Lk)
+    plan.launch_combine[1]((_cdiv(Lq, 64), n_bh), dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), H, Lq,
+                           scale)
 
 
 def merge_residue(out, lse, o2, l2, stride: int) -> None:

@@ -1,0 +1,311 @@
+"""Kernel variants side by side on the H100, checked against float64, beside FlexAttention and cuDNN.
+
+The variants (all off by default in the package; ``benchmarks/NOTES.md`` says what each
+is and what the sm_90 compile showed: "Lever 1" to "Lever 4"):
+
+- ``even``: masked loops without bounds checks when the lengths are multiples of the layout block
+  (``set_kernel_options(even=True)``);
+- ``band_flex``: FlexAttention's backward tiles (dK/dV 64x128, dQ 128x64, 3 stages, 8 warps) in
+  flat loops for band-like layouts (``set_band_backward("flex")``);
+- ``atomic``: the five-GEMM backward, dQ through fp32 atomic adds (``set_kernel_options(
+  deterministic=False)``); ``atomic_tma``: those adds as TMA reduce-adds (``dq_desc=True``);
+- ``dense_ws`` / ``dense_plain``: dense layouts through the descriptor-only forward, warp-specialised
+  (4 warps) or not (8 warps) (``set_forward_options(dense=...)``).
+
+Every (pattern, variant) is first checked on heads 0 and 1 of the timed inputs (N = 16K) against
+a float64 reference: O, dQ, dK, dV, passing when our relative error is at most twice that of eager
+attention in bf16 on the same inputs. Then forward and forward+backward are timed with
+``triton.testing.do_bench`` (median) through ``blocksparse_fa.attention`` and autograd, as
+``benchmarks/bench.py`` does, beside FlexAttention (compiled) and, for dense and causal, SDPA's
+cuDNN backend. Kernels and Flex are compiled first by parallel worker processes (Triton's and
+Inductor's disk caches). Results go to ``$OUT/kernel_ab.json`` after every case, and a table is
+printed at the end. The whole run keeps to ``--budget`` seconds (default 450): cases left when it
+is spent are reported as skipped.
+
+    PYTHONPATH=. python benchmarks/experiments/kernel_ab.py [--cases ...] [--budget 450] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.py
+
+VARIANTS = {
+    "default": {},
+    "even": dict(kernel=dict(even=True)),
+    "band_flex": dict(band="flex"),
+    "band_flex_even": dict(band="flex", kernel=dict(even=True)),
+    "atomic": dict(kernel=dict(deterministic=False)),
+    "atomic_even": dict(kernel=dict(deterministic=False, even=True)),
+    "atomic_tma": dict(kernel=dict(deterministic=False, dq_desc=True)),
+    "dense_plain": dict(fwd=dict(dense="plain")),
+    "dense_ws": dict(fwd=dict(dense="ws")),
+}
+# (pattern, N) -> variants, in the order of the issue's levers; "default" first (the reference of
+# every ratio). cuDNN is timed for dense and causal.
+CASES = {
+    ("longformer", 16384): ["default", "even", "atomic", "atomic_even", "atomic_tma"],
+    ("bigbird", 16384): ["default", "even", "atomic", "atomic_even"],
+    ("sliding_window_1024", 16384): ["default", "band_flex", "band_flex_even", "even", "atomic"],
+    ("document_causal", 16384): ["default", "band_flex", "band_flex_even", "even", "atomic"],
+    ("dense", 16384): ["default", "dense_plain", "dense_ws", "atomic"],
+    ("causal", 16384): ["default", "even", "atomic"],
+    ("sliding_window_1024", 65536): ["default", "band_flex", "atomic"],
+    ("document_causal", 65536): ["default", "band_flex", "atomic"],
+}
+D = 128
+N_CHECK_HEADS = 2
+VALIDATE_MAX_N = 16384
+
+
+def heads(n: int) -> int:
+    return 8 if n >= 65536 else 16
+
+
+def apply(variant: str) -> None:
+    """Set the package's options for ``variant`` (every other option back to its default)."""
+    from blocksparse_fa.kernels.config import set_band_backward
+    from blocksparse_fa.ops import triton_backend as tb
+
+    v = VARIANTS[variant]
+    tb.set_kernel_options(**{"even": False, "deterministic": True, "dq_desc": False, **v.get("kernel", {})})
+    tb.set_forward_options(**{"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None,
+                              **v.get("fwd", {})})
+    set_band_backward(v.get("band", "partial"))
+
+
+def inputs(n: int, h: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda: torch.randn(1, h, n, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(), mk(), mk(), mk()
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def ours_fn(mask, q, k, v):
+    import blocksparse_fa as bsfa
+
+    return lambda: bsfa.attention(q, k, v, mask=mask)
+
+
+def fwd_bwd(fn, do):
+    def run():
+        fn().backward(do)
+    return run
+
+
+def warm(job):
+    """Worker: compile one case (ours with a variant, or Flex) at the timed shape."""
+    kind, pattern, n, variant = job
+    try:
+        import bench
+
+        if kind == "flex":
+            r = bench.Runner()
+            f = r.fns(pattern, n, D, heads(n))
+            f["flex"]().backward(f["do"])
+        else:
+            apply(variant)
+            mask, _ = bench.make_case(pattern, n)
+            q, k, v, do = inputs(n, heads(n))
+            fwd_bwd(ours_fn(mask, q, k, v), do)()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001 - the timing run reports it too
+        return f"{job}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+class Reference:
+    """float64 and eager-bf16 results on heads ``0 .. N_CHECK_HEADS - 1`` of one case's inputs."""
+
+    def __init__(self, mask, q, k, v, do):
+        import blocksparse_fa as bsfa
+
+        n = q.shape[2]
+        dense = mask.to_dense(n, n).to("cuda")
+        sl = slice(0, N_CHECK_HEADS)
+        qs, ks, vs, dos = (t.detach()[:, sl].contiguous() for t in (q, k, v, do))
+        self.ref, self.eager = [], []
+        for upcast, dst in ((True, self.ref), (False, self.eager)):
+            a = [t.double() if upcast else t for t in (qs, ks, vs)]
+            a = [t.clone().requires_grad_() for t in a]
+            o = bsfa.reference_attention(*a, dense, upcast=upcast)
+            g = torch.autograd.grad(o, a, dos.to(o.dtype))
+            dst.extend([o.detach(), *(x.detach() for x in g)])
+            del o, g, a
+            torch.cuda.empty_cache()
+
+    def check(self, out, grads) -> dict:
+        sl = slice(0, N_CHECK_HEADS)
+        res = {}
+        for name, ours, r, e in zip(("out", "dq", "dk", "dv"), (out, *grads), self.ref, self.eager):
+            ours_err, eager_err = rel(ours[:, sl], r), rel(e, r)
+            res[name] = dict(ours=ours_err, eager=eager_err, ratio=ours_err / max(eager_err, 1e-12))
+        res["ok"] = all(v["ratio"] <= 2.0 or v["ours"] <= 1e-4 for v in res.values() if isinstance(v, dict))
+        return res
+
+
+def bench_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def run_case(pattern, n, variants, runner, results, deadline):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import bench
+
+    h = heads(n)
+    mask, _ = bench.make_case(pattern, n)
+    q, k, v, do = inputs(n, h)
+    ref = Reference(mask, q, k, v, do) if n <= VALIDATE_MAX_N else None
+    row = dict(pattern=pattern, N=n, H=h, d=D, variants={})
+    for variant in variants:
+        if time.time() > deadline:
+            row["variants"][variant] = dict(skipped="time budget")
+            continue
+        apply(variant)
+        fn = ours_fn(mask, q, k, v)
+        rec = {}
+        try:
+            out = fn()
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            if ref is not None:
+                rec["check"] = ref.check(out.detach(), grads)
+            del out, grads
+            with torch.no_grad():
+                rec["fwd_ms"] = bench_ms(fn)
+            rec["fb_ms"] = bench_ms(fwd_bwd(fn, do))
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        q.grad = k.grad = v.grad = None
+        row["variants"][variant] = rec
+        print(f"{pattern:20s} {n:6d} {variant:15s} {_fmt(rec)}", flush=True)
+    apply("default")
+    if time.time() < deadline:
+        try:
+            f = runner.fns(pattern, n, D, h)  # the same inputs as bench.py (seed 0), Flex compiled
+            fq, fk, fv, fdo = f["q"], f["k"], f["v"], f["do"]
+            with torch.no_grad():
+                row["flex_fwd_ms"] = bench_ms(f["flex"])
+            row["flex_fb_ms"] = bench_ms(fwd_bwd(f["flex"], fdo))
+            if pattern in ("dense", "causal"):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    sd = lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=pattern == "causal")  # noqa: E731
+                    with torch.no_grad():
+                        row["cudnn_fwd_ms"] = bench_ms(sd)
+                    row["cudnn_fb_ms"] = bench_ms(fwd_bwd(sd, fdo))
+        except Exception as e:  # noqa: BLE001
+            row["baseline_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    results.append(row)
+    del ref
+
+
+def _fmt(rec: dict) -> str:
+    if "error" in rec:
+        return "ERROR " + rec["error"]
+    chk = rec.get("check")
+    c = "" if chk is None else (" check " + ("ok" if chk["ok"] else "FAIL") + " (err/eager " +
+                                " ".join(f"{k} {chk[k]['ratio']:.2f}" for k in ("out", "dq", "dk", "dv")) + ")")
+    return f"fwd {rec['fwd_ms']:.3f} ms  fwd+bwd {rec['fb_ms']:.3f} ms{c}"
+
+
+def table(results) -> str:
+    lines = ["| pattern | N | variant | check (max err/eager) | fwd ms | fwd+bwd ms | bwd ms | fwd vs default | "
+             "fwd+bwd vs default | Flex fwd / fwd+bwd ratio | cuDNN fwd / fwd+bwd ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in results:
+        base = row["variants"].get("default", {})
+        for name, rec in row["variants"].items():
+            if "fwd_ms" not in rec:
+                lines.append(f"| {row['pattern']} | {row['N']} | {name} | {rec.get('error') or rec.get('skipped')} "
+                             "| | | | | | | |")
+                continue
+            chk = rec.get("check")
+            c = "" if chk is None else (("ok " if chk["ok"] else "FAIL ") +
+                                        f"{max(chk[k]['ratio'] for k in ('out', 'dq', 'dk', 'dv')):.2f}")
+            sp = lambda key: f"{base[key] / rec[key]:.3f}x" if key in base else ""  # noqa: E731
+            fl = (f"{row['flex_fwd_ms'] / rec['fwd_ms']:.2f} / {row['flex_fb_ms'] / rec['fb_ms']:.2f}"
+                  if "flex_fb_ms" in row else "")
+            cu = (f"{row['cudnn_fwd_ms'] / rec['fwd_ms']:.2f} / {row['cudnn_fb_ms'] / rec['fb_ms']:.2f}"
+                  if "cudnn_fb_ms" in row else "")
+            lines.append(f"| {row['pattern']} | {row['N']} | {name} | {c} | {rec['fwd_ms']:.3f} | {rec['fb_ms']:.3f} | "
+                         f"{rec['fb_ms'] - rec['fwd_ms']:.3f} | {sp('fwd_ms')} | {sp('fb_ms')} | {fl} | {cu} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=None, help="pattern:N entries of CASES (default: all)")
+    ap.add_argument("--variants", nargs="+", default=None, help="only these variants (default: each case's)")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t0 = time.time()
+    deadline = t0 + args.budget
+    cases = dict(CASES)
+    if args.cases:
+        want = {(c.split(":")[0], int(c.split(":")[1])) for c in args.cases}
+        cases = {key: vs for key, vs in cases.items() if key in want}
+    if args.variants:
+        cases = {key: [v for v in vs if v in args.variants or v == "default"] for key, vs in cases.items()}
+    jobs = [("ours", p, n, v) for (p, n), vs in cases.items() for v in vs]
+    if not args.no_flex:
+        jobs += [("flex", p, n, None) for (p, n) in cases]
+    # compile ahead in workers; a worker that dies (a compiler abort) breaks the pool, which is reported
+    ex = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futs = [ex.submit(warm, j) for j in jobs]
+        for fut in as_completed(futs, timeout=max(30.0, 0.55 * args.budget)):
+            msg = fut.result()
+            if msg:
+                print("warm:", msg, flush=True)
+    except Exception as e:  # noqa: BLE001 - timing compiles what is missing
+        print(f"warm-up stopped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+    print(f"warm-up of {len(jobs)} jobs: {time.time() - t0:.0f} s", flush=True)
+
+    import triton
+
+    runner = None
+    if not args.no_flex:
+        import bench
+
+        runner = bench.Runner()
+    results = []
+    path = os.path.join(args.out, "kernel_ab.json")
+    for (p, n), vs in cases.items():
+        if time.time() > deadline:
+            results.append(dict(pattern=p, N=n, variants={v: dict(skipped="time budget") for v in vs}))
+            continue
+        run_case(p, n, vs, runner, results, deadline)
+        with open(path, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           d=D, elapsed_s=time.time() - t0, variants=VARIANTS, results=results), f, indent=1)
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, d={D}, "
+          f"B=1, H=16 (8 at 64K); ratios: default time / variant time, Flex (cuDNN) time / variant time; "
+          f"check on heads 0-{N_CHECK_HEADS - 1} vs float64 (pass: err <= 2x eager bf16); {time.time() - t0:.0f} s")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Kernel variants under the interpreter against the float64 reference: the masked loops without
+bounds checks on even lengths, the five-GEMM backward (dQ through fp32 atomics, optionally TMA
+reduce-adds), the FlexAttention-like backward tiles of band layouts and the warp-specialised
+forward option."""
+
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.ops import triton_backend as tb
+from blocksparse_fa.ops.triton_backend import set_split_chunk
+from conftest import rel_err
+from test_triton_interpreter import _check, _qkv
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture
+def options():
+    """Restore the kernel options after a test."""
+    yield tb.set_kernel_options
+    tb.set_kernel_options(even=False, deterministic=True, dq_desc=False)
+
+
+@pytest.mark.parametrize("Lq,Lk", [(96, 96), (70, 83)])
+def test_even_lengths_drop_bounds_checks(options, Lq, Lk):
+    """``even``: lengths that are multiples of the layout block compile masked loops without bounds
+    terms (``KV_EVEN``/``EVEN``); other lengths keep them. Both match the reference."""
+    options(even=True)
+    lay = bsfa.compile_mask(bsfa.load_pattern("longformer", window=9, n_global=5), Lq, Lk, 16)
+    assert tb._even(lay) == (Lq % 16 == 0 and Lk % 16 == 0)
+    _check(bsfa.load_pattern("longformer", window=9, n_global=5), H=4, Hkv=2, Lq=Lq, Lk=Lk)
+    _check(bsfa.causal() & bsfa.sliding_window(20), Lq=Lq, Lk=Lk)
+
+
+@pytest.mark.parametrize("text,H,Hkv,Lq,Lk", [
+    ("longformer", 4, 2, 70, 83),            # GQA, ragged lengths, Lq != Lk
+    ("causal", 2, 1, 60, 25),                # rows with nothing to attend (zero gradients)
+    ("bigbird", 2, 2, 96, 96),
+    ("causal & sliding_window(24)", 2, 2, 97, 97),
+])
+def test_atomic_backward_matches_reference(options, monkeypatch, text, H, Hkv, Lq, Lk):
+    options(deterministic=False)
+    calls = []
+    launch = tb._bwd_atomic_launch
+    monkeypatch.setattr(tb, "_bwd_atomic_launch", lambda *a: calls.append(1) or launch(*a))
+    mask = (bsfa.load_pattern(text, window=9, n_global=5) if text == "longformer" else
+            bsfa.load_pattern(text, window=10, n_global=16, block=16) if text == "bigbird" else bsfa.parse(text))
+    out, lse, grads = _check(mask, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk)
+    assert calls  # the five-GEMM kernel ran
+    if text == "causal":
+        assert (grads[0][:, :, :Lq - Lk] == 0).all()
+
+
+def test_atomic_backward_with_split_tiles_dropout_and_even(options):
+    """Split column work items (global tokens) write partial dK/dV; dQ adds from every piece."""
+    options(deterministic=False, even=True)
+    mask = bsfa.load_pattern("longformer", window=8, n_global=5)
+    for chunk in (1.5, None):
+        set_split_chunk(chunk)
+        try:
+            _check(mask, H=2, Hkv=1, Lq=96, Lk=96)
+            _check(bsfa.causal() & bsfa.window(12), Lq=64, Lk=64, dropout_p=0.3, seed=5)
+        finally:
+            set_split_chunk(None)
+
+
+def test_atomic_backward_bf16_within_twice_eager_error(options):
+    options(deterministic=False)
+    q, k, v = _qkv(1, 2, 2, 64, 64, 32, torch.bfloat16)
+    mask = bsfa.causal() & bsfa.window(20)
+    out = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16)
+    do = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    gr = torch.autograd.grad(bsfa.reference_attention(qd, kd, vd, mask), (qd, kd, vd), do.double())
+    ge = torch.autograd.grad(bsfa.reference_attention(q, k, v, mask, upcast=False), (q, k, v), do)
+    for ours, e, r in zip(g, ge, gr):
+        assert ours.dtype == torch.bfloat16
+        assert rel_err(ours, r) <= 2 * rel_err(e, r) + 1e-3
+
+
+def test_atomic_backward_accumulates_and_keeps_empty_rows_zero(options):
+    """``accumulate=`` adds dQ (through ``_dq_finish``) and dK/dV to the given tensors; rows with
+    nothing to attend get dQ = 0 even when V holds NaN."""
+    from blocksparse_fa.ops.validate import check_qkv
+
+    q, k, v = (t.detach() for t in _qkv(1, 2, 1, 80, 48, 16))
+    lay = bsfa.compile_mask(bsfa.causal(), 80, 48, 16)
+    s = check_qkv(q, k, v)
+    out, lse = tb.triton_forward(q, k, v, lay, s, 0.25, 0.0, 0)
+    do = torch.randn_like(out)
+    ref = tb.triton_backward(q, k, v, out, lse, do, lay, s, 0.25, 0.0, 0)
+    base = [torch.randn_like(t) for t in (q, k, v)]
+    got = tb.triton_backward(q, k, v, out, lse, do, lay, s, 0.25, 0.0, 0, accumulate=tuple(b.clone() for b in base),
+                             deterministic=False)
+    for g, b, r in zip(got, base, ref):
+        assert torch.allclose(g, b + r, atol=1e-5, rtol=1e-5)
+    v_nan = v.clone()
+    v_nan[0, :, 3] = float("nan")
+    out, lse = tb.triton_forward(q, k, v_nan, lay, s, 0.25, 0.0, 0)
+    dq, _, _ = tb.triton_backward(q, k, v_nan, out, lse, do, lay, s, 0.25, 0.0, 0, deterministic=False)
+    assert torch.equal(dq[:, :, :32], torch.zeros_like(dq[:, :, :32]))
+
+
+def test_atomic_backward_dq_descriptor_falls_back_off_hopper(options):
+    """``dq_desc`` (TMA reduce-adds of dQ tiles) needs tensor descriptors on a Hopper GPU; elsewhere
+    (here: CPU tensors; Triton's interpreter has no descriptor reduce) the element-wise atomics
+    run. The descriptor path itself is checked against float64 on the GPU by
+    ``benchmarks/experiments/kernel_ab.py``."""
+    options(deterministic=False, dq_desc=True)
+    _check(bsfa.load_pattern("longformer", window=9, n_global=5), H=2, Hkv=1, Lq=70, Lk=83)
+
+
+def test_kernel_options_reject_unknown_names():
+    with pytest.raises(ValueError, match="unknown kernel option 'atomic'"):
+        tb.set_kernel_options(atomic=True)
+
+
+def test_flat_backward_loops_match_reference():
+    """FlexAttention's backward tiles in flat loops (one iteration per 64-token kernel tile of a
+    128-token layout block) give the reference's gradients, with ragged lengths and GQA."""
+    from blocksparse_fa.kernels.config import TileConfig, set_override
+
+    set_override("dkdv", TileConfig(64, 128, 8, 3, flat=True))
+    set_override("dq", TileConfig(128, 64, 8, 3, flat=True))
+    try:
+        _check(bsfa.load_pattern("longformer", window=100, n_global=20), H=2, Hkv=1, Lq=300, Lk=270, block=128)
+    finally:
+        set_override("dkdv", None)
+        set_override("dq", None)
+
+
+def test_band_backward_table_is_selectable():
+    """``set_band_backward("flex")`` gives band-like partial-heavy layouts (windows, documents)
+    FlexAttention's tiles; Longformer (mostly partial) and causal keep theirs."""
+    from blocksparse_fa.kernels.config import TileConfig, bwd_configs, set_band_backward
+
+    def tiles(mask, n=16384):
+        lay = bsfa.compile_mask(mask, n, n, 128)
+        band, _, ph, band_bwd = tb._tile_class(lay)
+        return bwd_configs(128, torch.bfloat16, 128, 128, band, ph, band_bwd)
+
+    window, longformer, causal = bsfa.sliding_window(1024), bsfa.load_pattern("longformer"), bsfa.causal()
+    before = [tiles(m) for m in (window, longformer, causal)]
+    set_band_backward("flex")
+    try:
+        kv, q = tiles(window)
+        assert kv == TileConfig(64, 128, 8, 3, flat=True) and q == TileConfig(128, 64, 8, 3, flat=True)
+        assert [tiles(m) for m in (longformer, causal)] == before[1:]
+    finally:
+        set_band_backward("partial")
+    assert tiles(window) == before[0] and before[0][0] == TileConfig(32, 128, 8, 2)
+    with pytest.raises(ValueError, match="unknown band backward table"):
+        set_band_backward("fa3")
+
+
+def test_dense_descriptor_forward_matches_reference(monkeypatch):
+    """``set_forward_options(dense="ws")``: layouts whose blocks are all full run the
+    descriptor-only kernel (``kernels/forward_ws.py``; warp-specialised on Hopper), here with a
+    ragged query length (clipped descriptor stores) and GQA; layouts with partial blocks do not."""
+    from blocksparse_fa.ops.validate import check_qkv
+
+    calls = []
+    launch = tb._dense_launch
+    monkeypatch.setattr(tb, "_dense_launch", lambda *a: calls.append(1) or launch(*a))
+    q, k, v = (t.detach() for t in _qkv(1, 4, 2, 200, 256, 16))
+    s = check_qkv(q, k, v)
+    tb.set_forward_options(dense="ws")
+    try:
+        out, lse = tb.triton_forward(q, k, v, bsfa.compile_mask(bsfa.full(), 200, 256, 128), s, 0.25, 0.0, 0)
+        assert calls
+        assert not tb._dense_ok(bsfa.compile_mask(bsfa.causal(), 200, 256, 128), s, 0.0, q, k, v)
+        assert not tb._dense_ok(bsfa.compile_mask(bsfa.full(), 200, 250, 128), s, 0.0, q, k, v)
+    finally:
+        tb.set_forward_options(dense=None)
+    ref, ref_lse = bsfa.reference_attention(q.double(), k.double(), v.double(), bsfa.full(), scale=0.25,
+                                            return_lse=True)
+    assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
