@@ -252,6 +252,9 @@ def _local_only(plan, run, q, k, v, do, fwd_only, backend):
     from blocksparse_fa.distributed.attention import _bwd, _fwd, fetch
     from blocksparse_fa.distributed.exchange import exchange_for
 
+    from blocksparse_fa.ops.api import resolve_backend
+
+    backend = resolve_backend(backend, q.device, q.dtype)  # as context_parallel_attention does
     ex = exchange_for(plan, run.rank, q.device)
     saved = fetch(ex, q, k, v, run.dist.group.WORLD)
     kb, vb = (saved.kvbuf[0], saved.kvbuf[1]) if saved.kvbuf is not None else (k, v)
@@ -467,6 +470,9 @@ def section_million(run: Run, n: int, patterns, small: bool):
             torch.cuda.empty_cache()
 
 
+SECTIONS = ("links", "correctness", "scaling", "torch_cp", "million", "dropout")
+
+
 def cmd_run(args):
     run = Run(args)
     small = args.smoke
@@ -475,20 +481,30 @@ def cmd_run(args):
     else:
         lengths, corr_n, million = args.lengths, args.correctness_len, args.million
     patterns = args.patterns
-    try:
-        section_links(run)
-    except Exception as e:  # noqa: BLE001
-        run.error("links", e)
+    want = set(args.sections)
+    if "links" in want:
+        try:
+            section_links(run)
+        except Exception as e:  # noqa: BLE001
+            run.error("links", e)
     # most important first: what does not fit the budget is skipped from the end
-    section_correctness(run, corr_n, patterns, small)
+    if "dropout" in want and "causal" in patterns and "correctness" not in want:
+        section_correctness(run, corr_n, ["causal"], small, dropouts=(0.1,))
+    if "correctness" in want:
+        section_correctness(run, corr_n, patterns, small)
     longest, rest = lengths[-1:], lengths[:-1]
-    section_scaling(run, longest, patterns, small)
-    section_torch_cp(run, longest)
-    section_million(run, million, [p for p in ("sliding_window", "longformer", "documents", "bigbird", "causal")
-                                   if p in patterns], small)
-    section_scaling(run, rest, patterns, small)
-    section_torch_cp(run, rest)
-    if "causal" in patterns:
+    if "scaling" in want:
+        section_scaling(run, longest, patterns, small)
+    if "torch_cp" in want:
+        section_torch_cp(run, longest)
+    if "million" in want:
+        section_million(run, million, [p for p in ("sliding_window", "longformer", "documents", "bigbird", "causal")
+                                       if p in patterns], small)
+    if "scaling" in want:
+        section_scaling(run, rest, patterns, small)
+    if "torch_cp" in want:
+        section_torch_cp(run, rest)
+    if "dropout" in want and "causal" in patterns and "correctness" in want:
         section_correctness(run, corr_n, ["causal"], small, dropouts=(0.1,))
     run.sync()
     if run.rank == 0:
@@ -592,6 +608,42 @@ def cmd_report(args):
     if args.data:
         with open(args.data, "w") as f:
             json.dump(res, f, indent=1, default=str)
+    if args.plot:
+        plot(res, args.plot)
+
+
+def plot(res: dict, path: str) -> None:
+    """Strong-scaling efficiency (fwd+bwd) per pattern and length, and the bytes each rank sends
+    as a share of a dense ring, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res.get("sections", {}).get("scaling", [])
+    P = res.get("world_size", 2)
+    lengths = sorted({r["N"] for r in rows})
+    names = list(dict.fromkeys(r["pattern"] for r in rows))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    w = 0.8 / max(1, len(lengths))
+    for j, n in enumerate(lengths):
+        by = {r["pattern"]: r for r in rows if r["N"] == n}
+        xs = [i + j * w for i in range(len(names))]
+        a1.bar(xs, [by[m].get("eff_fb", 0) if m in by else 0 for m in names], w, label=f"{n // 1024}K")
+        pc = [100 * by[m]["bytes_fb_max"] / by[m]["ring_fb"] if m in by and by[m].get("ring_fb") else 0
+              for m in names]
+        a2.bar(xs, pc, w, label=f"{n // 1024}K")
+    for ax in (a1, a2):
+        ax.set_xticks([i + w * (len(lengths) - 1) / 2 for i in range(len(names))], names, rotation=20)
+        ax.legend()
+    a1.axhline(0.9, color="k", lw=0.8, ls="--")
+    a1.set_ylabel(f"efficiency T1 / ({P} T{P}), fwd+bwd")
+    a2.set_ylabel("bytes sent, % of a dense ring (fwd+bwd)")
+    a2.set_yscale("log")
+    fig.suptitle(f"Context parallelism on {P}x {res.get('device')} (strided: Ulysses, no block bytes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -641,6 +693,8 @@ def main(argv=None):
     r.add_argument("--million", type=int, default=1 << 20)
     r.add_argument("--patterns", nargs="+", default=PATTERNS, choices=PATTERNS)
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    r.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                   help="which measurements (default: all, most important first)")
     r.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check of the script)")
     r.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     r.set_defaults(fn=cmd_run)
@@ -648,6 +702,7 @@ def main(argv=None):
     p.add_argument("json")
     p.add_argument("--docs", default=None, help="write the tables into this page's results section")
     p.add_argument("--data", default=None, help="copy the raw results here (docs/data/context_parallel.json)")
+    p.add_argument("--plot", default=None, help="write a PNG of efficiency and bytes (docs/context_parallel.png)")
     p.set_defaults(fn=cmd_report)
     q = sub.add_parser("plans", help="bytes per rank from the plans (CPU)")
     q.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 1048576])

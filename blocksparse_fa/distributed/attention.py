@@ -101,8 +101,9 @@ def _merge_split(ex: Exchange, out, lse, parts_back: torch.Tensor, acc) -> tuple
         lp[:, :, where] = got[..., D].to(acc)
         parts.append((o, lp))
     mo, ml = merge_attention(parts)
-    out = out.index_copy(2, idx, mo.to(out.dtype))
-    lse = lse.index_copy(2, idx, ml.to(lse.dtype))
+    # in place: ``out``/``lse`` are this call's own buffers (a copy would be an L-sized pass)
+    out.index_copy_(2, idx, mo.to(out.dtype))
+    lse.index_copy_(2, idx, ml.to(lse.dtype))
     return out, lse
 
 
@@ -188,9 +189,12 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
     # split rows: send dO, out, lse (and dlse) to the ranks that computed a part
     g_in = None
     if ex.has_split:
-        pack = torch.cat([dout.to(acc), out.to(acc), lse.to(acc).unsqueeze(-1),
-                          (torch.zeros_like(lse, dtype=acc) if dlse is None else dlse.to(acc)).unsqueeze(-1)], -1)
-        g_in = all_to_all(_tok_first(pack, ex.gq_send_idx, 2), ex.gq_send_splits, ex.gq_recv_splits, group,
+        # only the split rows travel: select them before any conversion (L-sized passes cost
+        # more than the whole exchange)
+        sel = (lambda t: t.index_select(2, ex.gq_send_idx)) if ex.gq_send_idx is not None else (lambda t: t)
+        dl = sel(dlse).to(acc) if dlse is not None else torch.zeros_like(sel(lse), dtype=acc)
+        pack = torch.cat([sel(dout).to(acc), sel(out).to(acc), sel(lse).to(acc).unsqueeze(-1), dl.unsqueeze(-1)], -1)
+        g_in = all_to_all(_tok_first(pack, None, 2), ex.gq_send_splits, ex.gq_recv_splits, group,
                           async_op=overlap)
     dkv_back = None
     if overlap:
