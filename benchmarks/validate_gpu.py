@@ -7,8 +7,9 @@ checked for NaN after poisoning the allocator's memory (an unwritten element sho
 
 It also records first-call compile times and checks that changing a window size or a sequence
 length does not recompile, except where the new layout falls into another tile class
-(``kernels/config.py``: band, short partial-heavy, partial-heavy): each new tile config of the
-forward or the backward may add one compiled variant, no more.
+(``kernels/config.py``: band, short partial-heavy, partial-heavy) or switches between lengths that
+are and are not multiples of the block (the ``even`` variant): each new tile config of the forward
+or the backward may add one compiled variant, no more.
 
     PYTHONPATH=. python benchmarks/validate_gpu.py [--quick] [--out DIR]
 """
@@ -216,10 +217,12 @@ def main():
         from blocksparse_fa.kernels import config as kc
         from blocksparse_fa.ops.triton_backend import _is_band, _is_partial_heavy, _is_short_partial
 
+        from blocksparse_fa.ops.triton_backend import _even
+
         lay = bsfa.compile_mask(bsfa.causal() & bsfa.window(w), n, n, 128)
-        band = _is_band(lay)
-        return (kc.fwd_config(128, torch.bfloat16, 128, 128, band, _is_short_partial(lay)),
-                kc.bwd_configs(128, torch.bfloat16, 128, 128, band, _is_partial_heavy(lay)))
+        band, even = _is_band(lay), _even(lay)  # a length that is not a multiple of 128: its own variant
+        return ((kc.fwd_config(128, torch.bfloat16, 128, 128, band, _is_short_partial(lay)), even),
+                (kc.bwd_configs(128, torch.bfloat16, 128, 128, band, _is_partial_heavy(lay)), even))
 
     first, later = (256, 4096), ((512, 4096), (1000, 8192), (77, 5000), (4096, 12288))
     run_fwd_bwd(bsfa.causal() & bsfa.window(first[0]), first[1])

@@ -19,16 +19,18 @@ pytestmark = pytest.mark.interpreter
 def options():
     """Restore the kernel options after a test."""
     yield tb.set_kernel_options
-    tb.set_kernel_options(even=False, deterministic=True, dq_desc=False)
+    tb.set_kernel_options(even=True, deterministic=True, dq_desc=False)
 
 
+@pytest.mark.parametrize("even", [True, False])
 @pytest.mark.parametrize("Lq,Lk", [(96, 96), (70, 83)])
-def test_even_lengths_drop_bounds_checks(options, Lq, Lk):
-    """``even``: lengths that are multiples of the layout block compile masked loops without bounds
-    terms (``KV_EVEN``/``EVEN``); other lengths keep them. Both match the reference."""
-    options(even=True)
+def test_even_lengths_drop_bounds_checks(options, Lq, Lk, even):
+    """``even`` (the default): lengths that are multiples of the layout block compile masked loops
+    without bounds terms (``KV_EVEN``/``EVEN``); other lengths, or ``even=False``, keep them. All
+    match the reference."""
+    options(even=even)
     lay = bsfa.compile_mask(bsfa.load_pattern("longformer", window=9, n_global=5), Lq, Lk, 16)
-    assert tb._even(lay) == (Lq % 16 == 0 and Lk % 16 == 0)
+    assert tb._even(lay) == (even and Lq % 16 == 0 and Lk % 16 == 0)
     _check(bsfa.load_pattern("longformer", window=9, n_global=5), H=4, Hkv=2, Lq=Lq, Lk=Lk)
     _check(bsfa.causal() & bsfa.sliding_window(20), Lq=Lq, Lk=Lk)
 
@@ -166,6 +168,9 @@ def test_dense_descriptor_forward_matches_reference(monkeypatch):
     monkeypatch.setattr(tb, "_dense_launch", lambda *a: calls.append(1) or launch(*a))
     q, k, v = (t.detach() for t in _qkv(1, 4, 2, 200, 256, 16))
     s = check_qkv(q, k, v)
+    with pytest.raises(ValueError, match="BSFA_EXPERIMENTAL_WS"):  # wrong on the H100: refused by default
+        tb.set_forward_options(dense="ws")
+    monkeypatch.setenv("BSFA_EXPERIMENTAL_WS", "1")
     tb.set_forward_options(dense="ws")
     try:
         out, lse = tb.triton_forward(q, k, v, bsfa.compile_mask(bsfa.full(), 200, 256, 128), s, 0.25, 0.0, 0)

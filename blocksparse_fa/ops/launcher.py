@@ -60,7 +60,7 @@ class Launch:
     ``n_key``: how many leading arguments can change between calls in a way that selects another
     compiled variant (the per-call tensors and their strides); the rest are fixed by the plan or not
     specialised on (floats, ``do_not_specialize`` ints such as dropout seeds). The direct path keys
-    on those leading arguments only: tensors by 16-byte alignment, ints by value."""
+    on those leading arguments only: tensors by dtype and 16-byte alignment, ints by value."""
 
     __slots__ = ("fn", "consts", "records", "enabled", "n_key", "device")
 
@@ -76,7 +76,7 @@ class Launch:
     def __call__(self, grid, *args):
         if not self.enabled:
             return self.fn[grid](*args, **self.consts)
-        key = tuple(a if type(a) is int else a.data_ptr() & 15 for a in args[:self.n_key])
+        key = tuple(a if type(a) is int else (a.data_ptr() & 15, a.dtype) for a in args[:self.n_key])
         rec = self.records.get(key)
         if rec is None or _hooks_active(rec.hooks[1]) or _hooks_active(rec.hooks[2]):
             return self._first(key, grid, args) if rec is None else self.fn[grid](*args, **self.consts)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import os
+
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
@@ -110,11 +112,17 @@ def set_forward_options(**kw) -> None:
     ``warp_specialize`` (bool, needs ``kv_desc``) and ``masked_stages`` (int or None: pipelining
     depth of the masked loop). All off by default: none was faster on the H100 (NOTES.md v9).
     ``dense``: layouts whose every block is full run ``kernels/forward_ws.py`` instead: ``"ws"``
-    warp-specialised (4 warps), ``"plain"`` the same loop with 8 warps, None (default) the
+    warp-specialised (4 warps; wrong results on the H100 with triton 3.6, so refused unless
+    ``BSFA_EXPERIMENTAL_WS=1``), ``"plain"`` the same loop with 8 warps, None (default) the
     block-sparse kernel. Triton specialises warps only in that kernel (NOTES.md, "Lever 4")."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
+        if k == "dense" and v == "ws" and os.environ.get("BSFA_EXPERIMENTAL_WS") != "1":
+            raise ValueError("set_forward_options(dense='ws'): the warp-specialised dense forward fails the "
+                             "float64 check on the H100 with triton 3.6 (error 11x that of eager bf16; NOTES.md, "
+                             "'Lever 4'); set BSFA_EXPERIMENTAL_WS=1 to run it anyway for experiments, or use "
+                             "dense='plain'")
         _FWD_OPTS[k] = v
     _bump()
 
@@ -123,17 +131,19 @@ def set_forward_options(**kw) -> None:
 # ``even``: when the lengths are multiples of the layout blocks, the masked loops drop their bounds
 # terms and row checks (sm_90 SASS, NOTES.md "Partial blocks": forward masked loop 1389 -> 1257
 # instructions, dK/dV 1994 -> 1488, dQ 1233 -> 1104). A length that is not a multiple then compiles
-# one more variant, which is why it is an option.
+# one more variant. On by default: on the H100 it gains 3-6 % fwd+bwd on Longformer, BigBird,
+# windows and documents at 16K and changes nothing elsewhere (NOTES.md, "Lever 2: GPU result").
 # ``deterministic``: the default of ``triton_backward(deterministic=None)``: True runs the dK/dV and
 # dQ programs (seven GEMMs per visited block, bit-reproducible); False the five-GEMM backward whose
 # dK/dV programs add dQ with fp32 atomics (kernels/backward_atomic.py). ``dq_desc``: those adds as
 # TMA reduce-adds of whole tiles through a tensor descriptor (Hopper).
-_KERNEL_OPTS = {"even": False, "deterministic": True, "dq_desc": False}
+_KERNEL_OPTS = {"even": True, "deterministic": True, "dq_desc": False}
 
 
 def set_kernel_options(**kw) -> None:
-    """``even`` (bool): let the forward and backward drop the masked loops' bounds checks where the
-    lengths are multiples of the layout blocks (one more compiled variant per kernel).
+    """``even`` (bool, default True): let the forward and backward drop the masked loops' bounds
+    checks where the lengths are multiples of the layout blocks (one more compiled variant per
+    kernel when lengths of both kinds occur).
     ``deterministic`` (bool): the backward's default (see :func:`triton_backward`). ``dq_desc``
     (bool): the five-GEMM backward adds dQ tiles through a tensor descriptor (TMA) where the device
     allows."""
@@ -432,7 +442,7 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
     delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=out.device)
     pre_m = 64
-    launch = _PRE.get((s.D, out.device))
+    launch = _PRE.get((s.D, out.device))  # the launcher keys on the tensors' dtypes itself
     if launch is None:
         launch = _PRE[(s.D, out.device)] = Launch(
             _attn_bwd_preprocess, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=pre_m), 11, out.device)
