@@ -142,6 +142,78 @@ def run_hf_reference(case):
 
 
 # ------------------------------------------------------------------------------------------------
+# FSDP2 on "dp" x context parallelism on "cp"
+# ------------------------------------------------------------------------------------------------
+FSDP_CAPTURE = ("blocks.0.attn.qkv.weight", "blocks.1.mlp.down.weight", "emb.weight")
+
+
+def _fsdp_model(cfg, pats, family, group):
+    from train.cp import CPCore
+    from train.model import Decoder
+
+    torch.manual_seed(cfg.seed)
+    return Decoder(512, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim,
+                   CPCore(pats.mask(family), pats.block_size, group)).to(torch.float64)
+
+
+def run_fsdp(case, group):
+    """A 2 x 2 mesh ("dp", "cp"): ``fully_shard`` on "dp" (one sequence per dp rank), the sequence
+    sharded on "cp". One AdamW step: the loss, the unsharded gradients and the updated parameters
+    (rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from blocksparse_fa.distributed import plan_context_parallel
+    from train.model import rope_tables
+
+    cfg, pats = train_config(**case)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp, cp = mesh["dp"], mesh["cp"]
+    model = _fsdp_model(cfg, pats, case["pattern"], cp)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=dp)
+    fully_shard(model, mesh=dp)
+    for m in model.modules():  # sum over dp: every rank's loss is its share of the batch loss
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = plan_context_parallel(pats.mask(case["pattern"]), cfg.seq_len, 2, block_size=pats.block_size,
+                                 strategy=case.get("strategy", "auto"))
+    idx = plan.indices(cp.get_local_rank())
+    b = SyntheticStream(cfg.seq_len, cfg.batch).next()  # 2 sequences: one per dp rank
+    d = dp.get_local_rank()
+    cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base, "cpu")
+    loss, _, _ = model(b.tokens[d:d + 1, idx], b.targets[d:d + 1, idx], b.weights[d:d + 1, idx].double(),
+                       cos[idx], sin[idx], plan)
+    loss.backward()
+    for p in model.parameters():  # the replicas along "cp" hold partial gradients: sum them
+        dist.all_reduce(p.grad.to_local(), group=cp.get_group())
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if n in FSDP_CAPTURE}
+    opt.step()
+    params = {n: p.detach().full_tensor() for n, p in model.named_parameters() if n in FSDP_CAPTURE}
+    return {"loss": float(total), "grads": grads, "params": params}
+
+
+def run_fsdp_reference(case):
+    from train.model import rope_tables
+
+    cfg, pats = train_config(**case)
+    model = _fsdp_model(cfg, pats, case["pattern"], None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    b = SyntheticStream(cfg.seq_len, cfg.batch).next()
+    cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base, "cpu")
+    loss, _, _ = model(b.tokens, b.targets, b.weights.double(), cos, sin, None)
+    loss.backward()
+    named = dict(model.named_parameters())
+    grads = {n: named[n].grad.detach().clone() for n in FSDP_CAPTURE}
+    opt.step()
+    return {"loss": float(loss.detach()), "grads": grads,
+            "params": {n: named[n].detach().clone() for n in FSDP_CAPTURE}}
+
+
+# ------------------------------------------------------------------------------------------------
 def _plain(x):
     """Tensors as numpy arrays (a queue would share tensors through file descriptors that die with the
     process)."""
@@ -152,7 +224,7 @@ def _plain(x):
     return x
 
 
-RUNNERS = {"train": run_train, "hf": run_hf}
+RUNNERS = {"train": run_train, "hf": run_hf, "fsdp": run_fsdp}
 
 
 def worker(rank, world, store_path, cases, queue):

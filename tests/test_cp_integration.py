@@ -116,3 +116,16 @@ def test_transformers_cp_bad_input_is_refused():
         fn(2, 32, 32, attention_mask=torch.ones(2, 32).index_fill(1, torch.tensor([0]), 0))
     with pytest.raises(ValueError, match="without a cache"):
         fn(1, 1, 33, q_offset=32)
+
+
+FSDP_CASES = [dict(kind="fsdp", name="fsdp2 dp x cp longformer", pattern="longformer", strategy="zigzag", L=96)]
+
+
+def test_fsdp2_on_dp_with_cp_equals_single_process(tmp_path):
+    got = _run(4, FSDP_CASES, tmp_path)[FSDP_CASES[0]["name"]]
+    ref = cases_mod.run_fsdp_reference(FSDP_CASES[0])
+    assert ref["loss"] > 1.0 and got["loss"] == pytest.approx(ref["loss"], rel=1e-12)
+    for n in cases_mod.FSDP_CAPTURE:
+        assert ref["grads"][n].abs().max() > 0
+        assert _rel(got["grads"][n], ref["grads"][n]) < 1e-9, n
+        assert _rel(got["params"][n], ref["params"][n]) < 1e-9, n

@@ -36,6 +36,7 @@ from torch import nn
 from blocksparse_fa.distributed import plan_context_parallel
 from blocksparse_fa.nn import BlockSparseAttention
 
+from .data import VOCAB
 from .model import Decoder, rope_tables
 from .runner import RunConfig, lr_at
 from .variants import Patterns
@@ -117,7 +118,7 @@ def train_cp(cfg: RunConfig, pats: Patterns, family: str, stream, group=None, *,
                                      heads=(cfg.heads, cfg.kv_heads), head_dim=cfg.head_dim, batch=cfg.batch,
                                      dtype=torch.bfloat16 if dev.type == "cuda" else dtype)
     torch.manual_seed(cfg.seed)
-    model = Decoder(512, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim,
+    model = Decoder(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim,
                     CPCore(mask, pats.block_size, group)).to(device=dev, dtype=dtype)
     params = list(model.parameters())
     if group is not None:
