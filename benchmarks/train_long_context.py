@@ -7,11 +7,15 @@ recall probe at equal steps.
     python benchmarks/train_long_context.py run --deadline 540 --json /tmp/a.json   # GPU, 64K, ~9.5 min
     python benchmarks/train_long_context.py throughput --deadline 250 --json /tmp/b.json  # 16K/32K/128K
     python benchmarks/train_long_context.py report /tmp/a.json /tmp/b.json   # docs/training.md, figures
+    torchrun --nproc-per-node 2 benchmarks/train_long_context.py cp --pattern longformer  # sequence sharded
 
 ``run`` trains the variants in priority order (dense, ours and Flex Longformer first, for the same
 number of steps; then the other patterns as the deadline allows; what it leaves out is recorded).
 
-The code lives in ``benchmarks/train/`` (data, model, variants, runner, report, cli); see
+``cp`` trains with context parallelism: every sequence sharded across the ranks of a ``torchrun``
+job (blocksparse_fa's ``context_parallel`` attention), losses and gradients equal to one process.
+
+The code lives in ``benchmarks/train/`` (data, model, variants, runner, report, cli, cp); see
 ``docs/training.md`` for the method and the results. This script imports the repository's own
 ``blocksparse_fa`` (the repository root is put first on ``sys.path``).
 """

@@ -484,3 +484,22 @@ def test_targets_are_computed_with_margins():
     assert t["dense model learns: held-out bits/byte far below the unigram entropy"]["met"] is True
     assert t["held-out bits/byte within 3 % of dense: bsfa_longformer"]["met"] is False  # +5 %
     assert t["held-out bits/byte within 3 % of dense: bsfa_sliding"]["met"] is True  # +2 %
+
+
+# ------------------------------------------------------------------------------------------------
+# context parallelism (one rank here; tests/test_cp_integration.py runs two)
+# ------------------------------------------------------------------------------------------------
+def test_cp_command_one_rank(tmp_path, corpus):
+    out = tmp_path / "cp.json"
+    payload = cli.main(["cp", "--device", "cpu", "--pattern", "bigbird", "--seq-len", "128", "--steps", "3",
+                        "--batch", "1", "--layers", "1", "--d-model", "32", "--heads", "4", "--kv-heads", "2",
+                        "--block-size", "16", "--bigbird-window", "16", "--bigbird-global", "16",
+                        "--bigbird-random", "1", "--sync-steps", "1", "--json", str(out), "--quiet"])
+    saved = json.loads(out.read_text())
+    assert saved["world_size"] == 1 and saved["pattern"] == "bigbird"
+    assert len(saved["losses"]) == 3 and all(np.isfinite(saved["losses"])) and saved["losses"][0] > 1.0
+    assert saved["tokens_per_s"] > 0 and saved["timed_steps"] == 2
+    assert saved["per_rank"][0]["tokens"] == 128 and saved["per_rank"][0]["peak_rss_gb"] > 0
+    assert payload["losses"] == saved["losses"]
+    with pytest.raises(SystemExit):
+        cli.main(["cp", "--device", "cpu", "--seq-len", "100", "--block-size", "16", "--quiet"])

@@ -3,6 +3,7 @@
     run         train every variant at the given length(s), evaluate, profile (the default command)
     throughput  a few steps per variant and length: tokens/s, GPU busy, memory (no evaluation)
     report      merge result files and regenerate docs/training.md and the figures
+    cp          context-parallel training under torchrun (each rank holds a shard of every sequence)
 
 Variants run in the order given (priority). With ``--deadline`` the first ``--core`` variants run
 the same number of steps (planned from the first one's measured step time), later variants run at
@@ -25,6 +26,7 @@ from . import report as rep
 from .data import N_KEYS, load_corpus
 from .runner import (DEFAULT_OVERHEAD_S, RunConfig, estimate_overhead_s, estimate_step_s, plan_steps, tail_s,
                      train_variant, variant_density)
+from .cp import CP_FAMILIES
 from .variants import DEFAULT_VARIANTS, FLEX_BLOCK_MASKS, VARIANTS, Patterns
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -46,6 +48,9 @@ CPU = dict(seq_len="512", batch=2, layers=2, d_model=64, heads=4, kv_heads=2, st
 # throughput: a few steps per variant and length, no evaluation (GPU: about four minutes in all)
 THROUGHPUT = dict(gpu=dict(seq_len="16384,32768,131072", steps=8, profile_steps=2, log_every=0),
                   cpu=dict(seq_len="512", steps=6))
+# context parallelism (cp): a longer sequence than one GPU's comparison, a few steps, no evaluation
+CP_GPU = dict(seq_len=131072, steps=20, log_every=5)
+CP_CPU = dict(seq_len=512, steps=6, log_every=1)
 THROUGHPUT_VARIANTS = ("sdpa_causal", "flex_longformer", "bsfa_longformer")
 
 
@@ -137,12 +142,77 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true")
 
 
+def _add_cp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    p.add_argument("--pattern", default="longformer", choices=CP_FAMILIES, help="attention pattern")
+    p.add_argument("--strategy", default="auto",
+                   choices=("auto", "contiguous", "zigzag", "greedy", "ulysses"),
+                   help="how the plan assigns tokens to ranks (plan_context_parallel; auto: least estimated time)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (GPU 131072, CPU 512)")
+    p.add_argument("--steps", type=int, help="training steps (GPU 20, CPU 6)")
+    for name, typ, hlp in (("batch", int, "sequences per step"), ("layers", int, "decoder layers"),
+                           ("d-model", int, "model width"), ("heads", int, "query heads"),
+                           ("kv-heads", int, "key/value heads (GQA)"),
+                           ("head-dim", int, "head dimension (default d_model / heads)"),
+                           ("lr", float, "peak AdamW learning rate"), ("warmup", int, "linear warm-up steps"),
+                           ("log-every", int, "print the loss every N steps"), ("threads", int, "CPU threads per rank"),
+                           ("sync-steps", int, "first steps left out of tokens/s (default 2)")):
+        p.add_argument(f"--{name}", type=typ, help=hlp)
+    for name in ("block-size", "sliding-window", "longformer-window", "longformer-global", "bigbird-window",
+                 "bigbird-global", "bigbird-random"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="results file (rank 0 writes it)")
+    p.add_argument("--quiet", action="store_true")
+
+
+def _run_cp(args, ap) -> dict | None:
+    from .cp import cp_main
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda but CUDA is not available")
+    gpu = args.device.startswith("cuda")
+    d = dict(GPU if gpu else CPU, **(CP_GPU if gpu else CP_CPU))
+    for k, v in d.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.head_dim is None:
+        if args.d_model % args.heads:
+            ap.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}; give --head-dim")
+        args.head_dim = args.d_model // args.heads
+    if args.heads % args.kv_heads:
+        ap.error("--heads must be a multiple of --kv-heads")
+    if args.seq_len % args.block_size:
+        ap.error(f"--seq-len {args.seq_len} must be a multiple of --block-size {args.block_size}")
+    pats = Patterns(block_size=args.block_size, sliding_window=args.sliding_window,
+                    longformer_window=args.longformer_window, longformer_global=args.longformer_global,
+                    bigbird_window=args.bigbird_window, bigbird_global=args.bigbird_global,
+                    bigbird_random=args.bigbird_random, seed=args.seed)
+    cfg = RunConfig(device=args.device, seq_len=args.seq_len, batch=args.batch, layers=args.layers,
+                    d_model=args.d_model, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                    rope_base=500000.0, steps=args.steps, lr=args.lr,
+                    warmup=min(args.warmup, max(1, args.steps // 2)), compile=False, eval_every=-1,
+                    probe_pairs=min(args.probe_pairs, (pats.min_global() - 1) // 2), profile_steps=0,
+                    sync_steps=max(0, min(args.sync_steps if args.sync_steps is not None else 2, args.steps - 1)),
+                    log_every=args.log_every, seed=args.seed, mode="cp")
+    threads = torch.get_num_threads()
+    if args.threads or not gpu:
+        torch.set_num_threads(args.threads or 1)
+    try:
+        return cp_main(args, cfg, pats, (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True)))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="train_long_context.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd")
     _add_run_args(sub.add_parser("run", help="train, evaluate and profile every variant"))
     _add_run_args(sub.add_parser("throughput", help="tokens/s, GPU busy and memory at several lengths"))
+    _add_cp_args(sub.add_parser("cp", help="context-parallel training (run it under torchrun)"))
     r = sub.add_parser("report", help="merge result files and regenerate the docs")
     r.add_argument("files", nargs="+", help="results JSON files (later files win on the same variant and length)")
     r.add_argument("--json", default=DEFAULT_JSON, help="merged results file to write")
@@ -336,7 +406,7 @@ def _record(r: dict, run_id: str, args, payload_ref) -> None:
 
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("run", "throughput", "report", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "throughput", "report", "cp", "-h", "--help"):
         argv = ["run"] + argv
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -347,4 +417,6 @@ def main(argv=None) -> dict:
         print(f"merged {len(args.files)} file(s), {len(payload['results'])} results -> {args.json}; "
               f"docs in {args.docs}")
         return payload
+    if args.cmd == "cp":
+        return _run_cp(args, ap)
     return _run(args, ap, argv)

@@ -582,6 +582,7 @@ def markdown(payload: dict, figures: dict) -> str:
             "python benchmarks/train_long_context.py report /tmp/train.json /tmp/speed.json",
             "# a tiny run on the CPU (seconds; FlexAttention has no CPU backward and is skipped)",
             "python benchmarks/train_long_context.py --device cpu", "```"]
+    out += [""] + CP_SECTION
     out += ["", "## Runs", ""]
     for rid, run in sorted(runs.items()):
         rc = run.get("config", {})
@@ -592,6 +593,31 @@ def markdown(payload: dict, figures: dict) -> str:
     out += ["", "Raw data, including per-step times and losses, evaluation histories and profiles: "
             "`docs/data/training_results.json`.", ""]
     return "\n".join(out)
+
+
+CP_SECTION = [
+    "## Several GPUs (context parallelism)", "",
+    "The `cp` command trains the same decoder with every sequence sharded across the ranks of a `torchrun` job:",
+    "",
+    "```",
+    "torchrun --nproc-per-node 2 benchmarks/train_long_context.py cp --device cuda --pattern longformer \\",
+    "    --seq-len 131072 --steps 20 --json /tmp/cp.json",
+    "torchrun --nproc-per-node 2 benchmarks/train_long_context.py cp --device cpu --seq-len 512 --steps 6  # seconds",
+    "```",
+    "",
+    "The plan of blocksparse_fa's context parallelism (`plan_context_parallel`, `--strategy auto` by default) "
+    "gives each rank its tokens; one permutation shards the tokens, the targets, the loss weights and the rotary "
+    "positions, so every token keeps its global position. Attention runs through "
+    "`nn.BlockSparseAttention(context_parallel=group)` with the plan (each rank fetches only the key/value blocks "
+    "its queries visit); the rest of the model is per token. The loss weights are normalised over the whole batch, "
+    "so the ranks' losses add up to the single-process loss, and the gradients of the replicated parameters are "
+    "all-reduced before clipping and the AdamW step: the run computes what one process computes on the same "
+    "batches (tested on two CPU processes against a single-process run, step by step). It prints tokens/s, per "
+    "rank the tokens held, tokens/s and peak memory, the loss of every step and the plan; `--json` writes them. "
+    "Static patterns only (causal, sliding, longformer, bigbird), eager mode, no evaluation. No multi-GPU "
+    "training results are recorded on this page yet; `docs/distributed.md` has the attention-level GPU "
+    "measurements.",
+]
 
 
 def _coverage(payload, L, mode) -> list[str]:

@@ -45,6 +45,26 @@ as if the query sat at the end of the cache buffer: use a dynamic cache with suc
 
 Under ``torch.compile`` the attention itself is a custom op (no graph break), but building a layout
 from padding (the document ids come from tensor values) breaks the graph once per forward.
+
+Context parallelism
+-------------------
+``register(mask, context_parallel=group, plan=plan)`` runs the attention of a model whose sequence
+is sharded across the ranks of ``group`` (a process group or a 1-D ``DeviceMesh``) through
+:func:`blocksparse_fa.distributed.context_parallel_attention`. Every rank feeds the model its own
+tokens, ``plan.indices(rank)``, with those indices as ``position_ids`` (so rotary positions are the
+global ones), and gets its rows of the logits (``plan.gather`` reassembles them)::
+
+    plan = plan_context_parallel(pattern & causal(), L, world, heads=(H, Hkv), head_dim=D)
+    register(pattern, name="bsfa_cp", context_parallel=group, plan=plan)
+    idx = plan.indices(rank)
+    out = model(input_ids=ids[:, idx], position_ids=idx[None])
+
+The mask is ``pattern & causal`` for causal layers (``pattern`` when it already has ``causal`` as a
+factor) and the plan must be made for exactly that mask. Without a plan, the ranks hold contiguous
+pieces in rank order. The model's own mask is taken to be the plain causal (or bidirectional) one:
+padding and caches are refused with an error, and position-dependent model masks (sliding-window
+layers, packed sequences) must be written into the pattern. Parameter gradients are per rank: sum
+them across the group (or let data-parallel wrappers on another mesh dimension do it).
 """
 
 from __future__ import annotations
@@ -55,10 +75,12 @@ import torch
 
 from ..mask.dsl import parse
 from ..mask.expr import Mask
-from ..mask.primitives import causal, dense_mask, document, full
+from ..mask.expr import And
+from ..mask.primitives import Causal, causal, dense_mask, document, full
 from ..ops.custom_op import attention_op
 
-__all__ = ["register", "unregister", "make_attention_function", "make_mask_function", "key_padding_ids"]
+__all__ = ["register", "unregister", "make_attention_function", "make_mask_function", "make_cp_attention_function",
+           "make_cp_mask_function", "key_padding_ids"]
 
 _registered: dict = {}
 
@@ -164,6 +186,65 @@ def make_attention_function(mask, *, block_size=None, backend: str = "auto"):
     return blocksparse_attention_forward
 
 
+def _with_causal(pattern: Mask) -> Mask:
+    """``pattern & causal()``, or ``pattern`` itself when ``causal`` is already one of its factors."""
+    factors = pattern.children if isinstance(pattern, And) else (pattern,)
+    return pattern if any(isinstance(f, Causal) for f in factors) else pattern & causal()
+
+
+def make_cp_attention_function(mask, *, context_parallel, plan=None, block_size=None, backend: str = "auto"):
+    """The ``AttentionInterface`` function for a sequence sharded across ``context_parallel`` (see
+    *Context parallelism* above): query ``(B, H, L_r, D)``, key/value ``(B, Hkv, L_r, D)`` of this
+    rank's tokens -> ``(B, L_r, H, D)``."""
+    from ..distributed import context_parallel_attention
+
+    pattern = _as_mask(mask)
+    masks = {True: _with_causal(pattern), False: pattern}
+    if plan is not None and plan.layout.mask not in masks.values():
+        raise ValueError(f"the plan is for mask {plan.layout.mask}; a causal model with pattern {pattern} needs a "
+                         f"plan for {masks[True]} (plan_context_parallel({masks[True]}, ...))")
+
+    def blocksparse_cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                         **kwargs):
+        if kwargs.get("softcap") is not None:
+            raise ValueError("blocksparse attention does not support `softcap`")
+        if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+            raise ValueError("blocksparse attention does not support attention sinks (`s_aux`)")
+        if attention_mask is not None:
+            raise ValueError("blocksparse context parallelism got an attention_mask from the model: padding, caches "
+                             "and model-side masks are not supported (write the mask into the pattern)")
+        is_causal = kwargs.get("is_causal")
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+        m = masks[is_causal]
+        if plan is not None and plan.layout.mask != m:
+            raise ValueError(f"this {'causal' if is_causal else 'bidirectional'} layer computes {m}, the plan is for "
+                             f"{plan.layout.mask}")
+        out = context_parallel_attention(query, key, value, None if plan is not None else m, plan=plan,
+                                         group=context_parallel, scale=scaling, dropout_p=float(dropout or 0.0),
+                                         backend=backend, block_size=None if plan is not None else block_size)
+        return out.transpose(1, 2).contiguous(), None
+
+    blocksparse_cp_attention_forward.pattern = pattern
+    return blocksparse_cp_attention_forward
+
+
+def make_cp_mask_function():
+    """The ``AttentionMaskInterface`` function under context parallelism: ``None`` (the pattern
+    carries the mask); padding and caches raise."""
+
+    def blocksparse_cp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                            attention_mask=None, **kwargs):
+        if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor) or q_offset or kv_offset \
+                or q_length != kv_length:
+            raise ValueError("blocksparse context parallelism runs without a cache (training or a full forward): "
+                             f"got q_length {q_length}, kv_length {kv_length}, offsets {q_offset}, {kv_offset}")
+        if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
+            raise ValueError("blocksparse context parallelism does not support padding (attention_mask with zeros)")
+        return None
+
+    return blocksparse_cp_mask
+
+
 def make_mask_function():
     """The ``AttentionMaskInterface`` function: the compact key-padding form (or ``None``) for the
     plain causal mask with aligned queries, SDPA's boolean 4D mask for everything else."""
@@ -193,7 +274,8 @@ def make_mask_function():
     return blocksparse_mask
 
 
-def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: str = "auto") -> str:
+def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: str = "auto",
+             context_parallel=None, plan=None) -> str:
     """Register ``mask`` as attention implementation ``name`` for ``transformers`` models.
 
     Args:
@@ -202,6 +284,10 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
         name: the ``attn_implementation`` string to use in ``from_config``/``from_pretrained``.
         block_size: layout block size (default 128).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        context_parallel: a process group or 1-D ``DeviceMesh``: the model's input is this rank's
+            shard of a sequence split across it (see *Context parallelism* in this module's docs).
+        plan: the sharding's :class:`~blocksparse_fa.distributed.ContextParallelPlan` (with
+            ``context_parallel``; default: contiguous shards in rank order).
 
     Returns:
         ``name``. Registering the same name again replaces the pattern.
@@ -211,9 +297,17 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
 
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
-    fn = make_attention_function(mask, block_size=block_size, backend=backend)
+    if context_parallel is None:
+        if plan is not None:
+            raise ValueError("plan needs context_parallel=<process group or 1-D DeviceMesh>")
+        fn = make_attention_function(mask, block_size=block_size, backend=backend)
+        mask_fn = make_mask_function()
+    else:
+        fn = make_cp_attention_function(mask, context_parallel=context_parallel, plan=plan, block_size=block_size,
+                                        backend=backend)
+        mask_fn = make_cp_mask_function()
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, make_mask_function())
+    AttentionMaskInterface.register(name, mask_fn)
     _registered[name] = fn
     return name
 
