@@ -168,13 +168,91 @@ def test_random_compositions_sound_without_refinement(problem):
 
 
 def test_refinement_settles_combined_blocks():
-    # partial | partial: the state algebra alone leaves the diagonal blocks uncertain
-    m = bsfa.causal() | ~bsfa.causal()  # == full
+    # partial | partial: the state algebra alone leaves every block uncertain
+    m = bsfa.strided(3) | ~bsfa.strided(3)  # == full
     lay = compile_mask(m, 256, 256, 32, cache=False)
     assert lay.n_partial == 0 and lay.n_full == 64 and lay.n_refined > 0
     lay0 = compile_mask(m, 256, 256, 32, cache=False, refine_budget=0)
     assert lay0.n_partial > 0 and lay0.n_refined == 0  # conservative, still sound
     assert torch.equal(lay0.to_dense(), lay.to_dense())
+
+
+# ------------------------------------------------------------------------------------------------
+# trees of interval-shaped masks: uncertain blocks settled from the rows' interval sets
+# ------------------------------------------------------------------------------------------------
+def test_interval_trees_settle_without_refinement():
+    m = bsfa.causal() | ~bsfa.causal()  # == full; partial | partial on the diagonal
+    lay = compile_mask(m, 256, 256, 32, cache=False, refine_budget=0)
+    assert lay.n_partial == 0 and lay.n_full == 64 and lay.n_refined == 0
+
+
+def interval_leaves(lq, lk, seed):
+    g = torch.Generator().manual_seed(seed)
+    ints = st.integers
+    n = max(lq, lk)
+    runs = torch.sort(torch.randint(0, 6, (lk,), generator=g)).values
+    return st.one_of(
+        st.just(bsfa.full()), st.just(bsfa.causal()), ints(0, 300).map(bsfa.window),
+        ints(1, 300).map(bsfa.sliding_window), ints(1, 300).map(bsfa.chunked), ints(0, 300).map(bsfa.prefix_lm),
+        st.tuples(ints(0, n), ints(0, n)).map(lambda t: bsfa.key_range(min(t), max(t))),
+        st.tuples(ints(0, n), ints(0, n)).map(lambda t: bsfa.query_range(min(t), max(t))),
+        ints(0, 6).map(lambda k: bsfa.query_set(torch.randint(0, n, (k,), generator=g))),
+        st.just(bsfa.document(runs)),
+        st.just(bsfa.document(torch.randperm(6, generator=g)[runs])),  # one run each, labels unsorted
+    )
+
+
+@st.composite
+def interval_problems(draw):
+    lq = draw(st.sampled_from([1, 97, 257, 1025]))
+    lk = draw(st.sampled_from([1, 97, 257, 1025]))
+    bs = draw(st.sampled_from([16, 64, 128, (32, 64), (48, 80), (128, 16)]))
+    leaf = interval_leaves(lq, lk, draw(st.integers(0, 3)))
+    expr = draw(st.recursive(leaf, lambda sub: st.one_of(
+        st.tuples(sub, sub).map(lambda t: t[0] & t[1]),
+        st.tuples(sub, sub).map(lambda t: t[0] | t[1]),
+        sub.map(lambda x: ~x)), max_leaves=6))
+    n_keys = draw(st.integers(0, 40))
+    if n_keys:  # key sets beside the tree under a top-level |
+        keys = torch.randint(0, lk, (n_keys,), generator=torch.Generator().manual_seed(draw(st.integers(0, 9))))
+        expr = bsfa.key_set(keys) | expr
+    return expr, lq, lk, bs
+
+
+def _algebra_and_refinement(mask, q_len, kv_len, bs):
+    """Block states the compiler gave before interval sets: the state algebra, every uncertain
+    block then evaluated element by element."""
+    from blocksparse_fa.compiler.classify import Grid, _classify, refine
+
+    bm, bn = pair(bs)
+    grid = Grid(q_len, kv_len, bm, bn)
+    segs, _ = _classify(mask, grid, None, sets=False)
+    segs, _ = refine(segs.broadcast_to(mask.batch_shape or (1, 1)), mask, grid, 1 << 40)
+    return torch.from_numpy(segs.to_dense()).reshape(-1, grid.tr, grid.tc)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(interval_problems())
+def test_interval_trees_exact(problem):
+    mask, lq, lk, bs = problem
+    lay = check_layout(mask, lq, lk, bs, exact=True, refine_budget=0)
+    assert lay.n_refined == 0
+    assert torch.equal(lay.block_states().reshape(-1, *lay.shape[-2:]), _algebra_and_refinement(mask, lq, lk, bs))
+
+
+@pytest.mark.parametrize("lq,lk", [(97, 97), (257, 257), (1025, 1025), (257, 1025), (1025, 97)])
+@pytest.mark.parametrize("bs", [16, 64, 128, (32, 64), (48, 80)])
+def test_shared_prefix_and_global_sets_exact(lq, lk, bs):
+    g = torch.Generator().manual_seed(lq + lk)
+    lens = torch.randint(20, 200, (lk,), generator=g)
+    ids = torch.repeat_interleave(torch.arange(lk), lens)[:lk]
+    pos = torch.randint(0, max(lq, lk), (16,), generator=g)
+    masks = [bsfa.load_pattern("shared_prefix", prefix=min(60, lk), document=ids),
+             bsfa.key_set(pos) | bsfa.query_set(pos) | bsfa.sliding_window(50)]
+    for m in masks:
+        lay = check_layout(m, lq, lk, bs, exact=True, refine_budget=0)
+        assert lay.n_refined == 0
+        assert torch.equal(lay.block_states().reshape(-1, *lay.shape[-2:]), _algebra_and_refinement(m, lq, lk, bs))
 
 
 def test_batch_compositions():

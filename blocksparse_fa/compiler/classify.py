@@ -30,6 +30,7 @@ from ..mask.base import BIG, Primitive, pack_bits
 from ..mask.expr import And, EvalContext, Mask, Not, Or, broadcast_batch_shapes, query_offset
 from ..mask.neighborhood import Geometry
 from ..mask.shift import Shift
+from . import rowsets
 from .segments import AND_TABLE, EMPTY, FULL, NOT_TABLE, OR_TABLE, PARTIAL, UNSURE, Segments
 
 __all__ = ["Grid", "classify", "refine", "block_context"]
@@ -194,8 +195,14 @@ def _combine(a, b, op: str):
     return combine(sa, sb, table), kind
 
 
-def _classify(mask: Mask, grid: Grid, care):
-    """``(segments, kind)``; kind is ``"row"``, ``"col"`` or ``"general"``."""
+def _classify(mask: Mask, grid: Grid, care, sets: bool = True):
+    """``(segments, kind)``; kind is ``"row"``, ``"col"`` or ``"general"``.
+
+    ``sets``: where the state algebra leaves blocks ``UNSURE`` in a tree of interval-shaped
+    operands, settle them exactly from the rows' interval sets (no refinement needed)."""
+    if sets and rowsets.applies(mask):
+        segs, kind = _classify(mask, grid, care, sets=False)
+        return rowsets.settle(mask, grid, segs), kind
     if isinstance(mask, (And, Or)):
         is_and = isinstance(mask, And)
         if is_and:
@@ -208,7 +215,7 @@ def _classify(mask: Mask, grid: Grid, care):
         eager = [c for c in parts if not any(c is d for d in deferred)]
         acc = None
         for c in eager:
-            r = _classify(c, grid, care)
+            r = _classify(c, grid, care, sets)
             acc = r if acc is None else _combine(acc, r, "and" if is_and else "or")
         if not deferred:
             return acc
@@ -220,7 +227,7 @@ def _classify(mask: Mask, grid: Grid, care):
         settled = None if is_and else acc[0].map_states(_ONLY_FULL)
         return _evaluated(mask, grid, _care_and(care, undecided), settled), "general"
     if isinstance(mask, Not):
-        s, k = _classify(mask.children[0], grid, care)
+        s, k = _classify(mask.children[0], grid, care, sets)
         return s.map_states(NOT_TABLE), k
     if isinstance(mask, Shift):
         return _shift(mask, grid, care)
