@@ -157,8 +157,10 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _tanh(x):
-    """``tanh`` through ``exp2`` (saturates to ±1 for large ``|x|``, never NaN for finite ``x``)."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    """``tanh`` through ``exp2``; ``|x|`` is clamped at 15 (``tanh(15) = 1`` in float32), so the
+    exponential never overflows."""
+    y = tl.minimum(tl.maximum(x, -15.0), 15.0)
+    return 1.0 - 2.0 / (tl.math.exp2(y * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
