@@ -160,7 +160,7 @@ def _tanh(x):
     """``tanh`` through ``exp2``; ``|x|`` is clamped at 15 (``tanh(15) = 1`` in float32), so the
     exponential never overflows."""
     y = tl.minimum(tl.maximum(x, -15.0), 15.0)
-    return 1.0 - 2.0 / (tl.math.exp2(y * (2.0 * LOG2E)) + 1.0)
+    return 1.0 - tl.fdiv(2.0, tl.math.exp2(y * (2.0 * LOG2E)) + 1.0, ieee_rounding=False)
 
 
 @triton.jit
@@ -176,6 +176,6 @@ def score_mod(s, qk_scale, qpos, kpos, slope, softcap, SCORE_MOD: tl.constexpr):
         x = x + slope * (kpos - qpos).to(tl.float32)
     t = x
     if SCORE_MOD & 2:
-        t = _tanh(x / softcap)
+        t = _tanh(x * (1.0 / softcap))
         x = softcap * t
     return x * LOG2E, t
