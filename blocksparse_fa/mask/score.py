@@ -7,7 +7,9 @@ the softmax. Two modifiers are fused into the kernels and the PyTorch backend:
   query_pos)`` with one slope per query head;
 * :func:`softcap` (Gemma 2): ``score = cap * tanh(score / cap)``.
 
-They combine with ``+`` (``alibi(slopes) + softcap(30.0)``). Whatever the order of the sum, the
+They combine with ``+`` (``alibi(slopes) + softcap(30.0)``). On the PyTorch backend only, a
+FlexAttention-style callable :func:`score_fn` ``fn(score, b, h, q_idx, kv_idx)`` may modify the
+scores instead (gradients through ``torch.autograd``). Whatever the order of the sum, the
 scaled score ``scale * q·k`` first gets the ALiBi bias, then the soft-cap. Positions are those the
 mask sees: query row ``i`` sits at ``i + Lk - Lq`` with the default bottom-right alignment (``i``
 top-left), and a context-parallel shard uses the global positions of its rows and keys.
@@ -25,10 +27,11 @@ from numbers import Real
 
 import torch
 
-__all__ = ["ScoreMod", "alibi", "softcap", "alibi_slopes", "check_score_mod"]
+__all__ = ["ScoreMod", "alibi", "softcap", "score_fn", "alibi_slopes", "check_score_mod"]
 
 ALIBI = 1
 SOFTCAP = 2
+CALLABLE = 4
 
 
 @dataclass(frozen=True)
@@ -38,19 +41,26 @@ class ScoreMod:
     Attributes:
         slopes: ALiBi slopes, one per query head (or one for all heads), or None.
         cap: soft-cap value (``> 0``), or None.
+        fn: a :func:`score_fn` callable (PyTorch backend only), or None.
     """
 
     slopes: tuple | None = None
     cap: float | None = None
+    fn: object = None
 
     @property
     def kind(self) -> int:
-        """Bit flags of the modifiers present (1: ALiBi, 2: soft-cap): the kernels' ``SCORE_MOD``."""
-        return (ALIBI if self.slopes is not None else 0) | (SOFTCAP if self.cap is not None else 0)
+        """Bit flags of the modifiers present (1: ALiBi, 2: soft-cap, 4: a callable): the kernels'
+        ``SCORE_MOD`` (the kernels take 1 and 2)."""
+        return ((ALIBI if self.slopes is not None else 0) | (SOFTCAP if self.cap is not None else 0)
+                | (CALLABLE if self.fn is not None else 0))
 
     def __add__(self, other: "ScoreMod") -> "ScoreMod":
         if not isinstance(other, ScoreMod):
             return NotImplemented
+        if (self.fn is not None and other.kind) or (other.fn is not None and self.kind):
+            raise ValueError("score_mod: a score_fn() callable does not combine with other modifiers; apply "
+                             "the ALiBi bias or the soft-cap inside the callable")
         if self.slopes is not None and other.slopes is not None:
             raise ValueError("score_mod: two alibi() terms in one sum; pass one slope per head to a single alibi()")
         if self.cap is not None and other.cap is not None:
@@ -64,10 +74,15 @@ class ScoreMod:
             parts.append(f"alibi({self.slopes[0]!r})" if len(self.slopes) == 1 else f"alibi({list(self.slopes)!r})")
         if self.cap is not None:
             parts.append(f"softcap({self.cap!r})")
+        if self.fn is not None:
+            parts.append(f"score_fn({getattr(self.fn, '__name__', type(self.fn).__name__)})")
         return " + ".join(parts) or "ScoreMod()"
 
     def to_dict(self) -> dict:
-        """A JSON-serialisable description (:meth:`from_dict` reads it back)."""
+        """A JSON-serialisable description (:meth:`from_dict` reads it back); callables cannot be
+        serialised."""
+        if self.fn is not None:
+            raise TypeError("ScoreMod.to_dict(): a score_fn() callable cannot be serialised")
         return {"slopes": None if self.slopes is None else list(self.slopes), "cap": self.cap}
 
     @staticmethod
@@ -107,6 +122,21 @@ class ScoreMod:
             t = torch.tanh(s / self.cap)
             s = self.cap * t
         return s, t
+
+
+def call_fn(fn, s: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """``fn(s, b, h, q_idx, kv_idx)`` checked: a floating tensor of ``s``'s shape."""
+    out = fn(s, b, h, q_idx, kv_idx)
+    if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+        raise TypeError(f"score_mod: the score_fn() callable must return a floating-point tensor, "
+                        f"got {type(out).__name__ if not isinstance(out, torch.Tensor) else out.dtype}")
+    if out.shape != s.shape:
+        try:
+            out = torch.broadcast_to(out, s.shape)
+        except RuntimeError:
+            raise ValueError(f"score_mod: the score_fn() callable returned shape {tuple(out.shape)} for scores of "
+                             f"shape {tuple(s.shape)}; it must work elementwise on broadcast index tensors") from None
+    return out.to(s.dtype)
 
 
 def _real(name: str, x) -> float:
@@ -161,6 +191,23 @@ def softcap(cap) -> ScoreMod:
     if not (math.isfinite(c) and c > 0):
         raise ValueError(f"softcap(cap): cap must be a positive finite number, got {cap!r}")
     return ScoreMod(cap=c)
+
+
+def score_fn(fn) -> ScoreMod:
+    """A FlexAttention-style score modifier ``fn(score, b, h, q_idx, kv_idx) -> score`` (PyTorch
+    backend only: ``backend="torch"``, or ``"auto"`` on CPU; the Triton kernels raise
+    ``NotImplementedError``).
+
+    ``fn`` is called on blocks of scaled scores ``(b, h, rows, keys)`` with broadcastable int64
+    index tensors: ``b`` ``(b, 1, 1, 1)``, ``h`` ``(1, h, 1, 1)`` (query heads), ``q_idx`` ``(rows, 1)``
+    (the query *row* index, as in FlexAttention, not the aligned position) and ``kv_idx``
+    ``(1, keys)``; it must be elementwise and written with torch operations (no Python branching
+    on values). Gradients reach q, k and v through ``torch.autograd``; tensors the callable closes
+    over get none. Objects compare and hash by the callable's identity.
+    """
+    if not callable(fn) or isinstance(fn, torch.Tensor):
+        raise TypeError(f"score_fn(fn): fn must be a callable fn(score, b, h, q_idx, kv_idx), got {type(fn).__name__}")
+    return ScoreMod(fn=fn)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:

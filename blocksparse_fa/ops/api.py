@@ -210,7 +210,8 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             :func:`~blocksparse_fa.softcap` or their sum ``alibi(slopes) + softcap(cap)``) applied to
             the scaled scores before the softmax, at the positions the mask sees (``align``);
             gradients flow to q, k and v through it, its constants get none. Changing its values
-            compiles nothing new. Not yet under ``torch.compile`` or on meta tensors.
+            compiles nothing new. On the PyTorch backend also a Flex-style callable
+            (:func:`~blocksparse_fa.score_fn`). Not yet under ``torch.compile`` or on meta tensors.
 
     Returns:
         ``out`` ``(B, H, Lq, D)`` (q's leading dims) in q's dtype (and ``lse`` if asked). Fully
@@ -240,6 +241,9 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
                            align=align)
     else:
         be = resolve_backend(backend, q4.device, q4.dtype)
+        if be == "triton" and score_mod is not None and score_mod.fn is not None:
+            raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only "
+                                      "(backend='torch'); the Triton kernels fuse alibi() and softcap()")
         layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
         scale = 1.0 / math.sqrt(s.D) if scale is None else scale
         seed = draw_seed(dropout_p, dropout_seed)

@@ -56,7 +56,14 @@ def reference_attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.
         qpos = torch.arange(Lq, device=q.device).view(-1, 1) + off
         kpos = torch.arange(Lk, device=q.device).view(1, -1)
         slopes = score_mod.slopes_tensor(H, q.device, s.dtype).view(1, H, 1, 1)
-        s, _ = score_mod.apply(s, qpos, kpos, slopes)
+        if score_mod.fn is not None:
+            from ..mask.score import call_fn
+
+            idx = lambda n, shape: torch.arange(n, device=q.device).view(shape)  # noqa: E731
+            s = call_fn(score_mod.fn, s, idx(B, (-1, 1, 1, 1)), idx(H, (1, -1, 1, 1)), idx(Lq, (-1, 1)),
+                        idx(Lk, (1, -1)))
+        else:
+            s, _ = score_mod.apply(s, qpos, kpos, slopes)
     if isinstance(mask, str):
         from ..mask.dsl import parse
 

@@ -13,6 +13,7 @@ import torch
 
 from ..compiler.layout import BlockLayout
 from ..mask.expr import EvalContext
+from ..mask.score import call_fn
 from .dropout import keep_from_counters
 from .validate import Shapes
 
@@ -72,13 +73,21 @@ class _Step:
         self.ks = k[bsel, hsel].index_select(2, self.kidx)
         self.vs = v[bsel, hsel].index_select(2, self.kidx)
         sc = torch.matmul(self.qs, self.ks.transpose(-1, -2)) * scale
-        self.t = None
+        self.t = self.raw = None
         if smod is not None:  # score modifier at the positions the mask sees (global ones for a shard)
             kj = self.kidx.cpu().numpy()
             kpos = torch.from_numpy(kj if pos is None else pos.keys(kj, bn)).to(q.device)
-            qpos = torch.from_numpy(grow + off).to(q.device)
-            slopes = smod.slopes_tensor(s.H, q.device, sc.dtype)[torch.from_numpy(h_idx).to(q.device)]
-            sc, self.t = smod.apply(sc, qpos.view(-1, 1), kpos.view(1, -1), slopes.view(1, -1, 1, 1))
+            if smod.fn is not None:  # a callable: Flex's indices (query row, not aligned position)
+                dev = q.device
+                self.fn_args = (torch.from_numpy(b_idx).to(dev).view(-1, 1, 1, 1),
+                                torch.from_numpy(h_idx).to(dev).view(1, -1, 1, 1),
+                                torch.from_numpy(grow).to(dev).view(-1, 1), kpos.view(1, -1))
+                self.raw = sc
+                sc = call_fn(smod.fn, sc, *self.fn_args)
+            else:
+                qpos = torch.from_numpy(grow + off).to(q.device)
+                slopes = smod.slopes_tensor(s.H, q.device, sc.dtype)[torch.from_numpy(h_idx).to(q.device)]
+                sc, self.t = smod.apply(sc, qpos.view(-1, 1), kpos.view(1, -1), slopes.view(1, -1, 1, 1))
         if keep is not None:
             sc[..., len(kf):] = sc[..., len(kf):].masked_fill(~keep.to(q.device), float("-inf"))
         self.s = sc
@@ -138,6 +147,10 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
         ds = p * (dp - delta[st.bsel, st.hsel, st.rows].unsqueeze(-1))
         if st.t is not None:  # soft-cap: d(cap·tanh(x/cap))/dx = 1 - tanh²
             ds = ds * (1 - st.t * st.t)
+        if st.raw is not None:  # a callable: its derivative through autograd
+            with torch.enable_grad():
+                raw = st.raw.detach().requires_grad_()
+                ds = torch.autograd.grad(call_fn(smod.fn, raw, *st.fn_args), raw, ds)[0]
         # rows with nothing to attend: exactly zero, whatever q, k or v hold (0 * NaN would leak through)
         empty = torch.isinf(lse_safe[st.bsel, st.hsel, st.rows]).unsqueeze(-1)
         ds = torch.where(empty, torch.zeros_like(ds), ds)

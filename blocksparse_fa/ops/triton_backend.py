@@ -342,6 +342,9 @@ def _score_args(score_mod, H: int, device) -> tuple:
 
 
 def _kind(score_mod) -> int:
+    if score_mod is not None and score_mod.fn is not None:
+        raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only; the Triton "
+                                  "kernels fuse alibi() and softcap()")
     return 0 if score_mod is None else score_mod.kind
 
 
