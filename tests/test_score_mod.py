@@ -313,3 +313,21 @@ def test_score_fn_errors():
         bsfa.attention(q.double(), k.double(), v.double(), score_mod=bsfa.score_fn(lambda s, b, h, qi, kj: s[..., :1, :1, :2]),
                        backend="torch")
     assert bsfa.score_fn(fn) == bsfa.score_fn(fn) and hash(bsfa.score_fn(fn)) == hash(bsfa.score_fn(fn))
+
+
+@pytest.mark.interpreter
+def test_triton_split_tiles():
+    """Work lists that split heavy tiles (global tokens) into pieces merged through their LSEs, in
+    the forward and the backward: the modifier is applied to every piece alike."""
+    from blocksparse_fa.ops.triton_backend import set_split_chunk
+
+    mod = MODS["both"]
+    mask = "global_tokens(16) | window(3)"
+    set_split_chunk(1.5)
+    try:
+        out, grads, ref, ref_grads = _run("triton", mod, mask, 96, 96, torch.float32)
+    finally:
+        set_split_chunk(None)
+    assert rel_err(out, ref) < TOL
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < TOL
