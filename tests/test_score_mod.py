@@ -310,8 +310,8 @@ def test_score_fn_errors():
     with pytest.raises(TypeError, match="must be a callable"):
         bsfa.score_fn(3)
     with pytest.raises(ValueError, match="returned shape"):
-        bsfa.attention(q.double(), k.double(), v.double(), score_mod=bsfa.score_fn(lambda s, b, h, qi, kj: s[..., :1, :1, :2]),
-                       backend="torch")
+        bad = bsfa.score_fn(lambda s, b, h, qi, kj: s[..., :1, :1, :2])
+        bsfa.attention(q.double(), k.double(), v.double(), score_mod=bad, backend="torch")
     assert bsfa.score_fn(fn) == bsfa.score_fn(fn) and hash(bsfa.score_fn(fn)) == hash(bsfa.score_fn(fn))
 
 

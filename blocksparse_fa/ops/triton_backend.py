@@ -348,7 +348,8 @@ def _kind(score_mod) -> int:
     return 0 if score_mod is None else score_mod.kind
 
 
-def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out_dtype=None, smod_kind: int = 0) -> _Plan:
+def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out_dtype=None,
+              smod_kind: int = 0) -> _Plan:
     key = _plan_key("fwd", layout, s, dtype, device, has_dropout, (out_dtype, smod_kind))
     plan = layout.cache.get(key) if cfg is None else None
     if plan is not None:
