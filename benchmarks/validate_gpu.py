@@ -74,7 +74,7 @@ def patterns(n: int):
     return out
 
 
-def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128, op=False):
+def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128, op=False, score_mod=None):
     torch.manual_seed(seed)
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dtype, requires_grad=True)
@@ -84,7 +84,8 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     poison()
     t0 = time.perf_counter()
     fn = bsfa.attention_op if op else bsfa.attention  # the custom op (nn modules, transformers hook)
-    out = fn(q, k, v, mask, dropout_p=dropout_p, dropout_seed=1234)  # rewrites apply
+    sm = {} if score_mod is None else dict(score_mod=score_mod)
+    out = fn(q, k, v, mask, dropout_p=dropout_p, dropout_seed=1234, **sm)  # rewrites apply
     g = torch.autograd.grad(out, (q, k, v), do)
     torch.cuda.synchronize()
     t_first = time.perf_counter() - t0
@@ -92,11 +93,11 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     keep = bsfa.dropout_keep_mask(B, H, Lq, Lk, dropout_p, 1234, device="cuda") if dropout_p else None
     mask_dense = lay.to_dense().to("cuda") if Lq * Lk <= 1 << 28 else None
     mk = mask_dense if mask_dense is not None else mask
-    ref = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep)
+    ref = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, **sm)
     gr = torch.autograd.grad(ref, (q, k, v), do.double())
     ref_out = ref.detach()
     del ref
-    eager = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, upcast=False)
+    eager = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, upcast=False, **sm)
     ge = torch.autograd.grad(eager, (q, k, v), do)
     ours = [rel(out, ref_out)] + [rel(a, b) for a, b in zip(g, gr)]
     eag = [rel(eager, ref_out)] + [rel(a, b) for a, b in zip(ge, gr)]
@@ -206,6 +207,32 @@ def main():
     record("block_mask per head", 3000, 64, torch.bfloat16, "(1,4,Tr,Tc)", mask=bsfa.block_mask(bmh) | bsfa.causal(),
            B=1, H=4, Hkv=4, Lq=3000, Lk=3000)
 
+    # score modifiers (ALiBi, soft-cap): fused in the forward and the deterministic backward
+    alibi8 = bsfa.alibi(bsfa.alibi_slopes(8))
+    record("alibi causal GQA 8/2", N, 128, torch.bfloat16, "alibi", mask=bsfa.causal(), B=2, H=8, Hkv=2, Lq=N, Lk=N,
+           score_mod=alibi8)
+    record("softcap longformer", N, 64, torch.float16, "softcap(20)", mask=bsfa.load_pattern("longformer"), B=1, H=4,
+           Hkv=4, Lq=N, Lk=N, score_mod=bsfa.softcap(20.0))
+    record("alibi+softcap Lq<Lk", 777, 128, torch.bfloat16, "Lq=777,Lk=3001", mask=bsfa.causal() & bsfa.window(500),
+           B=1, H=8, Hkv=2, Lq=777, Lk=3001, score_mod=alibi8 + bsfa.softcap(30.0))
+    record("alibi+softcap dense", 1999, 128, torch.bfloat16, "full, odd L", mask=bsfa.full(), B=1, H=8, Hkv=8,
+           Lq=1999, Lk=1999, score_mod=alibi8 + bsfa.softcap(5.0))
+    record("softcap fp32 bigbird", N, 64, torch.float32, "fp32", mask=bsfa.load_pattern("bigbird"), B=1, H=2, Hkv=2,
+           Lq=N, Lk=N, score_mod=bsfa.softcap(3.0))
+    # new slope and cap values reuse the compiled kernels (only which modifiers are present is a constexpr)
+    qs = torch.randn(1, 8, N, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bsfa.attention(qs, qs, qs, bsfa.causal(), score_mod=alibi8 + bsfa.softcap(30.0)).sum().backward()
+    torch.cuda.synchronize()
+    sm_before = [n_compiled(f) for f in (_attn_fwd, _attn_bwd)]
+    for scale in (0.5, 2.0):
+        mod = bsfa.alibi(bsfa.alibi_slopes(8) * scale) + bsfa.softcap(30.0 * scale)
+        bsfa.attention(qs, qs, qs, bsfa.causal(), score_mod=mod).sum().backward()
+    torch.cuda.synchronize()
+    sm_after = [n_compiled(f) for f in (_attn_fwd, _attn_bwd)]
+    sm_recompiles = sum(sm_after) - sum(sm_before)
+    print(f"score_mod value check: compiled variants before {sm_before} after {sm_after} -> {sm_recompiles} new "
+          f"(expected 0)", flush=True)
+
     # recompilation check: window size and length changes reuse compiled kernels
     def run_fwd_bwd(mask, n):
         q = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -242,7 +269,8 @@ def main():
 
     n_fail = sum(not r["ok"] for r in rows)
     summary = dict(device=dev, torch=torch.__version__, triton=__import__("triton").__version__, rows=rows,
-                   recompiles_on_window_and_length_change=recompiles, recompiles_allowed=allowed, n_fail=n_fail)
+                   recompiles_on_window_and_length_change=recompiles, recompiles_allowed=allowed,
+                   recompiles_on_score_mod_values=sm_recompiles, n_fail=n_fail)
     with open(os.path.join(args.out, "validate_gpu.json"), "w") as f:
         json.dump(summary, f, indent=1)
     md = ["| result | pattern | N | D | dtype | case | density | ours O/dQ/dK/dV | eager O/dQ/dK/dV | first call s |",
@@ -255,7 +283,7 @@ def main():
         f.write("\n".join(md) + "\n")
     print(f"{len(rows) - n_fail}/{len(rows)} passed; recompiles on window/length change: {recompiles} "
           f"(allowed {allowed})")
-    return 1 if n_fail or recompiles > allowed else 0
+    return 1 if n_fail or recompiles > allowed or sm_recompiles else 0
 
 
 if __name__ == "__main__":

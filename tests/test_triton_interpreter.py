@@ -465,12 +465,13 @@ def test_custom_op_and_module_use_the_strided_rewrite(monkeypatch):
     """``attention_op`` (and so ``nn`` modules and the transformers hook) computes strided masks
     through the residue-class rewrite on the Triton backend, forward and backward, exactly."""
     from blocksparse_fa.compiler import rewrite
+    from blocksparse_fa.ops import custom_op
     from blocksparse_fa.ops import residue as res
 
     monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
     rewrite.plan.cache_clear()
     bsfa.compiler.clear_cache()
-    bsfa.ops.custom_op.registry.clear()
+    custom_op.registry.clear()
     calls = {"fwd": 0, "bwd": 0}
     real_f, real_b = res.residue_forward, res.residue_backward
     monkeypatch.setattr(res, "residue_forward", lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or real_f(*a))

@@ -7,7 +7,8 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, store_grad_tile, work_item
+from .common import (LOG2E, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, score_mod, store_grad_tile,
+                     work_item)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -41,11 +42,12 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                 stride_qm, stride_dom, LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale,
-                PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
+                PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
+                LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
+                SCORE_MOD: tl.constexpr):
     # EVEN: both lengths are multiples of the layout blocks: no bounds terms or row checks (see _attn_bwd)
     # FLAT: one loop iteration per kernel tile instead of per layout block (see _attn_bwd)
     NSUB: tl.constexpr = LAYOUT_BM // BLOCK_M
@@ -66,7 +68,13 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
                 delta = tl.load(DELTA_row + offs_m)
             # transposed scores: (BLOCK_N, BLOCK_M)
             s_t = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
-            p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+            if SCORE_MOD != 0:  # modified scores (kernels/common.score_mod); t_t gives the soft-cap's derivative
+                s_t, t_t = score_mod(s_t, qk_scale, (offs_m + (Q_OFF + q_shift))[None, :], (offs_n + k_shift)[:, None],
+                                     slope, softcap, SCORE_MOD)
+                p_t = tl.math.exp2(s_t - lse2[None, :])
+            else:
+                t_t = s_t
+                p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
             if MASKED:
                 qp = offs_m + (Q_OFF + q_shift)
                 keep = PREDICATE(qp[None, :], (offs_n + k_shift)[:, None], (offs_m + q_shift)[None, :], b, h, PARAMS,
@@ -82,6 +90,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
             else:
                 dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
+            if SCORE_MOD & 2:
+                ds_t = ds_t * (1.0 - t_t * t_t)
             dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
 
@@ -93,13 +103,14 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                    FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, DKPART, DVPART, NSLOT,
                    H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
-                   seed_lo, seed_hi, drop_thresh, drop_scale,
+                   seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
                    PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
-                   ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
+                   ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
+                   SCORE_MOD: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -123,6 +134,9 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
     for g in range(0, G):
         h = hk * G + g
         h64 = h.to(tl.int64)
+        slope = 0.0
+        if SCORE_MOD & 1:
+            slope = tl.load(SLOPES + h)
         if not USE_WORK:  # each query head of the group has its own LUT line (head-dependent masks)
             _, f0, f1, p0, p1, _ = work_item(WORK, pid_w, FULL_PTR, PART_PTR, (b * LZB + h * LZH) * TC, BLOCK_N,
                                              LAYOUT_BN, USE_WORK)
@@ -133,14 +147,14 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         DELTA_row = DELTA + (b64 * H + h64) * q_len
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
-                             PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
+                             PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT,
-                             False, FLAT, HAS_POS)
+                             False, FLAT, HAS_POS, SCORE_MOD)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
-                             PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
+                             PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load",
-                             EVEN, FLAT, HAS_POS)
+                             EVEN, FLAT, HAS_POS, SCORE_MOD)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
                         + offs_d[None, :], dk * sm_scale, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
@@ -156,10 +170,12 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
               LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
+              slope, softcap,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-              LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
+              LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
+              SCORE_MOD: tl.constexpr):
     qp = offs_m + (Q_OFF + q_shift)
     NSUB: tl.constexpr = LAYOUT_BN // BLOCK_N
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
@@ -173,7 +189,12 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, 
             v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
-            p = tl.math.exp2(s * qk_scale - lse2[:, None])
+            if SCORE_MOD != 0:
+                s, t = score_mod(s, qk_scale, qp[:, None], (offs_n + k_shift)[None, :], slope, softcap, SCORE_MOD)
+                p = tl.math.exp2(s - lse2[:, None])
+            else:
+                t = s
+                p = tl.math.exp2(s * qk_scale - lse2[:, None])
             if MASKED:
                 keep = PREDICATE(qp[:, None], (offs_n + k_shift)[None, :], (offs_m + q_shift)[:, None], b, h, PARAMS,
                                  AUX, False)
@@ -185,6 +206,8 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, 
                 drop = dropout_keep((offs_m + q_shift)[:, None], (offs_n + k_shift)[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 dp = tl.where(drop, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
+            if SCORE_MOD & 2:
+                ds = ds * (1.0 - t * t)
             dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
 
@@ -196,13 +219,14 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  stride_dqb, stride_dqh, stride_dqm,
                  FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, DQPART, NSLOT,
                  H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
-                 seed_lo, seed_hi, drop_thresh, drop_scale,
+                 seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
                  PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
-                 ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr):
+                 ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
+                 SCORE_MOD: tl.constexpr):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
@@ -225,15 +249,18 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * q_len + offs_m, mask=offs_m < q_len, other=0.0)
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    slope = 0.0
+    if SCORE_MOD & 1:
+        slope = tl.load(SLOPES + h)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
-                   False, FLAT, HAS_POS)
+                   drop_scale, slope, softcap, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
+                   DOT_PRECISION, STAGES, FULL_LUT, False, FLAT, HAS_POS, SCORE_MOD)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, "load",
-                   EVEN, FLAT, HAS_POS)
+                   drop_scale, slope, softcap, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
+                   DOT_PRECISION, MASKED_STAGES, "load", EVEN, FLAT, HAS_POS, SCORE_MOD)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
     if slot < 0:
@@ -256,7 +283,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               PARAMS, AUX, QPOS, KPOS, KV_WORK, Q_WORK, DKPART, DVPART, DQPART, KV_NSLOT, Q_NSLOT,
               N_KV_ITEMS, N_KV_PROGS, N_Q_ITEMS, HEAD_MAJOR,
               H, G, LZB, LZH, TR, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
-              seed_lo, seed_hi, drop_thresh, drop_scale,
+              seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr, Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr,
@@ -265,7 +292,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
               ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr,
               EVEN: tl.constexpr = False, KV_FLAT: tl.constexpr = False, Q_FLAT: tl.constexpr = False,
-              HAS_POS: tl.constexpr = False):
+              HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -283,7 +310,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     is then two iterations, and ``*_STAGES`` counts kernel tiles in flight as FlexAttention's
     stages do (unrolled, every sub-tile gets its own stage buffers: twice the shared memory).
     ``HAS_POS``: the layout is a shard with block position tables ``QPOS``/``KPOS`` (see
-    ``_attn_fwd``)."""
+    ``_attn_fwd``). ``SCORE_MOD``, ``SLOPES``, ``softcap``: the score modifier (see ``_attn_fwd``);
+    the soft-cap's derivative ``1 - tanh²`` enters dS, ALiBi adds none; the slopes get no gradient."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     pid = tl.program_id(0)
     kv_item = pid % N_KV_ITEMS
@@ -313,9 +341,9 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, QPOS, KPOS, KV_WORK, DKPART, DVPART,
                       KV_NSLOT,
                       H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
-                      drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N,
-                      LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE, EVEN, KV_FLAT,
-                      HAS_POS)
+                      drop_scale, SLOPES, softcap, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M,
+                      KV_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE,
+                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -323,9 +351,9 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     stride_dqb, stride_dqh, stride_dqm,
                     RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, QPOS, KPOS, Q_WORK, DQPART, Q_NSLOT,
                     H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
-                    drop_scale, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N,
-                    LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN, Q_FLAT,
-                    HAS_POS)
+                    drop_scale, SLOPES, softcap, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M,
+                    Q_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN,
+                    Q_FLAT, HAS_POS, SCORE_MOD)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

@@ -153,3 +153,29 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
     else:
         c = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return c
+
+
+@triton.jit
+def _tanh(x):
+    """``tanh`` through ``exp2``; ``|x|`` is clamped at 15 (``tanh(15) = 1`` in float32), so the
+    exponential never overflows."""
+    y = tl.minimum(tl.maximum(x, -15.0), 15.0)
+    return 1.0 - tl.fdiv(2.0, tl.math.exp2(y * (2.0 * LOG2E)) + 1.0, ieee_rounding=False)
+
+
+@triton.jit
+def score_mod(s, qk_scale, qpos, kpos, slope, softcap, SCORE_MOD: tl.constexpr):
+    """``(scores in the base-2 domain, tanh term)`` of raw scores ``s = q·k`` under the score
+    modifier ``SCORE_MOD`` (bit 1: ALiBi, ``+ slope * (kpos - qpos)``; bit 2: soft-cap,
+    ``softcap * tanh(x / softcap)``), applied to the natural scaled score ``x = scale * s``
+    (``qk_scale = scale * log2(e)``). ``qpos``/``kpos`` broadcast to ``s``: the positions the
+    element predicate sees. The tanh term gives the soft-cap's derivative ``1 - t²`` (``x`` when
+    there is no soft-cap: unused)."""
+    x = s * (qk_scale * LN2)
+    if SCORE_MOD & 1:
+        x = x + slope * (kpos - qpos).to(tl.float32)
+    t = x
+    if SCORE_MOD & 2:
+        t = _tanh(x * (1.0 / softcap))
+        x = softcap * t
+    return x * LOG2E, t

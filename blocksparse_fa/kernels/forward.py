@@ -10,7 +10,8 @@ log, float32) saved for the backward. Fully masked rows produce 0 and LSE ``-inf
 import triton
 import triton.language as tl
 
-from .common import LN2, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, store_tile, work_item
+from .common import (LN2, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, score_mod, store_tile,
+                     work_item)
 
 
 @triton.jit
@@ -30,12 +31,12 @@ def _kv_tile(BASE, row0, offs_n, stride_n, kv_len, offs_d, HEAD_DIM: tl.constexp
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
                K_base, V_base, stride_kn, stride_vn, LUT_IDX, line, start, end,
-               q_len, kv_len, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
+               q_len, kv_len, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
                LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
-               KV_EVEN: tl.constexpr, HAS_POS: tl.constexpr):
+               KV_EVEN: tl.constexpr, HAS_POS: tl.constexpr, SCORE_MOD: tl.constexpr):
     # KV_EVEN: kv_len is a multiple of the layout block, so no key row of a listed block is out of
     # range: the masked loop drops the bounds term and the K/V row checks (ops/triton_backend.set_even_bounds)
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
@@ -47,14 +48,23 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
             k_shift = block_shift(KPOS, col, LAYOUT_BN, HAS_POS)
             k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN, KV_DESC)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
+            if SCORE_MOD != 0:  # scores in the base-2 domain, modified (kernels/common.score_mod)
+                s, _ = score_mod(s, qk_scale, qp[:, None], (offs_n + k_shift)[None, :], slope, softcap, SCORE_MOD)
             if MASKED:
                 keep = PREDICATE(qp[:, None], (offs_n + k_shift)[None, :], (offs_m + q_shift)[:, None], b, h, PARAMS, AUX,
                                  False)
                 if not KV_EVEN:
                     keep = keep & (offs_n[None, :] < kv_len)
-                s = tl.where(keep, s * qk_scale, float("-inf"))
+                if SCORE_MOD != 0:
+                    s = tl.where(keep, s, float("-inf"))
+                else:
+                    s = tl.where(keep, s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - m_use[:, None])
+            elif SCORE_MOD != 0:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = m_new
                 p = tl.math.exp2(s - m_use[:, None])
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -79,7 +89,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_ob, stride_oh, stride_om,
               FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, OPART, LPART, NSLOT,
               H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale,
-              seed_lo, seed_hi, drop_thresh, drop_scale,
+              seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -87,12 +97,14 @@ def _attn_fwd(Q, K, V, O, LSE,
               STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
               FULL_LUT: tl.constexpr, PART_LUT: tl.constexpr,
               KV_DESC: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-              KV_EVEN: tl.constexpr = False, HAS_POS: tl.constexpr = False):
+              KV_EVEN: tl.constexpr = False, HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0):
     """One program per work item (or query tile) and batch·head. With ``USE_WORK`` the item
     ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
     split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel.
     With ``HAS_POS`` the layout is a shard of a larger one: ``QPOS``/``KPOS`` hold the global index of
-    each local row/key block's first row/key (``kernels/common.block_shift``)."""
+    each local row/key block's first row/key (``kernels/common.block_shift``). ``SCORE_MOD`` (bit
+    flags, 0: none) modifies the scores (``kernels/common.score_mod``) with the per-head ALiBi
+    slopes ``SLOPES`` and the soft-cap ``softcap``, run-time values."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD, "HEAD_DIM_PAD must cover HEAD_DIM")
@@ -121,21 +133,24 @@ def _attn_fwd(Q, K, V, O, LSE,
         V_base = tl.make_tensor_descriptor(V_base, shape=[kv_len, HEAD_DIM], strides=[stride_vn, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM_PAD])
 
+    slope = 0.0
+    if SCORE_MOD & 1:
+        slope = tl.load(SLOPES + h)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
                                stride_kn, stride_vn,
                                FULL_IDX, line, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
-                               seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, False, HAS_DROPOUT,
+                               seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, PREDICATE, False, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
-                               KV_DESC, WARP_SPEC, False, HAS_POS)
+                               KV_DESC, WARP_SPEC, False, HAS_POS, SCORE_MOD)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
                                stride_kn, stride_vn,
                                PART_IDX, line, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
-                               seed_lo, seed_hi, drop_thresh, drop_scale, PREDICATE, True, HAS_DROPOUT,
+                               seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, PREDICATE, True, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
-                               KV_DESC, False, KV_EVEN, HAS_POS)
+                               KV_DESC, False, KV_EVEN, HAS_POS, SCORE_MOD)
     empty = l_i == 0.0
     # rows with nothing to attend give exactly 0, whatever V holds (0 * NaN would leak through P @ V)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])

@@ -19,6 +19,7 @@ from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..mask.expr import Mask, query_offset
 from ..mask.primitives import full, mask_mod
+from ..mask.score import check_score_mod
 from . import dispatch
 from .dense import dense_forward, inputs_finite, prefer_dense
 from .validate import (Shapes, bool_mask_to_mask, check_layout, check_qkv, check_scalars, flatten_batch,
@@ -159,20 +160,21 @@ def draw_seed(dropout_p: float, dropout_seed) -> int:
 
 
 def run(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-        be: str, rewrite: bool, return_lse: bool):
+        be: str, rewrite: bool, return_lse: bool, score_mod=None):
     """``(out, lse or None)`` over a compiled layout: ``be`` is the resolved backend, ``backend`` what
-    the caller asked for (``"auto"`` on CPU may take the dense path, :mod:`blocksparse_fa.ops.dense`)."""
-    if (backend == "auto" and be == "torch" and not return_lse and q.device.type == "cpu"
+    the caller asked for (``"auto"`` on CPU may take the dense path, :mod:`blocksparse_fa.ops.dense`,
+    unless a score modifier is given)."""
+    if (backend == "auto" and be == "torch" and not return_lse and q.device.type == "cpu" and score_mod is None
             and prefer_dense(layout, s, dropout_p) and inputs_finite(q, k, v)):
         dispatch.note_backend("dense")
         return dense_forward(q, k, v, layout, s, scale), None
     dispatch.note_backend(be)
-    return dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, rewrite)
+    return dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, rewrite, score_mod)
 
 
 def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
               return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
-              enable_gqa: bool = True, align: str | None = None):
+              enable_gqa: bool = True, align: str | None = None, score_mod=None):
     """Block-sparse scaled-dot-product attention.
 
     Args:
@@ -204,6 +206,12 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
         align: where query row ``i`` sits when the mask is compiled here: ``"bottom_right"``
             (default: position ``i + Lk - Lq``, decode sees the whole cache) or ``"top_left"``
             (position ``i``, FlexAttention's and SDPA's convention). A compiled layout keeps its own.
+        score_mod: a fused score modifier (:func:`~blocksparse_fa.alibi`,
+            :func:`~blocksparse_fa.softcap` or their sum ``alibi(slopes) + softcap(cap)``) applied to
+            the scaled scores before the softmax, at the positions the mask sees (``align``);
+            gradients flow to q, k and v through it, its constants get none. Changing its values
+            compiles nothing new. On the PyTorch backend also a Flex-style callable
+            (:func:`~blocksparse_fa.score_fn`). Not yet under ``torch.compile`` or on meta tensors.
 
     Returns:
         ``out`` ``(B, H, Lq, D)`` (q's leading dims) in q's dtype (and ``lse`` if asked). Fully
@@ -221,6 +229,10 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
     scale, dropout_p = check_scalars(scale, dropout_p)
     if isinstance(mask, torch.Tensor):
         mask = bool_mask_to_mask(mask, tuple(q.shape[:-3]), s.H, s.Lq, s.Lk, "mask", q4.device)
+    score_mod = check_score_mod(score_mod, s.H)
+    if score_mod is not None and (torch.compiler.is_compiling() or q4.device.type == "meta"):
+        raise NotImplementedError("score_mod is not supported under torch.compile or on meta tensors yet: call "
+                                  "blocksparse_fa.attention eagerly (outside the compiled region) with score_mod")
     if torch.compiler.is_compiling() or q4.device.type == "meta":
         from .custom_op import attention_op
 
@@ -229,10 +241,13 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
                            align=align)
     else:
         be = resolve_backend(backend, q4.device, q4.dtype)
+        if be == "triton" and score_mod is not None and score_mod.fn is not None:
+            raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only "
+                                      "(backend='torch'); the Triton kernels fuse alibi() and softcap()")
         layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
         scale = 1.0 / math.sqrt(s.D) if scale is None else scale
         seed = draw_seed(dropout_p, dropout_seed)
-        out, lse = run(q4, k4, v4, layout, s, scale, dropout_p, seed, backend, be, rewrite, return_lse)
+        out, lse = run(q4, k4, v4, layout, s, scale, dropout_p, seed, backend, be, rewrite, return_lse, score_mod)
         res = (out, lse) if return_lse else out
     if return_lse:
         return unflatten_batch(res[0], lead), unflatten_batch(res[1], lead)

@@ -47,9 +47,11 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rewrite(layout: BlockLayout, dropout_p: float, use_rewrite: bool):
+def _rewrite(layout: BlockLayout, dropout_p: float, use_rewrite: bool, score_mod=None):
+    """The layout's rewrite when it applies: without dropout and without a score modifier (the
+    residue-class parts reorder rows and keys, which position-dependent modifiers would see)."""
     rw = layout.rewrite
-    return rw if (rw is not None and use_rewrite and dropout_p == 0.0) else None
+    return rw if (rw is not None and use_rewrite and dropout_p == 0.0 and score_mod is None) else None
 
 
 def _residue_ok(rw, s: Shapes, dtype: torch.dtype) -> bool:
@@ -61,26 +63,28 @@ def _residue_ok(rw, s: Shapes, dtype: torch.dtype) -> bool:
 # ------------------------------------------------------------------------------------------------
 # single layout, per backend
 # ------------------------------------------------------------------------------------------------
-def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype=None):
+def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype=None, score_mod=None):
     if backend == "triton":
         from .triton_backend import triton_forward
 
-        out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, seed, out_dtype=out_dtype)
+        out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, seed, out_dtype=out_dtype,
+                                  score_mod=score_mod)
         return out, lse
     from .torch_backend import torch_forward
 
-    return torch_forward(q, k, v, layout, s, scale, dropout_p, seed)
+    return torch_forward(q, k, v, layout, s, scale, dropout_p, seed, score_mod=score_mod)
 
 
-def _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype=None):
+def _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype=None,
+             score_mod=None):
     if backend == "triton":
         from .triton_backend import triton_backward
 
         return triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse=dlse,
-                               grad_dtype=grad_dtype)
+                               grad_dtype=grad_dtype, score_mod=score_mod)
     from .torch_backend import torch_backward
 
-    return torch_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse)
+    return torch_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse, score_mod=score_mod)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,12 +147,13 @@ def _parts_backward(q, k, v, out, lse, dout, rw, s: Shapes, scale, backend, dlse
 # the path
 # ------------------------------------------------------------------------------------------------
 def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-            use_rewrite: bool = True, out_dtype=None):
+            use_rewrite: bool = True, out_dtype=None, score_mod=None):
     """``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))`` of attention over ``layout``.
 
     ``out_dtype``: the output's dtype instead of q's (float32 keeps a partial result exact for a
-    later merge, e.g. the context-parallel merge of rows split between ranks)."""
-    rw = _rewrite(layout, dropout_p, use_rewrite)
+    later merge, e.g. the context-parallel merge of rows split between ranks). ``score_mod``: a
+    validated :class:`~blocksparse_fa.mask.score.ScoreMod` or None."""
+    rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
     if rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype):
             from .residue import residue_forward
@@ -157,16 +162,17 @@ def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: fl
         else:
             out, lse = _parts_forward(q, k, v, rw, s, scale, backend)
     else:
-        out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype)
+        out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype, score_mod)
     ldt, odt = lse_dtype(q.dtype), out_dtype or q.dtype
     return (out if out.dtype == odt else out.to(odt)), (lse if lse.dtype == ldt else lse.to(ldt))
 
 
 def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-             backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None):
+             backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None, score_mod=None):
     """``(dq, dk, dv)`` shaped and typed like q, k, v (or in ``grad_dtype``: float32 keeps partial
-    gradients exact for a later sum). ``dlse``: gradient of the returned logsumexp (optional)."""
-    rw = _rewrite(layout, dropout_p, use_rewrite)
+    gradients exact for a later sum). ``dlse``: gradient of the returned logsumexp (optional).
+    ``score_mod``: as in :func:`forward` (the modifier's constants get no gradient)."""
+    rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
     if rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype):
             from .residue import residue_backward
@@ -175,7 +181,8 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
         else:
             dq, dk, dv = _parts_backward(q, k, v, out, lse, dout, rw, s, scale, backend, dlse)
     else:
-        dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype)
+        dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype,
+                              score_mod)
     return tuple(g if g.dtype == (grad_dtype or t.dtype) else g.to(grad_dtype or t.dtype)
                  for g, t in ((dq, q), (dk, k), (dv, v)))
 
@@ -184,12 +191,13 @@ class _Attention(torch.autograd.Function):
     """Eager autograd around :func:`forward`/:func:`backward` (no custom-op dispatch on this path)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite):
+    def forward(ctx, q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=None):
         ctx.set_materialize_grads(False)  # an unused LSE (or output) brings no gradient work
-        out, lse = forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite)
+        out, lse = forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, s, scale, dropout_p, seed, backend)
         ctx.use_rewrite = use_rewrite
+        ctx.score_mod = score_mod
         return out, lse
 
     @staticmethod
@@ -197,13 +205,14 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse, use_rewrite=ctx.use_rewrite)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv = backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse, use_rewrite=ctx.use_rewrite,
+                              score_mod=ctx.score_mod)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def apply(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-          use_rewrite: bool = True):
-    """Differentiable ``(out, lse)`` through the eager path."""
+          use_rewrite: bool = True, score_mod=None):
+    """Differentiable ``(out, lse)`` through the eager path (``score_mod``: see :func:`forward`)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite)
-    return forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite)
+        return _Attention.apply(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod)
+    return forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod)

@@ -13,7 +13,8 @@ __all__ = ["reference_attention"]
 
 
 def reference_attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_mask=None,
-                        upcast: bool = True, return_lse: bool = False):
+                        upcast: bool = True, return_lse: bool = False, score_mod=None,
+                        align: str = "bottom_right"):
     """Plain softmax attention with a dense mask, differentiable.
 
     Args:
@@ -25,6 +26,10 @@ def reference_attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.
         upcast: compute in float64 and return float64 (the reference); ``False`` computes in the
             inputs' dtype ("eager attention in the same low precision").
         return_lse: also return the natural-log logsumexp ``(B, H, Lq)``.
+        score_mod: a :class:`~blocksparse_fa.ScoreMod` (:func:`~blocksparse_fa.alibi`,
+            :func:`~blocksparse_fa.softcap`) applied to the scaled scores, differentiable.
+        align: query alignment of a ``Mask``/DSL mask and of the score modifier's positions
+            (a ``BlockLayout`` keeps its own).
 
     Returns:
         Output ``(B, H, Lq, D)``; fully masked rows are 0 (their LSE is ``-inf``).
@@ -41,12 +46,30 @@ def reference_attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.
     if s.dtype in (torch.float16, torch.bfloat16):  # eager practice: softmax in float32
         s = s.float()
     s = s * scale
+    if score_mod is not None:
+        from ..mask.expr import query_offset
+        from ..mask.score import check_score_mod
+
+        score_mod = check_score_mod(score_mod, H)
+        off = mask.q_offset if isinstance(mask, BlockLayout) else query_offset(Lq, Lk, align)
+    if score_mod is not None:
+        qpos = torch.arange(Lq, device=q.device).view(-1, 1) + off
+        kpos = torch.arange(Lk, device=q.device).view(1, -1)
+        slopes = score_mod.slopes_tensor(H, q.device, s.dtype).view(1, H, 1, 1)
+        if score_mod.fn is not None:
+            from ..mask.score import call_fn
+
+            idx = lambda n, shape: torch.arange(n, device=q.device).view(shape)  # noqa: E731
+            s = call_fn(score_mod.fn, s, idx(B, (-1, 1, 1, 1)), idx(H, (1, -1, 1, 1)), idx(Lq, (-1, 1)),
+                        idx(Lk, (1, -1)))
+        else:
+            s, _ = score_mod.apply(s, qpos, kpos, slopes)
     if isinstance(mask, str):
         from ..mask.dsl import parse
 
         mask = parse(mask)
     if isinstance(mask, (Mask, BlockLayout)):
-        dense = mask.to_dense() if isinstance(mask, BlockLayout) else mask.to_dense(Lq, Lk)
+        dense = mask.to_dense() if isinstance(mask, BlockLayout) else mask.to_dense(Lq, Lk, align=align)
         mask = dense.to(q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))

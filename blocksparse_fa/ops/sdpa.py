@@ -71,7 +71,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     nothing to attend give zeros (and zero gradients; some SDPA backends give NaN), dropout draws
     a different random pattern from the same distribution, ``Dv != D`` is not supported yet
     (``NotImplementedError``), and float masks that hold biases rather than ``0``/``-inf`` are
-    refused (masks only; score modifiers are planned).
+    refused (masks only: ALiBi and soft-capping are ``score_mod=`` of
+    :func:`blocksparse_fa.attention`).
 
     Args:
         query: ``(..., H, Lq, D)`` (at least 2 dims: ``(Lq, D)`` is one head).

@@ -13,6 +13,7 @@ import torch
 
 from ..compiler.layout import BlockLayout
 from ..mask.expr import EvalContext
+from ..mask.score import call_fn
 from .dropout import keep_from_counters
 from .validate import Shapes
 
@@ -61,7 +62,7 @@ def _walk(layout: BlockLayout, s: Shapes):
 class _Step:
     """Scores and probabilities of one row block (shared by forward and backward)."""
 
-    def __init__(self, q, k, v, walk_item, s: Shapes, scale, dropout_p, seed, pos=None, bn=1):
+    def __init__(self, q, k, v, walk_item, s: Shapes, scale, dropout_p, seed, pos=None, bn=1, smod=None, off=0):
         bsel, hsel, b_idx, h_idx, (i0, i1), kf, kp, keep, grow = walk_item
         self.bsel, self.hsel, self.rows = bsel, hsel, slice(i0, i1)
         self.kidx = torch.from_numpy(np.concatenate([kf, kp])).to(q.device)
@@ -72,6 +73,21 @@ class _Step:
         self.ks = k[bsel, hsel].index_select(2, self.kidx)
         self.vs = v[bsel, hsel].index_select(2, self.kidx)
         sc = torch.matmul(self.qs, self.ks.transpose(-1, -2)) * scale
+        self.t = self.raw = None
+        if smod is not None:  # score modifier at the positions the mask sees (global ones for a shard)
+            kj = self.kidx.cpu().numpy()
+            kpos = torch.from_numpy(kj if pos is None else pos.keys(kj, bn)).to(q.device)
+            if smod.fn is not None:  # a callable: Flex's indices (query row, not aligned position)
+                dev = q.device
+                self.fn_args = (torch.from_numpy(b_idx).to(dev).view(-1, 1, 1, 1),
+                                torch.from_numpy(h_idx).to(dev).view(1, -1, 1, 1),
+                                torch.from_numpy(grow).to(dev).view(-1, 1), kpos.view(1, -1))
+                self.raw = sc
+                sc = call_fn(smod.fn, sc, *self.fn_args)
+            else:
+                qpos = torch.from_numpy(grow + off).to(q.device)
+                slopes = smod.slopes_tensor(s.H, q.device, sc.dtype)[torch.from_numpy(h_idx).to(q.device)]
+                sc, self.t = smod.apply(sc, qpos.view(-1, 1), kpos.view(1, -1), slopes.view(1, -1, 1, 1))
         if keep is not None:
             sc[..., len(kf):] = sc[..., len(kf):].masked_fill(~keep.to(q.device), float("-inf"))
         self.s = sc
@@ -84,19 +100,19 @@ class _Step:
             self.drop = torch.from_numpy(kd).to(q.device).to(q.dtype) / (1.0 - dropout_p)
 
 
-def _pos(layout):
-    return getattr(layout, "positions", None), layout.block_size[1]
+def _pos(layout, smod=None):
+    return getattr(layout, "positions", None), layout.block_size[1], smod, layout.q_offset
 
 
 def _inf_to_zero(m):
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
 
-def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed):
+def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed, smod=None):
     out = torch.zeros_like(q)
     lse = torch.full((s.B, s.H, s.Lq), float("-inf"), dtype=q.dtype, device=q.device)
     for item in _walk(layout, s):
-        st = _Step(q, k, v, item, s, scale, dropout_p, seed, *_pos(layout))
+        st = _Step(q, k, v, item, s, scale, dropout_p, seed, *_pos(layout, smod))
         if st.n == 0:
             continue
         m = _inf_to_zero(st.s.amax(-1, keepdim=True))
@@ -111,14 +127,14 @@ def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed):
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed, dlse=None):
+def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed, dlse=None, smod=None):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = (dout * out).sum(-1)
     if dlse is not None:  # d lse / d s = p, so the lse gradient enters as delta - dlse
         delta = delta - torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.to(delta.dtype))
     lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
     for item in _walk(layout, s):
-        st = _Step(q, k, v, item, s, scale, dropout_p, seed, *_pos(layout))
+        st = _Step(q, k, v, item, s, scale, dropout_p, seed, *_pos(layout, smod))
         if st.n == 0:
             continue
         p = torch.exp(st.s - lse_safe[st.bsel, st.hsel, st.rows].unsqueeze(-1))
@@ -129,6 +145,12 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
             pd = p * st.drop
             dp = dp * st.drop
         ds = p * (dp - delta[st.bsel, st.hsel, st.rows].unsqueeze(-1))
+        if st.t is not None:  # soft-cap: d(cap·tanh(x/cap))/dx = 1 - tanh²
+            ds = ds * (1 - st.t * st.t)
+        if st.raw is not None:  # a callable: its derivative through autograd
+            with torch.enable_grad():
+                raw = st.raw.detach().requires_grad_()
+                ds = torch.autograd.grad(call_fn(smod.fn, raw, *st.fn_args), raw, ds)[0]
         # rows with nothing to attend: exactly zero, whatever q, k or v hold (0 * NaN would leak through)
         empty = torch.isinf(lse_safe[st.bsel, st.hsel, st.rows]).unsqueeze(-1)
         ds = torch.where(empty, torch.zeros_like(ds), ds)
@@ -146,17 +168,20 @@ def _compute(q, k, v, s: Shapes):
     return q.to(cdt), exp(k), exp(v)
 
 
-def torch_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int):
-    """``(out, lse)``: out in the compute dtype, lse float32 (float64 for float64 inputs)."""
-    return _forward(*_compute(q, k, v, s), layout, s, scale, dropout_p, seed)
+def torch_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
+                  score_mod=None):
+    """``(out, lse)``: out in the compute dtype, lse float32 (float64 for float64 inputs).
+    ``score_mod``: a :class:`~blocksparse_fa.mask.score.ScoreMod` or None."""
+    return _forward(*_compute(q, k, v, s), layout, s, scale, dropout_p, seed, score_mod)
 
 
 def torch_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float,
-                   seed: int, dlse=None):
+                   seed: int, dlse=None, score_mod=None):
     """``(dq, dk, dv)`` (k/v gradients summed over GQA groups), in the compute dtype."""
     qc, kc, vc = _compute(q, k, v, s)
     cdt = qc.dtype
-    dq, dk, dv = _backward(qc, kc, vc, out.to(cdt), lse.to(cdt), dout.to(cdt), layout, s, scale, dropout_p, seed, dlse)
+    dq, dk, dv = _backward(qc, kc, vc, out.to(cdt), lse.to(cdt), dout.to(cdt), layout, s, scale, dropout_p, seed, dlse,
+                           score_mod)
     if s.G > 1:
         dk = dk.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
         dv = dv.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)

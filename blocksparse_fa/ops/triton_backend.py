@@ -11,6 +11,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..compiler.cache import LRUCache
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
@@ -322,8 +323,34 @@ def _plan_key(kind: str, layout, s: Shapes, dtype, device, has_dropout: bool, ex
     return (kind, device, dtype, s.B, s.H, s.Hkv, s.D, has_dropout, _VERSION[0], _config.OVERRIDE_VERSION[0], *extra)
 
 
-def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out_dtype=None) -> _Plan:
-    key = _plan_key("fwd", layout, s, dtype, device, has_dropout, (out_dtype,))
+_SLOPES = LRUCache(64)  # (ScoreMod, H, device) -> float32 (H,) slopes on the device
+
+
+def _score_args(score_mod, H: int, device) -> tuple:
+    """``(SLOPES, softcap)`` run-time arguments of the kernels for ``score_mod`` (placeholders
+    without one). Their values never select a compiled variant: only ``score_mod.kind`` does."""
+    if score_mod is None:
+        return _placeholder(torch.float32, device), 1.0
+    slopes = _placeholder(torch.float32, device)
+    if score_mod.slopes is not None:
+        key = (score_mod, H, device)
+        slopes = _SLOPES.get(key)
+        if slopes is None:
+            slopes = score_mod.slopes_tensor(H, device)
+            _SLOPES.put(key, slopes)
+    return slopes, (score_mod.cap if score_mod.cap is not None else 1.0)
+
+
+def _kind(score_mod) -> int:
+    if score_mod is not None and score_mod.fn is not None:
+        raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only; the Triton "
+                                  "kernels fuse alibi() and softcap()")
+    return 0 if score_mod is None else score_mod.kind
+
+
+def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out_dtype=None,
+              smod_kind: int = 0) -> _Plan:
+    key = _plan_key("fwd", layout, s, dtype, device, has_dropout, (out_dtype, smod_kind))
     plan = layout.cache.get(key) if cfg is None else None
     if plan is not None:
         return plan
@@ -353,6 +380,8 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out
         consts["KV_EVEN"] = True
     if pos is not None:
         consts["HAS_POS"] = True
+    if smod_kind:
+        consts["SCORE_MOD"] = smod_kind
     ph = _placeholder(torch.int32, device)
     args = (*rows, pay.params, pay.aux, *(pos or (ph, ph)), work)
     ints = (nslot, s.H, s.G, lzb, lzh, _cdiv(s.Lq, lbm), s.Lq, s.Lk, layout.q_offset)
@@ -390,37 +419,41 @@ def _dense_launch(q, k, v, out, lse, s: Shapes, scale: float) -> None:
 
 
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-                   out_dtype=None):
+                   out_dtype=None, score_mod=None):
     """Forward kernel; returns ``out (B, H, Lq, D)`` (q's dtype, or ``out_dtype``: float32 keeps a
-    partial result exact for a later merge) and ``lse (B, H, Lq)`` float32."""
+    partial result exact for a later merge) and ``lse (B, H, Lq)`` float32. ``score_mod``: a
+    :class:`~blocksparse_fa.mask.score.ScoreMod` or None."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dev = q.device
     odt = None if out_dtype in (None, q.dtype) else out_dtype
     out = torch.empty(q.shape, dtype=odt or q.dtype, device=dev)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
-    if _FWD_OPTS["dense"] is not None and odt is None and _dense_ok(layout, s, dropout_p, q, k, v, out):
+    if (_FWD_OPTS["dense"] is not None and odt is None and score_mod is None
+            and _dense_ok(layout, s, dropout_p, q, k, v, out)):
         _dense_launch(q, k, v, out, lse, s, scale)
         return out, lse
-    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, out_dtype=odt)
+    kind = _kind(score_mod)
+    sargs = _score_args(score_mod, s.H, dev)
+    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, out_dtype=odt, smod_kind=kind)
     while True:
         try:
-            _fwd_launch(q, k, v, out, lse, plan, scale, dropout_p, seed)
+            _fwd_launch(q, k, v, out, lse, plan, scale, dropout_p, seed, sargs)
             return out, lse
         except OutOfResources:
             smaller = _shrink(plan.cfg[0])
             if smaller is None:
                 raise
-            plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, cfg=smaller, out_dtype=odt)
+            plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, cfg=smaller, out_dtype=odt, smod_kind=kind)
 
 
-def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed):
+def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed, sargs):
     (bufs, ints), consts = plan.args, plan.consts
     parts = [torch.empty(sh, dtype=torch.float32, device=q.device) for sh in plan.part_shapes]
     if not parts:
         parts = [_placeholder(torch.float32, q.device)] * 2
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
-    tail = (*bufs, *parts, *ints, scale * _LOG2E, *_dropout_args(dropout_p, seed))
+    tail = (*bufs, *parts, *ints, scale * _LOG2E, *_dropout_args(dropout_p, seed), *sargs)
     if _FWD_OPTS["kv_desc"] and _tma_ok(k, v):
         _ensure_tma_allocator(q.device)
         consts = dict(consts, KV_DESC=True, WARP_SPEC=_FWD_OPTS["warp_specialize"])
@@ -454,8 +487,8 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
 
 
 def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: bool, run=(True, True),
-              cfgs=None, grad_dtype=None) -> _Plan:
-    key = _plan_key("bwd", layout, s, dtype, device, has_dropout, (accumulate, run, grad_dtype))
+              cfgs=None, grad_dtype=None, smod_kind: int = 0) -> _Plan:
+    key = _plan_key("bwd", layout, s, dtype, device, has_dropout, (accumulate, run, grad_dtype, smod_kind))
     plan = layout.cache.get(key) if cfgs is None else None
     if plan is not None:
         return plan
@@ -499,6 +532,8 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
         consts.update(KV_FLAT=cfg_kv.flat, Q_FLAT=cfg_q.flat)
     if pos is not None:
         consts["HAS_POS"] = True
+    if smod_kind:
+        consts["SCORE_MOD"] = smod_kind
     bufs = (*rows, *cols, pay.params, pay.aux, *(pos or (ph, ph)), wl_kv.work if wl_kv is not None else ph,
             wl_q.work if wl_q is not None else ph)
     ints = (kv_nslot, q_nslot, n_kv_items, n_kv_progs, n_q_items, int(head_major),
@@ -524,7 +559,8 @@ def _even(layout: BlockLayout) -> bool:
 
 
 def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-                    dlse=None, delta=None, accumulate=None, deterministic: bool | None = None, grad_dtype=None):
+                    dlse=None, delta=None, accumulate=None, deterministic: bool | None = None, grad_dtype=None,
+                    score_mod=None):
     """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype. ``dlse`` (gradient of the
     returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``.
 
@@ -537,7 +573,9 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     ``deterministic`` kernel option (:func:`set_kernel_options`, default True). Shards of a layout
     (``compiler/shard.py``) always run the deterministic kernels, which read block position tables.
     ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps partial gradients
-    exact for a later sum)."""
+    exact for a later sum).
+    ``score_mod``: the forward's :class:`~blocksparse_fa.mask.score.ScoreMod` or None (it runs the
+    deterministic kernels; the modifier's constants get no gradient)."""
     q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
     lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
     dev = q.device
@@ -556,23 +594,25 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     has_drop, acc = dropout_p > 0.0, accumulate is not None
     if deterministic is None:
         deterministic = _KERNEL_OPTS["deterministic"]
-    if not deterministic and getattr(layout, "positions", None) is None and gdt is None:
+    kind = _kind(score_mod)
+    sargs = _score_args(score_mod, s.H, dev)
+    if not deterministic and getattr(layout, "positions", None) is None and gdt is None and not kind:
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc)
         return grads
     if _FUSED_BWD["on"]:
-        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, grad_dtype=gdt)
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, grad_dtype=gdt, smod_kind=kind)
         cfg_kv, cfg_q = plan.cfg
         if cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(("bwd_fused_fits", *plan.cfg), True):
             try:
-                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed)
+                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed, sargs)
                 return grads
             except OutOfResources:
                 _FALLBACK[("bwd_fused_fits", *plan.cfg)] = False  # the two programs do not fit one kernel
     for run in ((True, False), (False, True)):
-        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, grad_dtype=gdt)
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, grad_dtype=gdt, smod_kind=kind)
         while True:
             try:
-                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed)
+                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed, sargs)
                 break
             except OutOfResources:
                 i = 0 if run[0] else 1
@@ -580,7 +620,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                 if smaller is None:
                     raise
                 cfgs = (smaller, plan.cfg[1]) if i == 0 else (plan.cfg[0], smaller)
-                plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, cfgs=cfgs, grad_dtype=gdt)
+                plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, cfgs=cfgs, grad_dtype=gdt,
+                                 smod_kind=kind)
     return grads
 
 
@@ -599,7 +640,7 @@ def set_fused_backward(on: bool, head_major: bool | None = None) -> None:
     _bump()
 
 
-def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p, seed):
+def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p, seed, sargs=None):
     """``_attn_bwd``: the dK/dV programs, then the dQ programs, on one 1-D grid (or only one of the
     two, ``RUN_KV``/``RUN_Q``); then the sums of split tiles."""
     dq, dk, dv = grads
@@ -611,7 +652,8 @@ def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p,
                 v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                 dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
                 dv.stride(0), dv.stride(1), dv.stride(2),
-                *bufs, *parts, *ints, scale * _LOG2E, scale, *_dropout_args(dropout_p, seed))
+                *bufs, *parts, *ints, scale * _LOG2E, scale, *_dropout_args(dropout_p, seed),
+                *(sargs or _score_args(None, 1, q.device)))
     kv_c, q_c = plan.combine
     kv_nslot, q_nslot = ints[0], ints[1]
     H, G, Lq, Lk = ints[6], ints[7], ints[12], ints[13]

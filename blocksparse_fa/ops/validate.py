@@ -190,8 +190,9 @@ def keep_from_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" and not bool(((t == 0) | torch.isneginf(t)).all()):
             raise NotImplementedError(
                 f"{name}: a float mask holding additive biases (values other than 0 and -inf) is not supported: "
-                f"block-sparse attention applies masks, not score modifications (ALiBi, relative-position "
-                f"biases and soft-capping are planned as score modifiers). Pass a bool mask (True = attend)")
+                f"block-sparse attention applies masks here, not additive biases. ALiBi and soft-capping are "
+                f"fused score modifiers: blocksparse_fa.attention(..., score_mod=bsfa.alibi(slopes) + "
+                f"bsfa.softcap(cap)); other bias tensors are not supported yet. Pass a bool mask (True = attend)")
         return t == 0
     raise TypeError(f"{name} must be a bool tensor (True = attend) or a float 0/-inf mask, got {t.dtype}")
 

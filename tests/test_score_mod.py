@@ -1,0 +1,333 @@
+"""Score modifiers (ALiBi, soft-cap): API and errors, the PyTorch backend and the Triton kernels
+(interpreter) against the float64 reference, outputs and all three gradients; no recompilation
+when only the modifier's values change."""
+
+import math
+
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.ops import triton_backend as tb
+from conftest import rel_err
+
+H, HKV = 4, 2
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 1.0])
+
+MODS = {
+    "alibi": bsfa.alibi(SLOPES),
+    "softcap": bsfa.softcap(1.5),
+    "both": bsfa.alibi(SLOPES) + bsfa.softcap(2.0),
+}
+MASKS = {
+    "partial_heavy": "window(5) | global_tokens(3)",  # narrow window: mostly partial blocks
+    "dense": None,
+    "causal_empty_rows": "causal",  # with Lq > Lk bottom-right: the first Lq - Lk rows attend nothing
+}
+
+
+def _qkv(Lq, Lk, D=16, dtype=torch.float32, B=1):
+    mk = lambda *s: (torch.randn(*s, dtype=dtype) * 1.5).requires_grad_()  # noqa: E731  (scores past the cap)
+    return mk(B, H, Lq, D), mk(B, HKV, Lk, D), mk(B, HKV, Lk, D)
+
+
+def _run(backend, mod, mask, Lq, Lk, dtype, block=16):
+    q, k, v = _qkv(Lq, Lk, dtype=dtype)
+    out = bsfa.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, block_size=block)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = bsfa.reference_attention(qd, kd, vd, mask, score_mod=mod)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    return out, grads, ref, ref_grads
+
+
+# ------------------------------------------------------------------------------------------------
+# API
+# ------------------------------------------------------------------------------------------------
+def test_combination_hash_and_serialisation():
+    a = bsfa.alibi(SLOPES) + bsfa.softcap(30.0)
+    b = bsfa.softcap(30) + bsfa.alibi(SLOPES.tolist())
+    assert a == b and hash(a) == hash(b) and a.kind == 3
+    assert bsfa.alibi(0.5).kind == 1 and bsfa.softcap(5.0).kind == 2
+    assert bsfa.ScoreMod.from_dict(a.to_dict()) == a
+    assert str(a) == "alibi([0.5, 0.25, 0.125, 1.0]) + softcap(30.0)"
+    assert a != bsfa.alibi(SLOPES * 2) + bsfa.softcap(30.0)
+    s = bsfa.alibi_slopes(8)
+    assert s.shape == (8,) and torch.allclose(s, 2.0 ** (-torch.arange(1, 9, dtype=torch.float32)))
+    assert bsfa.alibi_slopes(6).shape == (6,)
+
+
+@pytest.mark.parametrize("make, err, words", [
+    (lambda: bsfa.softcap(0.0), ValueError, "cap must be a positive"),
+    (lambda: bsfa.softcap(-1), ValueError, "cap must be a positive"),
+    (lambda: bsfa.softcap(float("inf")), ValueError, "cap must be a positive"),
+    (lambda: bsfa.softcap("3"), TypeError, "cap must be a real"),
+    (lambda: bsfa.alibi(torch.tensor([1, 2])), TypeError, "floating-point"),
+    (lambda: bsfa.alibi(torch.ones(2, 2)), ValueError, "1-D tensor of length H"),
+    (lambda: bsfa.alibi(torch.ones(2, device="meta")), ValueError, "meta"),
+    (lambda: bsfa.alibi(float("nan")), ValueError, "finite"),
+    (lambda: bsfa.alibi([]), ValueError, "empty"),
+    (lambda: bsfa.alibi(0.5) + bsfa.alibi(0.25), ValueError, "two alibi"),
+    (lambda: bsfa.softcap(1.0) + bsfa.softcap(2.0), ValueError, "two softcap"),
+])
+def test_bad_modifiers(make, err, words):
+    with pytest.raises(err, match=words):
+        make()
+
+
+def test_bad_score_mod_argument():
+    q, k, v = _qkv(8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"3 slopes but q has H=4"):
+        bsfa.attention(q, k, v, score_mod=bsfa.alibi([0.1, 0.2, 0.3]), backend="torch")
+    with pytest.raises(TypeError, match="score_mod must be a ScoreMod"):
+        bsfa.attention(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="torch")
+    with pytest.raises(NotImplementedError, match="score_mod is not supported under torch.compile or on meta"):
+        qm, km, vm = (t.detach().to("meta") for t in (q, k, v))
+        bsfa.attention(qm, km, vm, score_mod=bsfa.softcap(2.0))
+
+
+def test_reference_semantics_by_hand():
+    """ALiBi adds ``slope * (key_pos - query_pos)`` (bottom-right: query i at i + Lk - Lq; top-left
+    at i), then the soft-cap; written out here independently of the library's helper."""
+    Lq, Lk, D = 5, 9, 8
+    q, k, v = (t.detach().double() for t in _qkv(Lq, Lk, D))
+    mod = bsfa.alibi(SLOPES) + bsfa.softcap(2.0)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for align, off in (("bottom_right", Lk - Lq), ("top_left", 0)):
+        s = q @ kk.transpose(-1, -2) / math.sqrt(D)
+        i = torch.arange(Lq).view(-1, 1) + off
+        j = torch.arange(Lk).view(1, -1)
+        s = s + SLOPES.double().view(1, H, 1, 1) * (j - i)
+        s = 2.0 * torch.tanh(s / 2.0)
+        want = torch.softmax(s, -1) @ vv
+        got = bsfa.reference_attention(q, k, v, None, score_mod=mod, align=align)
+        assert torch.allclose(got, want, atol=1e-12)
+        got_be = bsfa.attention(q, k, v, "full", score_mod=mod, backend="torch", align=align)
+        assert torch.allclose(got_be, want, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# the PyTorch backend (float64)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", MASKS.values(), ids=list(MASKS))
+@pytest.mark.parametrize("mod", MODS.values(), ids=list(MODS))
+def test_torch_backend(mod, mask):
+    out, grads, ref, ref_grads = _run("torch", mod, mask, 45, 29, torch.float64)
+    assert rel_err(out, ref) < 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 1e-12
+
+
+def test_auto_on_cpu_walks_blocks_and_strided_rewrite_is_exact(cpu_path):
+    """``backend="auto"`` on CPU keeps the block walk (the dense SDPA path has no modifiers), and a
+    mask the compiler rewrites (strided: residue classes) stays exact with position-dependent ALiBi."""
+    cpu_path("dense")
+    mod = MODS["both"]
+    q, k, v = (t.detach().double() for t in _qkv(64, 64))
+    out = bsfa.attention(q, k, v, "strided(8)", score_mod=mod, block_size=16)
+    assert bsfa.last_backend() == "torch"
+    ref = bsfa.reference_attention(q, k, v, "strided(8)", score_mod=mod)
+    assert rel_err(out, ref) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------------
+# the Triton kernels (interpreter, float32)
+# ------------------------------------------------------------------------------------------------
+TOL = 5e-6
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask", MASKS.values(), ids=list(MASKS))
+@pytest.mark.parametrize("mod", MODS.values(), ids=list(MODS))
+def test_triton_kernels(mod, mask):
+    Lq, Lk = (45, 29) if mask == "causal" else (37, 53)
+    out, grads, ref, ref_grads = _run("triton", mod, mask, Lq, Lk, torch.float32)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert rel_err(out, ref) < TOL, rel_err(out, ref)
+    for g, r, name in zip(grads, ref_grads, "qkv"):
+        assert rel_err(g, r) < TOL, (name, rel_err(g, r))
+    if mask == "causal":  # rows before the first key: zeros and zero gradients, no NaN
+        empty = Lq - Lk
+        assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
+        assert torch.equal(grads[0][:, :, :empty], torch.zeros_like(grads[0][:, :, :empty]))
+
+
+@pytest.mark.interpreter
+def test_triton_top_left_and_shapes():
+    """Top-left alignment, a block of 32 with 16-row kernel tiles, head dim 24 (padded)."""
+    mod = MODS["both"]
+    q, k, v = _qkv(21, 40, D=24)
+    out = bsfa.attention(q, k, v, "causal & window(11)", score_mod=mod, backend="triton", block_size=32,
+                         align="top_left")
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = bsfa.reference_attention(qd, kd, vd, "causal & window(11)", score_mod=mod, align="top_left")
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    assert rel_err(out, ref) < TOL
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < TOL
+
+
+@pytest.mark.interpreter
+def test_values_do_not_select_kernel_variants():
+    """Plans (and so the kernels' constexprs) key on which modifiers are present, not on their
+    values: new slopes or a new cap reuse the same plan; the constexpr SCORE_MOD is absent without
+    a modifier (the kernels' code is then what it was before modifiers existed)."""
+    q, k, v = (t.detach() for t in _qkv(32, 32))
+    lay = bsfa.compile_mask(bsfa.causal(), 32, 32, 16)
+    outs = []
+    for mod in (bsfa.alibi(SLOPES) + bsfa.softcap(2.0), bsfa.alibi(SLOPES * 3) + bsfa.softcap(7.0)):
+        outs.append(bsfa.attention(q, k, v, lay, score_mod=mod, backend="triton"))
+        keys = sorted(str(key) for key in lay.cache if isinstance(key, tuple) and key[:1] == ("fwd",))
+        if len(outs) == 1:
+            first = keys
+    assert keys == first and len(keys) == 1
+    assert not torch.allclose(outs[0], outs[1])  # the new values did reach the kernel
+    plans = [p for key, p in lay.cache.items() if isinstance(key, tuple) and key[:1] == ("fwd",)]
+    assert plans[0].consts["SCORE_MOD"] == 3
+    bsfa.attention(q, k, v, lay, backend="triton")
+    plain = [p for key, p in lay.cache.items() if isinstance(key, tuple) and key[:1] == ("fwd",) and p is not plans[0]]
+    assert len(plain) == 1 and "SCORE_MOD" not in plain[0].consts
+
+
+@pytest.mark.interpreter
+def test_triton_nan_free_with_huge_scores():
+    """Scores far past the cap and strong slopes: finite outputs and gradients."""
+    q, k, v = _qkv(24, 24)
+    with torch.no_grad():
+        q.mul_(40.0)
+    out = bsfa.attention(q, k, v, "causal", score_mod=bsfa.alibi(8.0) + bsfa.softcap(5.0), backend="triton",
+                         block_size=16)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+# ------------------------------------------------------------------------------------------------
+# context-parallel shards: the modifier sees global positions (block position tables)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_shard_sees_global_positions(backend):
+    import numpy as np
+
+    from blocksparse_fa.compiler.shard import shard_layout
+    from blocksparse_fa.ops import dispatch
+    from blocksparse_fa.ops.validate import Shapes
+
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    tol = 1e-12 if backend == "torch" else 2e-5
+    mod = MODS["both"]
+    L, D, bm = 70, 8, 16
+    layout = bsfa.compile_mask(bsfa.parse("causal & window(20)"), L, L, block_size=bm, rewrite=False)
+    rows = np.array([3, 0, 2])  # unsorted, with the ragged last block
+    st = layout.block_states().numpy().reshape(-1, 5, 5)
+    cols = np.nonzero(st[:, rows].any(axis=(0, 1)))[0]
+    sh = shard_layout(layout, rows, cols)
+    gi = torch.from_numpy(sh.positions.rows(np.arange(sh.q_len), bm))
+    gj = torch.from_numpy(sh.positions.keys(np.arange(sh.kv_len), bm))
+    q = torch.randn(1, H, L, D, dtype=dtype)
+    k, v = (torch.randn(1, HKV, L, D, dtype=dtype) for _ in range(2))
+    s = Shapes(1, H, HKV, L, L, D)
+    keep = torch.zeros(L, L, dtype=torch.bool)
+    keep[gi[:, None], gj[None, :]] = sh.to_dense()
+    full = bsfa.compile_mask(bsfa.dense_mask(keep), L, L, block_size=bm)
+    out, lse = dispatch.forward(q, k, v, full, s, 0.3, 0.0, 0, backend, score_mod=mod)
+    do = torch.randn_like(out)
+    do_rows = torch.zeros_like(do)
+    do_rows[:, :, gi] = do[:, :, gi]
+    dq, dk, dv = dispatch.backward(q, k, v, out, lse, do_rows, full, s, 0.3, 0.0, 0, backend, score_mod=mod)
+    ss = Shapes(1, H, HKV, sh.q_len, sh.kv_len, D)
+    ql, kl, vl = q[:, :, gi], k[:, :, gj], v[:, :, gj]
+    o2, l2 = dispatch.forward(ql, kl, vl, sh, ss, 0.3, 0.0, 0, backend, score_mod=mod)
+    g2 = dispatch.backward(ql, kl, vl, o2, l2, do[:, :, gi], sh, ss, 0.3, 0.0, 0, backend, score_mod=mod)
+    ref = bsfa.reference_attention(q.double(), k.double(), v.double(), keep, scale=0.3, score_mod=mod)
+    assert (out.double() - ref).abs().max() < tol * 10
+    for a, b in ((o2, out[:, :, gi]), (g2[0], dq[:, :, gi]), (g2[1], dk[:, :, gj]), (g2[2], dv[:, :, gj])):
+        assert (a - b).abs().max() < tol
+
+
+@pytest.mark.interpreter
+def test_triton_bfloat16_within_eager_error():
+    """bfloat16 kernels: error (vs float64) at most 2x that of eager attention in bfloat16 plus a floor."""
+    mod = MODS["both"]
+    mask = MASKS["partial_heavy"]
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in _qkv(37, 53))
+    out = bsfa.attention(q, k, v, mask, score_mod=mod, backend="triton", block_size=16)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = bsfa.reference_attention(qd, kd, vd, mask, score_mod=mod)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    eager = bsfa.reference_attention(q, k, v, mask, score_mod=mod, upcast=False)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), do)
+    for ours, e, r in zip((out, *grads), (eager, *eager_grads), (ref, *ref_grads)):
+        assert rel_err(ours, r) <= 2 * rel_err(e, r) + 1e-3, (rel_err(ours, r), rel_err(e, r))
+
+
+# ------------------------------------------------------------------------------------------------
+# Flex-style callables (PyTorch backend only)
+# ------------------------------------------------------------------------------------------------
+def test_score_fn_matches_fused_modifiers():
+    """A callable that writes ALiBi + soft-cap by hand gives the fused modifiers' results (Lq = Lk:
+    the row index is then the position)."""
+    sl = SLOPES.double()
+    fn = lambda s, b, h, qi, kj: 2.0 * torch.tanh((s + sl[h] * (kj - qi)) / 2.0)  # noqa: E731
+    q, k, v = _qkv(40, 40, dtype=torch.float64)
+    do = torch.randn(1, H, 40, 16, dtype=torch.float64)
+    res = []
+    for mod in (bsfa.score_fn(fn), MODS["both"]):
+        out = bsfa.attention(q, k, v, "causal & window(9)", score_mod=mod, backend="torch", block_size=16)
+        res.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*res):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_score_fn_against_reference():
+    """A nonlinear callable using every index (B = 2, GQA, Lq != Lk, partial and empty rows)."""
+    fn = lambda s, b, h, qi, kj: s + torch.sin(s) * 0.5 + 0.3 * b - 0.1 * h + 0.01 * (qi % 3) * kj  # noqa: E731
+    mod = bsfa.score_fn(fn)
+    q, k, v = _qkv(45, 29, dtype=torch.float64, B=2)
+    for mask in ("causal", "window(5) | global_tokens(3)"):
+        out = bsfa.attention(q, k, v, mask, score_mod=mod, backend="torch", block_size=16)
+        do = torch.randn_like(out)
+        got = (out, *torch.autograd.grad(out, (q, k, v), do))
+        ref = bsfa.reference_attention(q, k, v, mask, score_mod=mod)
+        want = (ref, *torch.autograd.grad(ref, (q, k, v), do))
+        for a, b in zip(got, want):
+            assert torch.isfinite(a).all() and rel_err(a, b) < 1e-12
+
+
+def test_score_fn_errors():
+    fn = lambda s, b, h, qi, kj: s  # noqa: E731
+    q, k, v = _qkv(8, 8)
+    with pytest.raises(NotImplementedError, match="PyTorch backend only"):
+        bsfa.attention(q, k, v, score_mod=bsfa.score_fn(fn), backend="triton")
+    with pytest.raises(ValueError, match="does not combine"):
+        bsfa.score_fn(fn) + bsfa.softcap(2.0)
+    with pytest.raises(TypeError, match="cannot be serialised"):
+        bsfa.score_fn(fn).to_dict()
+    with pytest.raises(TypeError, match="must be a callable"):
+        bsfa.score_fn(3)
+    with pytest.raises(ValueError, match="returned shape"):
+        bad = bsfa.score_fn(lambda s, b, h, qi, kj: s[..., :1, :1, :2])
+        bsfa.attention(q.double(), k.double(), v.double(), score_mod=bad, backend="torch")
+    assert bsfa.score_fn(fn) == bsfa.score_fn(fn) and hash(bsfa.score_fn(fn)) == hash(bsfa.score_fn(fn))
+
+
+@pytest.mark.interpreter
+def test_triton_split_tiles():
+    """Work lists that split heavy tiles (global tokens) into pieces merged through their LSEs, in
+    the forward and the backward: the modifier is applied to every piece alike."""
+    from blocksparse_fa.ops.triton_backend import set_split_chunk
+
+    mod = MODS["both"]
+    mask = "global_tokens(16) | window(3)"
+    set_split_chunk(1.5)
+    try:
+        out, grads, ref, ref_grads = _run("triton", mod, mask, 96, 96, torch.float32)
+    finally:
+        set_split_chunk(None)
+    assert rel_err(out, ref) < TOL
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < TOL
