@@ -7,14 +7,12 @@ parameter gradients. Every process and collective runs under a timeout."""
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
-import queue as queue_mod
-import time
 
 import pytest
 import torch
 
 import distributed_train_cases as cases_mod
+from spawn_ranks import run_ranks
 
 torch_dist = pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.skipif(not torch_dist.is_available(), reason="torch.distributed is not available")
@@ -31,31 +29,12 @@ HF_CASES = [dict(kind="hf", name="hf llama zigzag", L=96, strategy="zigzag"),
 
 
 def _run(world, cases, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    store = str(tmp_path / f"store{world}")
-    procs = [ctx.Process(target=cases_mod.worker, args=(r, world, store, cases, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, done, deadline = {}, 0, time.monotonic() + PROCESS_TIMEOUT
-    try:
-        while done < world:
-            try:
-                rank, name, ok, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue_mod.Empty:
-                pytest.fail(f"{world}-process run timed out after {PROCESS_TIMEOUT} s; results so far: {results}")
-            if name == "<done>":
-                done += 1
-                continue
-            assert ok, f"rank {rank}, {name}:\n{res}"
-            if rank == 0:
-                results[name] = res
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+    results = {}
+    for rank, name, ok, res in run_ranks(cases_mod.worker, world, cases, str(tmp_path / f"store{world}"),
+                                         PROCESS_TIMEOUT):
+        assert ok, f"rank {rank}, {name}:\n{res}"
+        if rank == 0:
+            results[name] = res
     return results
 
 

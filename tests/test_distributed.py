@@ -9,10 +9,7 @@ every rank instead of hanging. Every process and collective runs under a timeout
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue as queue_mod
-import time
 
 import numpy as np
 import pytest
@@ -26,6 +23,7 @@ from blocksparse_fa.ops.merge import merge_attention
 from blocksparse_fa.ops.validate import Shapes
 
 import distributed_cases
+from spawn_ranks import run_ranks
 
 torch_dist = pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.skipif(not torch_dist.is_available(), reason="torch.distributed is not available")
@@ -229,30 +227,7 @@ def test_plan_ulysses_for_strided():
 # several processes (gloo)
 # ------------------------------------------------------------------------------------------------
 def _run(world, cases, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    store = str(tmp_path / f"store{world}")
-    procs = [ctx.Process(target=distributed_cases.worker, args=(r, world, store, cases, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, done, deadline = [], 0, time.monotonic() + PROCESS_TIMEOUT
-    try:
-        while done < world:
-            try:
-                item = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue_mod.Empty:
-                pytest.fail(f"{world}-process run timed out after {PROCESS_TIMEOUT} s; results so far: {results}")
-            if item[1] == "<done>":
-                done += 1
-            else:
-                results.append(item)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    return results
+    return run_ranks(distributed_cases.worker, world, cases, str(tmp_path / f"store{world}"), PROCESS_TIMEOUT)
 
 
 def _doc_mask(n, lengths):

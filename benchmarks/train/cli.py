@@ -169,21 +169,8 @@ def _add_cp_args(p: argparse.ArgumentParser) -> None:
 def _run_cp(args, ap) -> dict | None:
     from .cp import cp_main
 
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error("--device cuda but CUDA is not available")
-    gpu = args.device.startswith("cuda")
-    d = dict(GPU if gpu else CPU, **(CP_GPU if gpu else CP_CPU))
-    for k, v in d.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    if args.head_dim is None:
-        if args.d_model % args.heads:
-            ap.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}; give --head-dim")
-        args.head_dim = args.d_model // args.heads
-    if args.heads % args.kv_heads:
-        ap.error("--heads must be a multiple of --kv-heads")
+    gpu = _resolve_device(args, ap)
+    _fill_defaults(args, ap, dict(GPU if gpu else CPU, **(CP_GPU if gpu else CP_CPU)))
     if args.seq_len % args.block_size:
         ap.error(f"--seq-len {args.seq_len} must be a multiple of --block-size {args.block_size}")
     pats = Patterns(block_size=args.block_size, sliding_window=args.sliding_window,
@@ -206,6 +193,28 @@ def _run_cp(args, ap) -> dict | None:
         torch.set_num_threads(threads)
 
 
+def _resolve_device(args, ap) -> bool:
+    """``--device auto`` -> cuda or cpu; an error if cuda is asked for and absent. True on a GPU."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda but CUDA is not available")
+    return args.device.startswith("cuda")
+
+
+def _fill_defaults(args, ap, defaults: dict) -> None:
+    """Options left unset take ``defaults``; the head dim follows from d_model and heads."""
+    for k, v in defaults.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.head_dim is None:
+        if args.d_model % args.heads:
+            ap.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}; give --head-dim")
+        args.head_dim = args.d_model // args.heads
+    if args.heads % args.kv_heads:
+        ap.error("--heads must be a multiple of --kv-heads")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="train_long_context.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -221,24 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args, ap) -> tuple[list[RunConfig], Patterns, list[str]]:
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error("--device cuda but CUDA is not available")
-    gpu = args.device.startswith("cuda")
+    gpu = _resolve_device(args, ap)
     d = dict(GPU if gpu else CPU)
     if args.cmd == "throughput":
         d.update(THROUGHPUT["gpu" if gpu else "cpu"])
         d["eval_every"] = -1
-    for k, v in d.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    if args.head_dim is None:
-        if args.d_model % args.heads:
-            ap.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}; give --head-dim")
-        args.head_dim = args.d_model // args.heads
-    if args.heads % args.kv_heads:
-        ap.error("--heads must be a multiple of --kv-heads")
+    _fill_defaults(args, ap, d)
     default_variants = THROUGHPUT_VARIANTS if args.cmd == "throughput" else DEFAULT_VARIANTS
     variants = list(default_variants) if args.variants in (None, "default") else \
         list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",") if v.strip()]
