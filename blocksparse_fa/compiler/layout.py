@@ -21,7 +21,24 @@ Below it the dK/dV loop reads listed indices, which measured faster on the H100 
 registers than index arithmetic there, ``benchmarks/NOTES.md``)."""
 
 
-class BlockLayout:
+class _BlockCounts:
+    """Block counts from ``self._counts`` (a dict state -> number of blocks)."""
+
+    @property
+    def n_full(self) -> int:
+        return self._counts[FULL]
+
+    @property
+    def n_partial(self) -> int:
+        """Blocks left partial (the kernels evaluate the element predicate only on these)."""
+        return self._counts[PARTIAL]
+
+    @property
+    def n_nonempty(self) -> int:
+        return self.n_full + self.n_partial
+
+
+class BlockLayout(_BlockCounts):
     """A mask compiled for ``(q_len, kv_len)`` at a block size: everything the kernels need.
 
     ``compile_mask`` returns one. It holds the block states (run-length encoded), and builds on
@@ -109,18 +126,6 @@ class BlockLayout:
     def _counts(self):
         return {s: self._segs.count(s) for s in (EMPTY, PARTIAL, FULL)}
 
-    @property
-    def n_full(self) -> int:
-        return self._counts[FULL]
-
-    @property
-    def n_partial(self) -> int:
-        """Blocks left partial (the kernels evaluate the element predicate only on these)."""
-        return self._counts[PARTIAL]
-
-    @property
-    def n_nonempty(self) -> int:
-        return self.n_full + self.n_partial
 
     @property
     def density(self) -> float:
@@ -344,7 +349,7 @@ class BlockLayout:
         return fig
 
 
-class LayoutInstance:
+class LayoutInstance(_BlockCounts):
     """One (batch, head) instance of a :class:`BlockLayout` (``layout[b, h]``): its block states,
     counts, dense mask and pictures. It reads the parent layout's block states; nothing is copied."""
 
@@ -380,17 +385,6 @@ class LayoutInstance:
         _, _, st = self.nonempty_blocks()
         return {s: int((st == s).sum()) for s in (PARTIAL, FULL)}
 
-    @property
-    def n_full(self) -> int:
-        return self._counts[FULL]
-
-    @property
-    def n_partial(self) -> int:
-        return self._counts[PARTIAL]
-
-    @property
-    def n_nonempty(self) -> int:
-        return self.n_full + self.n_partial
 
     @property
     def density(self) -> float:
