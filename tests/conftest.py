@@ -32,3 +32,28 @@ def cpu_path(monkeypatch):
         monkeypatch.setitem(dense.COST, "dense", weight)
 
     return force
+
+
+@pytest.fixture
+def fake_tqdm(monkeypatch):
+    """Replace ``tqdm.tqdm`` with a recorder; returns the list of bars made (total, desc, n)."""
+    import tqdm
+
+    made = []
+
+    class Bar:
+        def __init__(self, *args, total=None, desc="", **kwargs):
+            self.total, self.desc, self.n = total, desc, 0
+            made.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    return made

@@ -128,26 +128,8 @@ def test_betweenness_in_batches_equals_networkx(text):
         assert est[max(want, key=want.get)] == pytest.approx(max(want.values()), rel=0.25)
 
 
-def test_analyze_progress_bars(monkeypatch):
-    import tqdm
-
-    made = []
-
-    class Bar:
-        def __init__(self, *args, total=None, desc="", **kwargs):
-            self.total, self.desc, self.n = total, desc, 0
-            made.append(self)
-
-        def update(self, n=1):
-            self.n += n
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(tqdm, "tqdm", Bar)
+def test_analyze_progress_bars(fake_tqdm):
+    made = fake_tqdm
     quiet = analyze("window(128) | global_tokens(64)", 8192, 2, 128, exact_betweenness_max=20)
     assert not made
     loud = analyze("window(128) | global_tokens(64)", 8192, 2, 128, exact_betweenness_max=20, progress=True)

@@ -746,26 +746,8 @@ def test_analysis_modules_import_without_cycles():
     assert nx.is_directed_acyclic_graph(g), list(nx.simple_cycles(g))
 
 
-def test_trace_progress_bars_count_every_simulated_load(monkeypatch):
-    import tqdm
-
-    made = []
-
-    class Bar:
-        def __init__(self, *args, total=None, desc="", **kwargs):
-            self.total, self.desc, self.n = total, desc, 0
-            made.append(self)
-
-        def update(self, n=1):
-            self.n += n
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(tqdm, "tqdm", Bar)
+def test_trace_progress_bars_count_every_simulated_load(fake_tqdm):
+    made = fake_tqdm
     lay = layout("sliding_window(700) | global_tokens(64)", 4096)
     kw = dict(heads=2, head_dim=64, n_sm=16, l2_bytes=2 * MiB, policy="trace")
     quiet = traffic_model(lay, **kw)
