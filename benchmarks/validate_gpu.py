@@ -121,6 +121,8 @@ def main():
     ap.add_argument("--warm-workers", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="small grid (smoke test)")
     ap.add_argument("--special-only", action="store_true", help="only the special cases and the recompile check")
+    ap.add_argument("--only", nargs="+", default=None, metavar="SUBSTR",
+                    help="with --special-only: run only the special cases whose name contains one of these")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
@@ -128,6 +130,8 @@ def main():
     rows = []
 
     def record(name, N, D, dtype, extra="", **kw):
+        if args.only and not any(o in name for o in args.only):
+            return
         r = check_one(kw.pop("mask"), **kw, D=D, dtype=dtype)
         r.update(pattern=name, N=N, D=D, dtype=str(dtype).replace("torch.", ""), extra=extra)
         rows.append(r)

@@ -644,3 +644,33 @@ def test_fuzz_extended_grammar(tokens):
     except (bsfa.MaskSyntaxError, ValueError):
         return
     assert bsfa.parse(str(m), **m.tensors()) == m
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith(("natten", "sta"))])
+def test_grid_neighbourhoods_in_the_kernels(name):
+    """Every grid shape (1-3 dims, dilation, tiles, STA, offsets) through the per-token tables of
+    the kernels' predicate, against float64."""
+    from test_triton_interpreter import _check
+
+    m = CASES[name](96)
+    n = max(m.n_tokens + m._params[4] for m in m.leaves() if m.name in ("neighborhood", "sliding_tiles")) + 5
+    _check(m, Lq=n, Lk=n, D=16, block=16)
+
+
+def test_grid_tables_chosen_and_fallback():
+    """Grids that fit the packing use the division-free tables; a grid extent of 2**15 or more
+    keeps the coordinate arithmetic (and both give the mask's own element rule)."""
+    import inspect
+
+    from blocksparse_fa.kernels.predicate import _grid_tables, build_payload
+
+    small = bsfa.neighborhood((10, 9), (3, 3), dilation=(3, 2), start=4)
+    rows, keys, ks = _grid_tables(small)
+    assert rows.shape == keys.shape == (2, 90) and ks == [3, 3]
+    assert _grid_tables(bsfa.neighborhood(1 << 15, 5)) is None
+    for m, form in ((small, "grid_table2"), (bsfa.neighborhood(1 << 15, 5), "neighborhood")):
+        lay = compile_mask(m, 128, 128, 16)
+        fn = build_payload(lay, "cpu").fn
+        src = inspect.getsource(getattr(fn, "fn", fn))
+        assert ("grid_table_keep" in src) == form.startswith("grid_table"), src

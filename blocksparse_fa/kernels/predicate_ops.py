@@ -156,6 +156,35 @@ def grid_keep(qp, kj, P):
 
 
 @triton.jit
+def grid_table_keep(qp, kj, P, AUX, NDIM: tl.constexpr):
+    """Neighbourhood on a token grid through per-token tables (``grid_keep`` without divisions);
+    parameters at ``P``: start, token count V, row-table offset, key-table offset, then ``K`` per
+    dim. Per active dim, the row table holds ``(group << 16) | window start`` of a query and the
+    key table ``(group << 16) | coordinate // dilation`` of a key: the key is inside the query's
+    window exactly when ``0 <= key - row < K`` (groups and coordinates below 2**14 and 2**15)."""
+    start = tl.load(P)
+    V = tl.load(P + 1)
+    ROWT = AUX + tl.load(P + 2)
+    KEYT = AUX + tl.load(P + 3)
+    xq = qp - start
+    xk = kj - start
+    okq = (xq >= 0) & (xq < V)
+    okk = (xk >= 0) & (xk < V)
+    if NDIM == 0:
+        r = okq & okk
+    else:
+        # positions outside the grid read values whose difference is negative (unsigned: >= 2**30)
+        r = okq & okk
+        for d in tl.static_range(NDIM):
+            K = tl.load(P + 4 + d)
+            lo = tl.load(ROWT + d * V + xq, mask=okq, other=1 << 30)
+            kv = tl.load(KEYT + d * V + xk, mask=okk, other=-(1 << 30))
+            inside = (kv - lo).to(tl.uint32, bitcast=True) < K.to(tl.uint32)
+            r = inside if d == 0 else r & inside
+    return r
+
+
+@triton.jit
 def partial_bits_keep(i, kj, z, ROWS, IDX, BITS, TR, BM, BM_SHIFT, BN, BN_SHIFT, WPR):
     """Bits stored for the partial blocks of a ``mask_mod``: block ``(z, r, c)`` has index
     ``IDX[base + c - cmin]`` inside its row's window ``(cmin, count, base) = ROWS[3 * row:]``;
