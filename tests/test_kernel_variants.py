@@ -182,3 +182,38 @@ def test_dense_descriptor_forward_matches_reference(monkeypatch):
     ref, ref_lse = bsfa.reference_attention(q.double(), k.double(), v.double(), bsfa.full(), scale=0.25,
                                             return_lse=True)
     assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
+
+
+def test_gluon_forward_refused_where_it_cannot_run(monkeypatch):
+    """``set_forward_options(dense="gluon")`` names why it cannot run here (the interpreter, no
+    Hopper GPU, no Gluon in this Triton) and changes nothing; forced on, a CPU call takes the
+    block-sparse kernel and matches the reference; the kernel module imports without a GPU."""
+    from blocksparse_fa.kernels import forward_gluon as fg
+    from blocksparse_fa.ops.validate import check_qkv
+
+    assert fg.gluon_available() == (fg.GLUON_IMPORT_ERROR is None)
+    with pytest.raises(ValueError, match=r"dense='gluon'\): (Gluon kernels do not run in Triton's interpreter|"
+                                         r"it needs a CUDA GPU)"):
+        tb.set_forward_options(dense="gluon")
+    assert tb._FWD_OPTS["dense"] is None
+    monkeypatch.setattr(fg, "gluon_available", lambda: False)
+    with pytest.raises(ValueError, match="has no usable Gluon Hopper API"):
+        tb.set_forward_options(dense="gluon")
+    with pytest.raises(ValueError, match="expected a GluonConfig"):
+        tb.set_forward_options(gluon={"stages": 3})
+    with pytest.raises(ValueError, match="expected None, 'plain', 'ws' or 'gluon'"):
+        tb.set_forward_options(dense="fa3")
+
+    calls = []
+    monkeypatch.setitem(tb._FWD_OPTS, "dense", "gluon")  # as if set on a Hopper GPU
+    monkeypatch.setattr(tb, "_gluon_launch", lambda *a: calls.append(1))
+    q, k, v = (t.detach() for t in _qkv(1, 2, 1, 128, 128, 16))
+    s = check_qkv(q, k, v)
+    for mask in (bsfa.full(), bsfa.causal()):
+        lay = bsfa.compile_mask(mask, 128, 128, 64)
+        assert tb._gluon_case(lay, s, 0.0, q, k, v) is None  # CPU tensors
+        out, lse = tb.triton_forward(q, k, v, lay, s, 0.25, 0.0, 0)
+        ref, ref_lse = bsfa.reference_attention(q.double(), k.double(), v.double(), mask, scale=0.25,
+                                                return_lse=True)
+        assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    assert not calls

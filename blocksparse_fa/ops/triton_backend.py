@@ -16,6 +16,8 @@ from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
 from ..kernels.forward_ws import _attn_fwd_ws
+from ..kernels import forward_gluon as _fg
+from ..mask.primitives import Causal
 from ..kernels.merge import _merge_residue
 from ..kernels import config as _config
 from ..kernels.config import (TileConfig, atomic_bwd_config, band_backward_rows, bwd_configs, check_layout_block,
@@ -27,7 +29,7 @@ from .launcher import Launch
 from .validate import Shapes
 
 __all__ = ["triton_forward", "triton_backward", "set_fused_backward", "set_lut_policy",
-           "set_forward_options", "set_kernel_options", "merge_residue", "backward_delta"]
+           "set_forward_options", "GluonConfig", "set_kernel_options", "merge_residue", "backward_delta"]
 
 _LOG2E = 1.4426950408889634
 
@@ -105,7 +107,7 @@ def set_lut_policy(**kw) -> None:
 
 # Forward loop options on Hopper (benchmarks/experiments/ab_variants.py compares them): K/V tiles through
 # tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
-_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None}
+_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None, "gluon": None}
 
 
 def set_forward_options(**kw) -> None:
@@ -115,17 +117,60 @@ def set_forward_options(**kw) -> None:
     ``dense``: layouts whose every block is full run ``kernels/forward_ws.py`` instead: ``"ws"``
     warp-specialised (4 warps; wrong results on the H100 with triton 3.6, so refused unless
     ``BSFA_EXPERIMENTAL_WS=1``), ``"plain"`` the same loop with 8 warps, None (default) the
-    block-sparse kernel. Triton specialises warps only in that kernel (NOTES.md, "Lever 4")."""
+    block-sparse kernel. Triton specialises warps only in that kernel (NOTES.md, "Lever 4").
+    ``dense="gluon"``: dense layouts (and causal ones: ``causal()`` with ``Lq == Lk``) run the
+    Gluon producer/consumer kernel of ``kernels/forward_gluon.py`` on a Hopper GPU; refused where
+    Triton has no Gluon, under the interpreter, or without a CUDA device of compute capability 9.
+    ``gluon``: that kernel's tiles, a :class:`GluonConfig` (None: the default one)."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
+        if k == "dense" and v not in (None, "ws", "plain", "gluon"):
+            raise ValueError(f"set_forward_options(dense={v!r}): expected None, 'plain', 'ws' or 'gluon'")
         if k == "dense" and v == "ws" and os.environ.get("BSFA_EXPERIMENTAL_WS") != "1":
             raise ValueError("set_forward_options(dense='ws'): the warp-specialised dense forward fails the "
                              "float64 check on the H100 with triton 3.6 (error 11x that of eager bf16; NOTES.md, "
                              "'Lever 4'); set BSFA_EXPERIMENTAL_WS=1 to run it anyway for experiments, or use "
                              "dense='plain'")
+        if k == "dense" and v == "gluon":
+            why = _gluon_unavailable()
+            if why:
+                raise ValueError(f"set_forward_options(dense='gluon'): {why}")
+        if k == "gluon" and v is not None and not isinstance(v, GluonConfig):
+            raise ValueError(f"set_forward_options(gluon=...): expected a GluonConfig or None, got {v!r}")
         _FWD_OPTS[k] = v
     _bump()
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Tiles of the Gluon forward (``kernels/forward_gluon.py``): ``block_m`` query rows per consumer
+    warp group (a program covers two), ``block_n`` keys per step, ``stages`` K/V slots in shared
+    memory, ``pingpong`` (the two groups take turns issuing their products), ``overlap`` (each
+    group issues S_j = Q·K_jᵀ together with the previous block's P·V), register budgets of the
+    producer and the consumers (``setmaxnreg``). Causal layouts need ``block_n == 2·block_m``."""
+
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+    pingpong: bool = True
+    overlap: bool = True
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+
+def _gluon_unavailable() -> str:
+    """Why the Gluon forward cannot run here ('' when it can)."""
+    if not _fg.gluon_available():
+        return f"this Triton ({triton.__version__}) has no usable Gluon Hopper API ({_fg.GLUON_IMPORT_ERROR})"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)"
+    if not torch.cuda.is_available():
+        return "it needs a CUDA GPU of compute capability 9.x (Hopper); none is available"
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        return f"it needs a GPU of compute capability 9.x (Hopper, wgmma); this one is {cap[0]}.{cap[1]}"
+    return ""
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them):
@@ -418,6 +463,38 @@ def _dense_launch(q, k, v, out, lse, s: Shapes, scale: float) -> None:
         WARP_SPEC=ws, num_warps=4 if ws else 8, num_stages=2)
 
 
+def _gluon_case(layout: BlockLayout, s: Shapes, dropout_p: float, *ts) -> str | None:
+    """``"dense"`` or ``"causal"`` when ``kernels/forward_gluon.py`` computes this call exactly with
+    the configured tiles, else None: every block full (or the ``causal()`` mask, top-left aligned,
+    ``Lq == Lk``), key length a multiple of ``block_n``, no dropout, head dim 64 or 128, 16-bit
+    CUDA tensors that tensor descriptors can address."""
+    cfg = _FWD_OPTS["gluon"] or GluonConfig()
+    if dropout_p > 0.0 or layout.batch_shape or getattr(layout, "positions", None) is not None:
+        return None
+    if s.D not in (64, 128) or not ts[0].is_cuda or ts[0].dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if layout.kv_len % cfg.block_n or layout.kv_len == 0 or not _tma_ok(*ts):
+        return None
+    if layout.n_partial == 0 and layout.n_full == layout.n_blocks:
+        return "dense"
+    if (isinstance(layout.mask, Causal) and layout.q_offset == 0 and s.Lq == s.Lk
+            and cfg.block_n == 2 * cfg.block_m):
+        return "causal"
+    return None
+
+
+def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, causal: bool, cfg: GluonConfig | None = None) -> None:
+    """The Gluon forward (``kernels/forward_gluon.py``): grid ``(cdiv(Lq, 2·block_m), B·H)``."""
+    _ensure_tma_allocator(q.device)
+    cfg = cfg or _FWD_OPTS["gluon"] or GluonConfig()
+    _fg._attn_fwd_gluon[(_cdiv(s.Lq, 2 * cfg.block_m), s.B * s.H)](
+        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        s.H, s.G, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
+        PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+
+
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
                    out_dtype=None, score_mod=None):
     """Forward kernel; returns ``out (B, H, Lq, D)`` (q's dtype, or ``out_dtype``: float32 keeps a
@@ -428,7 +505,12 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     odt = None if out_dtype in (None, q.dtype) else out_dtype
     out = torch.empty(q.shape, dtype=odt or q.dtype, device=dev)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
-    if (_FWD_OPTS["dense"] is not None and odt is None and score_mod is None
+    if _FWD_OPTS["dense"] == "gluon" and odt is None and score_mod is None:
+        case = _gluon_case(layout, s, dropout_p, q, k, v, out)
+        if case is not None:
+            _gluon_launch(q, k, v, out, lse, s, scale, case == "causal")
+            return out, lse
+    elif (_FWD_OPTS["dense"] is not None and odt is None and score_mod is None
             and _dense_ok(layout, s, dropout_p, q, k, v, out)):
         _dense_launch(q, k, v, out, lse, s, scale)
         return out, lse

@@ -1,0 +1,65 @@
+"""Compile the Gluon forward (``kernels/forward_gluon.py``) for sm_90 without a GPU and report
+registers, spills (stack bytes, local loads/stores), shared memory and the SASS opcode mix
+(``sass_probe.report``). Run it with the Triton of the GPU machine first on the path:
+
+    PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
+        --stages 2 --causal --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_probe import report  # noqa: E402
+
+
+def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
+                  consumer_regs=240, dtype="bf16"):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
+
+    consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+                  OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+    types = {n: "*" + dtype for n in "QKVO"}
+    types.update(LSE="*fp32", qk_scale="fp32")
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    div16 = [i for i, n in enumerate(fn.arg_names)
+             if n not in consts and (types.get(n, "").startswith("*") or n.startswith("stride_"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--bm", type=int, default=64)
+    ap.add_argument("--bn", type=int, default=128)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--no-pingpong", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--ptx", help="write the PTX here (setmaxnreg, barriers, wgmma waits)")
+    a = ap.parse_args()
+    ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap, dtype=a.dtype)
+    print(f"triton {triton.__version__}: {report(ck)}")
+    ptx = ck.asm["ptx"]
+    print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],
+          "threads:", [ln.split()[-1] for ln in ptx.splitlines() if ".reqntid" in ln])
+    if a.ptx:
+        with open(a.ptx, "w") as f:
+            f.write(ptx)
+
+
+if __name__ == "__main__":
+    main()

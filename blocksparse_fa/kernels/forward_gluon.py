@@ -1,0 +1,297 @@
+"""Hopper forward for layouts whose blocks are all full (dense) or causal, written in Gluon.
+
+The FlashAttention-3 schedule (Shah et al., 2024) in Triton's lower-level Gluon dialect
+(``triton.experimental.gluon``), written against the Gluon API of triton 3.6:
+
+- one producer warp issues TMA loads: each consumer's Q tile once, then K and V tiles into a ring
+  of ``STAGES`` shared-memory slots, each slot with "ready" and "empty" mbarriers for K and for V
+  (the consumers release a K once S = Q·Kᵀ has read it, a V once P·V has);
+- two consumer warp groups (4 warps each) own ``BLOCK_M`` query rows each (the program covers
+  ``2·BLOCK_M`` rows) and walk the same key blocks: S = Q·Kᵀ and O += P·V on the tensor cores
+  (``warpgroup_mma``, P from registers), online softmax in base 2 with the scale folded in,
+  normalisation deferred to the end;
+- with ``PINGPONG`` the two groups take turns issuing their matrix products (a pair of
+  mbarriers passes the turn), so that one group's softmax runs while the other's products occupy
+  the tensor cores;
+- the producer runs with few registers and the consumers with many (``warp_specialize``'s
+  register requests, lowered to ``setmaxnreg``).
+
+``CAUSAL`` (``Lq == Lk``, ``BLOCK_N == 2·BLOCK_M``): the key blocks before the program's diagonal
+block are full; the diagonal block is one masked step at the end. Programs are launched longest
+first.
+
+Output: ``O`` in Q's dtype and ``LSE`` (natural log, float32, ``(B·H, Lq)`` flat), as
+``kernels/forward.py`` writes them. Rows past ``Lq`` are computed on zero-filled Q rows and
+clipped by the TMA store; ``Lk`` must be a multiple of ``BLOCK_N``.
+
+Gluon does not run in Triton's CPU interpreter and its API changes between Triton releases:
+:func:`gluon_available` says whether this module could define the kernel; the launcher
+(``ops/triton_backend.py``) uses it only on request (``set_forward_options(dense="gluon")``).
+"""
+
+from __future__ import annotations
+
+try:  # Gluon is experimental: absent from older Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    # the TMA copies were renamed after triton 3.6 (async_load / async_store)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _IMPORT_ERROR = None
+except Exception as e:  # pragma: no cover - depends on the installed Triton
+    gluon = gl = None
+    _IMPORT_ERROR = e
+
+__all__ = ["gluon_available", "GLUON_IMPORT_ERROR"]
+
+GLUON_IMPORT_ERROR = _IMPORT_ERROR
+_LN2 = 0.6931471805599453
+
+
+def gluon_available() -> bool:
+    """Whether the installed Triton provides the Gluon Hopper API this kernel is written against."""
+    return gluon is not None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                      off_m, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: both consumers' Q tiles, then K/V tiles ``0 .. n_blocks-1`` through the ring."""
+        for c in gl.static_range(2):
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
+        for j in range(n_blocks):
+            s = j % STAGES
+            # a fresh barrier counts as having completed the phase before its first: the first
+            # pass through the ring waits on parity 1 and does not block
+            free = ((j // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(s), free)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), free)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _fwd_softmax(sc, m_i, l_i, off_m, j, qk_scale, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Online softmax of the scores ``sc`` of key block ``j``: ``(p, m_new, l_new, alpha)``; with
+        ``MASKED`` (the diagonal block of a causal layout) keys after the query are dropped."""
+        if MASKED:
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1)
+            sc = gl.where(keep, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+        else:
+            m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
+            p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+    @gluon.jit
+    def _fwd_step(acc, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
+                  C: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """One key block ``j`` for one consumer, in order: S = Q·Kᵀ, softmax, O += P·V, slot released."""
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        if PINGPONG:  # my turn to issue products: the other group has issued its previous step
+            mbarrier.wait(turn.index(C), j & 1)
+        sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
+                           is_async=True)
+        if PINGPONG:  # pass the turn: the other group issues while this one does its softmax
+            mbarrier.arrive(turn.index(1 - C))
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        mbarrier.arrive(k_empty.index(s))
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, j, qk_scale, MASKED, BLOCK_M, BLOCK_N, s_layout)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        mbarrier.wait(v_ready.index(s), ph)
+        acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        mbarrier.arrive(v_empty.index(s))
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                          qk_scale, C: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """Key block ``j`` overlapped with the end of block ``j - 1`` (FlashAttention-3's intra-group
+        pipelining): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} issued together, softmax of S_j while the
+        second product runs; returns O rescaled for P_j and P_j (as the next product's operand)."""
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), j & 1)
+        sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
+                           is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p16, v_smem.index(sp), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - C))
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+        mbarrier.arrive(k_empty.index(s))
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, j, qk_scale, MASKED, BLOCK_M, BLOCK_N, s_layout)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        mbarrier.arrive(v_empty.index(sp))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        return acc, p16, m_i, l_i
+
+    @gluon.jit
+    def _fwd_consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                      off_m0, n_full, q_len, lse_base, qk_scale,
+                      C: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Consumer ``C`` (a warp group): query rows ``off_m0 + C·BLOCK_M ..`` against ``n_full``
+        full key blocks (and, with ``CAUSAL``, the diagonal block), then O and LSE."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        off_m = off_m0 + C * BLOCK_M
+        q = q_smem.index(C)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
+        if PINGPONG:
+            if C == 0:  # group 0 takes the first turn
+                mbarrier.arrive(turn.index(0))
+        mbarrier.wait(q_bar.index(C), 0)
+        if OVERLAP:
+            # block 0 alone (masked when causal: the predicate is exact on any block), then blocks
+            # 1 .. n-1 each overlapped with the previous one's P·V, then the last P·V
+            n_blocks = n_full + CAUSAL
+            mbarrier.wait(k_ready.index(0), 0)
+            if PINGPONG:
+                mbarrier.wait(turn.index(C), 0)
+            sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+                               gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
+                               is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - C))
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            mbarrier.arrive(k_empty.index(0))
+            p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, 0, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, s_layout)
+            p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+            n_plain = n_blocks - CAUSAL
+            for j in range(1, n_plain):
+                acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready,
+                                                       v_ready, k_empty, v_empty, turn, qk_scale, C, False,
+                                                       PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            if CAUSAL:
+                if n_full > 0:
+                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, n_full, off_m, k_smem, v_smem,
+                                                           k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, True,
+                                                           PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            last = n_blocks - 1
+            sl = last % STAGES
+            mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(C), n_blocks & 1)
+            acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - C))
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+            mbarrier.arrive(v_empty.index(sl))
+        else:
+            for j in range(n_full):
+                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                          v_empty, turn, qk_scale, C, False, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                          s_layout, o_layout)
+            if CAUSAL:
+                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, n_full, off_m, k_smem, v_smem, k_ready, v_ready,
+                                          k_empty, v_empty, turn, qk_scale, C, True, PINGPONG, BLOCK_M, BLOCK_N,
+                                          STAGES, s_layout, o_layout)
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / gl.expand_dims(l_o, 1)
+        # Q's slot is free (every product reading it has completed): stage O there for the TMA store
+        q.store(out.to(q.dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [off_m, 0], q)
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        gl.store(LSE + lse_base + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < q_len)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit(do_not_specialize=["q_len", "kv_len"])
+    def _attn_fwd_gluon(Q, K, V, O, LSE,
+                        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                        H, G, q_len, kv_len, qk_scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Grid ``(cdiv(Lq, 2·BLOCK_M), B·H)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
+        1-warp producer. ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q;
+        ``qk_scale = scale · log2(e)``."""
+        gl.static_assert(not CAUSAL or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        if CAUSAL:  # longest rows first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        b = (pid_bh // H).to(gl.int64)
+        h = pid_bh % H
+        hk = (h // G).to(gl.int64)
+        h = h.to(gl.int64)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
+                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
+                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=kv_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
+                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=kv_layout)
+        o_desc = tma.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[q_len, HEAD_DIM],
+                                            strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(q_bar.index(c), count=1)
+            mbarrier.init(turn.index(c), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=2)  # both consumers release a slot's K ...
+            mbarrier.init(v_empty.index(s), count=2)  # ... and its V
+        fence_async_shared()
+
+        off_m = pid_m * (2 * BLOCK_M)
+        if CAUSAL:
+            n_full = pid_m  # key blocks before the diagonal one (BLOCK_N == 2 * BLOCK_M)
+            n_blocks = pid_m + 1
+        else:
+            n_full = kv_len // BLOCK_N
+            n_blocks = n_full
+        lse_base = pid_bh.to(gl.int64) * q_len
+        gl.warp_specialize([
+            (_fwd_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                             off_m, n_full, q_len, lse_base, qk_scale,
+                             0, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_fwd_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                             off_m, n_full, q_len, lse_base, qk_scale,
+                             1, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                             v_empty, off_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
