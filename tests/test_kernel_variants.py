@@ -178,7 +178,7 @@ def test_dense_descriptor_forward_matches_reference(monkeypatch):
         assert not tb._dense_ok(bsfa.compile_mask(bsfa.causal(), 200, 256, 128), s, 0.0, q, k, v)
         assert not tb._dense_ok(bsfa.compile_mask(bsfa.full(), 200, 250, 128), s, 0.0, q, k, v)
     finally:
-        tb.set_forward_options(dense=None)
+        tb.set_forward_options(dense="auto")
     ref, ref_lse = bsfa.reference_attention(q.double(), k.double(), v.double(), bsfa.full(), scale=0.25,
                                             return_lse=True)
     assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
@@ -195,13 +195,13 @@ def test_gluon_forward_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match=r"dense='gluon'\): (Gluon kernels do not run in Triton's interpreter|"
                                          r"it needs a CUDA GPU)"):
         tb.set_forward_options(dense="gluon")
-    assert tb._FWD_OPTS["dense"] is None
+    assert tb._FWD_OPTS["dense"] == "auto"
     monkeypatch.setattr(fg, "gluon_available", lambda: False)
     with pytest.raises(ValueError, match="has no usable Gluon Hopper API"):
         tb.set_forward_options(dense="gluon")
     with pytest.raises(ValueError, match="expected a GluonConfig"):
         tb.set_forward_options(gluon={"stages": 3})
-    with pytest.raises(ValueError, match="expected None, 'plain', 'ws' or 'gluon'"):
+    with pytest.raises(ValueError, match="expected None, 'auto', 'plain', 'ws' or 'gluon'"):
         tb.set_forward_options(dense="fa3")
 
     calls = []

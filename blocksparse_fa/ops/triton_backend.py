@@ -107,7 +107,8 @@ def set_lut_policy(**kw) -> None:
 
 # Forward loop options on Hopper (benchmarks/experiments/ab_variants.py compares them): K/V tiles through
 # tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
-_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None, "gluon": None}
+_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": "auto", "gluon": None}
+_GLUON_OK: dict = {}  # device index -> whether the Gluon forward can run there (checked once)
 
 
 def set_forward_options(**kw) -> None:
@@ -121,12 +122,14 @@ def set_forward_options(**kw) -> None:
     ``dense="gluon"``: dense layouts (and causal ones: ``causal()`` with ``Lq == Lk``) run the
     Gluon producer/consumer kernel of ``kernels/forward_gluon.py`` on a Hopper GPU; refused where
     Triton has no Gluon, under the interpreter, or without a CUDA device of compute capability 9.
+    ``dense="auto"`` (the default): ``"gluon"`` where it can run (on the H100: dense 1.41x and
+    causal 1.38x our block-sparse forward, 1.07x / 1.09x cuDNN; NOTES.md "Gluon forward"), else None.
     ``gluon``: that kernel's tiles, a :class:`GluonConfig` (None: the default one)."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
-        if k == "dense" and v not in (None, "ws", "plain", "gluon"):
-            raise ValueError(f"set_forward_options(dense={v!r}): expected None, 'plain', 'ws' or 'gluon'")
+        if k == "dense" and v not in (None, "auto", "ws", "plain", "gluon"):
+            raise ValueError(f"set_forward_options(dense={v!r}): expected None, 'auto', 'plain', 'ws' or 'gluon'")
         if k == "dense" and v == "ws" and os.environ.get("BSFA_EXPERIMENTAL_WS") != "1":
             raise ValueError("set_forward_options(dense='ws'): the warp-specialised dense forward fails the "
                              "float64 check on the H100 with triton 3.6 (error 11x that of eager bf16; NOTES.md, "
@@ -157,6 +160,16 @@ class GluonConfig:
     overlap: bool = True
     producer_regs: int = 24
     consumer_regs: int = 240
+
+
+def _gluon_here(dev: torch.device) -> bool:
+    """Whether the Gluon forward runs on CUDA device ``dev`` (checked once per device)."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    ok = _GLUON_OK.get(idx)
+    if ok is None:
+        with torch.cuda.device(idx):
+            ok = _GLUON_OK[idx] = _gluon_unavailable() == ""
+    return ok
 
 
 def _gluon_unavailable() -> str:
@@ -505,12 +518,15 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     odt = None if out_dtype in (None, q.dtype) else out_dtype
     out = torch.empty(q.shape, dtype=odt or q.dtype, device=dev)
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
-    if _FWD_OPTS["dense"] == "gluon" and odt is None and score_mod is None:
+    dense = _FWD_OPTS["dense"]
+    if dense == "auto":
+        dense = "gluon" if q.is_cuda and _gluon_here(dev) else None
+    if dense == "gluon" and odt is None and score_mod is None:
         case = _gluon_case(layout, s, dropout_p, q, k, v, out)
         if case is not None:
             _gluon_launch(q, k, v, out, lse, s, scale, case == "causal")
             return out, lse
-    elif (_FWD_OPTS["dense"] is not None and odt is None and score_mod is None
+    elif (dense is not None and dense != "gluon" and odt is None and score_mod is None
             and _dense_ok(layout, s, dropout_p, q, k, v, out)):
         _dense_launch(q, k, v, out, lse, s, scale)
         return out, lse
