@@ -217,3 +217,46 @@ def test_gluon_forward_refused_where_it_cannot_run(monkeypatch):
                                                 return_lse=True)
         assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
     assert not calls
+
+
+def test_gluon_backward_refused_where_it_cannot_run(monkeypatch):
+    """``set_backward_options(dense="gluon")`` names why it cannot run here and changes nothing;
+    forced on, CPU calls (and calls the Gluon kernels do not cover) take today's kernels and match
+    the float64 gradients; the kernel module imports without a GPU."""
+    from blocksparse_fa.kernels import backward_gluon as bg
+    from blocksparse_fa.kernels import forward_gluon as fg
+    from blocksparse_fa.ops.validate import check_qkv
+
+    assert bg.gluon_available() == (bg.GLUON_IMPORT_ERROR is None)
+    with pytest.raises(ValueError, match=r"dense='gluon'\): (Gluon kernels do not run in Triton's interpreter|"
+                                         r"it needs a CUDA GPU)"):
+        tb.set_backward_options(dense="gluon")
+    assert tb._BWD_OPTS["dense"] is None
+    monkeypatch.setattr(fg, "gluon_available", lambda: False)
+    with pytest.raises(ValueError, match="has no usable Gluon Hopper API"):
+        tb.set_backward_options(dense="gluon")
+    with pytest.raises(ValueError, match="expected a GluonBwdConfig"):
+        tb.set_backward_options(gluon=tb.GluonConfig())
+    with pytest.raises(ValueError, match="expected None or 'gluon'"):
+        tb.set_backward_options(dense="fa3")
+    with pytest.raises(ValueError, match="unknown backward option"):
+        tb.set_backward_options(dq="atomic")
+
+    calls = []
+    monkeypatch.setitem(tb._BWD_OPTS, "dense", "gluon")  # as if set on a Hopper GPU
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", lambda *a, **kw: calls.append(1))
+    q, k, v = _qkv(1, 2, 1, 128, 128, 16)  # GQA: two query heads share one kv head
+    s = check_qkv(q, k, v)
+    for mask in (bsfa.full(), bsfa.causal()):
+        lay = bsfa.compile_mask(mask, 128, 128, 64)
+        assert tb._gluon_bwd_case(lay, s, q, k, v) is None  # CPU tensors
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = bsfa.attention(qq, kk, vv, mask=mask, scale=0.25, backend="triton")
+        g = torch.randn_like(out)
+        out.backward(g)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = bsfa.reference_attention(q64, k64, v64, mask, scale=0.25)
+        ref.backward(g.double())
+        for got, want in ((qq.grad, q64.grad), (kk.grad, k64.grad), (vv.grad, v64.grad)):
+            assert rel_err(got, want) < 1e-5
+    assert not calls

@@ -224,14 +224,15 @@ def _fmt(rec: dict) -> str:
 
 # ---------------------------------------------------------------- parent
 
-def run_children(cases, deadline, stall, results, save):
-    """Run ``cases`` in child processes; a child that makes no progress for ``stall`` s is killed."""
+def run_children(cases, deadline, stall, results, save, script=None):
+    """Run ``cases`` in child processes (``script --child``, default this one); a child that makes
+    no progress for ``stall`` s is killed."""
     todo = list(cases)
     hangs = 0
     while todo and time.time() < deadline and hangs < 2:
         progress = os.path.join(results["out_dir"], f"gluon_progress_{int(time.time() * 1000)}.jsonl")
         open(progress, "w").close()
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--progress", progress, "--cases", *todo]
+        cmd = [sys.executable, os.path.abspath(script or __file__), "--child", "--progress", progress, "--cases", *todo]
         proc = subprocess.Popen(cmd, env=dict(os.environ))
         seen, current, last = 0, None, time.time()
         while True:

@@ -1,9 +1,13 @@
-"""Compile the Gluon forward (``kernels/forward_gluon.py``) for sm_90 without a GPU and report
-registers, spills (stack bytes, local loads/stores), shared memory and the SASS opcode mix
-(``sass_probe.report``). Run it with the Triton of the GPU machine first on the path:
+"""Compile the Gluon forward (``kernels/forward_gluon.py``) or backward (``kernels/backward_gluon.py``)
+for sm_90 without a GPU and report registers, spills (stack bytes, local loads/stores), shared
+memory and the SASS opcode mix (``sass_probe.report``). Run it with the Triton of the GPU machine
+first on the path:
 
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
         --stages 2 --causal --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
+    PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
+        [--d 128 --bm 64 --bn 64 --stages 2 --causal]
+    PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64 ...]
 """
 
 from __future__ import annotations
@@ -39,6 +43,33 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
+def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
+                      consumer_regs=240, dtype="bf16"):
+    """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from blocksparse_fa.kernels import backward_gluon as bg
+
+    if kernel == "dkdv":
+        fn = bg._attn_bwd_dkdv_gluon
+        consts = dict(ATOMIC_DQ=atomic)
+        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=dtype, DV=dtype, DQA="fp32", LSE="fp32", DELTA="fp32")
+    else:
+        fn = bg._attn_bwd_dq_gluon
+        consts = {}
+        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ=dtype, LSE="fp32", DELTA="fp32")
+    consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=producer_regs,
+                  CONSUMER_REGS=consumer_regs)
+    types = {n: "*" + t for n, t in ptrs.items()}
+    types.update(qk_scale="fp32", sm_scale="fp32")
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    div16 = [i for i, n in enumerate(fn.arg_names)
+             if n not in consts and (types.get(n, "").startswith("*") or n.startswith("stride_"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=128)
@@ -50,8 +81,16 @@ def main():
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--ptx", help="write the PTX here (setmaxnreg, barriers, wgmma waits)")
+    ap.add_argument("--bwd", choices=["dkdv", "dq"], help="a backward kernel instead of the forward")
+    ap.add_argument("--atomic", action="store_true", help="dK/dV kernel: with the atomic dQ")
+    ap.add_argument("--consumer-regs", type=int, default=240)
     a = ap.parse_args()
-    ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap, dtype=a.dtype)
+    if a.bwd:
+        ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
+                               dtype=a.dtype)
+    else:
+        ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
+                           consumer_regs=a.consumer_regs, dtype=a.dtype)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

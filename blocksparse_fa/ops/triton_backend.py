@@ -17,6 +17,7 @@ from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_comb
 from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
 from ..kernels.forward_ws import _attn_fwd_ws
 from ..kernels import forward_gluon as _fg
+from ..kernels import backward_gluon as _bg
 from ..mask.primitives import Causal
 from ..kernels.merge import _merge_residue
 from ..kernels import config as _config
@@ -29,7 +30,7 @@ from .launcher import Launch
 from .validate import Shapes
 
 __all__ = ["triton_forward", "triton_backward", "set_fused_backward", "set_lut_policy",
-           "set_forward_options", "GluonConfig", "set_kernel_options", "merge_residue", "backward_delta"]
+           "set_forward_options", "GluonConfig", "set_backward_options", "GluonBwdConfig", "set_kernel_options", "merge_residue", "backward_delta"]
 
 _LOG2E = 1.4426950408889634
 
@@ -184,6 +185,113 @@ def _gluon_unavailable() -> str:
     if cap[0] != 9:
         return f"it needs a GPU of compute capability 9.x (Hopper, wgmma); this one is {cap[0]}.{cap[1]}"
     return ""
+
+
+# Backward on Hopper for dense and causal layouts: the Gluon kernels of kernels/backward_gluon.py.
+_BWD_OPTS = {"dense": None, "gluon": None}
+
+
+def set_backward_options(**kw) -> None:
+    """``dense="gluon"``: layouts whose every block is full (and ``causal()`` with ``Lq == Lk``)
+    run the Gluon backward of ``kernels/backward_gluon.py`` on a Hopper GPU (lengths multiples of
+    its tiles, head dim 64 or 128, 16-bit inputs, no dropout, score modifier, ``accumulate``,
+    ``dlse``, other gradient dtype or shard; anything else takes the block-sparse kernels).
+    Deterministic calls (:func:`triton_backward`'s ``deterministic``) run its dK/dV and dQ kernels;
+    non-deterministic ones the dK/dV kernel with atomic dQ. Refused where Triton has no Gluon,
+    under the interpreter, or without a CUDA device of compute capability 9. None (default): off.
+    ``gluon``: its tiles, a :class:`GluonBwdConfig` (None: the default one)."""
+    for k, v in kw.items():
+        if k not in _BWD_OPTS:
+            raise ValueError(f"unknown backward option {k!r}; expected one of {sorted(_BWD_OPTS)}")
+        if k == "dense" and v not in (None, "gluon"):
+            raise ValueError(f"set_backward_options(dense={v!r}): expected None or 'gluon'")
+        if k == "dense" and v == "gluon":
+            why = _gluon_unavailable()
+            if why:
+                raise ValueError(f"set_backward_options(dense='gluon'): {why}")
+        if k == "gluon" and v is not None and not isinstance(v, GluonBwdConfig):
+            raise ValueError(f"set_backward_options(gluon=...): expected a GluonBwdConfig or None, got {v!r}")
+        _BWD_OPTS[k] = v
+    _bump()
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    """Tiles of the Gluon backward (``kernels/backward_gluon.py``). dK/dV kernel: ``block_n`` keys
+    per consumer warp group (a program covers two), ``block_m`` query rows per step, ``stages``
+    Q/dO slots. dQ kernel: ``dq_block_m`` query rows per consumer group (a program covers two),
+    ``dq_block_n`` keys per step, ``dq_stages`` K/V slots. Register budgets of the producer and
+    the consumers (``setmaxnreg``). Causal layouts need ``block_m | 2·block_n`` and
+    ``dq_block_n | 2·dq_block_m``."""
+
+    block_m: int = 64
+    block_n: int = 64
+    stages: int = 2
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+    dq_stages: int = 2
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+
+def _gluon_bwd_case(layout: BlockLayout, s: Shapes, *ts) -> str | None:
+    """``"dense"`` or ``"causal"`` when ``kernels/backward_gluon.py`` computes this call exactly with
+    the configured tiles, else None: every block full (or ``causal()``, top-left, ``Lq == Lk``),
+    both lengths multiples of every tile of both kernels, head dim 64 or 128, 16-bit CUDA tensors
+    that tensor descriptors can address."""
+    cfg = _BWD_OPTS["gluon"] or GluonBwdConfig()
+    if layout.batch_shape or getattr(layout, "positions", None) is not None:
+        return None
+    if s.D not in (64, 128) or not ts[0].is_cuda or ts[0].dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if s.Lq == 0 or s.Lk == 0 or s.Lq % max(cfg.block_m, 2 * cfg.dq_block_m) or s.Lq % cfg.block_m:
+        return None
+    if s.Lk % max(2 * cfg.block_n, cfg.dq_block_n) or s.Lk % cfg.dq_block_n or not _tma_ok(*ts):
+        return None
+    if layout.n_partial == 0 and layout.n_full == layout.n_blocks:
+        return "dense"
+    if (isinstance(layout.mask, Causal) and layout.q_offset == 0 and s.Lq == s.Lk
+            and (2 * cfg.block_n) % cfg.block_m == 0 and (2 * cfg.dq_block_m) % cfg.dq_block_n == 0):
+        return "causal"
+    return None
+
+
+def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
+                      cfg: GluonBwdConfig | None = None) -> None:
+    """The Gluon backward into ``grads``: the dK/dV kernel (grid ``(Lk / (2·block_n), B·H // G)``),
+    then the dQ kernel (grid ``(Lq / (2·dq_block_m), B·H)``) or, with ``atomic``, ``_dq_finish``
+    on the fp32 buffer the dK/dV kernel added dQ to."""
+    _ensure_tma_allocator(q.device)
+    cfg = cfg or _BWD_OPTS["gluon"] or GluonBwdConfig()
+    dq, dk, dv = grads
+    qk = scale * _LOG2E
+    # the dK/dV kernel reads Q and dO of a GQA group through one descriptor over its heads
+    qg, dog = q, dout
+    if s.G > 1:
+        qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
+    dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
+           else _placeholder(torch.float32, q.device))
+    _bg._attn_bwd_dkdv_gluon[(s.Lk // (2 * cfg.block_n), s.B * s.Hkv)](
+        qg, k, v, dog, dk, dv, dqa, lse, delta,
+        qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        s.H, s.G, s.Lq, s.Lk, qk, scale, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+    if atomic:
+        _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
+                                                 scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
+                                                 num_warps=4)
+        return
+    _bg._attn_bwd_dq_gluon[(s.Lq // (2 * cfg.dq_block_m), s.B * s.H)](
+        q, k, v, dout, dq, lse, delta,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        s.H, s.G, s.Lq, s.Lk, qk, scale, HEAD_DIM=s.D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        STAGES=cfg.dq_stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them):
@@ -692,6 +800,12 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     has_drop, acc = dropout_p > 0.0, accumulate is not None
     if deterministic is None:
         deterministic = _KERNEL_OPTS["deterministic"]
+    if (_BWD_OPTS["dense"] == "gluon" and not has_drop and not acc and gdt is None and score_mod is None
+            and dlse is None):
+        case = _gluon_bwd_case(layout, s, q, k, v, dout, dq, dk, dv)
+        if case is not None:
+            _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, case == "causal", not deterministic)
+            return grads
     kind = _kind(score_mod)
     sargs = _score_args(score_mod, s.H, dev)
     if not deterministic and getattr(layout, "positions", None) is None and gdt is None and not kind:

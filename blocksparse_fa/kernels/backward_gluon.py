@@ -1,0 +1,403 @@
+"""Hopper backward for layouts whose blocks are all full (dense) or causal, written in Gluon.
+
+The FlashAttention-3 backward schedule (Shah et al., 2024) in Triton's Gluon dialect, against the
+API of triton 3.6 (the one ``kernels/forward_gluon.py`` uses). The per-row term
+``delta = rowsum(dO ∘ O)`` comes from the usual preprocess (``backward._attn_bwd_preprocess``);
+probabilities are recomputed from the forward's logsumexp (natural log, float32, ``(B·H, Lq)``).
+
+``_attn_bwd_dkdv_gluon``: one program per ``2·BLOCK_N`` keys and batch·kv-head.
+
+- one producer warp loads both consumers' K and V tiles once, then walks the query blocks of every
+  query head of the GQA group (``BLOCK_M`` rows per step) and TMA-loads Q and dO into a ring of
+  ``STAGES`` shared-memory slots (a "ready" and an "empty" mbarrier per slot; both consumers
+  release a slot);
+- two consumer warp groups own ``BLOCK_N`` keys each and, per query block, compute with
+  ``warpgroup_mma`` the transposed scores ``Sᵀ = K·Qᵀ`` and ``dPᵀ = V·dOᵀ`` (both issued before
+  either is awaited), ``Pᵀ = exp2(Sᵀ·scale·log2e − LSE·log2e)``, ``dSᵀ = Pᵀ ∘ (dPᵀ − Δ)``, then
+  ``dV += Pᵀ·dO`` and ``dK += dSᵀ·Q`` with Pᵀ and dSᵀ from registers. The logsumexp and Δ of a
+  query block are read from global memory before the slot is awaited (their latency hides behind
+  the wait and the first two products);
+- with ``ATOMIC_DQ`` (the non-deterministic five-GEMM backward) dSᵀ also goes to shared memory
+  and ``dQ_partial = dS·K`` is added to an fp32 ``(B·H, Lq, D)`` buffer with atomic adds
+  (``backward_atomic._dq_finish`` scales and converts it afterwards); without it dQ comes from
+  ``_attn_bwd_dq_gluon`` (deterministic: seven GEMMs per block pair in all);
+- dK (scaled) and dV are staged through the consumer's K and V slots and TMA-stored.
+
+``_attn_bwd_dq_gluon``: one program per ``2·BLOCK_M`` query rows and batch·head, laid out like the
+forward (producer: Q and dO once, K and V through the ring; two consumer groups of ``BLOCK_M``
+rows): ``S = Q·Kᵀ`` and ``dP = dO·Vᵀ``, ``dS = P ∘ (dP − Δ)``, ``dQ += dS·K``, dQ scaled and
+TMA-stored.
+
+``CAUSAL`` (``Lq == Lk``): the dK/dV program starts at its diagonal query block and masks the
+first ``2·BLOCK_N / BLOCK_M`` query blocks of each head; the dQ program masks its last
+``2·BLOCK_M / BLOCK_N`` key blocks. Lengths must be multiples of the tiles (the launcher checks:
+the dK/dV kernel's Q/dO descriptor spans the group's heads, so a ragged query tile would read the
+next head's rows). Longest programs first.
+
+Gluon does not run in Triton's CPU interpreter; the launcher (``ops/triton_backend.py``) uses this
+module only on request (``set_backward_options(dense="gluon")``).
+"""
+
+from __future__ import annotations
+
+from .forward_gluon import gluon_available, GLUON_IMPORT_ERROR  # noqa: F401  (one import check for both)
+from . import forward_gluon as _fg
+
+__all__ = ["gluon_available", "GLUON_IMPORT_ERROR"]
+
+gluon, gl = _fg.gluon, _fg.gl
+_LOG2E = 1.4426950408889634
+
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    _tma_load = _fg._tma_load
+    _tma_store = _fg._tma_store
+
+    # ------------------------------------------------------------------ dK / dV (and atomic dQ)
+
+    @gluon.jit
+    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
+                       off_n, i0, n_i, G, q_len, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """One warp: both consumers' K/V tiles, then Q and dO of query blocks ``i0 .. i0+n_i-1`` of
+        every head of the group (rows ``g·Lq + i·BLOCK_M`` of the group's descriptor)."""
+        for c in gl.static_range(2):
+            mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [off_n + c * BLOCK_N, 0], kv_bar.index(c), k_smem.index(c))
+            _tma_load(v_desc, [off_n + c * BLOCK_N, 0], kv_bar.index(c), v_smem.index(c))
+        for t in range(G * n_i):
+            g = t // n_i
+            row = g * q_len + (i0 + t % n_i) * BLOCK_M
+            s = t % STAGES
+            # a fresh barrier counts as having completed the phase before its first: the first
+            # pass through the ring waits on parity 1 and does not block
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            _tma_load(q_desc, [row, 0], ready.index(s), q_smem.index(s))
+            _tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
+
+    @gluon.jit
+    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, lse_row, delta_row, dqa_row,
+                   off_k, qk_scale, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
+                   vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr):
+        """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``."""
+        s = t % STAGES
+        offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
+        lse = gl.load(lse_row + offs_v)  # issued before the wait: the latency hides behind it
+        delta = gl.load(delta_row + offs_v)
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        q = q_smem.index(s)
+        do = do_smem.index(s)
+        zero = gl.zeros([BLOCK_N, BLOCK_M], dtype=gl.float32, layout=s_layout)
+        st = warpgroup_mma(k_c, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if MASKED:  # keys after the query are dropped (causal diagonal)
+            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            offs_k = off_k + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+            pt = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pt, 0.0)
+        dtype: gl.constexpr = k_c.dtype
+        pt16 = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
+        dv = warpgroup_mma(pt16, do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        dlt = gl.convert_layout(delta, gl.SliceLayout(0, s_layout))
+        dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
+        ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
+        dk = warpgroup_mma(ds16, q, dk, is_async=True)
+        if ATOMIC_DQ:
+            ds_c.store(dst)
+            fence_async_shared()
+            dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
+            mbarrier.arrive(empty.index(s))
+            # dQ_partial = dS·K in column chunks of DQ_CHUNK head dims (fewer live registers),
+            # each added to the fp32 buffer as soon as it is complete
+            offs_m = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            for d0 in gl.static_range(0, HEAD_DIM, DQ_CHUNK):
+                dq = warpgroup_mma(ds_c.permute((1, 0)), k_c.slice(d0, DQ_CHUNK, dim=1),
+                                   gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout), use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                offs_d = d0 + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
+                ptrs = dqa_row + gl.expand_dims(offs_m, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)
+                gl.atomic_add(ptrs, dq, sem="relaxed")
+        else:
+            dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
+            mbarrier.arrive(empty.index(s))
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready,
+                       empty, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
+                       C: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against every query block of
+        the group's heads, then dK and dV."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        DQ_CHUNK: gl.constexpr = 64
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_CHUNK, 16])
+        vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        off_k = off_n + C * BLOCK_N
+        k_c = k_smem.index(C)
+        v_c = v_smem.index(C)
+        ds_c = ds_smem.index(C)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], dtype=gl.float32, layout=kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], dtype=gl.float32, layout=kv_layout)
+        mbarrier.wait(kv_bar.index(C), 0)
+        N_DIAG: gl.constexpr = (2 * BLOCK_N) // BLOCK_M  # causal: query blocks that cross the diagonal
+        for g in range(G):
+            bh = (bh0 + g).to(gl.int64)
+            lse_row = LSE + bh * q_len
+            delta_row = DELTA + bh * q_len
+            dqa_row = DQA + bh * q_len * HEAD_DIM
+            t0 = g * n_i
+            i_full = i0
+            if CAUSAL:
+                for u in gl.static_range(N_DIAG):
+                    dk, dv = _dkdv_step(dk, dv, t0 + u, i0 + u, k_c, v_c, ds_c, q_smem, do_smem, ready, empty,
+                                        lse_row, delta_row, dqa_row, off_k, qk_scale, True, ATOMIC_DQ, HEAD_DIM,
+                                        BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK)
+                i_full = i0 + N_DIAG
+            for i in range(i_full, i0 + n_i):
+                dk, dv = _dkdv_step(dk, dv, t0 + i - i0, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty,
+                                    lse_row, delta_row, dqa_row, off_k, qk_scale, False, ATOMIC_DQ, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK)
+        # every product reading this group's K and V slots has completed: stage dK, dV there
+        dtype: gl.constexpr = k_c.dtype
+        k_c.store((dk * sm_scale).to(dtype))
+        v_c.store(dv.to(dtype))
+        fence_async_shared()
+        _tma_store(dk_desc, [off_k, 0], k_c)
+        _tma_store(dv_desc, [off_k, 0], v_c)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit(do_not_specialize=["q_len", "kv_len"])
+    def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA,
+                             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                             H, G, q_len, kv_len, qk_scale, sm_scale,
+                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Grid ``(Lk / (2·BLOCK_N), B·H // G)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
+        1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
+        (``stride_qh == Lq·stride_qm``, likewise dO), ``K/V/DK/DV (B, H // G, Lk, D)``,
+        ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32 (read only with
+        ``ATOMIC_DQ``); ``qk_scale = scale · log2(e)``."""
+        gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        hkv = H // G
+        b = pid_bh // hkv
+        hk = pid_bh % hkv
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        g0 = (hk * G).to(gl.int64)
+        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + g0 * stride_qh, shape=[G * q_len, HEAD_DIM],
+                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+        do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + g0 * stride_doh, shape=[G * q_len, HEAD_DIM],
+                                             strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                             layout=q_layout)
+        k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hk64 * stride_kh, shape=[kv_len, HEAD_DIM],
+                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
+        v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hk64 * stride_vh, shape=[kv_len, HEAD_DIM],
+                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
+        dk_desc = tma.make_tensor_descriptor(DK + b64 * stride_dkb + hk64 * stride_dkh, shape=[kv_len, HEAD_DIM],
+                                             strides=[stride_dkn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                             layout=k_layout)
+        dv_desc = tma.make_tensor_descriptor(DV + b64 * stride_dvb + hk64 * stride_dvh, shape=[kv_len, HEAD_DIM],
+                                             strides=[stride_dvn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                             layout=k_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
+        if ATOMIC_DQ:
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        else:  # not read: a minimal placeholder
+            ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64],
+                                                                                                        dtype))
+        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(kv_bar.index(c), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+        fence_async_shared()
+
+        off_n = pid_n * (2 * BLOCK_N)
+        n_m = q_len // BLOCK_M
+        if CAUSAL:  # query blocks from the one holding this tile's first key
+            i0 = off_n // BLOCK_M
+        else:
+            i0 = 0
+        n_i = n_m - i0
+        bh0 = b * H + hk * G
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
+                              ready, empty, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
+                              0, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
+                              ready, empty, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
+                              1, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
+                              empty, off_n, i0, n_i, G, q_len, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    # ------------------------------------------------------------------ dQ (deterministic)
+
+    @gluon.jit
+    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+                     off_m, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: both consumers' Q and dO tiles, then K/V tiles ``0 .. n_blocks-1`` through the ring."""
+        for c in gl.static_range(2):
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            _tma_load(q_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
+            _tma_load(do_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), do_smem.index(c))
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [j * BLOCK_N, 0], ready.index(s), k_smem.index(s))
+            _tma_load(v_desc, [j * BLOCK_N, 0], ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, lse2, delta, off_m, qk_scale, MASKED: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        k = k_smem.index(s)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout)
+        sc = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+        if MASKED:
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1), p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(k.dtype)
+        ds16 = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        dq = warpgroup_mma(ds16, k, dq, is_async=True)
+        dq, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
+        mbarrier.arrive(empty.index(s))
+        return dq
+
+    @gluon.jit
+    def _dq_consumer(dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+                     off_m0, n_full, lse_base, qk_scale, sm_scale,
+                     C: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Consumer ``C``: query rows ``off_m0 + C·BLOCK_M ..`` against ``n_full`` full key blocks
+        (and, with ``CAUSAL``, the ``2·BLOCK_M / BLOCK_N`` diagonal ones), then dQ."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        off_m = off_m0 + C * BLOCK_M
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        lse2 = gl.load(LSE + lse_base + offs_m) * 1.4426950408889634
+        delta = gl.load(DELTA + lse_base + offs_m)
+        q = q_smem.index(C)
+        do = do_smem.index(C)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
+        mbarrier.wait(q_bar.index(C), 0)
+        for j in range(n_full):
+            dq = _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, lse2, delta, off_m, qk_scale, False,
+                          BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+        if CAUSAL:
+            N_DIAG: gl.constexpr = (2 * BLOCK_M) // BLOCK_N
+            for u in gl.static_range(N_DIAG):
+                dq = _dq_step(dq, n_full + u, q, do, k_smem, v_smem, ready, empty, lse2, delta, off_m, qk_scale,
+                              True, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+        # Q's slot is free (every product reading it has completed): stage dQ there
+        q.store((dq * sm_scale).to(q.dtype))
+        fence_async_shared()
+        _tma_store(dq_desc, [off_m, 0], q)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit(do_not_specialize=["q_len", "kv_len"])
+    def _attn_bwd_dq_gluon(Q, K, V, DO, DQ, LSE, DELTA,
+                           stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                           stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                           stride_dqb, stride_dqh, stride_dqm,
+                           H, G, q_len, kv_len, qk_scale, sm_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Grid ``(Lq / (2·BLOCK_M), B·H)``, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q."""
+        gl.static_assert(not CAUSAL or (2 * BLOCK_M) % BLOCK_N == 0, "causal needs BLOCK_N | 2·BLOCK_M")
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        if CAUSAL:  # longest rows first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        b = (pid_bh // H).to(gl.int64)
+        h = pid_bh % H
+        hk = (h // G).to(gl.int64)
+        h = h.to(gl.int64)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
+                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+        do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[q_len, HEAD_DIM],
+                                             strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                             layout=q_layout)
+        dq_desc = tma.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[q_len, HEAD_DIM],
+                                             strides=[stride_dqm, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                             layout=q_layout)
+        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
+                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=kv_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
+                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=kv_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(q_bar.index(c), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        fence_async_shared()
+
+        off_m = pid_m * (2 * BLOCK_M)
+        if CAUSAL:
+            n_full = off_m // BLOCK_N  # key blocks before the program's diagonal rows
+            n_blocks = n_full + (2 * BLOCK_M) // BLOCK_N
+        else:
+            n_full = kv_len // BLOCK_N
+            n_blocks = n_full
+        lse_base = pid_bh.to(gl.int64) * q_len
+        gl.warp_specialize([
+            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+                            off_m, n_full, lse_base, qk_scale, sm_scale,
+                            0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+                            off_m, n_full, lse_base, qk_scale, sm_scale,
+                            1, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+                            off_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
