@@ -231,13 +231,13 @@ def test_gluon_backward_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match=r"dense='gluon'\): (Gluon kernels do not run in Triton's interpreter|"
                                          r"it needs a CUDA GPU)"):
         tb.set_backward_options(dense="gluon")
-    assert tb._BWD_OPTS["dense"] is None
+    assert tb._BWD_OPTS["dense"] == "auto"
     monkeypatch.setattr(fg, "gluon_available", lambda: False)
     with pytest.raises(ValueError, match="has no usable Gluon Hopper API"):
         tb.set_backward_options(dense="gluon")
     with pytest.raises(ValueError, match="expected a GluonBwdConfig"):
         tb.set_backward_options(gluon=tb.GluonConfig())
-    with pytest.raises(ValueError, match="expected None or 'gluon'"):
+    with pytest.raises(ValueError, match="expected None, 'auto' or 'gluon'"):
         tb.set_backward_options(dense="fa3")
     with pytest.raises(ValueError, match="unknown backward option"):
         tb.set_backward_options(dq="atomic")
