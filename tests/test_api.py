@@ -134,7 +134,7 @@ def test_sdpa_dropout_is_exact_for_its_seed():
 @pytest.mark.parametrize("case, exc, words", [
     ("gqa without enable_gqa", ValueError, "enable_gqa=True"),
     ("gqa not a multiple", ValueError, "multiple"),
-    ("dv", NotImplementedError, "Dv=4"),
+    ("dv too large", ValueError, "Dv=300"),
     ("float bias", NotImplementedError, "score modifiers"),
     ("mask shape", ValueError, "broadcast"),
     ("batch dims", ValueError, "do not broadcast"),
@@ -147,7 +147,7 @@ def test_sdpa_errors(case, exc, words):
     call = {
         "gqa without enable_gqa": lambda: S(q, k, k),
         "gqa not a multiple": lambda: S(q, _rand(2, 3, 16, 8), _rand(2, 3, 16, 8), enable_gqa=True),
-        "dv": lambda: S(q, q, q[..., :4]),
+        "dv too large": lambda: S(q, q, torch.zeros(2, 4, 16, 300, dtype=q.dtype)),
         "float bias": lambda: S(q, q, q, attn_mask=torch.randn(16, 16, dtype=torch.float64)),
         "mask shape": lambda: S(q, q, q, attn_mask=torch.ones(3, 16, 16, dtype=torch.bool)),
         "batch dims": lambda: S(q, _rand(3, 4, 16, 8), _rand(3, 4, 16, 8)),

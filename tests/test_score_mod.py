@@ -46,13 +46,22 @@ def _run(backend, mod, mask, Lq, Lk, dtype, block=16):
 # API
 # ------------------------------------------------------------------------------------------------
 def test_combination_hash_and_serialisation():
-    a = bsfa.alibi(SLOPES) + bsfa.softcap(30.0)
-    b = bsfa.softcap(30) + bsfa.alibi(SLOPES.tolist())
+    a = bsfa.alibi(SLOPES.tolist()) + bsfa.softcap(30.0)
+    b = bsfa.softcap(30) + bsfa.alibi(tuple(SLOPES.tolist()))
     assert a == b and hash(a) == hash(b) and a.kind == 3
-    assert bsfa.alibi(0.5).kind == 1 and bsfa.softcap(5.0).kind == 2
+    assert bsfa.alibi(0.5).kind == 1 and bsfa.softcap(5.0).kind == 2 and bsfa.bias(torch.ones(3)).kind == 8
     assert bsfa.ScoreMod.from_dict(a.to_dict()) == a
     assert str(a) == "alibi([0.5, 0.25, 0.125, 1.0]) + softcap(30.0)"
-    assert a != bsfa.alibi(SLOPES * 2) + bsfa.softcap(30.0)
+    assert a != bsfa.alibi((SLOPES * 2).tolist()) + bsfa.softcap(30.0)
+    # tensors are held by reference: equal (and hashed) by identity, values read at each call
+    t = bsfa.alibi(SLOPES) + bsfa.softcap(30.0)
+    assert t == bsfa.softcap(30.0) + bsfa.alibi(SLOPES) and hash(t) == hash(bsfa.softcap(30.0) + bsfa.alibi(SLOPES))
+    assert t != a and t != bsfa.alibi(SLOPES.clone()) + bsfa.softcap(30.0) and t.slopes is SLOPES
+    assert str(t) == str(a) and bsfa.ScoreMod.from_dict(t.to_dict()) == a
+    bt = torch.zeros(4, 1, 7)
+    m = bsfa.bias(bt) + bsfa.alibi(0.5)
+    assert m.bias is bt and m.kind == 9 and m == bsfa.alibi(0.5) + bsfa.bias(bt) and m != bsfa.bias(bt.clone())
+    assert str(m) == "alibi(0.5) + bias(tensor(shape=(4, 1, 7)))"
     s = bsfa.alibi_slopes(8)
     assert s.shape == (8,) and torch.allclose(s, 2.0 ** (-torch.arange(1, 9, dtype=torch.float32)))
     assert bsfa.alibi_slopes(6).shape == (6,)
@@ -65,7 +74,10 @@ def test_combination_hash_and_serialisation():
     (lambda: bsfa.softcap("3"), TypeError, "cap must be a real"),
     (lambda: bsfa.alibi(torch.tensor([1, 2])), TypeError, "floating-point"),
     (lambda: bsfa.alibi(torch.ones(2, 2)), ValueError, "1-D tensor of length H"),
-    (lambda: bsfa.alibi(torch.ones(2, device="meta")), ValueError, "meta"),
+    (lambda: bsfa.bias([1.0]), TypeError, "must be a torch.Tensor"),
+    (lambda: bsfa.bias(torch.ones(3, dtype=torch.int32)), TypeError, "floating-point"),
+    (lambda: bsfa.bias(torch.ones(3)) + bsfa.bias(torch.ones(3)), ValueError, "two bias"),
+    (lambda: bsfa.score_fn(lambda s, b, h, i, j: s) + bsfa.bias(torch.ones(3)), ValueError, "does not combine"),
     (lambda: bsfa.alibi(float("nan")), ValueError, "finite"),
     (lambda: bsfa.alibi([]), ValueError, "empty"),
     (lambda: bsfa.alibi(0.5) + bsfa.alibi(0.25), ValueError, "two alibi"),
@@ -82,9 +94,14 @@ def test_bad_score_mod_argument():
         bsfa.attention(q, k, v, score_mod=bsfa.alibi([0.1, 0.2, 0.3]), backend="torch")
     with pytest.raises(TypeError, match="score_mod must be a ScoreMod"):
         bsfa.attention(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="torch")
-    with pytest.raises(NotImplementedError, match="score_mod is not supported under torch.compile or on meta"):
-        qm, km, vm = (t.detach().to("meta") for t in (q, k, v))
-        bsfa.attention(qm, km, vm, score_mod=bsfa.softcap(2.0))
+    with pytest.raises(ValueError, match=r"bias\(\) tensor of shape \(3, 8, 8\) does not broadcast to .* \(1, 4, 8, 8\)"):
+        bsfa.attention(q, k, v, score_mod=bsfa.bias(torch.zeros(3, 8, 8, dtype=torch.float64)), backend="torch")
+    with pytest.raises(ValueError, match="does not broadcast"):  # a bias may not enlarge the output
+        bsfa.attention(q, k, v, score_mod=bsfa.bias(torch.zeros(2, 4, 8, 8, dtype=torch.float64)), backend="torch")
+    with pytest.raises(ValueError, match="the bias\(\) tensor is on meta but q is on cpu"):
+        bsfa.attention(q, k, v, score_mod=bsfa.bias(torch.zeros(8, device="meta")), backend="torch")
+    with pytest.raises(ValueError, match="slopes are a meta tensor"):
+        bsfa.attention(q, k, v, score_mod=bsfa.alibi(torch.ones(4, device="meta")), backend="torch")
 
 
 def test_reference_semantics_by_hand():

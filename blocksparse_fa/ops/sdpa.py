@@ -15,7 +15,7 @@ from ..compiler.layout import BlockLayout
 from ..mask.expr import Mask
 from ..mask.primitives import causal, sliding_window, window
 from .api import as_mask, attention, check_align
-from .validate import _check_tensor, _dv_error, bool_mask_to_mask
+from .validate import _check_tensor, bool_mask_to_mask
 
 __all__ = ["scaled_dot_product_attention", "top_left_causal"]
 
@@ -69,14 +69,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
     For the inputs SDPA accepts it computes what SDPA computes, with these exceptions: rows with
     nothing to attend give zeros (and zero gradients; some SDPA backends give NaN), dropout draws
-    a different random pattern from the same distribution, ``Dv != D`` is not supported yet
-    (``NotImplementedError``), and float masks that hold biases rather than ``0``/``-inf`` are
-    refused (masks only: ALiBi and soft-capping are ``score_mod=`` of
-    :func:`blocksparse_fa.attention`).
+    a different random pattern from the same distribution, and float masks that hold biases rather
+    than ``0``/``-inf`` are refused (masks only: additive biases, ALiBi and soft-capping are
+    ``score_mod=`` of :func:`blocksparse_fa.attention`). ``Dv != D`` works as in SDPA (the smaller
+    head dim is zero-padded, see :func:`blocksparse_fa.attention`).
 
     Args:
         query: ``(..., H, Lq, D)`` (at least 2 dims: ``(Lq, D)`` is one head).
-        key, value: ``(..., Hkv, Lk, D)``; leading dims broadcast against query's, as in SDPA.
+        key, value: ``(..., Hkv, Lk, D)`` and ``(..., Hkv, Lk, Dv)``; leading dims broadcast
+            against query's, as in SDPA.
         attn_mask: bool (``True`` = attend) or float (``0``/``-inf``) tensor broadcastable to
             ``(..., H, Lq, Lk)``.
         dropout_p: dropout probability, always applied (pass 0 in evaluation, as with SDPA).
@@ -95,14 +96,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             keeps its own. ``is_causal`` is top-left whatever the alignment.
 
     Returns:
-        ``(..., H, Lq, D)``, the broadcast leading dims and query's dtype.
+        ``(..., H, Lq, Dv)``, the broadcast leading dims and query's dtype.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., L, D), got shape {tuple(t.shape)}")
-    if value.shape[-1] != key.shape[-1]:
-        raise _dv_error(key, value)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     unbatched = query.dim() == 2
