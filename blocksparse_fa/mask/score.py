@@ -229,6 +229,9 @@ def _bias4(t: torch.Tensor, lead: tuple, H: int, Lq: int, Lk: int, device) -> to
                          f"(..., H, Lq, Lk) = {full} (dims of size 1 broadcast; e.g. (1, H, 1, Lk) per head and "
                          f"key, (H, Lq, Lk) per head and position)")
     t = t.reshape((1,) * (len(full) - t.dim()) + tuple(t.shape))
+    for d in range(t.dim()):  # an expanded dim (stride 0) is a broadcast one: read (and sum the gradient) once
+        if t.shape[d] > 1 and t.stride(d) == 0:
+            t = t.narrow(d, 0, 1)
     nb = len(lead)
     tail = tuple(t.shape[nb:])
     if all(n == 1 for n in t.shape[:nb]):
