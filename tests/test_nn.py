@@ -246,7 +246,8 @@ def test_mha_drop_in_matches_torch(batch_first, masks):
                         "attn_mask": torch.zeros(Lq, Lq, dtype=torch.float64).masked_fill(am, -math.inf)},
         "is_causal": {"attn_mask": torch.ones(Lq, Lq, dtype=torch.bool).triu(1), "is_causal": True},
         # float masks holding biases add to the scores (score_mod=bias), with padding
-        "float bias": {"key_padding_mask": kpm, "attn_mask": torch.randn(Lq, Lq, generator=g, dtype=torch.float64)},
+        "float bias": {"key_padding_mask": torch.zeros(B, Lq, dtype=torch.float64).masked_fill(kpm, -math.inf),
+                       "attn_mask": torch.randn(Lq, Lq, generator=g, dtype=torch.float64)},
         "per-head float bias": {"attn_mask": torch.randn(B * H, Lq, Lq, generator=g, dtype=torch.float64)},
     }[masks]
     ref, _ = mha(x, x, x, need_weights=False, **kw)

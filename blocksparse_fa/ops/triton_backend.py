@@ -334,19 +334,22 @@ def _strides4(t: torch.Tensor) -> tuple:
     return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` at a 16-byte aligned address (a copy if needed): the compiled variants, which the
+    direct launcher reuses, assume it of every tensor argument (``ops/launcher.py``)."""
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 def _bias_tensor(bias: torch.Tensor) -> torch.Tensor:
-    """The bias as the kernels read it: float64 as float32, and 16-byte aligned (the compiled
-    variants assume it, as for every tensor argument)."""
+    """The bias as the kernels read it: float64 as float32, 16-byte aligned."""
     bias = bias.detach()
-    if bias.dtype == torch.float64:
-        bias = bias.float()
-    return bias.clone() if bias.data_ptr() % 16 else bias
+    return _aligned(bias.float() if bias.dtype == torch.float64 else bias)
 
 
 def _cap_tensor(cap, device) -> torch.Tensor:
     """The soft-cap as the float32 one-element device tensor the kernels read."""
     if isinstance(cap, torch.Tensor):
-        return cap.detach().to(device=device, dtype=torch.float32).reshape(1)
+        return _aligned(cap.detach().to(device=device, dtype=torch.float32).reshape(1))
     key = (float(cap), device)
     t = _CAPS.get(key)
     if t is None:
@@ -364,7 +367,7 @@ def _score_args(score_mod, H: int, device) -> tuple:
         return ph, ph, ph, 0, 0, 0, 0
     slopes = ph
     if isinstance(score_mod.slopes, torch.Tensor):  # a bound (H,) tensor: values change between calls
-        slopes = score_mod.slopes.detach().to(device=device, dtype=torch.float32).expand(H).contiguous()
+        slopes = _aligned(score_mod.slopes.detach().to(device=device, dtype=torch.float32).expand(H).contiguous())
     elif score_mod.slopes is not None:
         key = (score_mod, H, device)
         slopes = _SLOPES.get(key)
