@@ -5,6 +5,8 @@ and dQ, dK, dV: our error (vs float64) must be at most 2x the error of eager att
 the same low precision (``reference_attention(upcast=False)``) plus a tiny floor. Outputs are
 checked for NaN after poisoning the allocator's memory (an unwritten element shows up as NaN).
 
+Score modifiers are checked the same way, a learned bias' gradient (dBias) included, and ``Dv != D``.
+
 It also records first-call compile times and checks that changing a window size or a sequence
 length does not recompile, except where the new layout falls into another tile class
 (``kernels/config.py``: band, short partial-heavy, partial-heavy) or switches between lengths that
@@ -243,7 +245,7 @@ def main():
     record("bias (B,H,L,L)+softcap dense", 1999, 128, torch.bfloat16, "full, odd L", mask=bsfa.full(), B=2, H=4,
            Hkv=4, Lq=1999, Lk=1999, score_mod=bsfa.softcap(5.0), bias_shape=(2, 4, 1999, 1999))
     record("bias (H,Lq,1)+softcap fp32 bigbird", N, 64, torch.float32, "per-row dBias",
-           mask=bsfa.load_pattern("bigbird"), B=1, H=2, Hkv=2, Lq=N, Lk=N, score_mod=bsfa.softcap(3.0),
+           mask=bsfa.load_pattern("bigbird"), B=1, H=2, Hkv=2, Lq=N, Lk=N, score_mod=bsfa.softcap(1.0),
            bias_shape=(2, N, 1))
     record("bias (1,H,1,Lk) custom op", N, 128, torch.bfloat16, "attention_op", mask=bsfa.load_pattern("bigbird"), B=1,
            H=4, Hkv=2, Lq=N, Lk=N, bias_shape=(1, 4, 1, N), op=True)
