@@ -26,6 +26,7 @@ them: ALiBi slopes and the bias can be learned.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, replace
 from numbers import Real
@@ -209,11 +210,33 @@ class ScoreMod:
             t = self.slopes
             if t.device != torch.device(device) and t.device.type == "meta":
                 raise ValueError(f"score_mod: alibi() slopes are a meta tensor but the inputs are on {device}")
-            t = t.to(device)
+            t = device_copy(t, device)
             out = replace(out, slopes=t.expand(H) if t.numel() == 1 else t)
         if self.bias is not None:
             out = replace(out, bias=_bias4(self.bias, tuple(lead), H, Lq, Lk, device))
         return out
+
+
+_COPIES: "collections.OrderedDict" = collections.OrderedDict()  # (id, version, device) -> (tensor, device copy)
+
+
+def device_copy(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``. A constant host tensor (no grad, eager) is copied once per version and the
+    copy kept: repeated calls, and CUDA graph captures after a first call, copy nothing."""
+    device = torch.device(device)
+    if t.device == device or t.requires_grad or t.device.type != "cpu" or torch.compiler.is_compiling() \
+            or t.is_inference():
+        return t.to(device)
+    key = (id(t), t._version, str(device))
+    hit = _COPIES.get(key)
+    if hit is not None and hit[0] is t:
+        _COPIES.move_to_end(key)
+        return hit[1]
+    copy = t.to(device)
+    _COPIES[key] = (t, copy)
+    while len(_COPIES) > 64:
+        _COPIES.popitem(last=False)
+    return copy
 
 
 def _bias4(t: torch.Tensor, lead: tuple, H: int, Lq: int, Lk: int, device) -> torch.Tensor:

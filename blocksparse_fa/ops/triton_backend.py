@@ -23,7 +23,8 @@ from ..kernels.config import (TileConfig, atomic_bwd_config, band_backward_rows,
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
-from ..mask.score import (ALIBI, BIAS, BIAS_KEYS_BROADCAST, BIAS_ROWS_BROADCAST, DBIAS, DSLOPES, SOFTCAP)
+from ..mask.score import (ALIBI, BIAS, BIAS_KEYS_BROADCAST, BIAS_ROWS_BROADCAST, DBIAS, DSLOPES, SOFTCAP,
+                          device_copy)
 from .launcher import Launch
 from .validate import Shapes
 
@@ -349,7 +350,7 @@ def _bias_tensor(bias: torch.Tensor) -> torch.Tensor:
 def _cap_tensor(cap, device) -> torch.Tensor:
     """The soft-cap as the float32 one-element device tensor the kernels read."""
     if isinstance(cap, torch.Tensor):
-        return _aligned(cap.detach().to(device=device, dtype=torch.float32).reshape(1))
+        return _aligned(device_copy(cap, device).detach().to(torch.float32).reshape(1))
     key = (float(cap), device)
     t = _CAPS.get(key)
     if t is None:
