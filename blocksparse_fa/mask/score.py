@@ -97,7 +97,7 @@ class ScoreMod:
 
     @property
     def tensors(self) -> tuple:
-        """``(slopes, bias)``: the modifier's tensors (None where a term is absent or constant)."""
+        """``(slopes, bias)``: the tensors that can receive gradients (None where absent or constant)."""
         return (self.slopes if isinstance(self.slopes, torch.Tensor) else None), self.bias
 
     def __add__(self, other: "ScoreMod") -> "ScoreMod":
