@@ -5,6 +5,8 @@ and dQ, dK, dV: our error (vs float64) must be at most 2x the error of eager att
 the same low precision (``reference_attention(upcast=False)``) plus a tiny floor. Outputs are
 checked for NaN after poisoning the allocator's memory (an unwritten element shows up as NaN).
 
+Score modifiers are checked the same way, a learned bias' gradient (dBias) included, and ``Dv != D``.
+
 It also records first-call compile times and checks that changing a window size or a sequence
 length does not recompile, except where the new layout falls into another tile class
 (``kernels/config.py``: band, short partial-heavy, partial-heavy) or switches between lengths that
@@ -74,19 +76,32 @@ def patterns(n: int):
     return out
 
 
-def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128, op=False, score_mod=None):
+def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128, op=False, score_mod=None,
+              bias_shape=None, bias_pad=0, Dv=None):
+    """Output and dQ, dK, dV (and dBias with ``bias_shape``: a learned bias of that shape in the
+    inputs' dtype, added to ``score_mod``; ``bias_pad`` keys at the end of sequence 0 get -inf) vs
+    float64; ``Dv``: v's head dim when it differs from ``D``."""
     torch.manual_seed(seed)
+    Dv = D if Dv is None else Dv
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dtype, requires_grad=True)
-    do = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, Lk, Dv, device="cuda", dtype=dtype, requires_grad=True)
+    do = torch.randn(B, H, Lq, Dv, device="cuda", dtype=dtype)
+    ins = [q, k, v]
+    if bias_shape is not None:
+        b = torch.randn(bias_shape, device="cuda") * 2
+        if bias_pad:
+            b[0, ..., Lk - bias_pad:] = float("-inf")
+        b = b.to(dtype).requires_grad_()
+        ins.append(b)
+        score_mod = bsfa.bias(b) if score_mod is None else score_mod + bsfa.bias(b)
     lay = bsfa.compile_mask(mask, Lq, Lk, block, device="cuda")
     poison()
     t0 = time.perf_counter()
     fn = bsfa.attention_op if op else bsfa.attention  # the custom op (nn modules, transformers hook)
     sm = {} if score_mod is None else dict(score_mod=score_mod)
     out = fn(q, k, v, mask, dropout_p=dropout_p, dropout_seed=1234, **sm)  # rewrites apply
-    g = torch.autograd.grad(out, (q, k, v), do)
+    g = torch.autograd.grad(out, ins, do)
     torch.cuda.synchronize()
     t_first = time.perf_counter() - t0
     nan = bool(torch.isnan(out).any() or any(torch.isnan(x).any() for x in g))
@@ -94,11 +109,11 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     mask_dense = lay.to_dense().to("cuda") if Lq * Lk <= 1 << 28 else None
     mk = mask_dense if mask_dense is not None else mask
     ref = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, **sm)
-    gr = torch.autograd.grad(ref, (q, k, v), do.double())
+    gr = torch.autograd.grad(ref, ins, do.double())
     ref_out = ref.detach()
     del ref
     eager = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, upcast=False, **sm)
-    ge = torch.autograd.grad(eager, (q, k, v), do)
+    ge = torch.autograd.grad(eager, ins, do)
     ours = [rel(out, ref_out)] + [rel(a, b) for a, b in zip(g, gr)]
     eag = [rel(eager, ref_out)] + [rel(a, b) for a, b in zip(ge, gr)]
     ok = (not nan) and all(o <= 2 * e + FLOOR for o, e in zip(ours, eag))
@@ -137,7 +152,7 @@ def main():
         rows.append(r)
         flag = "PASS" if r["ok"] else "FAIL"
         print(f"{flag} {name:28s} N={N:6d} D={D:3d} {r['dtype']:8s} {extra:14s} dens={r['density']:.3f} "
-              f"ours O/dQ/dK/dV=" + "/".join(f"{x:.1e}" for x in r["ours"]) +
+              f"ours O/dQ/dK/dV[/dBias]=" + "/".join(f"{x:.1e}" for x in r["ours"]) +
               "  eager=" + "/".join(f"{x:.1e}" for x in r["eager"]) + f"  first={r['first_call_s']:.1f}s", flush=True)
 
     sizes = [(1000, 2), (4096, 2)] if args.quick else [(1000, 4), (4096, 4), (16384, 2)]
@@ -223,14 +238,37 @@ def main():
            Lq=1999, Lk=1999, score_mod=alibi8 + bsfa.softcap(5.0))
     record("softcap fp32 bigbird", N, 64, torch.float32, "fp32", mask=bsfa.load_pattern("bigbird"), B=1, H=2, Hkv=2,
            Lq=N, Lk=N, score_mod=bsfa.softcap(3.0))
-    # new slope and cap values reuse the compiled kernels (only which modifiers are present is a constexpr)
+    # learned biases (dBias checked too): per head and key, relative-position (H, Lq, Lk), padding-like
+    # (B, 1, 1, Lk) with -inf keys, full (B, H, Lq, Lk); with ALiBi and the soft-cap
+    record("bias (1,H,1,Lk)+alibi+softcap causal GQA", N, 128, torch.bfloat16, "dBias", mask=bsfa.causal(), B=2,
+           H=8, Hkv=2, Lq=N, Lk=N, score_mod=alibi8 + bsfa.softcap(30.0), bias_shape=(1, 8, 1, N))
+    record("bias (H,L,L) longformer", N, 64, torch.float16, "rel-pos dBias", mask=bsfa.load_pattern("longformer"), B=1,
+           H=4, Hkv=4, Lq=N, Lk=N, bias_shape=(4, N, N))
+    record("bias (B,1,1,Lk) -inf pad Lq<Lk", 777, 128, torch.bfloat16, "Lq=777,Lk=3001", mask=bsfa.causal()
+           & bsfa.window(500), B=2, H=8, Hkv=2, Lq=777, Lk=3001, bias_shape=(2, 1, 1, 3001), bias_pad=300)
+    record("bias (B,H,L,L)+softcap dense", 1999, 128, torch.bfloat16, "full, odd L", mask=bsfa.full(), B=2, H=4,
+           Hkv=4, Lq=1999, Lk=1999, score_mod=bsfa.softcap(5.0), bias_shape=(2, 4, 1999, 1999))
+    record("bias (H,Lq,1)+softcap fp32 bigbird", N, 64, torch.float32, "per-row dBias",
+           mask=bsfa.load_pattern("bigbird"), B=1, H=2, Hkv=2, Lq=N, Lk=N, score_mod=bsfa.softcap(1.0),
+           bias_shape=(2, N, 1))
+    record("bias (1,H,1,Lk) custom op", N, 128, torch.bfloat16, "attention_op", mask=bsfa.load_pattern("bigbird"), B=1,
+           H=4, Hkv=2, Lq=N, Lk=N, bias_shape=(1, 4, 1, N), op=True)
+    # v with its own head dim (zero-padded to one head dim at the entry points)
+    record("Dv<D causal GQA", N, 128, torch.bfloat16, "Dv=64", mask=bsfa.causal(), B=2, H=8, Hkv=2, Lq=N, Lk=N, Dv=64)
+    record("Dv>D longformer Lq<Lk", 777, 64, torch.bfloat16, "Dv=128", mask=bsfa.load_pattern("longformer"), B=1,
+           H=4, Hkv=4, Lq=777, Lk=3001, Dv=128)
+    # new slope, cap and bias values reuse the compiled kernels (only which modifiers are present is a constexpr)
     qs = torch.randn(1, 8, N, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bs = torch.randn(1, 8, 1, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     bsfa.attention(qs, qs, qs, bsfa.causal(), score_mod=alibi8 + bsfa.softcap(30.0)).sum().backward()
+    bsfa.attention(qs, qs, qs, bsfa.causal(), score_mod=bsfa.bias(bs) + bsfa.softcap(30.0)).sum().backward()
     torch.cuda.synchronize()
     sm_before = [n_compiled(f) for f in (_attn_fwd, _attn_bwd)]
     for scale in (0.5, 2.0):
         mod = bsfa.alibi(bsfa.alibi_slopes(8) * scale) + bsfa.softcap(30.0 * scale)
         bsfa.attention(qs, qs, qs, bsfa.causal(), score_mod=mod).sum().backward()
+        bnew = (torch.randn_like(bs) * scale).requires_grad_()
+        bsfa.attention(qs, qs, qs, bsfa.causal(), score_mod=bsfa.bias(bnew) + bsfa.softcap(30.0 * scale)).sum().backward()
     torch.cuda.synchronize()
     sm_after = [n_compiled(f) for f in (_attn_fwd, _attn_bwd)]
     sm_recompiles = sum(sm_after) - sum(sm_before)
@@ -277,7 +315,7 @@ def main():
                    recompiles_on_score_mod_values=sm_recompiles, n_fail=n_fail)
     with open(os.path.join(args.out, "validate_gpu.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    md = ["| result | pattern | N | D | dtype | case | density | ours O/dQ/dK/dV | eager O/dQ/dK/dV | first call s |",
+    md = ["| result | pattern | N | D | dtype | case | density | ours O/dQ/dK/dV[/dBias] | eager O/dQ/dK/dV[/dBias] | first call s |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {'PASS' if r['ok'] else 'FAIL'} | {r['pattern']} | {r['N']} | {r['D']} | {r['dtype']} | {r['extra']} | "

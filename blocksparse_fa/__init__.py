@@ -19,7 +19,7 @@ from .mask import (
     shift, strided, summary, window,
 )
 
-from .mask.score import ScoreMod, alibi, alibi_slopes, score_fn, softcap
+from .mask.score import ScoreMod, alibi, alibi_slopes, bias, score_fn, softcap
 from .compiler import BlockLayout, compile_mask
 from .ops import attention, dropout_keep_mask, last_backend, reference_attention, scaled_dot_product_attention
 from .ops.merge import merge_attention
@@ -33,7 +33,7 @@ __all__ = [
     "full", "causal", "window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm",
     "summary", "document", "random_blocks", "block_mask", "dense_mask", "chunk_band", "key_range", "query_range",
     "key_set", "query_set", "periodic_window", "neighborhood", "sliding_tiles", "mask_mod", "per_head", "per_batch", "shift",
-    "ScoreMod", "alibi", "alibi_slopes", "score_fn", "softcap",
+    "ScoreMod", "alibi", "alibi_slopes", "bias", "score_fn", "softcap",
 ]
 
 _LAZY = {"attention_op": ".ops.custom_op", "register_mask": ".ops.custom_op", "nn": ".nn"}

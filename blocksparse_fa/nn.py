@@ -4,8 +4,8 @@ Two modules, two levels:
 
 * :class:`BlockSparseAttention` is the *attention core*: it takes already projected ``q, k, v``
   ``(B, H, L, D)`` (``k``/``v`` may have fewer heads: GQA/MQA) and returns ``(B, H, Lq, D)``. It owns
-  no parameters, so it drops into any existing attention block in place of
-  ``F.scaled_dot_product_attention``.
+  no parameters of its own (a score modifier's learnable tensors, if given, are registered on it),
+  so it drops into any existing attention block in place of ``F.scaled_dot_product_attention``.
 * :class:`BlockSparseMultiheadAttention` is a complete layer: input/output projections, grouped-query
   attention (``num_kv_heads``), optional rotary position embeddings, attention dropout, and the core
   above. Input and output are ``(B, L, embed_dim)`` (batch first; ``batch_first=False`` takes
@@ -27,8 +27,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dataclasses import replace
+
 from .compiler.layout import BlockLayout
 from .mask.primitives import dense_mask, key_set
+from .mask.score import ScoreMod, bias as _bias
 from .ops.api import as_mask, check_align
 from .ops.custom_op import attention_op, register_mask, registry
 from .ops.sdpa import top_left_causal
@@ -58,13 +61,21 @@ class BlockSparseAttention(nn.Module):
             sequence split across the group (self-attention), computed by
             :func:`blocksparse_fa.distributed.context_parallel_attention`; pass the sharding's plan
             as ``forward(..., cp_plan=plan)`` (default: contiguous shards in rank order).
+        score_mod: a score modifier applied on every call (:func:`~blocksparse_fa.alibi`,
+            :func:`~blocksparse_fa.bias`, :func:`~blocksparse_fa.softcap` or a sum). Its tensors are
+            registered on the module: an ``nn.Parameter`` (learned ALiBi slopes, a learned bias) as
+            the parameter ``score_slopes`` / ``score_bias`` (it gets gradients and the optimizer
+            sees it), any other tensor as a non-persistent buffer (it moves with ``.to()``).
+            ``forward(..., score_mod=)`` adds a per-call modifier to it. Not with
+            ``context_parallel``.
 
     Shapes:
-        q ``(B, H, Lq, D)``, k/v ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0`` -> ``(B, H, Lq, D)``.
+        q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` with ``H % Hkv == 0`` ->
+        ``(B, H, Lq, Dv)``.
     """
 
     def __init__(self, mask=None, *, block_size=None, scale=None, dropout: float = 0.0, backend: str = "auto",
-                 align: str | None = None, context_parallel=None):
+                 align: str | None = None, context_parallel=None, score_mod=None):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
@@ -76,6 +87,28 @@ class BlockSparseAttention(nn.Module):
         self.dropout = float(dropout)
         self.backend = backend
         self.context_parallel = context_parallel
+        self._score_mod = _register_score_mod(self, score_mod)
+        if self._score_mod is not None and context_parallel is not None:
+            raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
+
+    @property
+    def score_mod(self) -> ScoreMod | None:
+        """The module's score modifier, with its registered (current) tensors."""
+        mod = self.__dict__.get("_score_mod")
+        if mod is None:
+            return None
+        get = lambda name, t: getattr(self, name) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return replace(mod, slopes=get("score_slopes", mod.slopes), cap=get("score_cap", mod.cap),
+                       bias=get("score_bias", mod.bias))
+
+    def _call_score_mod(self, score_mod):
+        mod = self.score_mod
+        if score_mod is None:
+            return mod
+        if not isinstance(score_mod, ScoreMod):
+            raise TypeError(f"score_mod must be a ScoreMod (blocksparse_fa.alibi(...), bias(...), softcap(...), or "
+                            f"a sum) or None, got {type(score_mod).__name__}")
+        return score_mod if mod is None else mod + score_mod
 
     def __setstate__(self, state):  # copy.deepcopy / unpickling: the copy registers and pins its own handle
         super().__setstate__(state)
@@ -86,9 +119,13 @@ class BlockSparseAttention(nn.Module):
         """The compiled layout for these lengths and device (cached per ``(q_len, kv_len, device)``)."""
         return registry.layout(self.handle, q_len, kv_len, device, self.align)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, cp_plan=None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, cp_plan=None,
+                score_mod=None):
         p = self.dropout if self.training else 0.0
+        mod = self._call_score_mod(score_mod)
         if getattr(self, "context_parallel", None) is not None:
+            if mod is not None:
+                raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
             from .distributed import context_parallel_attention
 
             m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
@@ -99,12 +136,32 @@ class BlockSparseAttention(nn.Module):
         if cp_plan is not None:
             raise ValueError("cp_plan needs a module built with context_parallel=<process group or mesh>")
         return attention_op(q, k, v, self.handle, scale=self.scale, dropout_p=p, return_lse=return_lse,
-                            backend=self.backend, align=self.align)
+                            backend=self.backend, align=self.align, score_mod=mod)
 
     def extra_repr(self) -> str:
         m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
         al = "" if self.align == "bottom_right" else f", align={self.align!r}"
-        return f"mask={str(m)!r}, block_size={self.block_size}, dropout={self.dropout}{al}"
+        sm = "" if self.__dict__.get("_score_mod") is None else f", score_mod={str(self.score_mod)!r}"
+        return f"mask={str(m)!r}, block_size={self.block_size}, dropout={self.dropout}{al}{sm}"
+
+
+def _register_score_mod(module: nn.Module, score_mod) -> ScoreMod | None:
+    """Register a score modifier's tensors on ``module`` (parameters stay parameters, other tensors
+    become non-persistent buffers); returns the modifier (None for none)."""
+    if score_mod is None:
+        return None
+    if not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a ScoreMod (blocksparse_fa.alibi(...), bias(...), softcap(...), or a "
+                        f"sum) or None, got {type(score_mod).__name__}")
+    if score_mod.fn is not None:
+        raise ValueError("score_mod: the nn modules run through the custom op, which takes alibi(), bias() and "
+                         "softcap(); a score_fn() callable runs with blocksparse_fa.attention(backend='torch')")
+    for name, t in (("score_slopes", score_mod.slopes), ("score_cap", score_mod.cap), ("score_bias", score_mod.bias)):
+        if isinstance(t, nn.Parameter):
+            module.register_parameter(name, t)
+        elif isinstance(t, torch.Tensor):
+            module.register_buffer(name, t, persistent=False)
+    return score_mod
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -121,6 +178,13 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0
 
 def _version(t):
     return None if t is None else (id(t), None if t.is_inference() else t._version, tuple(t.shape))
+
+
+def _is_additive_bias(attn_mask: torch.Tensor) -> bool:
+    """A float ``attn_mask`` with values other than ``0``/``-inf`` (read: this breaks a compiled graph)."""
+    if not attn_mask.dtype.is_floating_point or attn_mask.device.type == "meta":
+        return False
+    return not bool(((attn_mask == 0) | torch.isneginf(attn_mask)).all())
 
 
 def _mha_masks(key_padding_mask, attn_mask, B: int, H: int, Lq: int, Lk: int, device) -> list:
@@ -164,7 +228,9 @@ class BlockSparseMultiheadAttention(nn.Module):
         head_dim: per-head width (default ``E // H``).
         rotary: apply rotary position embeddings to q and k (at the query positions ``align`` gives).
         rope_base: rotary base frequency.
-        block_size, scale, backend, align, context_parallel: as in :class:`BlockSparseAttention`. With
+        block_size, scale, backend, align, context_parallel, score_mod: as in
+            :class:`BlockSparseAttention` (e.g. ``score_mod=bsfa.alibi(nn.Parameter(...))`` learns
+            per-head ALiBi slopes; its tensors are registered on the inner ``attn`` module). With
             ``context_parallel``, the input is this rank's shard of the sequence (pass its plan as
             ``cp_plan=``; rotary positions are the plan's global token indices); self-attention
             only (no ``key``/``value``/``context``, no masks given as tensors).
@@ -183,7 +249,9 @@ class BlockSparseMultiheadAttention(nn.Module):
       ``attn_mask`` ``(Lq, Lk)`` or ``(B * H, Lq, Lk)`` (``True`` = *not* allowed, torch's MHA
       convention; float masks of ``0``/``-inf`` too) are intersected with the pattern exactly:
       padded keys are never attended (``~key_set(padded positions)``, ``O(B · Lk)``), and rows left
-      with no key output zeros. ``is_causal=True`` adds a causal mask (top-left aligned, as
+      with no key output zeros. A float ``attn_mask`` holding other values than ``0``/``-inf`` is an
+      additive bias, as in torch: it runs as :func:`~blocksparse_fa.bias` (every block visited).
+      ``is_causal=True`` adds a causal mask (top-left aligned, as
       torch's). The attention weights are never materialised, so ``need_weights=True`` raises; the
       second element is always ``None``. Masks given as tensors are rebuilt when the tensors change
       (an ``attn_mask`` is stored as one bit per element); building them reads tensor values, so
@@ -194,7 +262,7 @@ class BlockSparseMultiheadAttention(nn.Module):
                  bias: bool = False, dropout: float = 0.0, *, head_dim: int | None = None, rotary: bool = False,
                  rope_base: float = 10000.0, block_size=None, scale=None, backend: str = "auto",
                  batch_first: bool = True, kdim: int | None = None, vdim: int | None = None,
-                 align: str | None = None, context_parallel=None, device=None, dtype=None):
+                 align: str | None = None, context_parallel=None, score_mod=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -214,7 +282,7 @@ class BlockSparseMultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, bias=bias, **fk)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **fk)
         self.attn = BlockSparseAttention(mask, block_size=block_size, scale=scale, dropout=dropout, backend=backend,
-                                         align=align, context_parallel=context_parallel)
+                                         align=align, context_parallel=context_parallel, score_mod=score_mod)
         self._tensor_mask = _OneEntry()
 
     @classmethod
@@ -289,7 +357,7 @@ class BlockSparseMultiheadAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = False,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True, is_causal: bool = False,
-                *, cp_plan=None):
+                *, cp_plan=None, score_mod=None):
         cp = getattr(self.attn, "context_parallel", None)
         if cp is not None and (key is not None or value is not None or key_padding_mask is not None
                                or attn_mask is not None or is_causal):
@@ -325,20 +393,27 @@ class BlockSparseMultiheadAttention(nn.Module):
             if self.rotary:
                 pos = plan.indices(_rank(cp), x.device)
                 q, k = apply_rotary(q, pos, self.rope_base), apply_rotary(k, pos, self.rope_base)
-            o = self.attn(q, k, v, cp_plan=plan)
+            o = self.attn(q, k, v, cp_plan=plan, score_mod=score_mod)
             out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
             return out.transpose(0, 1) if not self.batch_first else out
         if self.rotary:
             q0 = Lk - Lq if self.attn.align == "bottom_right" else 0
             q = apply_rotary(q, torch.arange(q0, q0 + Lq, device=x.device), self.rope_base)
             k = apply_rotary(k, torch.arange(Lk, device=x.device), self.rope_base)
+        if attn_mask is not None and _is_additive_bias(attn_mask):  # torch's float masks add to the scores
+            if tuple(attn_mask.shape) not in ((Lq, Lk), (B * self.num_heads, Lq, Lk)):
+                raise ValueError(f"attn_mask must have shape (L, S) = {(Lq, Lk)} or (N * num_heads, L, S) = "
+                                 f"{(B * self.num_heads, Lq, Lk)}, got {tuple(attn_mask.shape)}")
+            b = attn_mask if attn_mask.dim() == 2 else attn_mask.reshape(B, self.num_heads, Lq, Lk)
+            score_mod = _bias(b.to(x.device)) if score_mod is None else _bias(b.to(x.device)) + score_mod
+            attn_mask = None
         m, bs = self._mask_with(key_padding_mask, attn_mask, is_causal, B, Lq, Lk, x.device)
         if bs is None:
-            o = self.attn(q, k, v)
+            o = self.attn(q, k, v, score_mod=score_mod)
         else:
             p = self.attn.dropout if self.training else 0.0
             o = attention_op(q, k, v, m, scale=self.attn.scale, dropout_p=p, backend=self.attn.backend, block_size=bs,
-                             align=self.attn.align)
+                             align=self.attn.align, score_mod=self.attn._call_score_mod(score_mod))
         out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
         if not self.batch_first:
             out = out.transpose(0, 1)

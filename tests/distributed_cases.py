@@ -21,8 +21,9 @@ GLOO_TIMEOUT = 30
 def _inputs(case, N, dtype):
     g = torch.Generator().manual_seed(case.get("seed", 0))
     B, H, Hkv, D = case.get("B", 1), case.get("H", 2), case.get("Hkv", 2), case.get("D", 8)
+    Dv = case.get("Dv", D)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
-    return mk(B, H, N, D), mk(B, Hkv, N, D), mk(B, Hkv, N, D), mk(B, H, N, D)
+    return mk(B, H, N, D), mk(B, Hkv, N, D), mk(B, Hkv, N, Dv), mk(B, H, N, Dv)
 
 
 def _max_err(a, b) -> float:

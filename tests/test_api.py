@@ -66,6 +66,12 @@ SDPA_CASES = {
     "is_causal gqa 3-D scale": ((4, 50, 8), (2, 70, 8), {"is_causal": True, "enable_gqa": True, "scale": 0.3}),
     "is_causal and mask": ((1, 2, 40, 8), (1, 2, 60, 8), {"is_causal": True,
                                                           "attn_mask": lambda: torch.rand(40, 60) < 0.5}),
+    # v with its own head dim (zero-padded inside), and float masks holding biases (score_mod=bias)
+    "Dv > D gqa": ((2, 4, 33, 8), (2, 2, 33, 8), {"enable_gqa": True, "v_dim": 13}),
+    "Dv < D is_causal Lq > Lk": ((1, 2, 45, 16), (1, 2, 29, 16), {"is_causal": True, "v_dim": 5}),
+    "float bias": ((2, 2, 37, 8), (2, 2, 41, 8), {"attn_mask": lambda: torch.randn(2, 1, 37, 41, dtype=torch.float64)}),
+    "float bias with -inf, is_causal": ((1, 2, 40, 8), (1, 2, 40, 8), {"is_causal": True, "attn_mask": lambda: (
+        torch.randn(40, 40, dtype=torch.float64).masked_fill(torch.rand(40, 40) < 0.3, float("-inf")))}),
 }
 
 
@@ -80,7 +86,9 @@ def _neg_inf(keep):
 
 def _sdpa_inputs(name):
     qs, ks, kw = SDPA_CASES[name]
-    q, k, v = _rand(*qs, seed=1), _rand(*ks, seed=2), _rand(*ks, seed=3)
+    kw = dict(kw)
+    dv = kw.pop("v_dim", ks[-1])
+    q, k, v = _rand(*qs, seed=1), _rand(*ks, seed=2), _rand(*ks[:-1], dv, seed=3)
     torch.manual_seed(4)
     kw = {a: (b() if callable(b) else b) for a, b in kw.items()}
     return (q, k, v), kw
@@ -93,7 +101,8 @@ def test_sdpa_matches_torch(name, path, cpu_path):
     (q, k, v), kw = _sdpa_inputs(name)
     ref = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kw), (q, k, v))
     got = _grads(lambda q, k, v: bsfa.scaled_dot_product_attention(q, k, v, block_size=16, **kw), (q, k, v))
-    assert bsfa.last_backend() == ("dense" if path == "dense" else "torch")
+    # a bias (score modifier) runs the block walk: the dense path has no modifiers
+    assert bsfa.last_backend() == ("dense" if path == "dense" and "bias" not in name else "torch")
     _assert_same(got, ref, 1e-10)
 
 
@@ -134,8 +143,8 @@ def test_sdpa_dropout_is_exact_for_its_seed():
 @pytest.mark.parametrize("case, exc, words", [
     ("gqa without enable_gqa", ValueError, "enable_gqa=True"),
     ("gqa not a multiple", ValueError, "multiple"),
-    ("dv", NotImplementedError, "Dv=4"),
-    ("float bias", NotImplementedError, "score modifiers"),
+    ("dv too large", ValueError, "Dv=300"),
+    ("float bias shape", ValueError, "does not broadcast"),
     ("mask shape", ValueError, "broadcast"),
     ("batch dims", ValueError, "do not broadcast"),
     ("1-D", ValueError, "at least 2"),
@@ -147,8 +156,8 @@ def test_sdpa_errors(case, exc, words):
     call = {
         "gqa without enable_gqa": lambda: S(q, k, k),
         "gqa not a multiple": lambda: S(q, _rand(2, 3, 16, 8), _rand(2, 3, 16, 8), enable_gqa=True),
-        "dv": lambda: S(q, q, q[..., :4]),
-        "float bias": lambda: S(q, q, q, attn_mask=torch.randn(16, 16, dtype=torch.float64)),
+        "dv too large": lambda: S(q, q, torch.zeros(2, 4, 16, 300, dtype=q.dtype)),
+        "float bias shape": lambda: S(q, q, q, attn_mask=torch.randn(3, 16, 16, dtype=torch.float64)),
         "mask shape": lambda: S(q, q, q, attn_mask=torch.ones(3, 16, 16, dtype=torch.bool)),
         "batch dims": lambda: S(q, _rand(3, 4, 16, 8), _rand(3, 4, 16, 8)),
         "1-D": lambda: S(q[0, 0, 0], q, q),

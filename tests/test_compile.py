@@ -124,3 +124,41 @@ def test_document_mask_built_inside_from_step_tensors():
         for a, b in zip(got, want):
             assert rel_err(a, b) < 1e-6
     assert len(frames) == 1
+
+
+def test_score_mod_fullgraph_values_do_not_recompile():
+    """ALiBi slopes, a bias and a soft-cap built inside the compiled function (forward and backward,
+    gradients to q, k, v, the slopes and the bias, v with its own head dim) match eager; new slope
+    and bias tensors never recompile, a new float cap at most once (Dynamo then traces it as
+    dynamic) and a cap given as a tensor never."""
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    def f(q, k, v, slopes, b, cap):
+        mod = bsfa.alibi(slopes) + bsfa.bias(b) + bsfa.softcap(cap)
+        return bsfa.attention(q, k, v, MASK, block_size=16, score_mod=mod)
+
+    cf = torch.compile(f, fullgraph=True, backend=backend)
+    q, k, _ = _qkv(L=64)
+    v = torch.randn(1, 2, 64, 24, requires_grad=True)
+    counts = []
+    for i, cap in enumerate((2.0, 3.0, 4.0, torch.tensor(5.0), torch.tensor(6.0))):
+        slopes = (torch.rand(4) * (i + 1)).requires_grad_()
+        b = torch.randn(4, 1, 64).requires_grad_()
+        ins = (q, k, v, slopes, b)
+        got, want = _run_mod(cf, ins, cap), _run_mod(f, ins, cap)
+        for a, c in zip(got, want):
+            assert rel_err(a, c) < 1e-6
+        counts.append(len(frames))
+    assert counts[0] == 1 and counts[2] - counts[0] <= 1  # floats: one recompile when the value first changes
+    assert counts[4] - counts[3] == 0 and counts[-1] <= 3  # tensors: none
+
+
+def _run_mod(fn, ins, cap):
+    out = fn(*ins, cap)
+    do = torch.ones_like(out) * 0.5 + torch.linspace(0, 1, out.shape[-1])
+    return (out, *torch.autograd.grad(out, ins, do))

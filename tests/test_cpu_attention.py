@@ -320,7 +320,7 @@ def _bad_calls():
         ("q 3-D, k 4-D", lambda: A(q[0], k, v), ValueError, "leading"),
         ("k 5-D", lambda: A(q, k[None], v), ValueError, "k"),
         ("q 2-D", lambda: A(q[0, 0], k[0, 0], v[0, 0]), ValueError, "at least 3"),
-        ("v head dim", lambda: A(q, k, v[..., :4]), NotImplementedError, "Dv=4"),
+        ("v head dim", lambda: A(q, k, torch.zeros(1, 2, 32, 257)), ValueError, "Dv=257"),
         ("enable_gqa", lambda: A(*_qkv(H=4, Hkv=2), enable_gqa=False), ValueError, "enable_gqa"),
         ("bool mask shape", lambda: A(q, k, v, mask=torch.ones(3, 32, 32, dtype=torch.bool)), ValueError,
          "broadcast"),

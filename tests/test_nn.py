@@ -37,6 +37,65 @@ def test_core_matches_reference_gqa():
     assert "window(9)" in repr(attn)
 
 
+def test_core_learnable_score_mod_and_dv():
+    """A score modifier with learnable ALiBi slopes and bias (nn.Parameters) registered on the
+    module: outputs and every gradient (q, k, v, slopes, bias) match the float64 reference; a
+    per-call modifier adds to it; v has its own head dim; CP refuses modifiers."""
+    g = torch.Generator().manual_seed(0)
+    H, L = 4, 45
+    q = torch.randn(2, H, L, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, L, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, L, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    slopes = torch.nn.Parameter(bsfa.alibi_slopes(H).double())
+    rel = torch.nn.Parameter(torch.randn(H, L, L, generator=g, dtype=torch.float64))
+    attn = BlockSparseAttention(PATTERN, block_size=16, score_mod=bsfa.alibi(slopes) + bsfa.bias(rel))
+    assert dict(attn.named_parameters()) == {"score_slopes": slopes, "score_bias": rel}
+    assert "score_mod='alibi(" in repr(attn)
+    out = attn(q, k, v, score_mod=bsfa.softcap(3.0))
+    mod = bsfa.alibi(slopes) + bsfa.bias(rel) + bsfa.softcap(3.0)
+    ref = bsfa.reference_attention(q, k, v, PATTERN, score_mod=mod)
+    assert out.shape == (2, H, L, 11) and rel_err(out, ref) < 1e-12
+    params = (q, k, v, slopes, rel)
+    for a, b in zip(_grads(out, params), _grads(ref, params)):
+        assert rel_err(a, b) < 1e-12
+    with pytest.raises(ValueError, match="two bias"):  # one bias per call: add the tensors
+        attn(q, k, v, score_mod=bsfa.bias(torch.zeros(L, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="score_fn"):
+        BlockSparseAttention(PATTERN, score_mod=bsfa.score_fn(lambda s, b, h, i, j: s))
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        BlockSparseAttention(PATTERN, score_mod=bsfa.softcap(2.0), context_parallel=object())
+
+
+def test_mha_learnable_alibi_trains_under_compile():
+    """``BlockSparseMultiheadAttention(score_mod=alibi(nn.Parameter))``: the slopes are a parameter of
+    the layer, get gradients under ``torch.compile(fullgraph=True)`` equal to eager ones, and new
+    values after an optimizer step reuse the compiled graph."""
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    torch.manual_seed(0)
+    slopes = torch.nn.Parameter(bsfa.alibi_slopes(4).double())
+    m = BlockSparseMultiheadAttention(32, 4, PATTERN, num_kv_heads=2, block_size=16, dtype=torch.float64,
+                                      score_mod=bsfa.alibi(slopes) + bsfa.softcap(5.0))
+    assert any(p is slopes for p in m.parameters())
+    cm = torch.compile(m, fullgraph=True, backend=backend)
+    x = torch.randn(2, 45, 32, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(2):
+        out, ref = cm(x), m(x)
+        assert rel_err(out, ref) < 1e-13
+        got, want = _grads(out, (x, slopes)), _grads(ref, (x, slopes))
+        assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, want)) and got[1].abs().sum() > 0
+        opt.zero_grad()
+        cm(x).sum().backward()
+        opt.step()
+    assert len(frames) == 1
+
+
 def test_core_caches_layouts_per_length_and_device():
     attn = BlockSparseAttention(bsfa.causal() & bsfa.window(5), block_size=8)
     a = attn.layout(40)
@@ -166,7 +225,7 @@ def _torch_mha(E=32, H=4, batch_first=False, kdim=None, vdim=None, seed=0):
 
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("masks", ["none", "padding", "padding+attn_mask", "per-head attn_mask", "float masks",
-                                   "is_causal"])
+                                   "is_causal", "float bias", "per-head float bias"])
 def test_mha_drop_in_matches_torch(batch_first, masks):
     B, Lq, E, H = 3, 21, 32, 4
     mha = _torch_mha(E, H, batch_first)
@@ -186,6 +245,10 @@ def test_mha_drop_in_matches_torch(batch_first, masks):
         "float masks": {"key_padding_mask": torch.zeros(B, Lq, dtype=torch.float64).masked_fill(kpm, -math.inf),
                         "attn_mask": torch.zeros(Lq, Lq, dtype=torch.float64).masked_fill(am, -math.inf)},
         "is_causal": {"attn_mask": torch.ones(Lq, Lq, dtype=torch.bool).triu(1), "is_causal": True},
+        # float masks holding biases add to the scores (score_mod=bias), with padding
+        "float bias": {"key_padding_mask": torch.zeros(B, Lq, dtype=torch.float64).masked_fill(kpm, -math.inf),
+                       "attn_mask": torch.randn(Lq, Lq, generator=g, dtype=torch.float64)},
+        "per-head float bias": {"attn_mask": torch.randn(B * H, Lq, Lq, generator=g, dtype=torch.float64)},
     }[masks]
     ref, _ = mha(x, x, x, need_weights=False, **kw)
     out, weights = ours(x, x, x, **kw)
@@ -253,8 +316,10 @@ def test_mha_call_forms_and_errors():
         m(x, x, x, key_padding_mask=torch.zeros(2, 11, dtype=torch.bool))
     with pytest.raises(ValueError, match="attn_mask"):
         m(x, x, x, attn_mask=torch.zeros(3, 12, 12, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="additive"):
-        m(x, x, x, attn_mask=torch.randn(12, 12, dtype=torch.float64))
+    with pytest.raises(ValueError, match="attn_mask must have shape"):  # a float bias of the wrong shape
+        m(x, x, x, attn_mask=torch.randn(3, 12, 12, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match="additive"):  # padding masks only mask
+        m(x, x, x, key_padding_mask=torch.randn(2, 12, dtype=torch.float64))
     with pytest.raises(NotImplementedError, match="add_bias_kv"):
         BlockSparseMultiheadAttention.from_torch(torch.nn.MultiheadAttention(16, 2, add_bias_kv=True))
     lf = BlockSparseMultiheadAttention(16, 2, batch_first=False)

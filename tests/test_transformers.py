@@ -117,6 +117,55 @@ def test_generate_with_cache_and_left_padding_matches_sdpa(registered):
     assert torch.equal(a, b)
 
 
+def test_gemma2_softcap_matches_eager(registered):
+    """Gemma 2 passes ``softcap=`` (attn_logit_softcapping) to the attention function: it runs as the
+    fused soft-cap and matches the model's eager attention (which takes its softmax in float32);
+    the same model without the soft-cap gives other logits."""
+    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+                                    attn_logit_softcapping=0.5, final_logit_softcapping=None, sliding_window=8,
+                                    query_pre_attn_scalar=16, initializer_range=0.2)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager",
+                                                        dtype=torch.float32)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="blocksparse",
+                                                         dtype=torch.float32)
+    ours.load_state_dict(ref.state_dict())
+    ids, _, labels = batch(False, L=40)
+    la, ga = logits_and_grads(ref, ids, None, labels)
+    lb, gb = logits_and_grads(ours, ids, None, labels)
+    assert rel_err(lb, la) < 1e-5
+    for a, b in zip(ga, gb):
+        assert rel_err(b, a) < 1e-4
+    for layer in ref.model.layers:  # the reference without its soft-cap
+        layer.self_attn.attn_logit_softcapping = None
+    lc, _ = logits_and_grads(ref, ids, None, labels)
+    assert rel_err(lc, la) > 1e-2
+
+
+def test_register_score_mod_for_every_layer():
+    """``register(score_mod=)``: ALiBi on every layer of a Llama equals the eager model with the same
+    biases given as an additive 4D mask; context parallelism refuses it."""
+    import blocksparse_fa as bsfa
+
+    H, L = 4, 30
+    slopes = bsfa.alibi_slopes(H).double()
+    register("causal", name="bsfa_alibi", block_size=16, score_mod=bsfa.alibi(slopes))
+    try:
+        ref, ours = model_pair("bsfa_alibi", torch.float64)
+        ids, _, labels = batch(False, L=L)
+        i = torch.arange(L)
+        alibi = slopes.view(1, H, 1, 1) * (i.view(1, -1) - i.view(-1, 1))
+        additive = alibi.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf")).expand(2, H, L, L)
+        la, _ = logits_and_grads(ref, ids, additive, labels)  # SDPA with the ALiBi biases as its float mask
+        lb, _ = logits_and_grads(ours, ids, None, labels)
+        assert rel_err(lb, la) < 1e-12
+    finally:
+        unregister("bsfa_alibi")
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        register("causal", name="bsfa_cp", context_parallel=object(), score_mod=bsfa.softcap(2.0))
+
+
 def test_key_padding_ids():
     valid = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     ids = key_padding_ids(valid)

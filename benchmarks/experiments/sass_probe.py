@@ -55,8 +55,9 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
     types.update({n: "*i32" for n in ("FULL_PTR", "FULL_IDX", "PART_PTR", "PART_IDX", "PARAMS", "AUX", "WORK",
                                       "RFULL_PTR", "RFULL_IDX", "RPART_PTR", "RPART_IDX", "CFULL_PTR", "CFULL_IDX",
                                       "CPART_PTR", "CPART_IDX", "KV_WORK", "Q_WORK", "QPOS", "KPOS")})
-    types.update({n: "fp32" for n in ("qk_scale", "sm_scale", "drop_scale", "scale", "softcap")})
-    types["SLOPES"] = "*fp32"
+    types.update({n: "fp32" for n in ("qk_scale", "sm_scale", "drop_scale", "scale")})
+    types.update({n: "*fp32" for n in ("SLOPES", "SOFTCAP", "DBIAS", "DSLOPES")})
+    types["BIAS"] = ptr
     consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=False, USE_WORK=True, HEAD_DIM=d, HEAD_DIM_PAD=d,
                   BLOCK_M=bm, BLOCK_N=bn, LAYOUT_BM=128, LAYOUT_BN=128, DOT_PRECISION="tf32",
                   STAGES=stages, MASKED_STAGES=stages if masked_stages is None else masked_stages,

@@ -11,7 +11,8 @@ from ..compiler.cache import LRUCache
 from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..ops.api import draw_seed, resolve_backend
-from ..ops.validate import check_qkv, check_scalars
+from ..ops.dispatch import pad_head_dims, slice_head_dim
+from ..ops.validate import MAX_HEAD_DIM, check_qkv, check_scalars
 from .attention import cp_backward, cp_forward
 from .comm import check_call, resolve_group
 from .exchange import exchange_for
@@ -76,7 +77,8 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
 
     Args:
         q: ``(B, H, L_r, D)``, this rank's queries.
-        k, v: ``(B, Hkv, L_r, D)`` of the same tokens (self-attention; ``H % Hkv == 0``).
+        k, v: ``(B, Hkv, L_r, D)`` and ``(B, Hkv, L_r, Dv)`` of the same tokens (self-attention;
+            ``H % Hkv == 0``; ``Dv != D`` is zero-padded as in :func:`blocksparse_fa.attention`).
         mask: the mask (a :class:`~blocksparse_fa.Mask`, DSL text or None = dense) when no plan
             is given; with a plan it must be the plan's mask or None.
         plan: a :class:`ContextParallelPlan` made for this group's size.
@@ -93,6 +95,15 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
         ``out`` ``(B, H, L_r, D)`` (and ``lse`` ``(B, H, L_r)`` float32 if asked), this rank's rows
         of the unsharded attention.
     """
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == v.dim() == 4 \
+            and v.shape[-1] != q.shape[-1] and 1 <= v.shape[-1] <= MAX_HEAD_DIM:
+        # Dv != D: the exchanges move k and v as one buffer, so the smaller side is zero-padded here
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        qp, kp, vp, dv = pad_head_dims(q, k, v)
+        res = context_parallel_attention(qp, kp, vp, mask, plan=plan, group=group, scale=scale, dropout_p=dropout_p,
+                                         dropout_seed=dropout_seed, return_lse=return_lse, backend=backend,
+                                         block_size=block_size, overlap=overlap, check=check)
+        return (slice_head_dim(res[0], dv), res[1]) if return_lse else slice_head_dim(res, dv)
     if torch.compiler.is_compiling():
         return _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap,
                          check)
@@ -101,7 +112,7 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
     local_error = None
     be, seed = "torch", 0
     try:
-        s = check_qkv(q, k, v)
+        s = check_qkv(q, k, v, dv_ok=True)  # a valid Dv != D was padded above
         check_scalars(scale, dropout_p)
         if s.Lq != s.Lk:
             raise ValueError(f"context parallelism is for self-attention: q has {s.Lq} tokens, k/v {s.Lk} (shard "

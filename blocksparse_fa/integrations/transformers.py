@@ -38,6 +38,12 @@ sliding windows, packed sequences, ...) arrives in one of three forms:
   exactly, as ``pattern & dense_mask(keep)`` (``O(B * Lq * Lk)``, like SDPA's own mask). Additive
   masks holding real biases (ALiBi-style) are rejected.
 
+Score modifiers: a model that passes ``softcap=`` to its attention function (Gemma 2's
+``attn_logit_softcapping``) gets it as the fused :func:`~blocksparse_fa.softcap`, after the scale
+and before the mask, as the model's own eager attention applies it. ``register(..., score_mod=)``
+adds a modifier of your own to every layer (e.g. ALiBi slopes, a bias broadcastable to every layer's
+``(B, H, Lq, Lk)``); it combines with the model's soft-cap by ``+``.
+
 Positions: patterns align queries bottom-right with the keys (query ``i`` at ``i + Lk - Lq``), which
 is exact without a cache and with a dynamic cache (prefill and decoding). With a ``StaticCache`` the
 model's own mask stays exact (dense path) but a position-dependent pattern (windows, ...) is placed
@@ -77,6 +83,7 @@ from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.expr import And
 from ..mask.primitives import Causal, causal, dense_mask, document, full
+from ..mask.score import ScoreMod, softcap
 from ..ops.custom_op import attention_op
 
 __all__ = ["register", "unregister", "make_attention_function", "make_mask_function", "make_cp_attention_function",
@@ -137,16 +144,31 @@ class _LastMask:
         self.ref, self.key, self.mask = weakref.ref(am), key, mask
 
 
-def make_attention_function(mask, *, block_size=None, backend: str = "auto"):
-    """The ``AttentionInterface`` function running ``mask`` combined with the model's mask."""
+def _check_score_mod(score_mod):
+    if score_mod is not None and (not isinstance(score_mod, ScoreMod) or score_mod.fn is not None):
+        raise TypeError(f"score_mod must be a ScoreMod of alibi(), bias() and softcap() terms or None, got "
+                        f"{score_mod if isinstance(score_mod, ScoreMod) else type(score_mod).__name__}")
+    return score_mod
+
+
+def _with_model_softcap(score_mod, cap):
+    """The registered modifier plus the model's ``softcap`` kwarg (None: none)."""
+    if cap is None:
+        return score_mod
+    return softcap(cap) if score_mod is None else score_mod + softcap(cap)
+
+
+def make_attention_function(mask, *, block_size=None, backend: str = "auto", score_mod=None):
+    """The ``AttentionInterface`` function running ``mask`` combined with the model's mask (and
+    ``score_mod`` plus the model's ``softcap``, see *Score modifiers* above)."""
     pattern = _as_mask(mask)
     pattern_causal = pattern & causal()
     cache = _LastMask()
+    score_mod = _check_score_mod(score_mod)
 
     def blocksparse_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                       **kwargs):
-        if kwargs.get("softcap") is not None:
-            raise ValueError("blocksparse attention does not support `softcap`")
+        mod = _with_model_softcap(score_mod, kwargs.get("softcap"))
         if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
             raise ValueError("blocksparse attention does not support attention sinks (`s_aux`)")
         B, H, Lq, D = query.shape
@@ -179,7 +201,7 @@ def make_attention_function(mask, *, block_size=None, backend: str = "auto"):
                     m = pattern & dense_mask(keep.to(query.device).contiguous())
                 cache.put(attention_mask, ck, m)
         out = attention_op(query, key, value, m, scale=scaling, dropout_p=float(dropout or 0.0),
-                           backend=backend, block_size=block_size)
+                           backend=backend, block_size=block_size, score_mod=mod)
         return out.transpose(1, 2).contiguous(), None
 
     blocksparse_attention_forward.pattern = pattern
@@ -207,7 +229,8 @@ def make_cp_attention_function(mask, *, context_parallel, plan=None, block_size=
     def blocksparse_cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                          **kwargs):
         if kwargs.get("softcap") is not None:
-            raise ValueError("blocksparse attention does not support `softcap`")
+            raise NotImplementedError("blocksparse context parallelism does not support `softcap` (score modifiers "
+                                      "run without context parallelism)")
         if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
             raise ValueError("blocksparse attention does not support attention sinks (`s_aux`)")
         if attention_mask is not None:
@@ -275,7 +298,7 @@ def make_mask_function():
 
 
 def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: str = "auto",
-             context_parallel=None, plan=None) -> str:
+             context_parallel=None, plan=None, score_mod=None) -> str:
     """Register ``mask`` as attention implementation ``name`` for ``transformers`` models.
 
     Args:
@@ -288,6 +311,8 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
             shard of a sequence split across it (see *Context parallelism* in this module's docs).
         plan: the sharding's :class:`~blocksparse_fa.distributed.ContextParallelPlan` (with
             ``context_parallel``; default: contiguous shards in rank order).
+        score_mod: a score modifier for every layer (see *Score modifiers* in this module's docs);
+            not with ``context_parallel``.
 
     Returns:
         ``name``. Registering the same name again replaces the pattern.
@@ -300,9 +325,11 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
     if context_parallel is None:
         if plan is not None:
             raise ValueError("plan needs context_parallel=<process group or 1-D DeviceMesh>")
-        fn = make_attention_function(mask, block_size=block_size, backend=backend)
+        fn = make_attention_function(mask, block_size=block_size, backend=backend, score_mod=score_mod)
         mask_fn = make_mask_function()
     else:
+        if score_mod is not None:
+            raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
         fn = make_cp_attention_function(mask, context_parallel=context_parallel, plan=plan, block_size=block_size,
                                         backend=backend)
         mask_fn = make_cp_mask_function()

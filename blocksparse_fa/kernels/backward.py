@@ -7,8 +7,8 @@ saved logsumexp; rows with LSE ``-inf`` (fully masked) contribute exactly 0.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, score_mod, store_grad_tile,
-                     work_item)
+from .common import (LOG2E, block_shift, dropout_keep, load_bias, load_tile, lut_first, lut_next, mma, score_grads,
+                     score_mod, store_grad_tile, work_item)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -43,6 +43,7 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                 stride_qm, stride_dom, LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale,
                 PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
+                BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPE,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
@@ -69,8 +70,11 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
             # transposed scores: (BLOCK_N, BLOCK_M)
             s_t = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             if SCORE_MOD != 0:  # modified scores (kernels/common.score_mod); t_t gives the soft-cap's derivative
+                # keys past kv_len may sit in any tile of the last key block; rows past q_len only in masked ones
+                bias_t = load_bias(BIAS_base, offs_n, stride_bn, kv_len, offs_m, stride_bm, q_len, not EVEN,
+                                   MASKED and not EVEN, SCORE_MOD)
                 s_t, t_t = score_mod(s_t, qk_scale, (offs_m + (Q_OFF + q_shift))[None, :], (offs_n + k_shift)[:, None],
-                                     slope, softcap, SCORE_MOD)
+                                     slope, bias_t, softcap, SCORE_MOD)
                 p_t = tl.math.exp2(s_t - lse2[None, :])
             else:
                 t_t = s_t
@@ -82,6 +86,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
                 if not EVEN:
                     keep = keep & (offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)
                 p_t = tl.where(keep, p_t, 0.0)
+                if SCORE_MOD & 2:  # no soft-cap derivative at masked elements (a NaN bias there must not leak)
+                    t_t = tl.where(keep, t_t, 0.0)
             dp_t = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
                 drop = dropout_keep((offs_m + q_shift)[None, :], (offs_n + k_shift)[:, None], b * H + h, seed_lo, seed_hi, drop_thresh)
@@ -92,6 +98,10 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
             ds_t = p_t * (dp_t - delta[None, :])
             if SCORE_MOD & 2:
                 ds_t = ds_t * (1.0 - t_t * t_t)
+            if SCORE_MOD & 48:  # gradients of the bias / the slopes: ds itself (each (i, j) is visited once here)
+                score_grads(ds_t, (offs_m + (Q_OFF + q_shift))[None, :], (offs_n + k_shift)[:, None], DBIAS_base,
+                            offs_n, stride_dbn, kv_len, offs_m, stride_dbm, q_len, DSLOPE, not EVEN,
+                            MASKED and not EVEN, SCORE_MOD)
             dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
 
@@ -103,7 +113,9 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                    FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, DKPART, DVPART, NSLOT,
                    H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
-                   seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
+                   seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, SOFTCAP,
+                   BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DBIAS, stride_dbb, stride_dbh, stride_dbm,
+                   stride_dbn, DSLOPES,
                    PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,6 +143,9 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                   offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    softcap = 1.0
+    if SCORE_MOD & 2:
+        softcap = tl.load(SOFTCAP)
     for g in range(0, G):
         h = hk * G + g
         h64 = h.to(tl.int64)
@@ -145,14 +160,18 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         LSE_row = LSE + (b64 * H + h64) * q_len
         DELTA_row = DELTA + (b64 * H + h64) * q_len
+        BIAS_base = BIAS + b64 * stride_bb + h64 * stride_bh
+        DBIAS_base = DBIAS + b64 * stride_dbb + h64 * stride_dbh
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
+                             BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPES + h,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT,
                              False, FLAT, HAS_POS, SCORE_MOD)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
+                             BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPES + h,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load",
                              EVEN, FLAT, HAS_POS, SCORE_MOD)
     if slot < 0:
@@ -170,7 +189,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
               LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
-              slope, softcap,
+              slope, softcap, BIAS_base, stride_bm, stride_bn,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
@@ -190,7 +209,10 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, 
                           HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if SCORE_MOD != 0:
-                s, t = score_mod(s, qk_scale, qp[:, None], (offs_n + k_shift)[None, :], slope, softcap, SCORE_MOD)
+                # rows past q_len may sit in any tile of the last row block; keys past kv_len only in masked ones
+                bias = load_bias(BIAS_base, offs_m, stride_bm, q_len, offs_n, stride_bn, kv_len, not EVEN,
+                                 MASKED and not EVEN, SCORE_MOD)
+                s, t = score_mod(s, qk_scale, qp[:, None], (offs_n + k_shift)[None, :], slope, bias, softcap, SCORE_MOD)
                 p = tl.math.exp2(s - lse2[:, None])
             else:
                 t = s
@@ -201,6 +223,8 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, 
                 if not EVEN:
                     keep = keep & (offs_n[None, :] < kv_len)
                 p = tl.where(keep, p, 0.0)
+                if SCORE_MOD & 2:  # no soft-cap derivative at masked elements (a NaN bias there must not leak)
+                    t = tl.where(keep, t, 0.0)
             dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if HAS_DROPOUT:
                 drop = dropout_keep((offs_m + q_shift)[:, None], (offs_n + k_shift)[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
@@ -219,7 +243,8 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  stride_dqb, stride_dqh, stride_dqm,
                  FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, DQPART, NSLOT,
                  H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
-                 seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
+                 seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm,
+                 stride_bn,
                  PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -252,14 +277,20 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
     slope = 0.0
     if SCORE_MOD & 1:
         slope = tl.load(SLOPES + h)
+    softcap = 1.0
+    if SCORE_MOD & 2:
+        softcap = tl.load(SOFTCAP)
+    BIAS_base = BIAS + b64 * stride_bb + h64 * stride_bh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, slope, softcap, PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
+                   drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, False, HAS_DROPOUT, HEAD_DIM,
+                   HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
                    DOT_PRECISION, STAGES, FULL_LUT, False, FLAT, HAS_POS, SCORE_MOD)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, slope, softcap, PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
+                   drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, True, HAS_DROPOUT, HEAD_DIM,
+                   HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
                    DOT_PRECISION, MASKED_STAGES, "load", EVEN, FLAT, HAS_POS, SCORE_MOD)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
@@ -273,7 +304,8 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
 
 
 @triton.jit(do_not_specialize=["TR", "TC", "q_len", "kv_len", "Q_OFF", "seed_lo", "seed_hi", "drop_thresh", "KV_NSLOT",
-                               "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS", "HEAD_MAJOR"])
+                               "Q_NSLOT", "N_KV_ITEMS", "N_KV_PROGS", "N_Q_ITEMS", "HEAD_MAJOR", "stride_bb", "stride_bh",
+                               "stride_bm", "stride_bn", "stride_dbb", "stride_dbh", "stride_dbm", "stride_dbn"])
 def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -283,7 +315,9 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               PARAMS, AUX, QPOS, KPOS, KV_WORK, Q_WORK, DKPART, DVPART, DQPART, KV_NSLOT, Q_NSLOT,
               N_KV_ITEMS, N_KV_PROGS, N_Q_ITEMS, HEAD_MAJOR,
               H, G, LZB, LZH, TR, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
-              seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
+              seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, SOFTCAP,
+              BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DBIAS, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+              DSLOPES,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr, Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr,
@@ -310,8 +344,12 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     is then two iterations, and ``*_STAGES`` counts kernel tiles in flight as FlexAttention's
     stages do (unrolled, every sub-tile gets its own stage buffers: twice the shared memory).
     ``HAS_POS``: the layout is a shard with block position tables ``QPOS``/``KPOS`` (see
-    ``_attn_fwd``). ``SCORE_MOD``, ``SLOPES``, ``softcap``: the score modifier (see ``_attn_fwd``);
-    the soft-cap's derivative ``1 - tanh²`` enters dS, ALiBi adds none; the slopes get no gradient."""
+    ``_attn_fwd``). ``SCORE_MOD``, ``SLOPES``, ``SOFTCAP``, ``BIAS``: the score modifier (see
+    ``_attn_fwd``); the soft-cap's derivative ``1 - tanh²`` enters dS, ALiBi and the bias add none.
+    ``SCORE_MOD`` bits 16 and 32 (``kernels/common.score_grads``) add, in the dK/dV programs, dS to
+    the float32 bias gradient ``DBIAS`` (strides 0 on broadcast dims) and ``Σ dS · (j - i)`` to the
+    slopes' gradient ``DSLOPES`` with atomic adds: bit-reproducible only where no two programs add
+    to one element (a bias broadcast over batch or heads, the slopes are not)."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     pid = tl.program_id(0)
     kv_item = pid % N_KV_ITEMS
@@ -341,7 +379,9 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       CFULL_PTR, CFULL_IDX, CPART_PTR, CPART_IDX, PARAMS, AUX, QPOS, KPOS, KV_WORK, DKPART, DVPART,
                       KV_NSLOT,
                       H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
-                      drop_scale, SLOPES, softcap, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M,
+                      drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DBIAS, stride_dbb,
+                      stride_dbh, stride_dbm, stride_dbn, DSLOPES, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM,
+                      HEAD_DIM_PAD, KV_BLOCK_M,
                       KV_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE,
                       EVEN, KV_FLAT, HAS_POS, SCORE_MOD)
     else:
@@ -351,7 +391,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     stride_dqb, stride_dqh, stride_dqm,
                     RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, QPOS, KPOS, Q_WORK, DQPART, Q_NSLOT,
                     H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
-                    drop_scale, SLOPES, softcap, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M,
+                    drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, PREDICATE,
+                    HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M,
                     Q_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN,
                     Q_FLAT, HAS_POS, SCORE_MOD)
 

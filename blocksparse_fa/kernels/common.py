@@ -164,18 +164,82 @@ def _tanh(x):
 
 
 @triton.jit
-def score_mod(s, qk_scale, qpos, kpos, slope, softcap, SCORE_MOD: tl.constexpr):
+def score_mod(s, qk_scale, qpos, kpos, slope, bias, softcap, SCORE_MOD: tl.constexpr):
     """``(scores in the base-2 domain, tanh term)`` of raw scores ``s = q·k`` under the score
-    modifier ``SCORE_MOD`` (bit 1: ALiBi, ``+ slope * (kpos - qpos)``; bit 2: soft-cap,
-    ``softcap * tanh(x / softcap)``), applied to the natural scaled score ``x = scale * s``
-    (``qk_scale = scale * log2(e)``). ``qpos``/``kpos`` broadcast to ``s``: the positions the
-    element predicate sees. The tanh term gives the soft-cap's derivative ``1 - t²`` (``x`` when
-    there is no soft-cap: unused)."""
+    modifier ``SCORE_MOD`` (bit 1: ALiBi, ``+ slope * (kpos - qpos)``; bit 8: an additive bias,
+    ``+ bias``, a tile shaped like ``s`` from :func:`load_bias`; bit 2: soft-cap,
+    ``softcap * tanh(x / softcap)``), applied in that order to the natural scaled score
+    ``x = scale * s`` (``qk_scale = scale * log2(e)``). ``qpos``/``kpos`` broadcast to ``s``: the
+    positions the element predicate sees. The tanh term gives the soft-cap's derivative ``1 - t²``
+    (``x`` when there is no soft-cap: unused)."""
     x = s * (qk_scale * LN2)
     if SCORE_MOD & 1:
         x = x + slope * (kpos - qpos).to(tl.float32)
+    if SCORE_MOD & 8:
+        x = x + bias
     t = x
     if SCORE_MOD & 2:
         t = _tanh(x * (1.0 / softcap))
         x = softcap * t
     return x * LOG2E, t
+
+
+@triton.jit
+def load_bias(BIAS, offs_a, stride_a, n_a, offs_b, stride_b, n_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr,
+              SCORE_MOD: tl.constexpr):
+    """The float32 bias tile ``BIAS[offs_a, offs_b]`` (``(len(offs_a), len(offs_b))``; strides 0 on
+    broadcast dims, int64 offsets) when ``SCORE_MOD`` has a bias (bit 8), else the scalar 0.
+    ``CHECK_A``/``CHECK_B``: elements past ``n_a``/``n_b`` read as 0 (the bounds the tile loads check)."""
+    if SCORE_MOD & 8:
+        ptrs = BIAS + offs_a.to(tl.int64)[:, None] * stride_a + offs_b.to(tl.int64)[None, :] * stride_b
+        if CHECK_A and CHECK_B:
+            b = tl.load(ptrs, mask=(offs_a[:, None] < n_a) & (offs_b[None, :] < n_b), other=0.0)
+        elif CHECK_A:
+            b = tl.load(ptrs, mask=offs_a[:, None] < n_a, other=0.0)
+        elif CHECK_B:
+            b = tl.load(ptrs, mask=offs_b[None, :] < n_b, other=0.0)
+        else:
+            b = tl.load(ptrs)
+        b = b.to(tl.float32)
+    else:
+        b = 0.0
+    return b
+
+
+@triton.jit
+def score_grads(ds_t, qpos, kpos, DBIAS, offs_n, stride_n, kv_len, offs_m, stride_m, q_len, DSLOPE,
+                CHECK_N: tl.constexpr, CHECK_M: tl.constexpr, SCORE_MOD: tl.constexpr):
+    """Add the gradients of the score modifier's tensors from ``ds_t`` (``∂loss/∂x`` of a transposed
+    tile: keys ``offs_n`` by query rows ``offs_m``, as in the dK/dV loop): to the float32 bias
+    gradient ``DBIAS[offs_m, offs_n]`` (bit 16) and to the head's slope gradient
+    ``DSLOPE[0] += Σ ds · (kpos - qpos)`` (bit 32), with atomic adds. Bits 64/128 say that the bias
+    broadcasts over the query rows / the keys (stride 0): the tile is summed over them first, one
+    atomic add per distinct element. ``CHECK_N``/``CHECK_M``: keys past ``kv_len`` / rows past
+    ``q_len`` may be in the tile (their ``ds`` is not meaningful): they are left out."""
+    if CHECK_N:
+        ds_t = tl.where(offs_n[:, None] < kv_len, ds_t, 0.0)
+    if CHECK_M:
+        ds_t = tl.where(offs_m[None, :] < q_len, ds_t, 0.0)
+    if SCORE_MOD & 32:
+        tl.atomic_add(DSLOPE, tl.sum(tl.sum(ds_t * (kpos - qpos).to(tl.float32), 1), 0))
+    if SCORE_MOD & 16:
+        if (SCORE_MOD & 64) and (SCORE_MOD & 128):
+            tl.atomic_add(DBIAS, tl.sum(tl.sum(ds_t, 1), 0))
+        elif SCORE_MOD & 64:  # one value per key
+            ptrs = DBIAS + offs_n.to(tl.int64) * stride_n
+            if CHECK_N:
+                tl.atomic_add(ptrs, tl.sum(ds_t, 1), mask=offs_n < kv_len)
+            else:
+                tl.atomic_add(ptrs, tl.sum(ds_t, 1))
+        elif SCORE_MOD & 128:  # one value per query row
+            ptrs = DBIAS + offs_m.to(tl.int64) * stride_m
+            if CHECK_M:
+                tl.atomic_add(ptrs, tl.sum(ds_t, 0), mask=offs_m < q_len)
+            else:
+                tl.atomic_add(ptrs, tl.sum(ds_t, 0))
+        else:
+            ptrs = DBIAS + offs_n.to(tl.int64)[:, None] * stride_n + offs_m.to(tl.int64)[None, :] * stride_m
+            if CHECK_N or CHECK_M:
+                tl.atomic_add(ptrs, ds_t, mask=(offs_n[:, None] < kv_len) & (offs_m[None, :] < q_len))
+            else:
+                tl.atomic_add(ptrs, ds_t)

@@ -10,8 +10,8 @@ log, float32) saved for the backward. Fully masked rows produce 0 and LSE ``-inf
 import triton
 import triton.language as tl
 
-from .common import (LN2, block_shift, dropout_keep, load_tile, lut_first, lut_next, mma, score_mod, store_tile,
-                     work_item)
+from .common import (LN2, block_shift, dropout_keep, load_bias, load_tile, lut_first, lut_next, mma, score_mod,
+                     store_tile, work_item)
 
 
 @triton.jit
@@ -32,6 +32,7 @@ def _kv_tile(BASE, row0, offs_n, stride_n, kv_len, offs_d, HEAD_DIM: tl.constexp
 def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
                K_base, V_base, stride_kn, stride_vn, LUT_IDX, line, start, end,
                q_len, kv_len, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
+               BIAS_base, stride_bm, stride_bn,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
@@ -49,7 +50,10 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
             k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN, KV_DESC)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if SCORE_MOD != 0:  # scores in the base-2 domain, modified (kernels/common.score_mod)
-                s, _ = score_mod(s, qk_scale, qp[:, None], (offs_n + k_shift)[None, :], slope, softcap, SCORE_MOD)
+                # rows past q_len may sit in any tile of the last row block; keys past kv_len only in masked ones
+                bias = load_bias(BIAS_base, offs_m, stride_bm, q_len, offs_n, stride_bn, kv_len, True,
+                                 MASKED and not KV_EVEN, SCORE_MOD)
+                s, _ = score_mod(s, qk_scale, qp[:, None], (offs_n + k_shift)[None, :], slope, bias, softcap, SCORE_MOD)
             if MASKED:
                 keep = PREDICATE(qp[:, None], (offs_n + k_shift)[None, :], (offs_m + q_shift)[:, None], b, h, PARAMS, AUX,
                                  False)
@@ -65,6 +69,8 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
             elif SCORE_MOD != 0:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = m_new
+                if SCORE_MOD & 8:  # a -inf bias may remove every key of a row so far
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.math.exp2(s - m_use[:, None])
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -81,7 +87,8 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "Q_OFF", "seed_lo", "seed_hi", "drop_thresh", "NSLOT"])
+@triton.jit(do_not_specialize=["TR", "q_len", "kv_len", "Q_OFF", "seed_lo", "seed_hi", "drop_thresh", "NSLOT",
+                               "stride_bb", "stride_bh", "stride_bm", "stride_bn"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
@@ -89,7 +96,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_ob, stride_oh, stride_om,
               FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, OPART, LPART, NSLOT,
               H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale,
-              seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, softcap,
+              seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn,
               PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -104,7 +111,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     With ``HAS_POS`` the layout is a shard of a larger one: ``QPOS``/``KPOS`` hold the global index of
     each local row/key block's first row/key (``kernels/common.block_shift``). ``SCORE_MOD`` (bit
     flags, 0: none) modifies the scores (``kernels/common.score_mod``) with the per-head ALiBi
-    slopes ``SLOPES`` and the soft-cap ``softcap``, run-time values."""
+    slopes ``SLOPES``, the additive bias ``BIAS`` (strides 0 on its broadcast dims) and the soft-cap
+    ``SOFTCAP[0]``, run-time values (tensors: new values never select a compiled variant)."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD, "HEAD_DIM_PAD must cover HEAD_DIM")
@@ -136,19 +144,25 @@ def _attn_fwd(Q, K, V, O, LSE,
     slope = 0.0
     if SCORE_MOD & 1:
         slope = tl.load(SLOPES + h)
+    softcap = 1.0
+    if SCORE_MOD & 2:
+        softcap = tl.load(SOFTCAP)
+    BIAS_base = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
                                stride_kn, stride_vn,
                                FULL_IDX, line, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
-                               seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, PREDICATE, False, HAS_DROPOUT,
+                               seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn,
+                               PREDICATE, False, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
                                KV_DESC, WARP_SPEC, False, HAS_POS, SCORE_MOD)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
                                stride_kn, stride_vn,
                                PART_IDX, line, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
-                               seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, PREDICATE, True, HAS_DROPOUT,
+                               seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn,
+                               PREDICATE, True, HAS_DROPOUT,
                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
                                KV_DESC, False, KV_EVEN, HAS_POS, SCORE_MOD)
     empty = l_i == 0.0

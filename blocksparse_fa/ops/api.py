@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import replace
 
 import torch
 
@@ -179,8 +180,10 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
 
     Args:
         q: ``(B, H, Lq, D)``; also ``(H, Lq, D)`` or with more leading batch dims ``(*batch, H, Lq, D)``.
-        k, v: ``(B, Hkv, Lk, D)`` (the same leading dims as q); ``H`` must be a multiple of ``Hkv``
-            (GQA/MQA). ``v`` must have q's and k's head dim ``D``.
+        k, v: ``(B, Hkv, Lk, D)`` and ``(B, Hkv, Lk, Dv)`` (the same leading dims as q); ``H``
+            must be a multiple of ``Hkv`` (GQA/MQA). ``v`` may have its own head dim ``Dv``: the
+            smaller of v and q/k is then zero-padded to the larger one (the kernels work at
+            ``max(D, Dv)``; the scale stays ``1/sqrt(D)``) and the output sliced to ``Dv``.
         mask: a :class:`Mask`, DSL text, a compiled :class:`BlockLayout` (from
             :func:`blocksparse_fa.compile_mask`; it runs exactly as the expression does), a bool
             tensor (``True`` = attend) broadcastable to ``(*batch, H, Lq, Lk)`` as SDPA's
@@ -207,14 +210,17 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             (default: position ``i + Lk - Lq``, decode sees the whole cache) or ``"top_left"``
             (position ``i``, FlexAttention's and SDPA's convention). A compiled layout keeps its own.
         score_mod: a fused score modifier (:func:`~blocksparse_fa.alibi`,
-            :func:`~blocksparse_fa.softcap` or their sum ``alibi(slopes) + softcap(cap)``) applied to
-            the scaled scores before the softmax, at the positions the mask sees (``align``);
-            gradients flow to q, k and v through it, its constants get none. Changing its values
-            compiles nothing new. On the PyTorch backend also a Flex-style callable
-            (:func:`~blocksparse_fa.score_fn`). Not yet under ``torch.compile`` or on meta tensors.
+            :func:`~blocksparse_fa.bias`, :func:`~blocksparse_fa.softcap` or a sum such as
+            ``alibi(slopes) + bias(t) + softcap(cap)``) applied to the scaled scores before the
+            softmax, ALiBi at the positions the mask sees (``align``), the bias at the tensors' row
+            and key indices; gradients flow to q, k and v through it, and to its slopes and bias
+            tensors when they require grad (its constants get none). Changing its values compiles
+            nothing new. Under ``torch.compile`` it runs inside the custom op (tensor arguments).
+            On the PyTorch backend, eagerly, also a Flex-style callable
+            (:func:`~blocksparse_fa.score_fn`).
 
     Returns:
-        ``out`` ``(B, H, Lq, D)`` (q's leading dims) in q's dtype (and ``lse`` if asked). Fully
+        ``out`` ``(B, H, Lq, Dv)`` (q's leading dims) in q's dtype (and ``lse`` if asked). Fully
         masked query rows give zeros in the output and zero gradients; their LSE is ``-inf``.
         Meta tensors give meta outputs of the right shapes (nothing is computed).
 
@@ -222,33 +228,34 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
     (see :func:`blocksparse_fa.attention_op`).
     """
     q4, k4, v4, lead = flatten_batch(q, k, v)
-    s = check_qkv(q4, k4, v4)
+    s = check_qkv(q4, k4, v4, dv_ok=True)
     if not enable_gqa and s.H != s.Hkv:
         raise ValueError(f"enable_gqa=False but q has H={s.H} heads and k/v have Hkv={s.Hkv}: pass enable_gqa=True "
                          f"(the default) for grouped-query attention")
     scale, dropout_p = check_scalars(scale, dropout_p)
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale  # q's and k's head dim, before any padding
     if isinstance(mask, torch.Tensor):
         mask = bool_mask_to_mask(mask, tuple(q.shape[:-3]), s.H, s.Lq, s.Lk, "mask", q4.device)
     score_mod = check_score_mod(score_mod, s.H)
-    if score_mod is not None and (torch.compiler.is_compiling() or q4.device.type == "meta"):
-        raise NotImplementedError("score_mod is not supported under torch.compile or on meta tensors yet: call "
-                                  "blocksparse_fa.attention eagerly (outside the compiled region) with score_mod")
+    if score_mod is not None and score_mod.fn is None:
+        score_mod = score_mod.bind(lead if lead is not None else (s.B,), s.H, s.Lq, s.Lk, q4.device)
+    q4, k4, v4, dv = dispatch.pad_head_dims(q4, k4, v4)  # Dv != D: one head dim for the kernels
+    s = replace(s, D=q4.shape[-1])
     if torch.compiler.is_compiling() or q4.device.type == "meta":
         from .custom_op import attention_op
 
         res = attention_op(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                            return_lse=return_lse, backend=backend, block_size=block_size, rewrite=rewrite,
-                           align=align)
+                           align=align, score_mod=score_mod)
     else:
         be = resolve_backend(backend, q4.device, q4.dtype)
         if be == "triton" and score_mod is not None and score_mod.fn is not None:
             raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only "
-                                      "(backend='torch'); the Triton kernels fuse alibi() and softcap()")
+                                      "(backend='torch'); the Triton kernels fuse alibi(), bias() and softcap()")
         layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
-        scale = 1.0 / math.sqrt(s.D) if scale is None else scale
         seed = draw_seed(dropout_p, dropout_seed)
         out, lse = run(q4, k4, v4, layout, s, scale, dropout_p, seed, backend, be, rewrite, return_lse, score_mod)
         res = (out, lse) if return_lse else out
     if return_lse:
-        return unflatten_batch(res[0], lead), unflatten_batch(res[1], lead)
-    return unflatten_batch(res, lead)
+        return unflatten_batch(dispatch.slice_head_dim(res[0], dv), lead), unflatten_batch(res[1], lead)
+    return unflatten_batch(dispatch.slice_head_dim(res, dv), lead)

@@ -4,11 +4,14 @@ Two ops are registered in the ``blocksparse_fa`` namespace::
 
     blocksparse_fa::attention_fwd(Tensor q, Tensor k, Tensor v, int handle, float scale,
                                   float dropout_p, Tensor? seed, str backend, bool rewrite,
-                                  str align="bottom_right") -> (Tensor out, Tensor lse)
+                                  str align, Tensor[] mask_tensors, Tensor? slopes,
+                                  Tensor? softcap, Tensor? bias) -> (Tensor out, Tensor lse)
     blocksparse_fa::attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
                                   Tensor? dlse, int handle, float scale, float dropout_p, Tensor? seed,
-                                  str backend, bool rewrite, str align="bottom_right")
-                                  -> (Tensor dq, Tensor dk, Tensor dv)
+                                  str backend, bool rewrite, str align, Tensor[] mask_tensors,
+                                  Tensor? slopes, Tensor? softcap, Tensor? bias, bool slopes_grad,
+                                  bool bias_grad)
+                                  -> (Tensor dq, Tensor dk, Tensor dv, Tensor dslopes, Tensor dbias)
 
 ``align`` places the queries (``"bottom_right"`` or ``"top_left"``, see
 :func:`blocksparse_fa.attention`); the registry compiles one layout per alignment.
@@ -51,6 +54,14 @@ A custom op's arguments are tensors and scalars: a :class:`~blocksparse_fa.Mask`
 Dropout under compile: the seed is an ``int64`` scalar *tensor* argument, so drawing a fresh seed
 (``torch.randint``) is part of the graph rather than a graph-breaking ``.item()``.
 
+Score modifiers travel as tensor arguments: the ALiBi slopes ``(H,)``, the soft-cap ``(1,)``
+float32 and the bias as its 4-D broadcast view (:meth:`~blocksparse_fa.ScoreMod.bind`), all on
+q's device (the kernels read them from memory). New values are new tensor values, not new graphs;
+a soft-cap given as a Python float recompiles once when it first changes (Dynamo then traces the
+float as dynamic, and it becomes a tensor inside the graph). The backward returns the slopes' and the bias' gradients
+(``dslopes``/``dbias``, empty when not wanted). Flex-style ``score_fn`` callables cannot cross the
+op boundary: they run eagerly on the PyTorch backend only.
+
 Exact mask rewrites apply inside the ops as in :func:`blocksparse_fa.attention`. On the Triton
 backend without dropout, a registered strided mask runs as band plus residue classes
 (``ops/residue.py``), in both ``attention_fwd`` and ``attention_bwd``.
@@ -77,6 +88,7 @@ from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.primitives import full, mask_mod
+from ..mask.score import ScoreMod, check_score_mod
 from . import dispatch
 from .api import check_align, check_mask_for, resolve_backend, run
 from .validate import check_layout, check_qkv, check_scalars
@@ -385,21 +397,33 @@ def _layout(q, k, v, handle, align, tensors=None):
     return s, layout
 
 
+def _score_mod_of(slopes, softcap, bias):
+    """The ScoreMod an op call describes (None without modifier)."""
+    if slopes is None and softcap is None and bias is None:
+        return None
+    return ScoreMod(slopes=slopes, cap=softcap, bias=bias)
+
+
 @torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor | None, backend: str,
-                  rewrite: bool, align: str, mask_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                  rewrite: bool, align: str, mask_tensors: list[torch.Tensor], slopes: torch.Tensor | None,
+                  softcap: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``. ``seed``: int64 CPU scalar
     tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible).
-    ``mask_tensors``: the tensors of a template handle (masks built inside a compiled function)."""
+    ``mask_tensors``: the tensors of a template handle (masks built inside a compiled function).
+    ``slopes`` ``(H,)``, ``softcap`` ``(1,)``, ``bias`` (4-D, size-1 dims broadcast): the score
+    modifier."""
     s, layout = _layout(q, k, v, handle, align, mask_tensors)
     be = resolve_backend(backend, q.device, q.dtype)
-    out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, _seed(seed), be, rewrite)
+    out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, _seed(seed), be, rewrite,
+                                score_mod=_score_mod_of(slopes, softcap, bias))
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors):
+def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors, slopes,
+                        softcap, bias):
     B, H, Lq, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=dispatch.lse_dtype(q.dtype), device=q.device)
@@ -411,21 +435,32 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   dout: torch.Tensor, dlse: torch.Tensor | None, handle: int, scale: float, dropout_p: float,
                   seed: torch.Tensor | None, backend: str,
                   rewrite: bool, align: str,
-                  mask_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: ``(dq, dk, dv)`` shaped like q, k, v (k/v gradients summed over GQA groups)."""
+                  mask_tensors: list[torch.Tensor], slopes: torch.Tensor | None, softcap: torch.Tensor | None,
+                  bias: torch.Tensor | None, slopes_grad: bool, bias_grad: bool,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: ``(dq, dk, dv, dslopes, dbias)``: dq, dk, dv shaped like q, k, v (k/v gradients
+    summed over GQA groups); the gradients of the slopes and the bias when ``slopes_grad`` /
+    ``bias_grad`` (shaped and typed like them), else empty tensors."""
     s, layout = _layout(q, k, v, handle, align, mask_tensors)
     be = resolve_backend(backend, q.device, q.dtype)
+    mod = _score_mod_of(slopes, softcap, bias)
+    grads = None if mod is None else dispatch.score_grad_buffers(mod, slopes_grad, bias_grad, q.dtype, q.device)
     dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, _seed(seed), be,
-                                   dlse=dlse, use_rewrite=rewrite)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+                                   dlse=dlse, use_rewrite=rewrite, score_mod=mod, score_grads=grads)
+    dsl, db = grads or (None, None)
+    dsl = dsl.to(slopes.dtype) if dsl is not None else q.new_empty(0)
+    db = db.to(bias.dtype) if db is not None else q.new_empty(0)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsl, db
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite,
-                        align, mask_tensors):
+                        align, mask_tensors, slopes, softcap, bias, slopes_grad, bias_grad):
+    like = lambda t, want: torch.empty(t.shape, dtype=t.dtype, device=t.device) if want else q.new_empty(0)  # noqa: E731
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+            torch.empty(v.shape, dtype=v.dtype, device=v.device),
+            like(slopes, slopes_grad), like(bias, bias_grad))
 
 
 def _seed(seed) -> int:
@@ -433,20 +468,23 @@ def _seed(seed) -> int:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors = inputs
+    q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors, slopes, softcap, bias = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed, *mask_tensors)
+    ctx.save_for_backward(q, k, v, out, lse, seed, slopes, softcap, bias, *mask_tensors)
     ctx.args = (handle, scale, dropout_p)
     ctx.backend, ctx.rewrite, ctx.align = backend, rewrite, align
+    ctx.score_grad = (slopes is not None and slopes.requires_grad, bias is not None and bias.requires_grad)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, seed, *mts = ctx.saved_tensors
+    q, k, v, out, lse, seed, slopes, softcap, bias, *mts = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.blocksparse_fa.attention_bwd(q, k, v, out, lse, dout, dlse, *ctx.args, seed,
-                                                        ctx.backend, ctx.rewrite, ctx.align, mts)
-    return dq, dk, dv, None, None, None, None, None, None, None, [None] * len(mts)
+    dq, dk, dv, dsl, db = torch.ops.blocksparse_fa.attention_bwd(
+        q, k, v, out, lse, dout, dlse, *ctx.args, seed, ctx.backend, ctx.rewrite, ctx.align, mts, slopes,
+        softcap, bias, *ctx.score_grad)
+    return (dq, dk, dv, None, None, None, None, None, None, None, [None] * len(mts),
+            dsl if ctx.score_grad[0] else None, None, db if ctx.score_grad[1] else None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -469,14 +507,15 @@ def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor | None:
 
 def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
                  return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
-                 align: str | None = None):
+                 align: str | None = None, score_mod=None):
     """:func:`blocksparse_fa.attention` through the custom op (``torch.compile``-safe).
 
     Eager calls take the same path as :func:`blocksparse_fa.attention` without the custom-op
     dispatch; under ``torch.compile`` the op is one opaque node of the graph (forward and backward).
 
     Args:
-        q: ``(B, H, Lq, D)``; k, v: ``(B, Hkv, Lk, D)`` with ``H % Hkv == 0``.
+        q: ``(B, H, Lq, D)``; k, v: ``(B, Hkv, Lk, D)`` and ``(B, Hkv, Lk, Dv)`` with
+            ``H % Hkv == 0`` (``Dv != D``: zero-padded as in :func:`blocksparse_fa.attention`).
         mask: a :class:`Mask` (built inside or outside the compiled function), DSL text / pattern
             name, a :class:`BlockLayout`, a ``mask_mod`` callable, ``None`` (dense) or an int
             handle from :func:`register_mask`. Under ``torch.compile`` a mask built inside the
@@ -494,47 +533,84 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
         rewrite: allow the compiler's exact rewrites.
         align: ``"bottom_right"`` (default) or ``"top_left"``, as in :func:`blocksparse_fa.attention`
             (a compiled layout keeps its own).
+        score_mod: :func:`~blocksparse_fa.alibi`, :func:`~blocksparse_fa.bias`,
+            :func:`~blocksparse_fa.softcap` or a sum, as in :func:`blocksparse_fa.attention`; under
+            ``torch.compile`` its slopes and bias are tensor arguments of the op (new values reuse
+            the graph; slopes given as floats are constants of the graph, give a tensor to vary
+            them) and its tensors get gradients. ``score_fn`` callables run eagerly only.
 
     Returns:
-        ``out`` ``(B, H, Lq, D)`` in q's dtype (and ``lse`` if asked).
+        ``out`` ``(B, H, Lq, Dv)`` in q's dtype (and ``lse`` if asked).
     """
+    from . import dispatch as _dispatch
+
     align = check_align(align, mask if isinstance(mask, BlockLayout) else None)
-    if q.device.type == "meta" and not torch.compiler.is_compiling():
-        return _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align)
-    if not torch.compiler.is_compiling():
-        return _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
-                      rewrite, align)
-    s = check_qkv(q, k, v)
+    s = check_qkv(q, k, v, dv_ok=True)
     scale, dropout_p = check_scalars(scale, dropout_p)
-    handle, mask_tensors = mask_handle(mask, block_size)
-    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
-    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
-                             bool(rewrite), align, mask_tensors or [])
-    return (out, lse.float()) if return_lse else out
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale  # q's and k's head dim, before any padding
+    score_mod = check_score_mod(score_mod, s.H)
+    if score_mod is not None and score_mod.fn is None:
+        score_mod = score_mod.bind((s.B,), s.H, s.Lq, s.Lk, q.device)
+    q, k, v, dv = _dispatch.pad_head_dims(q, k, v)
+    if q.device.type == "meta" and not torch.compiler.is_compiling():
+        res = _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align, score_mod)
+    elif not torch.compiler.is_compiling():
+        res = _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
+                     rewrite, align, score_mod)
+    else:
+        if score_mod is not None and score_mod.fn is not None:
+            raise NotImplementedError("score_mod: score_fn() callables run eagerly on the PyTorch backend only; under "
+                                      "torch.compile use alibi(), bias() and softcap() (their tensors are op inputs)")
+        handle, mask_tensors = mask_handle(mask, block_size)
+        out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
+                                 bool(rewrite), align, mask_tensors or [], *_op_score_args(score_mod, s.H, q.device))
+        res = (out, lse.float()) if return_lse else out
+    if return_lse:
+        return _dispatch.slice_head_dim(res[0], dv), res[1]
+    return _dispatch.slice_head_dim(res, dv)
 
 
-def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align):
+def _op_score_args(score_mod, H: int, device) -> tuple:
+    """``(slopes, softcap, bias)`` op arguments of a bound score modifier: tensors on ``device``
+    (constant slopes and a float cap become float32 tensors), None where a term is absent. A
+    callable has no op form: it is dropped (meta tensors: shapes only)."""
+    if score_mod is None or score_mod.fn is not None:
+        return None, None, None
+    slopes = cap = None
+    if score_mod.slopes is not None:
+        slopes = score_mod.slopes if isinstance(score_mod.slopes, torch.Tensor) else \
+            score_mod.slopes_tensor(H, device)
+    if isinstance(score_mod.cap, torch.Tensor):
+        cap = score_mod.cap.detach().to(device=device, dtype=torch.float32).reshape(1)
+    elif score_mod.cap is not None:
+        cap = torch.full((1,), score_mod.cap, dtype=torch.float32, device=device)
+    return slopes, cap, score_mod.bias
+
+
+def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align, score_mod=None):
     """Meta tensors: shapes and dtypes through the ops' fake implementations (differentiable, so a
     backward on meta tensors gives meta gradients); the mask is checked, not compiled."""
     s = check_qkv(q, k, v)
-    scale, dropout_p = check_scalars(scale, dropout_p)
     check_mask_for(mask, s, block_size, None if isinstance(mask, BlockLayout) else align)
     handle = handle_of(mask, block_size)
-    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
-    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, None, "auto", True, align, [])
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, None, "auto", True, align, [],
+                             *_op_score_args(score_mod, s.H, q.device))
     return (out, lse.float()) if return_lse else out
 
 
-def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite, align="bottom_right"):
-    """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch."""
+def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite, align="bottom_right",
+           score_mod=None):
+    """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch
+    (inputs with one head dim, a checked scale and a bound score modifier)."""
     from .api import draw_seed
 
     s = check_qkv(q, k, v)
-    scale, dropout_p = check_scalars(scale, dropout_p)
     be = resolve_backend(backend, q.device, q.dtype)
+    if be == "triton" and score_mod is not None and score_mod.fn is not None:
+        raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only "
+                                  "(backend='torch'); the Triton kernels fuse alibi(), bias() and softcap()")
     layout = registry.layout(handle, s.Lq, s.Lk, q.device, align)
     check_layout(layout, s)
-    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     seed = draw_seed(dropout_p, int(dropout_seed) if isinstance(dropout_seed, torch.Tensor) else dropout_seed)
-    out, lse = run(q, k, v, layout, s, scale, dropout_p, seed, backend, be, bool(rewrite), return_lse)
+    out, lse = run(q, k, v, layout, s, scale, dropout_p, seed, backend, be, bool(rewrite), return_lse, score_mod)
     return (out, lse.float()) if return_lse else out

@@ -18,6 +18,7 @@ dK/dV for its keys.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import torch
 
@@ -25,7 +26,8 @@ from ..compiler.layout import BlockLayout
 from ..compiler.rewrite import residue_permutation
 from .validate import Shapes
 
-__all__ = ["forward", "backward", "apply", "lse_dtype", "last_backend", "note_backend"]
+__all__ = ["forward", "backward", "apply", "lse_dtype", "last_backend", "note_backend", "score_grad_buffers",
+           "pad_head_dims", "slice_head_dim"]
 
 _last = threading.local()
 
@@ -45,6 +47,28 @@ def last_backend() -> str | None:
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The logsumexp's dtype: float32, float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pad_head_dims(q, k, v):
+    """``(q, k, v, dv)`` with one head dim for all three: when v's head dim ``Dv`` differs from q's and
+    k's ``D``, the smaller side is zero-padded to the larger (q and k to ``Dv``: their dot products do
+    not change; v to ``D``: the output's extra columns are zeros) and ``dv = Dv`` says how many
+    output columns to keep (:func:`slice_head_dim`); ``dv = None`` when the dims agree. Gradients
+    flow through the padding (autograd slices them back). The kernels then work at ``max(D, Dv)``:
+    ``|D - Dv| / min(D, Dv)`` more head-dim work in one of the two products, and a padded copy of
+    the smaller tensors. The softmax scale must be taken from the unpadded ``D``."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D == Dv:
+        return q, k, v, None
+    pad = torch.nn.functional.pad
+    if Dv > D:
+        return pad(q, (0, Dv - D)), pad(k, (0, Dv - D)), v, Dv
+    return q, k, pad(v, (0, D - Dv)), Dv
+
+
+def slice_head_dim(out, dv):
+    """The output's first ``dv`` head-dim columns (see :func:`pad_head_dims`), contiguous."""
+    return out if dv is None or out.shape[-1] == dv else out[..., :dv].contiguous()
 
 
 def _rewrite(layout: BlockLayout, dropout_p: float, use_rewrite: bool, score_mod=None):
@@ -76,15 +100,16 @@ def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype=None
 
 
 def _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype=None,
-             score_mod=None):
+             score_mod=None, score_grads=None):
     if backend == "triton":
         from .triton_backend import triton_backward
 
         return triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse=dlse,
-                               grad_dtype=grad_dtype, score_mod=score_mod)
+                               grad_dtype=grad_dtype, score_mod=score_mod, score_grads=score_grads)
     from .torch_backend import torch_backward
 
-    return torch_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse, score_mod=score_mod)
+    return torch_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse, score_mod=score_mod,
+                          score_grads=score_grads or (None, None))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,10 +193,11 @@ def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: fl
 
 
 def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-             backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None, score_mod=None):
+             backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None, score_mod=None, score_grads=None):
     """``(dq, dk, dv)`` shaped and typed like q, k, v (or in ``grad_dtype``: float32 keeps partial
     gradients exact for a later sum). ``dlse``: gradient of the returned logsumexp (optional).
-    ``score_mod``: as in :func:`forward` (the modifier's constants get no gradient)."""
+    ``score_mod``: as in :func:`forward`; ``score_grads``: ``(dslopes, dbias)`` buffers from
+    :func:`score_grad_buffers` (None each) that the gradients of its slopes and bias are added to."""
     rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
     if rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype):
@@ -182,37 +208,63 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
             dq, dk, dv = _parts_backward(q, k, v, out, lse, dout, rw, s, scale, backend, dlse)
     else:
         dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype,
-                              score_mod)
+                              score_mod, score_grads)
     return tuple(g if g.dtype == (grad_dtype or t.dtype) else g.to(grad_dtype or t.dtype)
                  for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
+def score_grad_buffers(score_mod, slopes_grad: bool, bias_grad: bool, dtype: torch.dtype, device):
+    """``(dslopes, dbias)``: zeroed accumulation buffers (float32, float64 for float64 inputs) shaped
+    like the bound modifier's slopes ``(H,)`` and 4-D bias, or None where no gradient is wanted."""
+    acc = lse_dtype(dtype)
+    dsl = torch.zeros(score_mod.slopes.shape, dtype=acc, device=device) if slopes_grad else None
+    db = torch.zeros(score_mod.bias.shape, dtype=acc, device=device) if bias_grad else None
+    return dsl, db
+
+
+def _score_tensors(score_mod) -> tuple:
+    return (None, None) if score_mod is None else score_mod.tensors
+
+
 class _Attention(torch.autograd.Function):
-    """Eager autograd around :func:`forward`/:func:`backward` (no custom-op dispatch on this path)."""
+    """Eager autograd around :func:`forward`/:func:`backward` (no custom-op dispatch on this path).
+    The score modifier's tensors (``slopes``, ``bias``: those of ``score_mod``) are inputs, so that
+    they receive gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=None):
+    def forward(ctx, q, k, v, slopes, bias, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=None):
         ctx.set_materialize_grads(False)  # an unused LSE (or output) brings no gradient work
         out, lse = forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, slopes, bias)
         ctx.args = (layout, s, scale, dropout_p, seed, backend)
         ctx.use_rewrite = use_rewrite
-        ctx.score_mod = score_mod
+        ctx.score_mod = None if score_mod is None else replace(score_mod, slopes=None if slopes is not None else
+                                                               score_mod.slopes, bias=None)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, slopes, bias = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
+        mod, grads = ctx.score_mod, None
+        if mod is not None:
+            mod = replace(mod, slopes=slopes if slopes is not None else mod.slopes, bias=bias)
+            grads = score_grad_buffers(mod, ctx.needs_input_grad[3], ctx.needs_input_grad[4], q.dtype, q.device)
         dq, dk, dv = backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse, use_rewrite=ctx.use_rewrite,
-                              score_mod=ctx.score_mod)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                              score_mod=mod, score_grads=grads)
+        dsl, db = grads or (None, None)
+        return (dq, dk, dv, None if dsl is None else dsl.to(slopes.dtype), None if db is None else db.to(bias.dtype),
+                None, None, None, None, None, None, None, None)
 
 
 def apply(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
           use_rewrite: bool = True, score_mod=None):
-    """Differentiable ``(out, lse)`` through the eager path (``score_mod``: see :func:`forward`)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod)
+    """Differentiable ``(out, lse)`` through the eager path (``score_mod``: a bound
+    :class:`~blocksparse_fa.mask.score.ScoreMod`, see :meth:`~blocksparse_fa.mask.score.ScoreMod.bind`;
+    its slopes and bias tensors receive gradients when they require them)."""
+    slopes, bias = _score_tensors(score_mod)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, slopes, bias)):
+        return _Attention.apply(q, k, v, slopes, bias, layout, s, scale, dropout_p, seed, backend, use_rewrite,
+                                score_mod)
     return forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod)

@@ -27,7 +27,9 @@ def reference_attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.
             inputs' dtype ("eager attention in the same low precision").
         return_lse: also return the natural-log logsumexp ``(B, H, Lq)``.
         score_mod: a :class:`~blocksparse_fa.ScoreMod` (:func:`~blocksparse_fa.alibi`,
-            :func:`~blocksparse_fa.softcap`) applied to the scaled scores, differentiable.
+            :func:`~blocksparse_fa.bias`, :func:`~blocksparse_fa.softcap`, a
+            :func:`~blocksparse_fa.score_fn`) applied to the scaled scores, differentiable (also
+            with respect to a slopes or bias tensor that requires grad).
         align: query alignment of a ``Mask``/DSL mask and of the score modifier's positions
             (a ``BlockLayout`` keeps its own).
 
@@ -56,6 +58,7 @@ def reference_attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.
         qpos = torch.arange(Lq, device=q.device).view(-1, 1) + off
         kpos = torch.arange(Lk, device=q.device).view(1, -1)
         slopes = score_mod.slopes_tensor(H, q.device, s.dtype).view(1, H, 1, 1)
+        bias = None if score_mod.bias is None else score_mod.bias.to(s.dtype)
         if score_mod.fn is not None:
             from ..mask.score import call_fn
 
@@ -63,7 +66,7 @@ def reference_attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.
             s = call_fn(score_mod.fn, s, idx(B, (-1, 1, 1, 1)), idx(H, (1, -1, 1, 1)), idx(Lq, (-1, 1)),
                         idx(Lk, (1, -1)))
         else:
-            s, _ = score_mod.apply(s, qpos, kpos, slopes)
+            s, _ = score_mod.apply(s, qpos, kpos, slopes, bias)
     if isinstance(mask, str):
         from ..mask.dsl import parse
 

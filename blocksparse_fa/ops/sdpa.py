@@ -14,8 +14,9 @@ import torch
 from ..compiler.layout import BlockLayout
 from ..mask.expr import Mask
 from ..mask.primitives import causal, sliding_window, window
+from ..mask.score import bias
 from .api import as_mask, attention, check_align
-from .validate import _check_tensor, _dv_error, bool_mask_to_mask
+from .validate import _check_tensor, bool_mask_to_mask
 
 __all__ = ["scaled_dot_product_attention", "top_left_causal"]
 
@@ -32,6 +33,14 @@ def top_left_causal(q_len: int, kv_len: int, align: str = "bottom_right") -> Mas
     if d > 0:
         return causal() & ~sliding_window(d)
     return causal() | window(-d)
+
+
+def _holds_bias(attn_mask) -> bool:
+    """A float mask with values other than ``0``/``-inf`` (SDPA adds it to the scores)."""
+    if not isinstance(attn_mask, torch.Tensor) or not attn_mask.dtype.is_floating_point \
+            or attn_mask.device.type == "meta":
+        return False
+    return not bool(((attn_mask == 0) | torch.isneginf(attn_mask)).all())
 
 
 def _broadcast_heads(q, k, v, enable_gqa: bool):
@@ -69,16 +78,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
     For the inputs SDPA accepts it computes what SDPA computes, with these exceptions: rows with
     nothing to attend give zeros (and zero gradients; some SDPA backends give NaN), dropout draws
-    a different random pattern from the same distribution, ``Dv != D`` is not supported yet
-    (``NotImplementedError``), and float masks that hold biases rather than ``0``/``-inf`` are
-    refused (masks only: ALiBi and soft-capping are ``score_mod=`` of
-    :func:`blocksparse_fa.attention`).
+    a different random pattern from the same distribution. A float ``attn_mask`` of ``0``/``-inf``
+    is a mask (its empty blocks are skipped); one holding other values is an additive bias
+    (:func:`~blocksparse_fa.bias`: every block of the other masks is visited). ``Dv != D`` works as
+    in SDPA (the smaller head dim is zero-padded, see :func:`blocksparse_fa.attention`).
 
     Args:
         query: ``(..., H, Lq, D)`` (at least 2 dims: ``(Lq, D)`` is one head).
-        key, value: ``(..., Hkv, Lk, D)``; leading dims broadcast against query's, as in SDPA.
-        attn_mask: bool (``True`` = attend) or float (``0``/``-inf``) tensor broadcastable to
-            ``(..., H, Lq, Lk)``.
+        key, value: ``(..., Hkv, Lk, D)`` and ``(..., Hkv, Lk, Dv)``; leading dims broadcast
+            against query's, as in SDPA.
+        attn_mask: bool (``True`` = attend) or float tensor broadcastable to ``(..., H, Lq, Lk)``,
+            added to the scores (``0``/``-inf`` only: a mask).
         dropout_p: dropout probability, always applied (pass 0 in evaluation, as with SDPA).
         is_causal: causal mask aligned top-left as SDPA's (row ``i`` keeps keys ``j <= i``, also when
             ``Lq != Lk``); combined with ``attn_mask`` and ``mask`` when they are given.
@@ -95,14 +105,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             keeps its own. ``is_causal`` is top-left whatever the alignment.
 
     Returns:
-        ``(..., H, Lq, D)``, the broadcast leading dims and query's dtype.
+        ``(..., H, Lq, Dv)``, the broadcast leading dims and query's dtype.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., L, D), got shape {tuple(t.shape)}")
-    if value.shape[-1] != key.shape[-1]:
-        raise _dv_error(key, value)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     unbatched = query.dim() == 2
@@ -120,7 +128,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             raise TypeError("mask= takes a block-sparse mask (Mask, DSL text, BlockLayout); pass tensors as attn_mask")
         else:
             parts.append(as_mask(mask))
-    if attn_mask is not None:
+    score_mod = None
+    if attn_mask is not None and _holds_bias(attn_mask):
+        score_mod = bias(attn_mask)
+    elif attn_mask is not None:
         parts.append(bool_mask_to_mask(attn_mask, lead, H, Lq, Lk, device=q.device))
     if is_causal:
         parts.append(top_left_causal(Lq, Lk, align))
@@ -132,5 +143,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         m = p if m is None else m & p
     if isinstance(m, BlockLayout):
         align = None  # the layout's own
-    out = attention(q, k, v, mask=m, scale=scale, dropout_p=dropout_p, backend=backend, block_size=bs, align=align)
+    out = attention(q, k, v, mask=m, scale=scale, dropout_p=dropout_p, backend=backend, block_size=bs, align=align,
+                    score_mod=score_mod)
     return out[0] if unbatched else out

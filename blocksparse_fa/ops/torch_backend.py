@@ -86,10 +86,19 @@ class _Step:
                 sc = call_fn(smod.fn, sc, *self.fn_args)
             else:
                 qpos = torch.from_numpy(grow + off).to(q.device)
-                slopes = smod.slopes_tensor(s.H, q.device, sc.dtype)[torch.from_numpy(h_idx).to(q.device)]
-                sc, self.t = smod.apply(sc, qpos.view(-1, 1), kpos.view(1, -1), slopes.view(1, -1, 1, 1))
+                self.rel = (kpos.view(1, -1) - qpos.view(-1, 1)).to(sc.dtype)  # ALiBi's factor, for its gradient
+                slopes = smod.slopes_tensor(s.H, q.device, sc.dtype).detach()[torch.from_numpy(h_idx).to(q.device)]
+                bias = None
+                if smod.bias is not None:  # indexed by this call's row and key indices (size-1 dims broadcast)
+                    self.bias_at = _bias_at(smod.bias, bsel, hsel, self.rows)
+                    bias = smod.bias.detach()[self.bias_at]
+                    if bias.shape[3] > 1:
+                        bias = bias.index_select(3, self.kidx)
+                sc, self.t = smod.apply(sc, qpos.view(-1, 1), kpos.view(1, -1), slopes.view(1, -1, 1, 1), bias)
         if keep is not None:
             sc[..., len(kf):] = sc[..., len(kf):].masked_fill(~keep.to(q.device), float("-inf"))
+            if self.t is not None:  # masked elements: no soft-cap derivative (a NaN bias there must not leak)
+                self.t[..., len(kf):] = self.t[..., len(kf):].masked_fill(~keep.to(q.device), 0.0)
         self.s = sc
         self.drop = None
         if dropout_p > 0.0:
@@ -98,6 +107,28 @@ class _Step:
             kj = kj if pos is None else pos.keys(kj, bn)
             kd = keep_from_counters(grow[None, None, :, None], kj[None, None, None, :], bh, dropout_p, seed)
             self.drop = torch.from_numpy(kd).to(q.device).to(q.dtype) / (1.0 - dropout_p)
+
+
+def _bias_at(bias: torch.Tensor, bsel, hsel, rows: slice) -> tuple:
+    """Index of a row block's bias values in the 4-D bias (size-1 dims broadcast: taken whole)."""
+    return (bsel if bias.shape[0] > 1 else slice(None), hsel if bias.shape[1] > 1 else slice(None),
+            rows if bias.shape[2] > 1 else slice(None))
+
+
+def _add_score_grads(st: _Step, ds: torch.Tensor, h_idx, dslopes, dbias) -> None:
+    """Accumulate a row block's ``ds`` into the slopes' and the bias' gradient buffers."""
+    if dslopes is not None:
+        dslopes.index_add_(0, torch.from_numpy(h_idx).to(ds.device), (ds * st.rel).sum((0, 2, 3)).to(dslopes.dtype))
+    if dbias is not None:
+        g = ds
+        for dim in range(4):  # sum over the dims the bias broadcasts
+            if dbias.shape[dim] == 1 and g.shape[dim] > 1:
+                g = g.sum(dim, keepdim=True)
+        tgt = dbias[st.bias_at]
+        if dbias.shape[3] > 1:
+            tgt.index_add_(3, st.kidx, g.to(dbias.dtype))
+        else:
+            tgt += g.to(dbias.dtype)
 
 
 def _pos(layout, smod=None):
@@ -127,7 +158,8 @@ def _forward(q, k, v, layout, s: Shapes, scale, dropout_p, seed, smod=None):
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed, dlse=None, smod=None):
+def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed, dlse=None, smod=None,
+              score_grads=(None, None)):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = (dout * out).sum(-1)
     if dlse is not None:  # d lse / d s = p, so the lse gradient enters as delta - dlse
@@ -154,6 +186,8 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
         # rows with nothing to attend: exactly zero, whatever q, k or v hold (0 * NaN would leak through)
         empty = torch.isinf(lse_safe[st.bsel, st.hsel, st.rows]).unsqueeze(-1)
         ds = torch.where(empty, torch.zeros_like(ds), ds)
+        if score_grads[0] is not None or score_grads[1] is not None:
+            _add_score_grads(st, ds, item[3], *score_grads)
         dq[st.bsel, st.hsel, st.rows] += torch.where(empty, 0.0, torch.matmul(ds, st.ks) * scale)
         qs = torch.where(empty, 0.0, st.qs)
         dk[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(ds.transpose(-1, -2), qs) * scale)
@@ -176,12 +210,14 @@ def torch_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout
 
 
 def torch_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float,
-                   seed: int, dlse=None, score_mod=None):
-    """``(dq, dk, dv)`` (k/v gradients summed over GQA groups), in the compute dtype."""
+                   seed: int, dlse=None, score_mod=None, score_grads=(None, None)):
+    """``(dq, dk, dv)`` (k/v gradients summed over GQA groups), in the compute dtype.
+    ``score_grads``: ``(dslopes (H,), dbias)`` buffers (shaped like the bound slopes and bias) to add
+    the gradients of the score modifier's tensors to, or None each."""
     qc, kc, vc = _compute(q, k, v, s)
     cdt = qc.dtype
     dq, dk, dv = _backward(qc, kc, vc, out.to(cdt), lse.to(cdt), dout.to(cdt), layout, s, scale, dropout_p, seed, dlse,
-                           score_mod)
+                           score_mod, score_grads)
     if s.G > 1:
         dk = dk.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
         dv = dv.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)

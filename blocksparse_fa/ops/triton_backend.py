@@ -26,6 +26,8 @@ from ..kernels.config import (TileConfig, atomic_bwd_config, band_backward_rows,
 from ..kernels.predicate import Payload, build_payload
 from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_enabled
 from .dropout import dropout_threshold, seed_words
+from ..mask.score import (ALIBI, BIAS, BIAS_KEYS_BROADCAST, BIAS_ROWS_BROADCAST, DBIAS, DSLOPES, SOFTCAP,
+                          device_copy)
 from .launcher import Launch
 from .validate import Shapes
 
@@ -492,34 +494,101 @@ def _plan_key(kind: str, layout, s: Shapes, dtype, device, has_dropout: bool, ex
     return (kind, device, dtype, s.B, s.H, s.Hkv, s.D, has_dropout, _VERSION[0], _config.OVERRIDE_VERSION[0], *extra)
 
 
-_SLOPES = LRUCache(64)  # (ScoreMod, H, device) -> float32 (H,) slopes on the device
+_SLOPES = LRUCache(64)  # (ScoreMod, H, device) -> float32 (H,) slopes on the device (constant slopes)
+_CAPS = LRUCache(64)  # (cap, device) -> float32 (1,) soft-cap on the device (a constant cap)
+_FWD_SCORE_BITS = ALIBI | SOFTCAP | BIAS
+
+
+def _strides4(t: torch.Tensor) -> tuple:
+    """Strides of a 4-D tensor with 0 on its size-1 (broadcast) dims."""
+    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` at a 16-byte aligned address (a copy if needed): the compiled variants, which the
+    direct launcher reuses, assume it of every tensor argument (``ops/launcher.py``)."""
+    return t.clone() if t.data_ptr() % 16 else t
+
+
+def _bias_tensor(bias: torch.Tensor) -> torch.Tensor:
+    """The bias as the kernels read it: float64 as float32, 16-byte aligned."""
+    bias = bias.detach()
+    return _aligned(bias.float() if bias.dtype == torch.float64 else bias)
+
+
+def _cap_tensor(cap, device) -> torch.Tensor:
+    """The soft-cap as the float32 one-element device tensor the kernels read."""
+    if isinstance(cap, torch.Tensor):
+        return _aligned(device_copy(cap, device).detach().to(torch.float32).reshape(1))
+    key = (float(cap), device)
+    t = _CAPS.get(key)
+    if t is None:
+        t = torch.full((1,), float(cap), dtype=torch.float32, device=device)
+        _CAPS.put(key, t)
+    return t
 
 
 def _score_args(score_mod, H: int, device) -> tuple:
-    """``(SLOPES, softcap)`` run-time arguments of the kernels for ``score_mod`` (placeholders
-    without one). Their values never select a compiled variant: only ``score_mod.kind`` does."""
+    """``(SLOPES, SOFTCAP, BIAS, 4 bias strides)``: run-time arguments of the kernels for
+    ``score_mod`` (placeholders without one). Their values never select a compiled variant: only
+    which modifiers are present (and the bias' dtype) do."""
+    ph = _placeholder(torch.float32, device)
     if score_mod is None:
-        return _placeholder(torch.float32, device), 1.0
-    slopes = _placeholder(torch.float32, device)
-    if score_mod.slopes is not None:
+        return ph, ph, ph, 0, 0, 0, 0
+    slopes = ph
+    if isinstance(score_mod.slopes, torch.Tensor):  # a bound (H,) tensor: values change between calls
+        slopes = _aligned(score_mod.slopes.detach().to(device=device, dtype=torch.float32).expand(H).contiguous())
+    elif score_mod.slopes is not None:
         key = (score_mod, H, device)
         slopes = _SLOPES.get(key)
         if slopes is None:
             slopes = score_mod.slopes_tensor(H, device)
             _SLOPES.put(key, slopes)
-    return slopes, (score_mod.cap if score_mod.cap is not None else 1.0)
+    bias, bstr = ph, (0, 0, 0, 0)
+    if score_mod.bias is not None:
+        bias = _bias_tensor(score_mod.bias)
+        bstr = _strides4(bias)
+    return (slopes, (_cap_tensor(score_mod.cap, device) if score_mod.cap is not None else ph), bias, *bstr)
 
 
-def _kind(score_mod) -> int:
-    if score_mod is not None and score_mod.fn is not None:
+def _grad_args(score_grads, device) -> tuple:
+    """``(DBIAS, 4 strides, DSLOPES)`` of the backward: float32 buffers the dK/dV programs add the
+    bias' and the slopes' gradients to (placeholders where none is wanted)."""
+    ph = _placeholder(torch.float32, device)
+    dslopes, dbias = score_grads if score_grads is not None else (None, None)
+    for name, g in (("dslopes", dslopes), ("dbias", dbias)):
+        if g is not None and (g.dtype != torch.float32 or g.device != torch.device(device)):
+            raise ValueError(f"score_grads: {name} must be a float32 buffer on {device}, got {g.dtype} on {g.device}")
+    return (ph, 0, 0, 0, 0, ph) if dslopes is None and dbias is None else (
+        dbias if dbias is not None else ph, *(_strides4(dbias) if dbias is not None else (0, 0, 0, 0)),
+        dslopes if dslopes is not None else ph)
+
+
+def _kind(score_mod, score_grads=None) -> int:
+    """The kernels' ``SCORE_MOD`` constexpr (see ``kernels/common.py``): which modifiers are present,
+    and in the backward which gradients are accumulated and over which dims the bias broadcasts."""
+    if score_mod is None:
+        return 0
+    if score_mod.fn is not None:
         raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only; the Triton "
-                                  "kernels fuse alibi() and softcap()")
-    return 0 if score_mod is None else score_mod.kind
+                                  "kernels fuse alibi(), bias() and softcap()")
+    kind = score_mod.kind & _FWD_SCORE_BITS
+    dslopes, dbias = score_grads if score_grads is not None else (None, None)
+    if dslopes is not None:
+        kind |= DSLOPES
+    if dbias is not None:
+        kind |= DBIAS | (BIAS_ROWS_BROADCAST if dbias.shape[2] == 1 else 0) | (
+            BIAS_KEYS_BROADCAST if dbias.shape[3] == 1 else 0)
+    return kind
+
+
+def _bias_dtype(score_mod):
+    return None if score_mod is None or score_mod.bias is None else _bias_tensor(score_mod.bias).dtype
 
 
 def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out_dtype=None,
-              smod_kind: int = 0) -> _Plan:
-    key = _plan_key("fwd", layout, s, dtype, device, has_dropout, (out_dtype, smod_kind))
+              smod_kind: int = 0, bias_dtype=None) -> _Plan:
+    key = _plan_key("fwd", layout, s, dtype, device, has_dropout, (out_dtype, smod_kind, bias_dtype))
     plan = layout.cache.get(key) if cfg is None else None
     if plan is not None:
         return plan
@@ -643,7 +712,8 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
         return out, lse
     kind = _kind(score_mod)
     sargs = _score_args(score_mod, s.H, dev)
-    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, out_dtype=odt, smod_kind=kind)
+    bdt = _bias_dtype(score_mod)
+    plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, out_dtype=odt, smod_kind=kind, bias_dtype=bdt)
     while True:
         try:
             _fwd_launch(q, k, v, out, lse, plan, scale, dropout_p, seed, sargs)
@@ -652,7 +722,8 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
             smaller = _shrink(plan.cfg[0])
             if smaller is None:
                 raise
-            plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, cfg=smaller, out_dtype=odt, smod_kind=kind)
+            plan = _fwd_plan(layout, s, q.dtype, dev, dropout_p > 0.0, cfg=smaller, out_dtype=odt, smod_kind=kind,
+                             bias_dtype=bdt)
 
 
 def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed, sargs):
@@ -696,8 +767,8 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
 
 
 def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: bool, run=(True, True),
-              cfgs=None, grad_dtype=None, smod_kind: int = 0) -> _Plan:
-    key = _plan_key("bwd", layout, s, dtype, device, has_dropout, (accumulate, run, grad_dtype, smod_kind))
+              cfgs=None, grad_dtype=None, smod_kind: int = 0, bias_dtype=None) -> _Plan:
+    key = _plan_key("bwd", layout, s, dtype, device, has_dropout, (accumulate, run, grad_dtype, smod_kind, bias_dtype))
     plan = layout.cache.get(key) if cfgs is None else None
     if plan is not None:
         return plan
@@ -769,7 +840,7 @@ def _even(layout: BlockLayout) -> bool:
 
 def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
                     dlse=None, delta=None, accumulate=None, deterministic: bool | None = None, grad_dtype=None,
-                    score_mod=None):
+                    score_mod=None, score_grads=None):
     """Backward kernels; returns ``(dq, dk, dv)`` in the inputs' dtype. ``dlse`` (gradient of the
     returned logsumexp, optional) enters as ``delta - dlse``: ``∂lse/∂s = p``.
 
@@ -784,7 +855,9 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps partial gradients
     exact for a later sum).
     ``score_mod``: the forward's :class:`~blocksparse_fa.mask.score.ScoreMod` or None (it runs the
-    deterministic kernels; the modifier's constants get no gradient)."""
+    deterministic kernels). ``score_grads``: ``(dslopes (H,), dbias)`` float32 buffers (or None
+    each; dbias shaped like the bound 4-D bias) that the dK/dV programs add the gradients of the
+    slopes and of the bias to, with atomic adds (see ``kernels/backward._attn_bwd``)."""
     q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
     lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
     dev = q.device
@@ -813,13 +886,14 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, case == "causal",
                               gmode == "gluon" and not deterministic)
             return grads
-    kind = _kind(score_mod)
-    sargs = _score_args(score_mod, s.H, dev)
+    kind = _kind(score_mod, score_grads)
+    sargs = (*_score_args(score_mod, s.H, dev), *_grad_args(score_grads, dev))
+    bdt = _bias_dtype(score_mod)
     if not deterministic and getattr(layout, "positions", None) is None and gdt is None and not kind:
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc)
         return grads
     if _FUSED_BWD["on"]:
-        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, grad_dtype=gdt, smod_kind=kind)
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, grad_dtype=gdt, smod_kind=kind, bias_dtype=bdt)
         cfg_kv, cfg_q = plan.cfg
         if cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(("bwd_fused_fits", *plan.cfg), True):
             try:
@@ -828,7 +902,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             except OutOfResources:
                 _FALLBACK[("bwd_fused_fits", *plan.cfg)] = False  # the two programs do not fit one kernel
     for run in ((True, False), (False, True)):
-        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, grad_dtype=gdt, smod_kind=kind)
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, grad_dtype=gdt, smod_kind=kind, bias_dtype=bdt)
         while True:
             try:
                 _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed, sargs)
@@ -840,7 +914,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                     raise
                 cfgs = (smaller, plan.cfg[1]) if i == 0 else (plan.cfg[0], smaller)
                 plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, cfgs=cfgs, grad_dtype=gdt,
-                                 smod_kind=kind)
+                                 smod_kind=kind, bias_dtype=bdt)
     return grads
 
 
@@ -872,7 +946,7 @@ def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p,
                 dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
                 dv.stride(0), dv.stride(1), dv.stride(2),
                 *bufs, *parts, *ints, scale * _LOG2E, scale, *_dropout_args(dropout_p, seed),
-                *(sargs or _score_args(None, 1, q.device)))
+                *(sargs or (*_score_args(None, 1, q.device), *_grad_args(None, q.device))))
     kv_c, q_c = plan.combine
     kv_nslot, q_nslot = ints[0], ints[1]
     H, G, Lq, Lk = ints[6], ints[7], ints[12], ints[13]

@@ -44,15 +44,11 @@ def _check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
 
 
-def _dv_error(k, v) -> NotImplementedError:
-    return NotImplementedError(
-        f"v has head dim Dv={v.shape[-1]} but q/k have D={k.shape[-1]}: the kernels use one head dim for "
-        f"q, k and v, so Dv != D is not supported yet (exact workaround: pad the smaller of v and q/k with "
-        f"zeros to the larger head dim, pass scale=1/sqrt(D) explicitly, and slice the output)")
+def check_qkv(q, k, v, dv_ok: bool = False) -> Shapes:
+    """Validate 4-D q/k/v; raise ``TypeError``/``ValueError`` naming the argument and the expectation.
 
-
-def check_qkv(q, k, v) -> Shapes:
-    """Validate 4-D q/k/v; raise ``TypeError``/``ValueError`` naming the argument and the expectation."""
+    ``dv_ok``: v may have its own head dim ``Dv`` (the entry points zero-pad the smaller of v and
+    q/k, :func:`blocksparse_fa.ops.dispatch.pad_head_dims`); ``Shapes.D`` is q's and k's."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 4:
@@ -64,9 +60,15 @@ def check_qkv(q, k, v) -> Shapes:
     B, H, Lq, D = q.shape
     Bk, Hkv, Lk, Dk = k.shape
     if tuple(v.shape) != tuple(k.shape):
-        if tuple(v.shape[:-1]) == tuple(k.shape[:-1]):
-            raise _dv_error(k, v)
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+        if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)} (its head dim may differ), got "
+                             f"{tuple(v.shape)}")
+        if not dv_ok:
+            raise ValueError(f"v has head dim Dv={v.shape[-1]} but q/k have D={Dk}: this low-level entry point "
+                             f"takes one head dim (blocksparse_fa.attention, attention_op, the nn modules and "
+                             f"context_parallel_attention accept Dv != D)")
+        if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
+            raise ValueError(f"v's head dim Dv={v.shape[-1]} is not supported (1 <= Dv <= {MAX_HEAD_DIM})")
     if Bk != B:
         raise ValueError(f"k/v batch size {Bk} does not match q batch size {B}")
     if Dk != D:
@@ -190,9 +192,9 @@ def keep_from_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" and not bool(((t == 0) | torch.isneginf(t)).all()):
             raise NotImplementedError(
                 f"{name}: a float mask holding additive biases (values other than 0 and -inf) is not supported: "
-                f"block-sparse attention applies masks here, not additive biases. ALiBi and soft-capping are "
-                f"fused score modifiers: blocksparse_fa.attention(..., score_mod=bsfa.alibi(slopes) + "
-                f"bsfa.softcap(cap)); other bias tensors are not supported yet. Pass a bool mask (True = attend)")
+                f"block-sparse attention applies masks here, not additive biases. Biases are fused score "
+                f"modifiers: blocksparse_fa.attention(..., score_mod=bsfa.bias(tensor)) (also bsfa.alibi(slopes), "
+                f"bsfa.softcap(cap)). Pass a bool mask (True = attend)")
         return t == 0
     raise TypeError(f"{name} must be a bool tensor (True = attend) or a float 0/-inf mask, got {t.dtype}")
 
