@@ -260,3 +260,25 @@ def test_gluon_backward_refused_where_it_cannot_run(monkeypatch):
         for got, want in ((qq.grad, q64.grad), (kk.grad, k64.grad), (vv.grad, v64.grad)):
             assert rel_err(got, want) < 1e-5
     assert not calls
+
+
+def test_tma_allocator_is_set_in_every_thread():
+    """Triton's allocator hook is a per-thread context variable: the autograd engine's backward
+    threads must get it too (the Gluon backward once failed there with "no allocator was set")."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    tb._ensure_tma_allocator(torch.device("cpu"))
+    assert not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+    seen = []
+
+    def other():
+        seen.append(isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
+        tb._ensure_tma_allocator(torch.device("cpu"))
+        seen.append(isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen == [True, False]

@@ -334,15 +334,19 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
                and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in ts)
 
 
-_ALLOCATOR_SET = [False]
+def _alloc_scratch(size: int, alignment: int, stream):
+    # the device type only: "cuda" is the current device when the kernel launches
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_tma_allocator(device: torch.device) -> None:
-    """Descriptors built inside a kernel need global scratch from Triton's allocator hook."""
-    if not _ALLOCATOR_SET[0]:
-        # the device type only: "cuda" is the current device when the kernel launches
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device.type))
-        _ALLOCATOR_SET[0] = True
+    """Descriptors built inside a kernel need global scratch from Triton's allocator hook. The hook
+    is a context variable, one per thread: the autograd engine runs backward kernels on its own
+    threads, so it is checked in the calling thread at every launch (an allocator the user set is kept)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_alloc_scratch)
 
 
 def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool, bool]:
