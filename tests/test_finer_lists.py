@@ -202,7 +202,6 @@ def test_fine_lists_auto_rewrite_per_head_and_atomic(fine_tiles, monkeypatch):
     _check(BIGBIRD, H=2, Hkv=1, Lq=128, Lk=128, block=32)
     lay = bsfa.compile_mask(LONGFORMER, 128, 128, 32)  # the model: finer rows pay, finer columns do not
     assert tb._list_block(lay, "row", 16) == 16 and tb._list_block(lay, "col", 16) is None
-    _check(LONGFORMER, H=2, Hkv=1, Lq=128, Lk=128, block=32)
     fine_tiles(lists="fine")
     monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
     rewrite.plan.cache_clear()
