@@ -13,7 +13,11 @@ length does not recompile, except where the new layout falls into another tile c
 are and are not multiples of the block (the ``even`` variant): each new tile config of the forward
 or the backward may add one compiled variant, no more.
 
-    PYTHONPATH=. python benchmarks/validate_gpu.py [--quick] [--out DIR]
+``--lists MODE`` runs everything with ``set_kernel_options(lists=MODE)`` (the kernels' lists from a
+finer classification, ``compiler/finer.py``); the recompile check then also allows a new variant
+where a layout's list blocks change.
+
+    PYTHONPATH=. python benchmarks/validate_gpu.py [--quick] [--lists auto] [--out DIR]
 """
 
 from __future__ import annotations
@@ -120,6 +124,14 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     return dict(ours=ours, eager=eag, ok=ok, nan=nan, first_call_s=t_first, density=lay.density)
 
 
+def _set_lists(mode):
+    """Worker initializer: the ``lists`` kernel option (None: the package's default)."""
+    if mode is not None:
+        from blocksparse_fa.ops.triton_backend import set_kernel_options
+
+        set_kernel_options(lists=mode)
+
+
 def _warm(args):
     """Worker: run one (pattern, D, dtype) once at a small size so its kernels land in Triton's cache."""
     name, D, dt = args
@@ -138,8 +150,11 @@ def main():
     ap.add_argument("--special-only", action="store_true", help="only the special cases and the recompile check")
     ap.add_argument("--only", nargs="+", default=None, metavar="SUBSTR",
                     help="with --special-only: run only the special cases whose name contains one of these")
+    ap.add_argument("--lists", default=None, choices=["coarse", "half", "fine", "auto"],
+                    help="the kernels' list granularity (set_kernel_options(lists=...))")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    _set_lists(args.lists)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}  torch {torch.__version__}  triton {__import__('triton').__version__}", flush=True)
     rows = []
@@ -165,7 +180,7 @@ def main():
 
         t0 = time.perf_counter()
         jobs = [(name, D, str(dt).replace("torch.", "")) for name, _ in patterns(1000) for D in dims for dt in dtypes]
-        with mp.get_context("spawn").Pool(args.warm_workers) as pool:
+        with mp.get_context("spawn").Pool(args.warm_workers, initializer=_set_lists, initargs=(args.lists,)) as pool:
             for msg in pool.imap_unordered(_warm, jobs):
                 if msg != "ok":
                     print("warm:", msg, flush=True)
@@ -286,12 +301,16 @@ def main():
         from blocksparse_fa.kernels import config as kc
         from blocksparse_fa.ops.triton_backend import _is_band, _is_partial_heavy, _is_short_partial
 
-        from blocksparse_fa.ops.triton_backend import _even
+        from blocksparse_fa.ops.triton_backend import _even, _list_block
 
         lay = bsfa.compile_mask(bsfa.causal() & bsfa.window(w), n, n, 128)
         band, even = _is_band(lay), _even(lay)  # a length that is not a multiple of 128: its own variant
-        return ((kc.fwd_config(128, torch.bfloat16, 128, 128, band, _is_short_partial(lay)), even),
-                (kc.bwd_configs(128, torch.bfloat16, 128, 128, band, _is_partial_heavy(lay)), even))
+        fc = kc.fwd_config(128, torch.bfloat16, 128, 128, band, _is_short_partial(lay))
+        kv, dq = kc.bwd_configs(128, torch.bfloat16, 128, 128, band, _is_partial_heavy(lay))
+        # finer lists (--lists): a layout whose list blocks change compiles its own variant too
+        return ((fc, even, _list_block(lay, "row", fc.block_n)),
+                ((kv, dq), even, _list_block(lay, "col", kv.block_m, kv.flat), _list_block(lay, "row", dq.block_n,
+                                                                                            dq.flat)))
 
     first, later = (256, 4096), ((512, 4096), (1000, 8192), (77, 5000), (4096, 12288))
     run_fwd_bwd(bsfa.causal() & bsfa.window(first[0]), first[1])

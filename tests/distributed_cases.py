@@ -31,7 +31,26 @@ def _max_err(a, b) -> float:
 
 
 def run_case(case, rank, world):
-    """``(name, ok, detail)`` on rank 0; every rank runs the same collectives."""
+    """``(name, ok, detail)`` on rank 0; every rank runs the same collectives. ``fine_lists``: the
+    kernels' lists at a finer block than the layout's (kernel tiles of 16 along every loop, the
+    ``lists="fine"`` option; ``compiler/finer.py``), restored afterwards."""
+    if not case.get("fine_lists"):
+        return _run_case(case, rank, world)
+    from blocksparse_fa.kernels.config import TileConfig, set_override
+    from blocksparse_fa.ops import triton_backend as tb
+
+    for kernel, tile in (("fwd", (32, 16)), ("dkdv", (16, 32)), ("dq", (32, 16))):
+        set_override(kernel, TileConfig(*tile, 4, 2))
+    tb.set_kernel_options(lists="fine")
+    try:
+        return _run_case(case, rank, world)
+    finally:
+        for kernel in ("fwd", "dkdv", "dq"):
+            set_override(kernel, None)
+        tb.set_kernel_options(lists="coarse")
+
+
+def _run_case(case, rank, world):
     import blocksparse_fa as bsfa
     from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
 

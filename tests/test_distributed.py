@@ -262,6 +262,8 @@ CASES_2 = [
     dict(name="Dv < D, overlap", mask="causal & window(30)", N=200, overlap=True, D=12, Dv=5),
     dict(name="triton kernels (interpreter)", mask=LONGFORMER, N=72, split=1.2, dtype=torch.float32, tol=1e-5,
          backend="triton", H=2, Hkv=1),
+    dict(name="triton kernels, finer lists", mask=LONGFORMER, N=96, block=32, split=1.2, dtype=torch.float32,
+         tol=1e-5, backend="triton", H=2, Hkv=1, fine_lists=True),
     dict(name="torch.compile", compiled=True, mask=LONGFORMER, N=200, split=1.2),
     dict(name="nn module with rotary", module=True, mask="causal & window(40)", N=96, strategy="zigzag"),
     dict(name="mismatched shard", error=True, mask="causal", N=200, cut={1: 1},

@@ -10,7 +10,17 @@ is and what the sm_90 compile showed: "Lever 1" to "Lever 4"):
 - ``atomic``: the five-GEMM backward, dQ through fp32 atomic adds (``set_kernel_options(
   deterministic=False)``); ``atomic_tma``: those adds as TMA reduce-adds (``dq_desc=True``);
 - ``dense_ws`` / ``dense_plain``: dense layouts through the descriptor-only forward, warp-specialised
-  (4 warps) or not (8 warps) (``set_forward_options(dense=...)``).
+  (4 warps) or not (8 warps) (``set_forward_options(dense=...)``);
+- ``lists_*`` ("Lever 5"): the kernels' lists from a finer classification than the layout block
+  (``set_kernel_options(lists=...)``, ``compiler/finer.py``): ``lists_auto`` the cost model's choice
+  per side between the layout block and its half, ``lists_half`` half layout blocks on every side
+  (forward/dQ 64 keys, dK/dV 64 queries per entry), ``lists_fine`` blocks of the kernel step
+  (dK/dV 32 queries with the partial-heavy tiles), ``*_tiles`` with the stages multiplied by the
+  tiles per layout block (``list_stages="tiles"``: the same tiles in flight and shared memory).
+
+Two suites of cases: ``--suite levers`` (the default: Levers 1 to 4) and ``--suite lists`` (Lever
+5: coarse against finer lists on Longformer, BigBird, the 1024 window and documents at 16K and
+64K; each case records the list blocks its launches used, ``list_blocks``).
 
 Every (pattern, variant) is first checked on heads 0 and 1 of the timed inputs (N = 16K) against
 a float64 reference: O, dQ, dK, dV, passing when our relative error is at most twice that of eager
@@ -22,7 +32,7 @@ Inductor's disk caches). Results go to ``$OUT/kernel_ab.json`` after every case,
 printed at the end. The whole run keeps to ``--budget`` seconds (default 450): cases left when it
 is spent are reported as skipped.
 
-    PYTHONPATH=. python benchmarks/experiments/kernel_ab.py [--cases ...] [--budget 450] [--out DIR]
+    PYTHONPATH=. python benchmarks/experiments/kernel_ab.py [--suite levers|lists] [--cases ...] [--budget 450]
 """
 
 from __future__ import annotations
@@ -49,6 +59,11 @@ VARIANTS = {
     "atomic_tma": dict(kernel=dict(deterministic=False, dq_desc=True)),
     "dense_plain": dict(fwd=dict(dense="plain")),
     "dense_ws": dict(fwd=dict(dense="ws")),
+    "lists_auto": dict(kernel=dict(lists="auto")),
+    "lists_half": dict(kernel=dict(lists="half")),
+    "lists_half_tiles": dict(kernel=dict(lists="half", list_stages="tiles")),
+    "lists_fine": dict(kernel=dict(lists="fine")),
+    "lists_fine_tiles": dict(kernel=dict(lists="fine", list_stages="tiles")),
 }
 # (pattern, N) -> variants; "default" (the package's defaults: ``even`` on) first, the reference of
 # every ratio. cuDNN is timed for dense and causal.
@@ -62,6 +77,18 @@ CASES = {
     ("sliding_window_1024", 65536): ["default", "band_flex", "atomic"],
     ("document_causal", 65536): ["default", "band_flex", "atomic"],
 }
+_LISTS = ["default", "lists_auto", "lists_half", "lists_half_tiles", "lists_fine", "lists_fine_tiles"]
+LIST_CASES = {
+    ("longformer", 16384): _LISTS,
+    ("bigbird", 16384): _LISTS,
+    ("sliding_window_1024", 16384): ["default", "lists_half", "lists_fine"],
+    ("document_causal", 16384): ["default", "lists_half", "lists_fine"],
+    ("longformer", 65536): ["default", "lists_auto", "lists_half", "lists_fine"],
+    ("bigbird", 65536): ["default", "lists_auto", "lists_half", "lists_fine"],
+    ("sliding_window_1024", 65536): ["default", "lists_half"],
+    ("document_causal", 65536): ["default", "lists_half"],
+}
+SUITES = {"levers": CASES, "lists": LIST_CASES}
 D = 128
 N_CHECK_HEADS = 2
 VALIDATE_MAX_N = 16384
@@ -80,7 +107,8 @@ def apply(variant: str) -> None:
     from blocksparse_fa.ops import triton_backend as tb
 
     v = VARIANTS[variant]
-    tb.set_kernel_options(**{"even": True, "deterministic": True, "dq_desc": False, **v.get("kernel", {})})
+    tb.set_kernel_options(**{"even": True, "deterministic": True, "dq_desc": False, "lists": "coarse",
+                             "list_stages": "same", **v.get("kernel", {})})
     tb.set_forward_options(**{"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None,
                               **v.get("fwd", {})})
     set_band_backward(v.get("band", "partial"))
@@ -161,6 +189,32 @@ class Reference:
         return res
 
 
+def list_blocks(mask, n: int, device) -> dict:
+    """List blocks and tiles of the launches of the current options (their plans, cached on the layout
+    ``attention`` compiled): per kernel ``[keys or queries per list entry, (tile), stages]``."""
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.ops import triton_backend as tb
+
+    lay = bsfa.compile_mask(mask, n, n, 128, device=device)
+    lays = [lay] if lay.rewrite is None else [lay.rewrite.band]
+    out = {}
+    for part in lays:
+        for key, plan in list(part.cache.items()):
+            if not (isinstance(key, tuple) and key and key[0] in ("fwd", "bwd") and key[8] == tb._VERSION[0]):
+                continue
+            c = plan.consts
+            if key[0] == "fwd":
+                cfg = plan.cfg[0]
+                out["fwd"] = [c.get("LIST_BN", c["LAYOUT_BN"]), (cfg.block_m, cfg.block_n), cfg.num_stages]
+            else:
+                kv, q = plan.cfg
+                if c.get("RUN_KV"):
+                    out["dkdv"] = [c.get("KV_LIST_BM", c["LAYOUT_BM"]), (kv.block_m, kv.block_n), kv.num_stages]
+                if c.get("RUN_Q"):
+                    out["dq"] = [c.get("Q_LIST_BN", c["LAYOUT_BN"]), (q.block_m, q.block_n), q.num_stages]
+    return out
+
+
 def bench_ms(fn) -> float:
     import triton
 
@@ -194,6 +248,8 @@ def run_case(pattern, n, variants, runner, results, deadline):
             with torch.no_grad():
                 rec["fwd_ms"] = bench_ms(fn)
             rec["fb_ms"] = bench_ms(fwd_bwd(fn, do))
+            if variant == "default" or variant.startswith("lists"):
+                rec["list_blocks"] = list_blocks(mask, n, q.device)
         except Exception as e:  # noqa: BLE001 - a variant that fails is a result
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         q.grad = k.grad = v.grad = None
@@ -230,14 +286,14 @@ def _fmt(rec: dict) -> str:
 
 def table(results) -> str:
     lines = ["| pattern | N | variant | check (max err/eager) | fwd ms | fwd+bwd ms | bwd ms | fwd vs default | "
-             "fwd+bwd vs default | Flex fwd / fwd+bwd ratio | cuDNN fwd / fwd+bwd ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd+bwd vs default | Flex fwd / fwd+bwd ratio | cuDNN fwd / fwd+bwd ratio | list blocks fwd/dkdv/dq |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results:
         base = row["variants"].get("default", {})
         for name, rec in row["variants"].items():
             if "fwd_ms" not in rec:
                 lines.append(f"| {row['pattern']} | {row['N']} | {name} | {rec.get('error') or rec.get('skipped')} "
-                             "| | | | | | | |")
+                             "| | | | | | | | |")
                 continue
             chk = rec.get("check")
             c = "" if chk is None else (("ok " if chk["ok"] else "FAIL ") +
@@ -247,14 +303,18 @@ def table(results) -> str:
                   if "flex_fb_ms" in row else "")
             cu = (f"{row['cudnn_fwd_ms'] / rec['fwd_ms']:.2f} / {row['cudnn_fb_ms'] / rec['fb_ms']:.2f}"
                   if "cudnn_fb_ms" in row else "")
+            lb = rec.get("list_blocks", {})
+            lb = "/".join(str(lb[k][0]) if k in lb else "-" for k in ("fwd", "dkdv", "dq")) if lb else ""
             lines.append(f"| {row['pattern']} | {row['N']} | {name} | {c} | {rec['fwd_ms']:.3f} | {rec['fb_ms']:.3f} | "
-                         f"{rec['fb_ms'] - rec['fwd_ms']:.3f} | {sp('fwd_ms')} | {sp('fb_ms')} | {fl} | {cu} |")
+                         f"{rec['fb_ms'] - rec['fwd_ms']:.3f} | {sp('fwd_ms')} | {sp('fb_ms')} | {fl} | {cu} | {lb} |")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", nargs="+", default=None, help="pattern:N entries of CASES (default: all)")
+    ap.add_argument("--suite", default="levers", choices=sorted(SUITES),
+                    help="levers: Levers 1-4 (CASES); lists: Lever 5, coarse against finer lists (LIST_CASES)")
+    ap.add_argument("--cases", nargs="+", default=None, help="pattern:N entries of the suite (default: all)")
     ap.add_argument("--variants", nargs="+", default=None, help="only these variants (default: each case's)")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
     ap.add_argument("--workers", type=int, default=14)
@@ -263,7 +323,7 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget
-    cases = dict(CASES)
+    cases = dict(SUITES[args.suite])
     if args.cases:
         want = {(c.split(":")[0], int(c.split(":")[1])) for c in args.cases}
         cases = {key: vs for key, vs in cases.items() if key in want}
@@ -294,7 +354,7 @@ def main():
 
         runner = bench.Runner()
     results = []
-    path = os.path.join(args.out, "kernel_ab.json")
+    path = os.path.join(args.out, "kernel_ab.json" if args.suite == "levers" else f"kernel_ab_{args.suite}.json")
     for (p, n), vs in cases.items():
         if time.time() > deadline:
             results.append(dict(pattern=p, N=n, variants={v: dict(skipped="time budget") for v in vs}))
@@ -302,7 +362,8 @@ def main():
         run_case(p, n, vs, runner, results, deadline)
         with open(path, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           d=D, elapsed_s=time.time() - t0, variants=VARIANTS, results=results), f, indent=1)
+                           d=D, suite=args.suite, elapsed_s=time.time() - t0, variants=VARIANTS, results=results),
+                      f, indent=1)
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, d={D}, "
           f"B=1, H=16 (8 at 64K); ratios: default time / variant time, Flex (cuDNN) time / variant time; "

@@ -4,6 +4,7 @@ may differ from the GPU machine's.
 
     python benchmarks/experiments/sass_probe.py --mask longformer --kernel fwd [--bm 128 --bn 128 --warps 8 --stages 3]
     python benchmarks/experiments/sass_probe.py --mask longformer --kernel fwd --bn 64 --loops [--by-line 12]
+    python benchmarks/experiments/sass_probe.py --mask longformer --kernel fwd --bn 64 --even --list 64 --loops
 
 ``--loops`` splits the SASS into its loops (backward branches) and prints, per loop, the
 instruction mix by class (tensor-core MMAs, async copies, plain global loads, barriers, float,
@@ -62,7 +63,8 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
                   BLOCK_M=bm, BLOCK_N=bn, LAYOUT_BM=128, LAYOUT_BN=128, DOT_PRECISION="tf32",
                   STAGES=stages, MASKED_STAGES=stages if masked_stages is None else masked_stages,
                   FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut, ACCUMULATE=False,
-                  KV_DESC=False, WARP_SPEC=False, KV_EVEN=False, EVEN=False, DQ_DESC=False, KV_FLAT=False, Q_FLAT=False, SCORE_MOD=0)
+                  KV_DESC=False, WARP_SPEC=False, KV_EVEN=False, EVEN=False, DQ_DESC=False, KV_FLAT=False, Q_FLAT=False, SCORE_MOD=0,
+                  HAS_POS=False, LIST_BN=0, KV_LIST_BM=0, Q_LIST_BN=0)
     if kernel not in ("fwd", "atomic"):  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at dq_tile)
         ms = consts["MASKED_STAGES"]
         kv = (bm, bn) if kernel != "dq" else (64, 128)
@@ -279,12 +281,21 @@ def main():
     ap.add_argument("--lut", default="load", choices=["load", "prefetch", "arith"], help="LUT index mode of the loops")
     ap.add_argument("--dq-tile", type=int, nargs=2, default=[128, 128], metavar=("BM", "BN"),
                     help="with --kernel bwd: the dQ program's tile (the dK/dV tile is --bm/--bn)")
+    ap.add_argument("--even", action="store_true", help="lengths multiples of the layout block (KV_EVEN / EVEN)")
+    ap.add_argument("--list", type=int, default=0, metavar="N",
+                    help="finer list block along the loops (compiler/finer.py): keys per row entry of the forward "
+                         "and dQ (LIST_BN, Q_LIST_BN), queries per column entry of dK/dV (KV_LIST_BM); 0: the "
+                         "layout block")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
     mask = _mask(args.mask)
+    extra = dict(KV_EVEN=True, EVEN=True) if args.even else {}
+    if args.list:
+        names = dict(fwd=["LIST_BN"], dkdv=["KV_LIST_BM"], dq=["Q_LIST_BN"], bwd=["KV_LIST_BM", "Q_LIST_BN"])
+        extra.update({n: args.list for n in names.get(args.kernel, [])})
     ck = compile_kernel(args.kernel, mask, args.bm, args.bn, args.warps, args.stages, args.masked_stages, args.d,
-                        lut=args.lut, dq_tile=tuple(args.dq_tile))
+                        extra=extra, lut=args.lut, dq_tile=tuple(args.dq_tile))
     print(args.mask, args.kernel, (args.bm, args.bn, args.warps, args.stages), report(ck))
     if args.loops:
         print_loops(sass_loops(sass_text(ck), args.by_line))

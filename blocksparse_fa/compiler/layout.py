@@ -160,20 +160,32 @@ class BlockLayout(_BlockCounts):
         """Exact expanded column tables (the transpose, for dK/dV), int32 CSR (built on first use)."""
         return build_luts(self._segs)[1].to(self.device)
 
-    def kernel_tables(self, row_runs: bool = True, col_runs: bool | None = None) -> tuple[SideTables, SideTables]:
+    def kernel_tables(self, row_runs: bool = True, col_runs: bool | None = None, row_list: int | None = None,
+                      col_list: int | None = None) -> tuple[SideTables, SideTables]:
         """``(rows, cols)`` tables the kernels read (numpy, cached): full blocks on ragged edges
         moved to the masked lists; unmasked lists stored as runs where every line is one run:
         rows when ``row_runs``, columns when ``col_runs`` (``None``: when listing them would exceed
         ``COL_LIST_LIMIT`` entries). Their size then scales with the layout's structure, not its
-        area."""
-        key = ("tables", bool(row_runs), col_runs)
-        hit = self.cache.get(key)
-        if hit is None:
-            g = self._grid
-            rows = build_side(self._segs, False, edge=g.kv_len % g.bn != 0, runs=bool(row_runs))
-            cols = build_side(self._segs, True, edge=g.q_len % g.bm != 0, runs=col_runs, max_listed=COL_LIST_LIMIT)
-            hit = self.cache[key] = (rows, cols)
-        return hit
+        area.
+
+        ``row_list`` (keys per row entry, a divisor of ``bn``) and ``col_list`` (queries per column
+        entry, a divisor of ``bm``): list the blocks of a finer classification
+        (``compiler/finer.py``); a row line still covers ``bm`` queries and a column line ``bn``
+        keys. Default: the layout block."""
+        g = self._grid
+        row_list, col_list = row_list or g.bn, col_list or g.bm
+        from .finer import list_states
+
+        rkey, ckey = ("row_table", bool(row_runs), row_list), ("col_table", col_runs, col_list)
+        rows, cols = self.cache.get(rkey), self.cache.get(ckey)
+        if rows is None:
+            rows = self.cache[rkey] = build_side(list_states(self, g.bm, row_list), False,
+                                                 edge=g.kv_len % row_list != 0, runs=bool(row_runs))
+        if cols is None:
+            cols = self.cache[ckey] = build_side(list_states(self, col_list, g.bn), True,
+                                                 edge=g.q_len % col_list != 0, runs=col_runs,
+                                                 max_listed=COL_LIST_LIMIT)
+        return rows, cols
 
     # -- views -----------------------------------------------------------------------------------
     def block_states(self) -> torch.Tensor:

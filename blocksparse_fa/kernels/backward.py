@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .common import (LOG2E, block_shift, dropout_keep, load_bias, load_tile, lut_first, lut_next, mma, score_grads,
                      score_mod, store_grad_tile, work_item)
+from .common import layout_block
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -46,18 +47,19 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
                 BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPE,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                LAYOUT_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                LAYOUT_BM: tl.constexpr, LIST_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
                 LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
                 SCORE_MOD: tl.constexpr):
     # EVEN: both lengths are multiples of the layout blocks: no bounds terms or row checks (see _attn_bwd)
-    # FLAT: one loop iteration per kernel tile instead of per layout block (see _attn_bwd)
-    NSUB: tl.constexpr = LAYOUT_BM // BLOCK_M
+    # FLAT: one loop iteration per kernel tile instead of per list entry (see _attn_bwd)
+    # LIST_BM: queries per LUT entry (the layout block or a finer list block, compiler/finer.py)
+    NSUB: tl.constexpr = LIST_BM // BLOCK_M
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for t in tl.range(start * (NSUB if FLAT else 1), end * (NSUB if FLAT else 1), num_stages=STAGES):
         rblk, carry = lut_next(LUT_IDX, t // NSUB if FLAT else t, end, carry, LUT_MODE)
         for sub in tl.static_range(1 if FLAT else NSUB):
-            offs_m = rblk * LAYOUT_BM + ((t % NSUB) * BLOCK_M if FLAT else sub * BLOCK_M) + tl.arange(0, BLOCK_M)
-            q_shift = block_shift(QPOS, rblk, LAYOUT_BM, HAS_POS)
+            offs_m = rblk * LIST_BM + ((t % NSUB) * BLOCK_M if FLAT else sub * BLOCK_M) + tl.arange(0, BLOCK_M)
+            q_shift = block_shift(QPOS, layout_block(rblk, LIST_BM, LAYOUT_BM), LAYOUT_BM, HAS_POS)
             q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
@@ -122,11 +124,13 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                    ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                   SCORE_MOD: tl.constexpr):
+                   SCORE_MOD: tl.constexpr, LIST_BM: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
-    GQA group."""
+    GQA group; ``LIST_BM`` queries per column-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
+    tl.static_assert(LIST_BM % BLOCK_M == 0, "the kernel tile must divide the list block")
+    tl.static_assert(LAYOUT_BM % LIST_BM == 0, "the list block must divide the layout block")
     HKV = H // G
     b = pid_bhk // HKV
     hk = pid_bhk % HKV
@@ -166,13 +170,13 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                              stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                              BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPES + h,
-                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, STAGES, FULL_LUT,
+                             PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, STAGES, FULL_LUT,
                              False, FLAT, HAS_POS, SCORE_MOD)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                              BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPES + h,
-                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, DOT_PRECISION, MASKED_STAGES, "load",
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, MASKED_STAGES, "load",
                              EVEN, FLAT, HAS_POS, SCORE_MOD)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
@@ -192,17 +196,18 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, 
               slope, softcap, BIAS_base, stride_bm, stride_bn,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+              LAYOUT_BN: tl.constexpr, LIST_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
               LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
               SCORE_MOD: tl.constexpr):
+    # LIST_BN: keys per LUT entry (the layout block or a finer list block, compiler/finer.py)
     qp = offs_m + (Q_OFF + q_shift)
-    NSUB: tl.constexpr = LAYOUT_BN // BLOCK_N
+    NSUB: tl.constexpr = LIST_BN // BLOCK_N
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for t in tl.range(start * (NSUB if FLAT else 1), end * (NSUB if FLAT else 1), num_stages=STAGES):
         col, carry = lut_next(LUT_IDX, t // NSUB if FLAT else t, end, carry, LUT_MODE)
         for sub in tl.static_range(1 if FLAT else NSUB):
-            offs_n = col * LAYOUT_BN + ((t % NSUB) * BLOCK_N if FLAT else sub * BLOCK_N) + tl.arange(0, BLOCK_N)
-            k_shift = block_shift(KPOS, col, LAYOUT_BN, HAS_POS)
+            offs_n = col * LIST_BN + ((t % NSUB) * BLOCK_N if FLAT else sub * BLOCK_N) + tl.arange(0, BLOCK_N)
+            k_shift = block_shift(KPOS, layout_block(col, LIST_BN, LAYOUT_BN), LAYOUT_BN, HAS_POS)
             k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
@@ -251,10 +256,13 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                  ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                 SCORE_MOD: tl.constexpr):
-    """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``."""
+                 SCORE_MOD: tl.constexpr, LIST_BN: tl.constexpr):
+    """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``; ``LIST_BN`` keys
+    per row-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
+    tl.static_assert(LIST_BN % BLOCK_N == 0, "the kernel tile must divide the list block")
+    tl.static_assert(LAYOUT_BN % LIST_BN == 0, "the list block must divide the layout block")
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
@@ -286,12 +294,12 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                    FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
                    drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, False, HAS_DROPOUT, HEAD_DIM,
                    HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
-                   DOT_PRECISION, STAGES, FULL_LUT, False, FLAT, HAS_POS, SCORE_MOD)
+                   LIST_BN, DOT_PRECISION, STAGES, FULL_LUT, False, FLAT, HAS_POS, SCORE_MOD)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
                    PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
                    drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, True, HAS_DROPOUT, HEAD_DIM,
                    HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
-                   DOT_PRECISION, MASKED_STAGES, "load", EVEN, FLAT, HAS_POS, SCORE_MOD)
+                   LIST_BN, DOT_PRECISION, MASKED_STAGES, "load", EVEN, FLAT, HAS_POS, SCORE_MOD)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
     if slot < 0:
@@ -326,7 +334,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               Q_STAGES: tl.constexpr, Q_MASKED_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
               ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr,
               EVEN: tl.constexpr = False, KV_FLAT: tl.constexpr = False, Q_FLAT: tl.constexpr = False,
-              HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0):
+              HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
+              KV_LIST_BM: tl.constexpr = 0, Q_LIST_BN: tl.constexpr = 0):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -349,8 +358,13 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     ``SCORE_MOD`` bits 16 and 32 (``kernels/common.score_grads``) add, in the dK/dV programs, dS to
     the float32 bias gradient ``DBIAS`` (strides 0 on broadcast dims) and ``Σ dS · (j - i)`` to the
     slopes' gradient ``DSLOPES`` with atomic adds: bit-reproducible only where no two programs add
-    to one element (a bias broadcast over batch or heads, the slopes are not)."""
+    to one element (a bias broadcast over batch or heads, the slopes are not).
+    ``KV_LIST_BM`` (queries per column-LUT entry) and ``Q_LIST_BN`` (keys per row-LUT entry): 0 for
+    the layout block, or a divisor of it when the tables list a finer classification
+    (``compiler/finer.py``); with the kernel tile's step, each loop iteration is one tile."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
+    KV_STEP: tl.constexpr = KV_LIST_BM if KV_LIST_BM > 0 else LAYOUT_BM
+    Q_STEP: tl.constexpr = Q_LIST_BN if Q_LIST_BN > 0 else LAYOUT_BN
     pid = tl.program_id(0)
     kv_item = pid % N_KV_ITEMS
     kv_bh = pid // N_KV_ITEMS
@@ -383,7 +397,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       stride_dbh, stride_dbm, stride_dbn, DSLOPES, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM,
                       HEAD_DIM_PAD, KV_BLOCK_M,
                       KV_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE,
-                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD)
+                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD, KV_STEP)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -394,7 +408,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, PREDICATE,
                     HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M,
                     Q_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN,
-                    Q_FLAT, HAS_POS, SCORE_MOD)
+                    Q_FLAT, HAS_POS, SCORE_MOD, Q_STEP)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

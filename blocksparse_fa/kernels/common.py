@@ -58,6 +58,18 @@ def block_shift(POS, blk, LAYOUT_B: tl.constexpr, HAS_POS: tl.constexpr):
 
 
 @triton.jit
+def layout_block(entry, LIST_B: tl.constexpr, LAYOUT_B: tl.constexpr):
+    """The layout block holding list block ``entry`` when the LUTs list blocks of ``LIST_B`` rows or
+    keys, a divisor of the layout block ``LAYOUT_B`` (a finer classification, ``compiler/finer.py``):
+    what :func:`block_shift`'s position tables are indexed by."""
+    if LIST_B == LAYOUT_B:
+        blk = entry
+    else:
+        blk = entry // (LAYOUT_B // LIST_B)
+    return blk
+
+
+@triton.jit
 def lut_first(LUT_IDX, line, start, end, MODE: tl.constexpr):
     """Loop-carried state for walking the entries ``start .. end`` of LUT line ``line`` (see
     :func:`lut_next`).

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .common import (LN2, block_shift, dropout_keep, load_bias, load_tile, lut_first, lut_next, mma, score_mod,
                      store_tile, work_item)
+from .common import layout_block
 
 
 @triton.jit
@@ -35,18 +36,20 @@ def _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H,
                BIAS_base, stride_bm, stride_bn,
                PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+               LAYOUT_BN: tl.constexpr, LIST_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
                LUT_MODE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
                KV_EVEN: tl.constexpr, HAS_POS: tl.constexpr, SCORE_MOD: tl.constexpr):
     # KV_EVEN: kv_len is a multiple of the layout block, so no key row of a listed block is out of
     # range: the masked loop drops the bounds term and the K/V row checks (ops/triton_backend.set_even_bounds)
+    # LIST_BN: keys per LUT entry (the layout block, or a finer list block: compiler/finer.py); an
+    # entry is LIST_BN // BLOCK_N kernel tiles, one iteration each when LIST_BN == BLOCK_N
     carry = lut_first(LUT_IDX, line, start, end, LUT_MODE)
     for e in tl.range(start, end, num_stages=STAGES, warp_specialize=WARP_SPEC):
         col, carry = lut_next(LUT_IDX, e, end, carry, LUT_MODE)
-        for sub in tl.static_range(LAYOUT_BN // BLOCK_N):
-            row0 = col * LAYOUT_BN + sub * BLOCK_N
+        for sub in tl.static_range(LIST_BN // BLOCK_N):
+            row0 = col * LIST_BN + sub * BLOCK_N
             offs_n = row0 + tl.arange(0, BLOCK_N)
-            k_shift = block_shift(KPOS, col, LAYOUT_BN, HAS_POS)
+            k_shift = block_shift(KPOS, layout_block(col, LIST_BN, LAYOUT_BN), LAYOUT_BN, HAS_POS)
             k = _kv_tile(K_base, row0, offs_n, stride_kn, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN, KV_DESC)
             s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
             if SCORE_MOD != 0:  # scores in the base-2 domain, modified (kernels/common.score_mod)
@@ -104,7 +107,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
               FULL_LUT: tl.constexpr, PART_LUT: tl.constexpr,
               KV_DESC: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-              KV_EVEN: tl.constexpr = False, HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0):
+              KV_EVEN: tl.constexpr = False, HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
+              LIST_BN: tl.constexpr = 0):
     """One program per work item (or query tile) and batch·head. With ``USE_WORK`` the item
     ``(tile, f0, f1, p0, p1, slot)`` comes from the work list; ``slot >= 0`` marks a piece of a
     split tile, whose normalised output and LSE go to ``OPART``/``LPART`` for the combine kernel.
@@ -112,9 +116,14 @@ def _attn_fwd(Q, K, V, O, LSE,
     each local row/key block's first row/key (``kernels/common.block_shift``). ``SCORE_MOD`` (bit
     flags, 0: none) modifies the scores (``kernels/common.score_mod``) with the per-head ALiBi
     slopes ``SLOPES``, the additive bias ``BIAS`` (strides 0 on its broadcast dims) and the soft-cap
-    ``SOFTCAP[0]``, run-time values (tensors: new values never select a compiled variant)."""
+    ``SOFTCAP[0]``, run-time values (tensors: new values never select a compiled variant). ``LIST_BN``: keys
+    per entry of the row LUT (0: the layout block ``LAYOUT_BN``; a divisor of it when the tables list the
+    blocks of a finer classification, ``compiler/finer.py``)."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
     tl.static_assert(LAYOUT_BN % BLOCK_N == 0, "kernel tile BLOCK_N must divide the layout block")
+    STEP_N: tl.constexpr = LIST_BN if LIST_BN > 0 else LAYOUT_BN
+    tl.static_assert(STEP_N % BLOCK_N == 0, "the kernel tile must divide the list block")
+    tl.static_assert(LAYOUT_BN % STEP_N == 0, "the list block must divide the layout block")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD, "HEAD_DIM_PAD must cover HEAD_DIM")
     pid_w = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -156,14 +165,14 @@ def _attn_fwd(Q, K, V, O, LSE,
                                FULL_IDX, line, f0, f1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
                                seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn,
                                PREDICATE, False, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, STAGES, FULL_LUT,
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, STEP_N, DOT_PRECISION, STAGES, FULL_LUT,
                                KV_DESC, WARP_SPEC, False, HAS_POS, SCORE_MOD)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qp, offs_m, q_shift, offs_d, b, h, H, K_base, V_base,
                                stride_kn, stride_vn,
                                PART_IDX, line, p0, p1, q_len, kv_len, qk_scale, PARAMS, AUX, KPOS,
                                seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn,
                                PREDICATE, True, HAS_DROPOUT,
-                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT,
+                               HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, STEP_N, DOT_PRECISION, MASKED_STAGES, PART_LUT,
                                KV_DESC, False, KV_EVEN, HAS_POS, SCORE_MOD)
     empty = l_i == 0.0
     # rows with nothing to attend give exactly 0, whatever V holds (0 * NaN would leak through P @ V)

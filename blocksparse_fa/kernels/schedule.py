@@ -42,7 +42,7 @@ class WorkList:
 
 def build_worklist(full_ptr: np.ndarray, part_ptr: np.ndarray, tiles_per_block: int, n_tiles: int,
                    n_heads: int, hw_slots: int, min_chunk: float = 8.0, device="cpu",
-                   force_chunk: float | None = None) -> WorkList:
+                   force_chunk: float | None = None, entry_size: float = 1.0) -> WorkList:
     """Work list over ``n_tiles`` tiles of one layout instance (LUT rows ``tile // tiles_per_block``).
 
     Args:
@@ -53,13 +53,16 @@ def build_worklist(full_ptr: np.ndarray, part_ptr: np.ndarray, tiles_per_block: 
         hw_slots: programs the GPU runs at once (SMs × resident programs per SM).
         min_chunk: never split below this many (unmasked-equivalent) entries.
         force_chunk: use this chunk (tests).
+        entry_size: work of one list entry in layout blocks (finer lists, ``compiler/finer.py``:
+            an entry of half a block costs half as much), so that costs and chunks stay in layout
+            blocks whatever the lists' granularity.
     """
     full_ptr = np.asarray(full_ptr, dtype=np.int64)
     part_ptr = np.asarray(part_ptr, dtype=np.int64)
     blk = np.arange(n_tiles) // tiles_per_block
     f_start, f_len = full_ptr[blk], full_ptr[blk + 1] - full_ptr[blk]
     p_start, p_len = part_ptr[blk], part_ptr[blk + 1] - part_ptr[blk]
-    cost = f_len + MASKED_COST * p_len + 1.0
+    cost = entry_size * (f_len + MASKED_COST * p_len) + 1.0
     if force_chunk is not None:
         chunk = float(force_chunk)
     else:
@@ -82,7 +85,7 @@ def build_worklist(full_ptr: np.ndarray, part_ptr: np.ndarray, tiles_per_block: 
     split = s > 1
     slot = np.full(len(tile), -1, dtype=np.int64)
     slot[split] = np.arange(int(split.sum()))
-    item_cost = (f1 - f0) + MASKED_COST * (p1 - p0)
+    item_cost = entry_size * ((f1 - f0) + MASKED_COST * (p1 - p0))
     order = np.argsort(-item_cost, kind="stable")
     work = np.stack([tile, f0, f1, p0, p1, slot], axis=1)[order]
     split_tiles = np.nonzero(n_split > 1)[0]

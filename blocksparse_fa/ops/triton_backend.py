@@ -12,6 +12,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..compiler.cache import LRUCache
+from ..compiler.finer import pick_list_block
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
@@ -64,14 +65,19 @@ def _positions(layout: BlockLayout, device):
     return to(pos.q_start), to(pos.k_start)
 
 
-def _device_state(layout: BlockLayout, device: torch.device):
+def _device_state(layout: BlockLayout, device: torch.device, row_list: int | None = None,
+                  col_list: int | None = None):
     """``(rows, cols, payload, modes, positions)``: kernel tables, predicate payload and block
     position tables (shards only, else None) on ``device`` and the LUT modes of the kernel loops,
-    built once and kept in the layout's cache."""
-    key = ("triton", device, _LUT_POLICY["row_arith"], _LUT_POLICY["col_arith"], _LUT_POLICY["fwd_other"])
+    built once and kept in the layout's cache. ``row_list``/``col_list``: the tables' list blocks
+    (keys per row entry, queries per column entry; default the layout block, see
+    :func:`_list_block`)."""
+    key = ("triton", device, _LUT_POLICY["row_arith"], _LUT_POLICY["col_arith"], _LUT_POLICY["fwd_other"],
+           row_list, col_list)
     st = layout.cache.get(key)
     if st is None:
-        rows, cols = layout.kernel_tables(row_runs=_LUT_POLICY["row_arith"], col_runs=_LUT_POLICY["col_arith"])
+        rows, cols = layout.kernel_tables(row_runs=_LUT_POLICY["row_arith"], col_runs=_LUT_POLICY["col_arith"],
+                                          row_list=row_list, col_list=col_list)
 
         def prep(a):
             t = torch.from_numpy(a).to(device)
@@ -309,7 +315,18 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
 # dQ programs (seven GEMMs per visited block, bit-reproducible); False the five-GEMM backward whose
 # dK/dV programs add dQ with fp32 atomics (kernels/backward_atomic.py). ``dq_desc``: those adds as
 # TMA reduce-adds of whole tiles through a tensor descriptor (Hopper).
-_KERNEL_OPTS = {"even": True, "deterministic": True, "dq_desc": False}
+# ``lists``: how finely the kernels' lists are classified (compiler/finer.py): ``"coarse"`` lists
+# layout blocks; ``"fine"`` the blocks of a classification at the kernel tile's step along the loop
+# (forward/dQ: (bm, BLOCK_N) rows, dK/dV: (BLOCK_M, bn) columns), so every loop iteration is one
+# tile and empty tiles inside partial layout blocks are skipped; ``"half"`` the blocks of half the
+# layout block (at least the step); ``"auto"`` lets a cost model choose between the layout block and
+# its half per layout and side (compiler/finer.pick_list_block). Partial area at 16K (NOTES.md "Lever 5"):
+# Longformer -25 %, BigBird -50 %, documents -16 %, sliding windows and causal unchanged.
+# ``list_stages``: with finer lists, ``"same"`` keeps each kernel's stage count (fewer tiles in
+# flight, less shared memory: forward 128x64 at 3 stages 224 -> 128 KB on sm_90), ``"tiles"``
+# multiplies it by the tiles per layout block (the same tiles in flight and shared memory).
+_KERNEL_OPTS = {"even": True, "deterministic": True, "dq_desc": False, "lists": "coarse", "list_stages": "same"}
+_LIST_MODES = ("coarse", "half", "fine", "auto")
 
 
 def set_kernel_options(**kw) -> None:
@@ -318,10 +335,19 @@ def set_kernel_options(**kw) -> None:
     kernel when lengths of both kinds occur).
     ``deterministic`` (bool): the backward's default (see :func:`triton_backward`). ``dq_desc``
     (bool): the five-GEMM backward adds dQ tiles through a tensor descriptor (TMA) where the device
-    allows."""
+    allows. ``lists`` (``"coarse"``, ``"half"``, ``"fine"`` or ``"auto"``): the granularity of the
+    kernels' lists: layout blocks, half layout blocks, blocks of the kernel tile's step along each
+    loop (empty tiles skipped, full ones unmasked), or layout or half blocks chosen per layout and
+    side by a cost model (``compiler/finer.py``).
+    ``list_stages`` (``"same"`` or ``"tiles"``): with finer lists, keep each loop's stage count, or
+    multiply it by the tiles per layout block (as many tiles in flight as over layout blocks)."""
     for k, v in kw.items():
         if k not in _KERNEL_OPTS:
             raise ValueError(f"unknown kernel option {k!r}; expected one of {sorted(_KERNEL_OPTS)}")
+        if k == "lists" and v not in _LIST_MODES:
+            raise ValueError(f"set_kernel_options(lists={v!r}): expected one of {_LIST_MODES}")
+        if k == "list_stages" and v not in ("same", "tiles"):
+            raise ValueError(f"set_kernel_options(list_stages={v!r}): expected 'same' or 'tiles'")
         _KERNEL_OPTS[k] = v
     _bump()
 
@@ -361,6 +387,35 @@ def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool, bool]:
                src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf))
         layout.cache["tile_class"] = cls
     return cls
+
+
+def _list_block(layout: BlockLayout, side: str, step: int, flat: bool = False) -> int | None:
+    """List block of one side under the ``lists`` kernel option: keys per row entry (``side="row"``,
+    forward and dQ) or queries per column entry (``"col"``, dK/dV) for kernel tiles that step
+    ``step`` along the loop; None for the layout block. A shard follows its source layout's choice
+    (the same kernels on every rank)."""
+    mode = _KERNEL_OPTS["lists"]
+    if mode == "coarse":
+        return None
+    u = pick_list_block(_source(layout), side, step, flat, force=None if mode == "auto" else mode)
+    lbm, lbn = layout.block_size
+    return None if u == (lbn if side == "row" else lbm) else u
+
+
+def _deepen(layout: BlockLayout, side: str, cfg: TileConfig) -> TileConfig:
+    """``cfg`` with its stages multiplied by the layout blocks' tiles per list entry when that side
+    runs finer lists and the ``list_stages`` option is ``"tiles"``: the loop then keeps as many
+    kernel tiles in flight (and as much shared memory) as it does over layout blocks, where every
+    unrolled tile of an entry has its own stage buffers. With ``"same"`` the stage count stays."""
+    if _KERNEL_OPTS["list_stages"] != "tiles" or cfg.flat:
+        return cfg
+    step = cfg.block_n if side == "row" else cfg.block_m
+    unit = _list_block(layout, side, step)
+    if unit is None:
+        return cfg
+    lbm, lbn = layout.block_size
+    ratio = (lbn if side == "row" else lbm) // unit
+    return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages * ratio, cfg.flat)
 
 
 def _is_band(layout: BlockLayout) -> bool:
@@ -435,21 +490,27 @@ def _shrink(cfg: TileConfig) -> TileConfig | None:
     return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 2, cfg.flat)
 
 
-def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device) -> WorkList | None:
-    """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size."""
+def _worklist(layout: BlockLayout, side: str, tile: int, n_heads: int, device, unit: int | None = None
+              ) -> WorkList | None:
+    """Cached work list for the row side (forward, dQ) or column side (dK/dV) at this tile size, over
+    the tables of list block ``unit`` (default the layout block)."""
     if not worklists_enabled(layout):
         return None
     force = _SPLIT_OVERRIDE.get("chunk")
-    key = (side, tile, n_heads, device, force)
+    key = (side, tile, n_heads, device, force, unit)
     key = ("worklist", *key)
     wl = layout.cache.get(key)
     if wl is None:
-        rows, cols = layout.kernel_tables(row_runs=_LUT_POLICY["row_arith"], col_runs=_LUT_POLICY["col_arith"])
+        row_list, col_list = (unit, None) if side == "row" else (None, unit)
+        rows, cols = layout.kernel_tables(row_runs=_LUT_POLICY["row_arith"], col_runs=_LUT_POLICY["col_arith"],
+                                          row_list=row_list, col_list=col_list)
         lut = rows if side == "row" else cols
         lb = layout.block_size[0] if side == "row" else layout.block_size[1]
+        along = layout.block_size[1] if side == "row" else layout.block_size[0]
         length = layout.q_len if side == "row" else layout.kv_len
         wl = build_worklist(lut.full_ptr, lut.part_ptr, lb // tile, -(-length // tile),
-                            n_heads, hw_slots(device), device=device, force_chunk=force)
+                            n_heads, hw_slots(device), device=device, force_chunk=force,
+                            entry_size=(unit or along) / along)
         layout.cache[key] = wl
     return wl
 
@@ -598,15 +659,16 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out
         return plan
     lbm, lbn = layout.block_size
     check_layout_block(lbm, lbn)
-    rows, _, pay, modes, pos = _device_state(layout, device)
     d_pad = head_dim_pad(s.D)
-    wanted = fwd_config(d_pad, dtype, lbm, lbn, _is_band(layout), _is_short_partial(layout))
-    fkey = ("fwd", wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the config that fits, per requested one
+    wanted = _deepen(layout, "row", fwd_config(d_pad, dtype, lbm, lbn, _is_band(layout), _is_short_partial(layout)))
+    fkey = ("fwd", wanted, d_pad, dtype, lbm, lbn, _payload(layout, device).gathers)  # the config that fits
     if cfg is None:
         cfg = _FALLBACK.get(fkey, wanted)
     else:
         _FALLBACK[fkey] = cfg
-    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, device)
+    unit = _list_block(layout, "row", cfg.block_n)
+    rows, _, pay, modes, pos = _device_state(layout, device, row_list=unit)
+    wl = _worklist(layout, "row", cfg.block_m, s.B * s.H, device, unit)
     nslot = wl.n_slots if wl is not None else 0
     grid = (wl.n_items if wl is not None else _cdiv(s.Lq, cfg.block_m), s.B * s.H)
     work = wl.work if wl is not None else _placeholder(torch.int32, device)
@@ -620,6 +682,8 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, cfg=None, out
                   KV_DESC=False, WARP_SPEC=False)
     if _KERNEL_OPTS["even"] and layout.kv_len % lbn == 0:
         consts["KV_EVEN"] = True
+    if unit is not None:
+        consts["LIST_BN"] = unit
     if pos is not None:
         consts["HAS_POS"] = True
     if smod_kind:
@@ -778,18 +842,22 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
         return plan
     lbm, lbn = layout.block_size
     check_layout_block(lbm, lbn)
-    rows, cols, pay, modes, pos = _device_state(layout, device)
     d_pad = head_dim_pad(s.D)
-    wanted = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout), _tile_class(layout)[3])
-    fkey = ("bwd", run, wanted, d_pad, dtype, lbm, lbn, pay.gathers)  # the configs that fit, per requested pair
+    kv_want, q_want = bwd_configs(d_pad, dtype, lbm, lbn, _is_band(layout), _is_partial_heavy(layout),
+                                  _tile_class(layout)[3])
+    wanted = (_deepen(layout, "col", kv_want), _deepen(layout, "row", q_want))
+    fkey = ("bwd", run, wanted, d_pad, dtype, lbm, lbn, _payload(layout, device).gathers)  # the configs that fit
     if cfgs is None:
         cfgs = _FALLBACK.get(fkey, wanted)
     else:
         _FALLBACK[fkey] = cfgs
     cfg_kv, cfg_q = cfgs
     run_kv, run_q = run
-    wl_kv = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, device)
-    wl_q = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, device)
+    kv_unit = _list_block(layout, "col", cfg_kv.block_m, cfg_kv.flat) if run_kv else None
+    q_unit = _list_block(layout, "row", cfg_q.block_n, cfg_q.flat) if run_q else None
+    rows, cols, pay, modes, pos = _device_state(layout, device, row_list=q_unit, col_list=kv_unit)
+    wl_kv = _worklist(layout, "col", cfg_kv.block_n, s.B * s.Hkv, device, kv_unit)
+    wl_q = _worklist(layout, "row", cfg_q.block_m, s.B * s.H, device, q_unit)
     ph = _placeholder(torch.int32, device)
     n_kv_items = wl_kv.n_items if wl_kv is not None else _cdiv(s.Lk, cfg_kv.block_n)
     n_q_items = wl_q.n_items if wl_q is not None else _cdiv(s.Lq, cfg_q.block_m)
@@ -818,6 +886,10 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
         consts["HAS_POS"] = True
     if smod_kind:
         consts["SCORE_MOD"] = smod_kind
+    if kv_unit is not None:
+        consts["KV_LIST_BM"] = kv_unit
+    if q_unit is not None:
+        consts["Q_LIST_BN"] = q_unit
     bufs = (*rows, *cols, pay.params, pay.aux, *(pos or (ph, ph)), wl_kv.work if wl_kv is not None else ph,
             wl_q.work if wl_q is not None else ph)
     ints = (kv_nslot, q_nslot, n_kv_items, n_kv_progs, n_q_items, int(head_major),
