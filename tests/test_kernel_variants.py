@@ -262,23 +262,37 @@ def test_gluon_backward_refused_where_it_cannot_run(monkeypatch):
     assert not calls
 
 
-def test_tma_allocator_is_set_in_every_thread():
-    """Triton's allocator hook is a per-thread context variable: the autograd engine's backward
-    threads must get it too (the Gluon backward once failed there with "no allocator was set")."""
+def test_gluon_backward_config_schedules_validated():
+    """Schedule options of the Gluon backward: overlap modes 0-2, and overlap needs two stages
+    (its slots are released a step late; one slot would deadlock)."""
+    cfg = tb.GluonBwdConfig(pingpong=True, overlap=2, stages=3, dq_pingpong=True, dq_overlap=1)
+    assert (cfg.overlap, cfg.dq_overlap, cfg.pingpong) == (2, 1, True)
+    with pytest.raises(ValueError, match=r"overlap=3\): expected 0, 1 or 2"):
+        tb.GluonBwdConfig(overlap=3)
+    with pytest.raises(ValueError, match="overlap=1 needs stages >= 2"):
+        tb.GluonBwdConfig(overlap=1, stages=1)
+    with pytest.raises(ValueError, match="dq_overlap=2 needs dq_stages >= 2"):
+        tb.GluonBwdConfig(dq_overlap=2, dq_stages=1)
+
+
+def test_tma_allocator_set_in_every_thread():
+    """Triton's allocator hook is a context variable: autograd's CUDA backward threads do not see
+    the one the forward's thread set, so the launchers set it wherever it is missing."""
     import threading
 
     from triton.runtime import _allocation
 
-    tb._ensure_tma_allocator(torch.device("cpu"))
-    assert not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
     seen = []
 
-    def other():
+    def worker():
         seen.append(isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
         tb._ensure_tma_allocator(torch.device("cpu"))
-        seen.append(isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
+        alloc = _allocation._allocator.get()
+        seen.append(isinstance(alloc, _allocation.NullAllocator))
+        seen.append(alloc(64, 16, None).numel())
 
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert seen == [True, False]
+    for _ in range(2):  # a second thread starts without the first one's allocator
+        th = threading.Thread(target=worker)
+        th.start()
+        th.join()
+    assert seen == [True, False, 64, True, False, 64]

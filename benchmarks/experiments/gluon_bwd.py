@@ -7,20 +7,25 @@ default backward, cuDNN and FlexAttention.
    relative error at most 2x that of eager attention in the same dtype (both printed).
 2. Timings (``triton.testing.do_bench``, median) at N = 16K, d = 128, bf16, B = 1, H = 16, dense and
    causal: the backward alone (``triton_backward`` from saved O/LSE, Delta preprocess included) and
-   forward + backward through ``blocksparse_fa.attention`` (default forward; ``+gfwd`` rows: the
-   Gluon forward too), for every variant that passed its check, beside our default backward, cuDNN
-   (SDPA) and compiled FlexAttention. TFLOP/s of the backward count 10·B·H·N²·d (causal: half),
-   of fwd+bwd 14·B·H·N²·d.
+   forward + backward through ``blocksparse_fa.attention`` with the default forward (the Gluon one
+   where it runs) and the variant's backward, for every variant that passed its check, beside our
+   default (Gluon forward + Gluon backward, ``ours_default``), the block-sparse backward
+   (``ours_blocksparse``), cuDNN (SDPA) and compiled FlexAttention. TFLOP/s of the backward count
+   10·B·H·N²·d (causal: half), of fwd+bwd 14·B·H·N²·d.
 
-Variants: ``det`` (dK/dV kernel + dQ kernel, deterministic), ``atomic`` (dK/dV kernel adds dQ with
-fp32 atomics, then a scale/convert kernel), ``det_s3`` (3 stages in both kernels), ``det_dqbn128``
-(dQ kernel with 128-key steps).
+Variants (``VARIANTS``: :class:`GluonBwdConfig` fields and deterministic or not): ``det`` (the
+default: dK/dV kernel + dQ kernel with 128-key steps), ``atomic`` (dQ added with fp32 atomics by the
+dK/dV kernel), and the schedules: ``pp`` (both kernels'
+consumer groups take turns issuing), ``ov*`` (dK/dV kernel: ``dK += dSᵀ·Q`` of step t issued with
+step t+1's first products; 1: dS in registers, 2: through shared memory; ``_s3``: 3 stages),
+``dqov*`` (the same in the dQ kernel), and combinations.
 
 A barrier mistake in a Gluon kernel hangs the GPU rather than raising, so the Gluon cases run in a
 child process killed when it makes no progress for ``--stall`` seconds (``gluon_fwd.run_children``).
 Results: ``$OUT/gluon_bwd.json`` (rewritten after every case) and a table on stdout.
 
-    PYTHONPATH=. python benchmarks/experiments/gluon_bwd.py [--budget 280] [--out DIR]
+    PYTHONPATH=. python benchmarks/experiments/gluon_bwd.py [--budget 280] [--out DIR] [--no-flex]
+        [--variants det ov2_s3 ...]
 """
 
 from __future__ import annotations
@@ -37,11 +42,17 @@ from gluon_fwd import bench_ms, rel, run_children  # noqa: E402
 
 N, H, D = 16384, 16, 128
 # name -> (GluonBwdConfig fields, deterministic)
+# (ordered by expected value: when the budget runs out the last ones are skipped)
 VARIANTS = {
     "det": ({}, True),
+    "ov2_s3": (dict(overlap=2, stages=3), True),
+    "ov2_s3+dqov2": (dict(overlap=2, stages=3, dq_overlap=2), True),
+    "ov2_s3_pp+dqov2_pp": (dict(overlap=2, stages=3, pingpong=True, dq_overlap=2, dq_pingpong=True), True),
+    "pp": (dict(pingpong=True, dq_pingpong=True), True),
+    "ov2_s2": (dict(overlap=2, stages=2), True),
+    "ov1_s3": (dict(overlap=1, stages=3), True),
+    "dqov1_bn64_s3": (dict(dq_overlap=1, dq_block_n=64, dq_stages=3), True),
     "atomic": ({}, False),
-    "det_s3": (dict(stages=3, dq_stages=3), True),
-    "det_dqbn128": (dict(dq_block_n=128), True),
 }
 # small checks: (pattern, B, H, Hkv, L, d, dtype, strided)
 SMALL = [
@@ -53,11 +64,17 @@ SMALL = [
 ]
 
 
-def child_cases() -> list[str]:
-    cases = [f"small:{i}:{v}" for v in ("det", "atomic") for i in range(len(SMALL))]
-    for v in VARIANTS:
-        if v not in ("det", "atomic"):
-            cases += [f"small:0:{v}", f"small:3:{v}"]
+def child_cases(variants=None) -> list[str]:
+    """Every small check of the default variant, then per variant (in ``VARIANTS`` order) two small
+    checks (dense GQA d 128 bf16; causal GQA 4 d 64 fp16 strided; all five for the atomic one) and
+    the two timed cases (which check heads 0-1 at 16K first)."""
+    variants = [v for v in VARIANTS if variants is None or v in variants]
+    cases = [f"small:{i}:det" for i in range(len(SMALL)) if "det" in variants]
+    for v in variants:
+        if v == "atomic":
+            cases += [f"small:{i}:{v}" for i in range(len(SMALL))]
+        elif v != "det":
+            cases += [f"small:0:{v}", f"small:4:{v}"]
         cases += [f"big:dense:{v}", f"big:causal:{v}"]
     return cases
 
@@ -197,19 +214,20 @@ class _Child:
             rec["bwd_ms"] = bench_ms(bwd)
             qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
-            def fb():
-                o = bsfa.attention(qg, kg, vg, mask=m)
-                o.backward(do)
+            def fb():  # default forward options (the Gluon forward on Hopper); the variant's backward
+                grads = torch.autograd.grad(bsfa.attention(qg, kg, vg, mask=m), (qg, kg, vg), do)
+                del grads
 
-            for tag, fwd_opt in (("", None), ("_gfwd", "gluon")):
-                try:
-                    tb.set_forward_options(dense=fwd_opt)
-                    fb()
-                    rec[f"fwdbwd{tag}_ms"] = bench_ms(fb)
-                except Exception as e:  # noqa: BLE001
-                    rec[f"fwdbwd{tag}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                finally:
-                    tb.set_forward_options(dense=None)
+            try:
+                before = self.calls
+                fb()
+                torch.cuda.synchronize()
+                # autograd runs the backward on its own thread: check the Gluon backward ran there
+                rec["fwdbwd_gluon"] = self.calls > before
+                rec["fwdbwd_ms"] = bench_ms(fb)
+            except Exception as e:  # noqa: BLE001
+                rec["fwdbwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(traceback.format_exc(), flush=True)
         return rec
 
 
@@ -249,15 +267,15 @@ def _fmt(rec: dict) -> str:
     if "bwd_ms" in rec:
         s += f"  bwd {rec['bwd_ms']:.3f} ms"
     if "fwdbwd_ms" in rec:
-        s += f"  fwd+bwd {rec['fwdbwd_ms']:.3f} ms"
-    if "fwdbwd_gfwd_ms" in rec:
-        s += f" (+gfwd {rec['fwdbwd_gfwd_ms']:.3f})"
+        s += f"  fwd+bwd {rec['fwdbwd_ms']:.3f} ms (Gluon backward ran: {rec.get('fwdbwd_gluon')})"
+    if "fwdbwd_error" in rec:
+        s += f"  fwd+bwd ERROR {rec['fwdbwd_error'][:200]}"
     return s
 
 
 # ---------------------------------------------------------------- parent
 
-def baselines(results, deadline, save):
+def baselines(results, deadline, save, no_flex=False):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -271,7 +289,6 @@ def baselines(results, deadline, save):
     s = check_qkv(q, k, v)
     scale = D ** -0.5
     base = results["baselines"]
-    tb.set_backward_options(dense=None)
     tb.set_kernel_options(deterministic=True)
 
     def fwd_bwd_pair(fwd):
@@ -287,18 +304,28 @@ def baselines(results, deadline, save):
     for pattern in ("dense", "causal"):
         rec = base.setdefault(pattern, {})
         m = bsfa.full() if pattern == "dense" else bsfa.causal()
-        try:
-            lay = bsfa.compile_mask(m, N, N, 128, device=q.device)
-            out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
-            bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0)  # noqa: E731
-            bwd()
-            rec["ours_default_bwd_ms"] = bench_ms(bwd)
-            _, fb = fwd_bwd_pair(lambda a, b_, c: bsfa.attention(a, b_, c, mask=m))
-            fb()
-            rec["ours_default_fwdbwd_ms"] = bench_ms(fb)
-        except Exception:  # noqa: BLE001
-            rec["ours_default_error"] = traceback.format_exc()[-2000:]
-            print(rec["ours_default_error"], flush=True)
+        # ours_default: the library's defaults (Gluon forward and backward on Hopper), run in this
+        # process only when the default variant passed its checks in a child (a hang would stop
+        # the run here); ours_blocksparse: the block-sparse backward (Gluon forward)
+        det_ok = results["gluon"].get(f"big:{pattern}:det", {}).get("ok", False)
+        for name, dense in (("ours_default", "auto"), ("ours_blocksparse", None)):
+            if name == "ours_default" and not det_ok:
+                rec[f"{name}_skipped"] = "the default Gluon variant did not pass its check in a child"
+                continue
+            try:
+                tb.set_backward_options(dense=dense, gluon=None)
+                lay = bsfa.compile_mask(m, N, N, 128, device=q.device)
+                out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
+                bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0)  # noqa: E731
+                bwd()
+                rec[f"{name}_bwd_ms"] = bench_ms(bwd)
+                _, fb = fwd_bwd_pair(lambda a, b_, c: bsfa.attention(a, b_, c, mask=m))
+                fb()
+                rec[f"{name}_fwdbwd_ms"] = bench_ms(fb)
+            except Exception:  # noqa: BLE001
+                rec[f"{name}_error"] = traceback.format_exc()[-2000:]
+                print(rec[f"{name}_error"], flush=True)
+        tb.set_backward_options(dense="auto", gluon=None)
         try:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 bwd, fb = fwd_bwd_pair(lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c,
@@ -313,8 +340,8 @@ def baselines(results, deadline, save):
         save()
     for pattern in ("dense", "causal"):
         rec = base[pattern]
-        if time.time() > deadline:
-            rec["flex_skipped"] = "time budget"
+        if no_flex or time.time() > deadline:
+            rec["flex_skipped"] = "--no-flex" if no_flex else "time budget"
             continue
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -335,36 +362,40 @@ def baselines(results, deadline, save):
 
 
 def table(results) -> str:
-    lines = ["| pattern | kernel | check (max err / eager) | bwd ms | bwd TFLOP/s | fwd+bwd ms | vs ours default "
-             "(bwd, f+b) | vs cuDNN (bwd, f+b) | vs Flex (bwd, f+b) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| pattern | kernel | check (max err / eager) | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
+             "vs ours default (bwd, f+b) | vs cuDNN (bwd, f+b) | vs Flex (bwd, f+b) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for pattern in ("dense", "causal"):
         b = results["baselines"].get(pattern, {})
-        for name in ("ours_default", "cudnn", "flex"):
+        for name in ("ours_default", "ours_blocksparse", "cudnn", "flex"):
             if f"{name}_bwd_ms" in b:
                 ms, fb = b[f"{name}_bwd_ms"], b.get(f"{name}_fwdbwd_ms", float("nan"))
-                lines.append(f"| {pattern} | {name} | | {ms:.3f} | {tflops(pattern, ms, 5):.0f} | {fb:.3f} | | | |")
+                lines.append(f"| {pattern} | {name} | | {ms:.3f} | {tflops(pattern, ms, 5):.0f} | {fb:.3f} | "
+                             f"{tflops(pattern, fb, 7):.0f} | | | |")
         for var in VARIANTS:
             rec = results["gluon"].get(f"big:{pattern}:{var}")
             if rec is None:
                 continue
             if "o" not in rec:
-                lines.append(f"| {pattern} | gluon {var} | {rec.get('error') or rec.get('skipped')} | | | | | | |")
+                why = str(rec.get("error") or rec.get("skipped"))[:120]
+                lines.append(f"| {pattern} | gluon {var} | {why} | | | | | | | |")
                 continue
             worst = max(rec[n][0] / max(rec[n][1], 1e-30) for n in ("o", "dq", "dk", "dv"))
             chk = f"{'ok' if rec['ok'] else 'FAIL'} {worst:.2f}x"
             if "bwd_ms" not in rec:
-                lines.append(f"| {pattern} | gluon {var} | {chk} | | | | | | |")
+                lines.append(f"| {pattern} | gluon {var} | {chk} | | | | | | | |")
                 continue
             ms, fb = rec["bwd_ms"], rec.get("fwdbwd_ms", float("nan"))
 
             def r(key):
-                bb, ff = b.get(f"{key}_bwd_ms"), b.get(f"{key}_fwdbwd_ms")
-                return f"{bb / ms:.3f}x, {ff / fb:.3f}x" if bb and ff else ""
+                bb, ff = b.get(f"{key}_bwd_ms"), b.get(f"{key}_fwdbwd_ms", float("nan"))
+                return f"{bb / ms:.3f}x, {ff / fb:.3f}x" if bb else ""
 
-            gf = rec.get("fwdbwd_gfwd_ms")
-            fbs = f"{fb:.3f}" + (f" (+gfwd {gf:.3f})" if gf else "")
+            fbs = f"{fb:.3f}" if "fwdbwd_ms" in rec else f"error: {str(rec.get('fwdbwd_error'))[:80]}"
+            if "fwdbwd_ms" in rec and not rec.get("fwdbwd_gluon"):
+                fbs += " (Gluon backward did not run)"
             lines.append(f"| {pattern} | gluon {var} | {chk} | {ms:.3f} | {tflops(pattern, ms, 5):.0f} | {fbs} | "
-                         f"{r('ours_default')} | {r('cudnn')} | {r('flex')} |")
+                         f"{tflops(pattern, fb, 7):.0f} | {r('ours_default')} | {r('cudnn')} | {r('flex')} |")
     return "\n".join(lines)
 
 
@@ -376,6 +407,8 @@ def main():
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--progress", help=argparse.SUPPRESS)
     ap.add_argument("--cases", nargs="*", default=None, help="Gluon cases (default: all)")
+    ap.add_argument("--variants", nargs="*", default=None, help=f"only these variants (of {', '.join(VARIANTS)})")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes ~60 s)")
     args = ap.parse_args()
     if args.child:
         child_main(args.cases, args.progress)
@@ -397,10 +430,11 @@ def main():
             json.dump(results, f, indent=1)
 
     save()
-    # the Gluon cases get the budget less ~110 s kept for the baselines (Flex compiles fwd and bwd)
-    run_children(args.cases or child_cases(), deadline - 110, args.stall, results, save, script=__file__)
+    # the Gluon cases get the budget less the time kept for the baselines (Flex compiles fwd and bwd)
+    cases = args.cases or child_cases(args.variants)
+    run_children(cases, deadline - (60 if args.no_flex else 110), args.stall, results, save, script=__file__)
     try:
-        baselines(results, deadline, save)
+        baselines(results, deadline, save, args.no_flex)
     except Exception:  # noqa: BLE001
         results["baseline_error"] = traceback.format_exc()[-2000:]
         print(results["baseline_error"], flush=True)

@@ -6,7 +6,7 @@ first on the path:
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
         --stages 2 --causal --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
-        [--d 128 --bm 64 --bn 64 --stages 2 --causal]
+        [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64 ...]
 """
 
@@ -44,7 +44,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
-                      consumer_regs=240, dtype="bf16"):
+                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -58,8 +58,8 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
         fn = bg._attn_bwd_dq_gluon
         consts = {}
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ=dtype, LSE="fp32", DELTA="fp32")
-    consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=producer_regs,
-                  CONSUMER_REGS=consumer_regs)
+    consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+                  OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
     types = {n: "*" + t for n, t in ptrs.items()}
     types.update(qk_scale="fp32", sm_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -84,10 +84,14 @@ def main():
     ap.add_argument("--bwd", choices=["dkdv", "dq"], help="a backward kernel instead of the forward")
     ap.add_argument("--atomic", action="store_true", help="dK/dV kernel: with the atomic dQ")
     ap.add_argument("--consumer-regs", type=int, default=240)
+    ap.add_argument("--bwd-pingpong", action="store_true", help="backward: the consumer groups take turns")
+    ap.add_argument("--bwd-overlap", type=int, default=0, choices=[0, 1, 2],
+                    help="backward: step t's last product issued in t + 1 (1: dS in registers, 2: in shared memory)")
+    ap.add_argument("--loops", action="store_true", help="per loop of the SASS: size, wgmma, local loads/stores")
     a = ap.parse_args()
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
-                               dtype=a.dtype)
+                               dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype)
@@ -95,6 +99,12 @@ def main():
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],
           "threads:", [ln.split()[-1] for ln in ptx.splitlines() if ".reqntid" in ln])
+    if a.loops:  # spills inside a loop are local loads/stores (LDL/STL) between its label and back branch
+        from sass_probe import sass_loops, sass_text
+
+        for k, lp in enumerate(sass_loops(sass_text(ck, lineinfo=False))):
+            print(f"loop {k}: n={lp['n']} depth={lp['depth']} HGMMA={lp['ops'].get('HGMMA', 0)} "
+                  f"LDL={lp['ops'].get('LDL', 0)} STL={lp['ops'].get('STL', 0)}")
     if a.ptx:
         with open(a.ptx, "w") as f:
             f.write(ptx)

@@ -78,8 +78,9 @@ if gluon is not None:
             _tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
 
     @gluon.jit
-    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, lse_row, delta_row, dqa_row,
-                   off_k, qk_scale, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr,
+    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, dqa_row,
+                   off_k, qk_scale, C: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                   PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
                    vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr):
@@ -92,8 +93,12 @@ if gluon is not None:
         q = q_smem.index(s)
         do = do_smem.index(s)
         zero = gl.zeros([BLOCK_N, BLOCK_M], dtype=gl.float32, layout=s_layout)
+        if PINGPONG:  # my turn to issue: the other group has issued its previous step's first products
+            mbarrier.wait(turn.index(C), t & 1)
         st = warpgroup_mma(k_c, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if PINGPONG:  # pass the turn: the other group issues while this one computes Pᵀ
+            mbarrier.arrive(turn.index(1 - C))
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
         lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
@@ -131,9 +136,68 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
+    def _dkdv_step_overlap(dk, dv, ds_prev, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row,
+                           delta_row, off_k, qk_scale, C: gl.constexpr, MASKED: gl.constexpr,
+                           PINGPONG: gl.constexpr, DS_SMEM: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           s_layout: gl.constexpr, kv_layout: gl.constexpr, vec_layout: gl.constexpr):
+        """Query block ``i`` (ring step ``t``) overlapped with the end of step ``t - 1``: ``Sᵀ_t``,
+        ``dPᵀ_t`` and the previous step's ``dK += dSᵀ_{t-1}·Q_{t-1}`` issued together, ``Pᵀ_t`` and
+        ``dSᵀ_t`` computed while the tensor cores run ``dPᵀ_t``, ``dK`` and ``dV += Pᵀ_t·dO_t``;
+        returns ``dSᵀ_t`` (the next step's operand, in registers) or, with ``DS_SMEM``, stores it
+        into the group's shared tile ``ds_c`` once the deferred product has read the previous one
+        (fewer live registers) and returns ``ds_prev`` unchanged. The slot of step ``t - 1`` is
+        released here (its Q was read by the deferred product); at ``t == 0`` the deferred product
+        is a zero dSᵀ against the current (valid) Q, which adds exactly zero."""
+        s = t % STAGES
+        sp = gl.maximum(t - 1, 0) % STAGES
+        offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
+        lse = gl.load(lse_row + offs_v)
+        delta = gl.load(delta_row + offs_v)
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        q = q_smem.index(s)
+        do = do_smem.index(s)
+        zero = gl.zeros([BLOCK_N, BLOCK_M], dtype=gl.float32, layout=s_layout)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), t & 1)
+        st = warpgroup_mma(k_c, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if DS_SMEM:
+            dk = warpgroup_mma(ds_c, q_smem.index(sp), dk, is_async=True)
+        else:
+            dk = warpgroup_mma(ds_prev, q_smem.index(sp), dk, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - C))
+        st = warpgroup_mma_wait(num_outstanding=2, deps=(st, ))
+        lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if MASKED:
+            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            offs_k = off_k + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+            pt = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pt, 0.0)
+        dtype: gl.constexpr = k_c.dtype
+        pt16 = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
+        dv = warpgroup_mma(pt16, do, dv, is_async=True)
+        # in flight, in order: dPᵀ_t, dK (step t - 1), dV (step t)
+        dpt = warpgroup_mma_wait(num_outstanding=2, deps=(dpt, ))
+        dlt = gl.convert_layout(delta, gl.SliceLayout(0, s_layout))
+        dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
+        if DS_SMEM:
+            dk, dv, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt16))
+            ds_c.store(dst)
+            fence_async_shared()
+            ds16 = ds_prev
+        else:
+            ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
+            dk, dv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_prev, pt16))
+        mbarrier.arrive(empty.index(sp), pred=t > 0)
+        return dk, dv, ds16
+
+    @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready,
-                       empty, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
-                       C: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
+                       C: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr,
+                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against every query block of
         the group's heads, then dK and dV."""
@@ -151,27 +215,68 @@ if gluon is not None:
         ds_c = ds_smem.index(C)
         dk = gl.zeros([BLOCK_N, HEAD_DIM], dtype=gl.float32, layout=kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], dtype=gl.float32, layout=kv_layout)
+        dtype: gl.constexpr = k_c.dtype
+        if PINGPONG:
+            if C == 0:  # group 0 takes the first turn
+                mbarrier.arrive(turn.index(0))
         mbarrier.wait(kv_bar.index(C), 0)
         N_DIAG: gl.constexpr = (2 * BLOCK_N) // BLOCK_M  # causal: query blocks that cross the diagonal
-        for g in range(G):
-            bh = (bh0 + g).to(gl.int64)
-            lse_row = LSE + bh * q_len
-            delta_row = DELTA + bh * q_len
-            dqa_row = DQA + bh * q_len * HEAD_DIM
-            t0 = g * n_i
-            i_full = i0
-            if CAUSAL:
-                for u in gl.static_range(N_DIAG):
-                    dk, dv = _dkdv_step(dk, dv, t0 + u, i0 + u, k_c, v_c, ds_c, q_smem, do_smem, ready, empty,
-                                        lse_row, delta_row, dqa_row, off_k, qk_scale, True, ATOMIC_DQ, HEAD_DIM,
-                                        BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK)
-                i_full = i0 + N_DIAG
-            for i in range(i_full, i0 + n_i):
-                dk, dv = _dkdv_step(dk, dv, t0 + i - i0, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty,
-                                    lse_row, delta_row, dqa_row, off_k, qk_scale, False, ATOMIC_DQ, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK)
+        if OVERLAP > 0:  # dK of step t is issued in step t + 1 (dSᵀ in registers, or shared with OVERLAP 2)
+            DS_SMEM: gl.constexpr = OVERLAP == 2
+            ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+            ds16 = gl.zeros([BLOCK_N, BLOCK_M], dtype=dtype, layout=ds_op)
+            if DS_SMEM:  # the first step's deferred product reads zeros
+                ds_c.store(gl.zeros([BLOCK_N, BLOCK_M], dtype=dtype, layout=s_layout))
+                fence_async_shared()
+                ds16 = 0
+            for g in range(G):
+                bh = (bh0 + g).to(gl.int64)
+                lse_row = LSE + bh * q_len
+                delta_row = DELTA + bh * q_len
+                t0 = g * n_i
+                i_full = i0
+                if CAUSAL:
+                    for u in gl.static_range(N_DIAG):
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + u, i0 + u, k_c, v_c, ds_c, q_smem,
+                                                          do_smem, ready, empty, turn, lse_row, delta_row, off_k,
+                                                          qk_scale, C, True, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
+                                                          STAGES, s_layout, kv_layout, vec_layout)
+                    i_full = i0 + N_DIAG
+                for i in range(i_full, i0 + n_i):
+                    dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i - i0, i, k_c, v_c, ds_c, q_smem,
+                                                      do_smem, ready, empty, turn, lse_row, delta_row, off_k,
+                                                      qk_scale, C, False, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
+                                                      STAGES, s_layout, kv_layout, vec_layout)
+            last = G * n_i - 1  # the last step's dK, then its slot
+            sl = last % STAGES
+            if DS_SMEM:
+                dk = warpgroup_mma(ds_c, q_smem.index(sl), dk, is_async=True)
+                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+            else:
+                dk = warpgroup_mma(ds16, q_smem.index(sl), dk, is_async=True)
+                dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
+            mbarrier.arrive(empty.index(sl))
+        else:
+            for g in range(G):
+                bh = (bh0 + g).to(gl.int64)
+                lse_row = LSE + bh * q_len
+                delta_row = DELTA + bh * q_len
+                dqa_row = DQA + bh * q_len * HEAD_DIM
+                t0 = g * n_i
+                i_full = i0
+                if CAUSAL:
+                    for u in gl.static_range(N_DIAG):
+                        dk, dv = _dkdv_step(dk, dv, t0 + u, i0 + u, k_c, v_c, ds_c, q_smem, do_smem, ready, empty,
+                                            turn, lse_row, delta_row, dqa_row, off_k, qk_scale, C, True, ATOMIC_DQ,
+                                            PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout,
+                                            dq_layout, vec_layout, DQ_CHUNK)
+                    i_full = i0 + N_DIAG
+                for i in range(i_full, i0 + n_i):
+                    dk, dv = _dkdv_step(dk, dv, t0 + i - i0, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
+                                        lse_row, delta_row, dqa_row, off_k, qk_scale, C, False, ATOMIC_DQ, PINGPONG,
+                                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
+                                        vec_layout, DQ_CHUNK)
         # every product reading this group's K and V slots has completed: stage dK, dV there
-        dtype: gl.constexpr = k_c.dtype
         k_c.store((dk * sm_scale).to(dtype))
         v_c.store(dv.to(dtype))
         fence_async_shared()
@@ -187,6 +292,7 @@ if gluon is not None:
                              H, G, q_len, kv_len, qk_scale, sm_scale,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Grid ``(Lk / (2·BLOCK_N), B·H // G)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
         1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
@@ -194,6 +300,7 @@ if gluon is not None:
         ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32 (read only with
         ``ATOMIC_DQ``); ``qk_scale = scale · log2(e)``."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
+        gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         hkv = H // G
@@ -225,16 +332,18 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
-        if ATOMIC_DQ:
+        if ATOMIC_DQ or OVERLAP == 2:  # one dSᵀ tile per consumer group
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         else:  # not read: a minimal placeholder
             ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64],
                                                                                                         dtype))
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(kv_bar.index(c), count=1)
+            mbarrier.init(turn.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
@@ -250,11 +359,11 @@ if gluon is not None:
         bh0 = b * H + hk * G
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
-                              ready, empty, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
-                              0, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                              ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
+                              0, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
-                              ready, empty, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
-                              1, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                              ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
+                              1, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
                               empty, off_n, i0, n_i, G, q_len, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -277,15 +386,19 @@ if gluon is not None:
             _tma_load(v_desc, [j * BLOCK_N, 0], ready.index(s), v_smem.index(s))
 
     @gluon.jit
-    def _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, lse2, delta, off_m, qk_scale, MASKED: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):
+    def _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m, qk_scale, C: gl.constexpr,
+                 MASKED: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         k = k_smem.index(s)
         zero = gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), j & 1)
         sc = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - C))
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
         if MASKED:
@@ -301,9 +414,55 @@ if gluon is not None:
         return dq
 
     @gluon.jit
-    def _dq_consumer(dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+    def _dq_step_overlap(dq, ds_prev, j, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m,
+                         qk_scale, C: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr,
+                         DS_SMEM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                         o_layout: gl.constexpr):
+        """Key block ``j`` overlapped with the end of block ``j - 1``: ``S_j``, ``dP_j`` and
+        ``dQ += dS_{j-1}·K_{j-1}`` issued together, ``P_j`` and ``dS_j`` computed while the tensor
+        cores run the latter two; returns ``dS_j`` (with ``DS_SMEM``: stores it into the group's
+        shared tile ``ds_c`` and returns ``ds_prev``). Releases the slot of block ``j - 1`` (at
+        ``j == 0`` the deferred product is a zero dS against the valid ``K_0``)."""
+        s = j % STAGES
+        sp = gl.maximum(j - 1, 0) % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        k = k_smem.index(s)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), j & 1)
+        sc = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if DS_SMEM:
+            dq = warpgroup_mma(ds_c, k_smem.index(sp), dq, is_async=True)
+        else:
+            dq = warpgroup_mma(ds_prev, k_smem.index(sp), dq, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - C))
+        sc = warpgroup_mma_wait(num_outstanding=2, deps=(sc, ))
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+        if MASKED:
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1), p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(k.dtype)
+        if DS_SMEM:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            ds_c.store(ds)
+            fence_async_shared()
+            ds16 = ds_prev
+        else:
+            ds16 = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+            dq, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_prev))
+        mbarrier.arrive(empty.index(sp), pred=j > 0)
+        return dq, ds16
+
+    @gluon.jit
+    def _dq_consumer(dq_desc, LSE, DELTA, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty, turn,
                      off_m0, n_full, lse_base, qk_scale, sm_scale,
-                     C: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     C: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                     HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Consumer ``C``: query rows ``off_m0 + C·BLOCK_M ..`` against ``n_full`` full key blocks
         (and, with ``CAUSAL``, the ``2·BLOCK_M / BLOCK_N`` diagonal ones), then dQ."""
@@ -318,15 +477,48 @@ if gluon is not None:
         q = q_smem.index(C)
         do = do_smem.index(C)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
+        if PINGPONG:
+            if C == 0:
+                mbarrier.arrive(turn.index(0))
         mbarrier.wait(q_bar.index(C), 0)
-        for j in range(n_full):
-            dq = _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, lse2, delta, off_m, qk_scale, False,
-                          BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-        if CAUSAL:
-            N_DIAG: gl.constexpr = (2 * BLOCK_M) // BLOCK_N
-            for u in gl.static_range(N_DIAG):
-                dq = _dq_step(dq, n_full + u, q, do, k_smem, v_smem, ready, empty, lse2, delta, off_m, qk_scale,
-                              True, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+        N_DIAG: gl.constexpr = (2 * BLOCK_M) // BLOCK_N
+        if OVERLAP > 0:  # dQ of block j is issued with block j + 1's products (dS in registers or shared)
+            DS_SMEM: gl.constexpr = OVERLAP == 2
+            ds_c = ds_smem.index(C)
+            ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+            ds16 = gl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype, layout=ds_op)
+            if DS_SMEM:  # the first block's deferred product reads zeros
+                ds_c.store(gl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype, layout=s_layout))
+                fence_async_shared()
+                ds16 = 0
+            for j in range(n_full):
+                dq, ds16 = _dq_step_overlap(dq, ds16, j, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2,
+                                            delta, off_m, qk_scale, C, False, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
+                                            STAGES, s_layout, o_layout)
+            if CAUSAL:
+                for u in gl.static_range(N_DIAG):
+                    dq, ds16 = _dq_step_overlap(dq, ds16, n_full + u, q, do, ds_c, k_smem, v_smem, ready, empty,
+                                                turn, lse2, delta, off_m, qk_scale, C, True, PINGPONG, DS_SMEM,
+                                                BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                last = n_full + N_DIAG - 1
+            else:
+                last = n_full - 1
+            sl = last % STAGES
+            if DS_SMEM:
+                dq = warpgroup_mma(ds_c, k_smem.index(sl), dq, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            else:
+                dq = warpgroup_mma(ds16, k_smem.index(sl), dq, is_async=True)
+                dq, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
+            mbarrier.arrive(empty.index(sl))
+        else:
+            for j in range(n_full):
+                dq = _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m, qk_scale, C,
+                              False, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            if CAUSAL:
+                for u in gl.static_range(N_DIAG):
+                    dq = _dq_step(dq, n_full + u, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m,
+                                  qk_scale, C, True, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
         # Q's slot is free (every product reading it has completed): stage dQ there
         q.store((dq * sm_scale).to(q.dtype))
         fence_async_shared()
@@ -340,10 +532,11 @@ if gluon is not None:
                            stride_dqb, stride_dqh, stride_dqm,
                            H, G, q_len, kv_len, qk_scale, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                           OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Grid ``(Lq / (2·BLOCK_M), B·H)``, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_M) % BLOCK_N == 0, "causal needs BLOCK_N | 2·BLOCK_M")
+        gl.static_assert(OVERLAP == 0 or STAGES >= 2, "OVERLAP needs 2+ stages")
         pid_m = gl.program_id(0)
         pid_bh = gl.program_id(1)
         if CAUSAL:  # longest rows first
@@ -373,11 +566,19 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        if OVERLAP == 2:  # one dS tile per consumer group
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+        else:  # not read: a minimal placeholder
+            ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64],
+                                                                                                        dtype))
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(q_bar.index(c), count=1)
+            mbarrier.init(turn.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
@@ -392,12 +593,12 @@ if gluon is not None:
             n_blocks = n_full
         lse_base = pid_bh.to(gl.int64) * q_len
         gl.warp_specialize([
-            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                            off_m, n_full, lse_base, qk_scale, sm_scale,
-                            0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                            off_m, n_full, lse_base, qk_scale, sm_scale,
-                            1, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty,
+                            turn, off_m, n_full, lse_base, qk_scale, sm_scale,
+                            0, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty,
+                            turn, off_m, n_full, lse_base, qk_scale, sm_scale,
+                            1, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
                             off_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

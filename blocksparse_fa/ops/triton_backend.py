@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import os
+import threading
 
 import torch
 import triton
@@ -233,7 +234,16 @@ class GluonBwdConfig:
     Q/dO slots. dQ kernel: ``dq_block_m`` query rows per consumer group (a program covers two),
     ``dq_block_n`` keys per step, ``dq_stages`` K/V slots. Register budgets of the producer and
     the consumers (``setmaxnreg``). Causal layouts need ``block_m | 2·block_n`` and
-    ``dq_block_n | 2·dq_block_m``."""
+    ``dq_block_n | 2·dq_block_m``.
+
+    Schedules (each kernel): ``pingpong`` / ``dq_pingpong``: the two consumer groups take turns
+    issuing a step's first products (a pair of mbarriers passes the turn). ``overlap`` /
+    ``dq_overlap``: a step's last product (``dK += dSᵀ·Q``, ``dQ += dS·K``) is issued with the next
+    step's first two, so that the elementwise work of a step runs while the tensor cores finish
+    the previous one; the slot of step ``t`` is released in step ``t + 1`` (3 stages keep the
+    loads ahead). 0: off; 1: dS carried in registers; 2: dS through a shared-memory tile per
+    group (fewer live registers; sm_90 compile: no spills inside the step loops, where 1 spills).
+    ``overlap`` applies to the deterministic dK/dV kernel only (the atomic-dQ one ignores it)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -243,6 +253,23 @@ class GluonBwdConfig:
     dq_stages: int = 2
     producer_regs: int = 24
     consumer_regs: int = 240
+    pingpong: bool = False
+    overlap: int = 0
+    dq_pingpong: bool = False
+    dq_overlap: int = 0
+
+    def __post_init__(self):
+        for name in ("overlap", "dq_overlap"):
+            if getattr(self, name) not in (0, 1, 2):
+                raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected 0, 1 or 2")
+        for name in ("stages", "dq_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected at least 1")
+        if self.overlap and self.stages < 2:
+            raise ValueError(f"GluonBwdConfig: overlap={self.overlap} needs stages >= 2, got {self.stages}")
+        if self.dq_overlap and self.dq_stages < 2:
+            raise ValueError(f"GluonBwdConfig: dq_overlap={self.dq_overlap} needs dq_stages >= 2, got "
+                             f"{self.dq_stages}")
 
 
 def _gluon_bwd_case(layout: BlockLayout, s: Shapes, *ts) -> str | None:
@@ -288,8 +315,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         s.H, s.G, s.Lq, s.Lk, qk, scale, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PRODUCER_REGS=cfg.producer_regs,
-        CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+        STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
+        OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -301,8 +329,8 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         s.H, s.G, s.Lq, s.Lk, qk, scale, HEAD_DIM=s.D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        STAGES=cfg.dq_stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=4)
+        STAGES=cfg.dq_stages, CAUSAL=causal, PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap,
+        PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them):
@@ -360,19 +388,27 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
                and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in ts)
 
 
-def _alloc_scratch(size: int, alignment: int, stream):
-    # the device type only: "cuda" is the current device when the kernel launches
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+_ALLOCATOR_SET = threading.local()  # .done: this thread set an allocator (where Triton's hook is not readable)
+try:  # triton 3.6 / 3.9: the hook is a ContextVar holding a NullAllocator until one is set
+    from triton.runtime import _allocation as _triton_alloc
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _triton_alloc = None
 
 
 def _ensure_tma_allocator(device: torch.device) -> None:
     """Descriptors built inside a kernel need global scratch from Triton's allocator hook. The hook
-    is a context variable, one per thread: the autograd engine runs backward kernels on its own
-    threads, so it is checked in the calling thread at every launch (an allocator the user set is kept)."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_alloc_scratch)
+    is a context variable, so it is checked on every call: autograd runs CUDA backward passes on
+    its own threads, where an allocator set by the forward's thread is absent. An allocator the
+    caller set is kept."""
+    hook = getattr(_triton_alloc, "_allocator", None)
+    if hook is not None and hasattr(hook, "get"):
+        if not isinstance(hook.get(), _triton_alloc.NullAllocator):
+            return
+    elif getattr(_ALLOCATOR_SET, "done", False):
+        return
+    # the device type only: "cuda" is the current device when the kernel launches
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device.type))
+    _ALLOCATOR_SET.done = True
 
 
 def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool, bool]:
