@@ -78,6 +78,18 @@ def _leaf(m: Mask, qp: np.ndarray, kv: int, b: int, h: int):
     return _normalize(lo[:, None].copy(), hi[:, None].copy(), kv)
 
 
+_LEAVES = (P.IntervalPrimitive, P.RowPrimitive, P.QuerySet, P.KeySet, P.GlobalTokens, P.Document)
+
+
+def _supported(m: Mask) -> bool:
+    """Whether every node is one :func:`_sets` evaluates (checked before any per-row work)."""
+    if isinstance(m, (And, Or, Not, Shift)):
+        return all(_supported(c) for c in m.children)
+    if isinstance(m, P.Document):
+        return m.runs() is not None
+    return isinstance(m, _LEAVES)
+
+
 def _sets(m: Mask, qp: np.ndarray, kv: int, b: int, h: int):
     """Per-row interval sets of ``m`` (normalized), or None where a leaf is not interval-shaped."""
     if isinstance(m, Shift):
@@ -135,7 +147,7 @@ def mask_row_interval(mask: Mask, q_len: int, kv_len: int, q_offset: int | None 
         keeps exactly the keys ``lo[z, i] <= k < hi[z, i]``; rows that keep nothing have
         ``lo = hi = 0``.
     """
-    if kv_len < 1 or q_len < 1:
+    if kv_len < 1 or q_len < 1 or not _supported(mask):
         return None
     off = query_offset(q_len, kv_len, align) if q_offset is None else q_offset
     qp = np.arange(q_len, dtype=np.int64) + off
