@@ -203,13 +203,16 @@ def test_gluon_forward_refused_where_it_cannot_run(monkeypatch):
         tb.set_forward_options(gluon={"stages": 3})
     with pytest.raises(ValueError, match="expected None, 'auto', 'plain', 'ws' or 'gluon'"):
         tb.set_forward_options(dense="fa3")
+    with pytest.raises(ValueError, match=r"interval=\.\.\.\): expected a bool"):
+        tb.set_forward_options(interval="yes")
 
     calls = []
     monkeypatch.setitem(tb._FWD_OPTS, "dense", "gluon")  # as if set on a Hopper GPU
-    monkeypatch.setattr(tb, "_gluon_launch", lambda *a: calls.append(1))
+    monkeypatch.setattr(tb, "_gluon_launch", lambda *a, **kw: calls.append(1))
     q, k, v = (t.detach() for t in _qkv(1, 2, 1, 128, 128, 16))
     s = check_qkv(q, k, v)
-    for mask in (bsfa.full(), bsfa.causal()):
+    ids = torch.tensor([0] * 40 + [1] * 60 + [2] * 28)
+    for mask in (bsfa.full(), bsfa.causal(), bsfa.sliding_window(50), bsfa.causal() & bsfa.document(ids)):
         lay = bsfa.compile_mask(mask, 128, 128, 64)
         assert tb._gluon_case(lay, s, 0.0, q, k, v) is None  # CPU tensors
         out, lse = tb.triton_forward(q, k, v, lay, s, 0.25, 0.0, 0)

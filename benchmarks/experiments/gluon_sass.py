@@ -4,7 +4,7 @@ memory and the SASS opcode mix (``sass_probe.report``). Run it with the Triton o
 first on the path:
 
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
-        --stages 2 --causal --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
+        --stages 2 --causal --interval --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
         [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64 ...]
@@ -26,15 +26,15 @@ from sass_probe import report  # noqa: E402
 
 
 def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
-                  consumer_regs=240, dtype="bf16"):
+                  consumer_regs=240, dtype="bf16", interval=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
 
-    consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+    consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, INTERVAL=interval,
+                  PINGPONG=pingpong, OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
     types = {n: "*" + dtype for n in "QKVO"}
-    types.update(LSE="*fp32", qk_scale="fp32")
+    types.update(LSE="*fp32", LO="*i32", HI="*i32", TILES="*i32", qk_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     div16 = [i for i, n in enumerate(fn.arg_names)
              if n not in consts and (types.get(n, "").startswith("*") or n.startswith("stride_"))]
@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--bn", type=int, default=128)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--interval", action="store_true", help="forward: one key interval per row (LO/HI tables)")
     ap.add_argument("--no-pingpong", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -94,7 +95,7 @@ def main():
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
-                           consumer_regs=a.consumer_regs, dtype=a.dtype)
+                           consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

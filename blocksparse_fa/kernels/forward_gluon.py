@@ -1,4 +1,4 @@
-"""Hopper forward for layouts whose blocks are all full (dense) or causal, written in Gluon.
+"""Hopper forward for dense, causal and one-interval-per-row layouts, written in Gluon.
 
 The FlashAttention-3 schedule (Shah et al., 2024) in Triton's lower-level Gluon dialect
 (``triton.experimental.gluon``), written against the Gluon API of triton 3.6:
@@ -20,13 +20,20 @@ The FlashAttention-3 schedule (Shah et al., 2024) in Triton's lower-level Gluon 
 block are full; the diagonal block is one masked step at the end. Programs are launched longest
 first.
 
+``INTERVAL``: every query row keeps one key interval ``[LO[r], HI[r])`` (windows, documents made of
+contiguous runs, their intersections with ``causal()``: ``compiler/intervals.py``). A program
+visits one contiguous range of key blocks from a small per-program table (built on the host once
+per layout, heaviest programs first); blocks that every row of the program keeps whole run the
+unmasked step, the others compare each key with the row's two bounds (held in registers). Rows
+that keep nothing give O = 0 and LSE = -inf, as ``kernels/forward.py``.
+
 Output: ``O`` in Q's dtype and ``LSE`` (natural log, float32, ``(B·H, Lq)`` flat), as
 ``kernels/forward.py`` writes them. Rows past ``Lq`` are computed on zero-filled Q rows and
 clipped by the TMA store; ``Lk`` must be a multiple of ``BLOCK_N``.
 
 Gluon does not run in Triton's CPU interpreter and its API changes between Triton releases:
 :func:`gluon_available` says whether this module could define the kernel; the launcher
-(``ops/triton_backend.py``) uses it only on request (``set_forward_options(dense="gluon")``).
+(``ops/triton_backend.py``) uses the kernel where it can run (``set_forward_options(dense=...)``).
 """
 
 from __future__ import annotations
@@ -59,8 +66,9 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                      off_m, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: both consumers' Q tiles, then K/V tiles ``0 .. n_blocks-1`` through the ring."""
+                      off_m, kb0, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: both consumers' Q tiles, then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the
+        ring (ring position ``j`` holds key block ``kb0 + j``)."""
         for c in gl.static_range(2):
             mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
             _tma_load(q_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
@@ -71,35 +79,47 @@ if gluon is not None:
             free = ((j // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), free)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+            _tma_load(k_desc, [(kb0 + j) * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), free)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+            _tma_load(v_desc, [(kb0 + j) * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
-    def _fwd_softmax(sc, m_i, l_i, off_m, j, qk_scale, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _fwd_softmax(sc, m_i, l_i, off_m, kb, lo_r, hi_r, qk_scale, MASK: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """Online softmax of the scores ``sc`` of key block ``j``: ``(p, m_new, l_new, alpha)``; with
-        ``MASKED`` (the diagonal block of a causal layout) keys after the query are dropped."""
-        if MASKED:
-            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1)
-            sc = gl.where(keep, sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-        else:
+        """Online softmax of the scores ``sc`` of key block ``kb``: ``(p, m_new, l_new, alpha)``.
+        ``MASK``: 0 every key kept; 1 causal (the diagonal block: keys after the query dropped);
+        2 interval (row ``r`` keeps keys ``lo_r[r] <= k < hi_r[r]``; a row may keep none of the
+        block, or none so far, so the running max may be -inf)."""
+        if MASK == 0:
             m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
             p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
+            alpha = gl.exp2(m_i - m_new)
+        else:
+            offs_n = kb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if MASK == 1:
+                offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1)
+            else:
+                n2 = gl.expand_dims(offs_n, 0)
+                keep = (n2 >= gl.expand_dims(lo_r, 1)) & (n2 < gl.expand_dims(hi_r, 1))
+            sc = gl.where(keep, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            if MASK == 1:  # the diagonal key is always kept: m_new is finite
+                m_use = m_new
+            else:
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(sc - gl.expand_dims(m_use, 1))
+            alpha = gl.exp2(m_i - m_use)
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
-    def _fwd_step(acc, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
-                  C: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr,
+    def _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                  qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr):
-        """One key block ``j`` for one consumer, in order: S = Q·Kᵀ, softmax, O += P·V, slot released."""
+        """Ring position ``j`` (key block ``kb0 + j``) for one consumer, in order: S = Q·Kᵀ, softmax,
+        O += P·V, slot released."""
         s = j % STAGES
         ph = (j // STAGES) & 1
         mbarrier.wait(k_ready.index(s), ph)
@@ -112,7 +132,8 @@ if gluon is not None:
             mbarrier.arrive(turn.index(1 - C))
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, j, qk_scale, MASKED, BLOCK_M, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0 + j, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
+                                          BLOCK_N, s_layout)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         mbarrier.wait(v_ready.index(s), ph)
@@ -122,13 +143,14 @@ if gluon is not None:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                          qk_scale, C: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr,
+    def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
+                          v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                           s_layout: gl.constexpr, o_layout: gl.constexpr):
-        """Key block ``j`` overlapped with the end of block ``j - 1`` (FlashAttention-3's intra-group
-        pipelining): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} issued together, softmax of S_j while the
-        second product runs; returns O rescaled for P_j and P_j (as the next product's operand)."""
+        """Ring position ``j`` overlapped with the end of position ``j - 1`` (FlashAttention-3's
+        intra-group pipelining): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} issued together, softmax of S_j
+        while the second product runs; returns O rescaled for P_j and P_j (as the next product's
+        operand)."""
         s = j % STAGES
         sp = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
@@ -143,7 +165,8 @@ if gluon is not None:
             mbarrier.arrive(turn.index(1 - C))
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, j, qk_scale, MASKED, BLOCK_M, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0 + j, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
+                                          BLOCK_N, s_layout)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(sp))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -151,12 +174,54 @@ if gluon is not None:
         return acc, p16, m_i, l_i
 
     @gluon.jit
-    def _fwd_consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                      off_m0, n_full, q_len, lse_base, qk_scale,
-                      C: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Consumer ``C`` (a warp group): query rows ``off_m0 + C·BLOCK_M ..`` against ``n_full``
-        full key blocks (and, with ``CAUSAL``, the diagonal block), then O and LSE."""
+    def _fwd_first(q, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
+                   C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """Ring position 0 alone (the overlapped loop's start): S_0, its softmax, P_0 as an operand."""
+        mbarrier.wait(k_ready.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), 0)
+        sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
+                           is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - C))
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        mbarrier.arrive(k_empty.index(0))
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0, lo_r, hi_r, qk_scale, MASK, BLOCK_M, BLOCK_N,
+                                          s_layout)
+        p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        return p16, m_i, l_i
+
+    @gluon.jit
+    def _fwd_last(acc, p16, n_blocks, v_smem, v_ready, v_empty, turn, C: gl.constexpr, PINGPONG: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """The overlapped loop's end: O += P·V of the last ring position ``n_blocks - 1``."""
+        last = n_blocks - 1
+        sl = last % STAGES
+        mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), n_blocks & 1)
+        acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - C))
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        mbarrier.arrive(v_empty.index(sl))
+        return acc
+
+    @gluon.jit
+    def _fwd_consumer(o_desc, LSE, LO, HI, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                      off_m0, kb0, n_full, e1, e2, n_blocks, q_len, lse_base, row_base, qk_scale,
+                      C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """Consumer ``C`` (a warp group): query rows ``off_m0 + C·BLOCK_M ..``.
+
+        Dense / ``CAUSAL``: ``n_full`` full key blocks from block 0 (and, with ``CAUSAL``, the
+        diagonal block). ``INTERVAL``: ring positions ``0 .. n_blocks - 1`` hold key blocks
+        ``kb0 ..``; position 0 and positions ``[1, e1)`` and ``[e2, n_blocks)`` are masked against
+        each row's interval ``[LO[r], HI[r])`` (read once, ``row_base + r``), positions ``[e1, e2)``
+        are full for every row. Then O and LSE (rows that kept nothing: O = 0, LSE = -inf)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -166,77 +231,114 @@ if gluon is not None:
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
+        if INTERVAL:  # the tables are padded to whole programs: no bounds check
+            rows = row_base + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            lo_r = gl.load(LO + rows)
+            hi_r = gl.load(HI + rows)
+        else:
+            lo_r = off_m
+            hi_r = off_m
         if PINGPONG:
             if C == 0:  # group 0 takes the first turn
                 mbarrier.arrive(turn.index(0))
         mbarrier.wait(q_bar.index(C), 0)
-        if OVERLAP:
+        if INTERVAL:
+            if OVERLAP:
+                p16, m_i, l_i = _fwd_first(q, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn,
+                                           qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, s_layout, o_layout)
+                for j in range(1, e1):
+                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem,
+                                                           v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
+                                                           C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                                           o_layout)
+                for j in range(e1, e2):
+                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem,
+                                                           v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
+                                                           C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                                           o_layout)
+                for j in range(e2, n_blocks):
+                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem,
+                                                           v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
+                                                           C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                                           o_layout)
+                acc = _fwd_last(acc, p16, n_blocks, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
+            else:
+                for j in range(0, e1):
+                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
+                                              v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
+                                              BLOCK_N, STAGES, s_layout, o_layout)
+                for j in range(e1, e2):
+                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
+                                              v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG, BLOCK_M,
+                                              BLOCK_N, STAGES, s_layout, o_layout)
+                for j in range(e2, n_blocks):
+                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
+                                              v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
+                                              BLOCK_N, STAGES, s_layout, o_layout)
+        elif OVERLAP:
             # block 0 alone (masked when causal: the predicate is exact on any block), then blocks
             # 1 .. n-1 each overlapped with the previous one's P·V, then the last P·V
-            n_blocks = n_full + CAUSAL
-            mbarrier.wait(k_ready.index(0), 0)
-            if PINGPONG:
-                mbarrier.wait(turn.index(C), 0)
-            sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
-                               gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
-                               is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - C))
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            mbarrier.arrive(k_empty.index(0))
-            p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, 0, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, s_layout)
-            p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+            p16, m_i, l_i = _fwd_first(q, 0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
+                                       C, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, s_layout, o_layout)
             n_plain = n_blocks - CAUSAL
             for j in range(1, n_plain):
-                acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready,
-                                                       v_ready, k_empty, v_empty, turn, qk_scale, C, False,
+                acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, 0, off_m, lo_r, hi_r, k_smem, v_smem,
+                                                       k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0,
                                                        PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
             if CAUSAL:
                 if n_full > 0:
-                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, n_full, off_m, k_smem, v_smem,
-                                                           k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, True,
-                                                           PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            last = n_blocks - 1
-            sl = last % STAGES
-            mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(C), n_blocks & 1)
-            acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - C))
-            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-            mbarrier.arrive(v_empty.index(sl))
+                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, n_full, 0, off_m, lo_r, hi_r,
+                                                           k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                                           qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                           s_layout, o_layout)
+            acc = _fwd_last(acc, p16, n_blocks, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
         else:
             for j in range(n_full):
-                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, off_m, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                          v_empty, turn, qk_scale, C, False, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, 0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready,
+                                          k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                           s_layout, o_layout)
             if CAUSAL:
-                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, n_full, off_m, k_smem, v_smem, k_ready, v_ready,
-                                          k_empty, v_empty, turn, qk_scale, C, True, PINGPONG, BLOCK_M, BLOCK_N,
+                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, n_full, 0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
+                                          v_ready, k_empty, v_empty, turn, qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N,
                                           STAGES, s_layout, o_layout)
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc / gl.expand_dims(l_o, 1)
+        if INTERVAL:  # rows that kept nothing: O = 0 and LSE = -inf, as kernels/forward.py writes them
+            out = gl.where(gl.expand_dims(l_o == 0.0, 1), 0.0, acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1))
+        else:
+            out = acc / gl.expand_dims(l_o, 1)
         # Q's slot is free (every product reading it has completed): stage O there for the TMA store
         q.store(out.to(q.dtype))
         fence_async_shared()
         _tma_store(o_desc, [off_m, 0], q)
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        gl.store(LSE + lse_base + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < q_len)
+        if INTERVAL:
+            empty = l_i == 0.0
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        else:
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < q_len)
         tma.store_wait(pendings=0)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len"])
-    def _attn_fwd_gluon(Q, K, V, O, LSE,
+    def _attn_fwd_gluon(Q, K, V, O, LSE, LO, HI, TILES,
                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                        H, G, q_len, kv_len, qk_scale,
+                        H, G, LZB, LZH, q_len, kv_len, qk_scale,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
+                        OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Grid ``(cdiv(Lq, 2·BLOCK_M), B·H)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
         1-warp producer. ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q;
-        ``qk_scale = scale · log2(e)``."""
+        ``qk_scale = scale · log2(e)``.
+
+        ``INTERVAL``: row ``r`` of layout instance ``z = b·LZB + h·LZH`` keeps keys
+        ``LO[z, r] <= k < HI[z, r]`` (int32 ``(Z, P·2·BLOCK_M)`` for ``P`` programs per head);
+        ``TILES`` (int32 ``(Z, P, 5)``, heaviest programs first) gives program ``pid`` its
+        ``(tile, kb0, e1, e2, n_blocks)``: query rows ``tile·2·BLOCK_M ..``, key blocks
+        ``kb0 .. kb0 + n_blocks - 1`` of which ring positions ``[e1, e2)`` are full for every row
+        (``1 <= e1 <= e2 <= n_blocks``, ``n_blocks >= 1``). Otherwise LO/HI/TILES are not read."""
         gl.static_assert(not CAUSAL or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
+        gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         pid_m = gl.program_id(0)
         pid_bh = gl.program_id(1)
         if CAUSAL:  # longest rows first
@@ -277,21 +379,37 @@ if gluon is not None:
             mbarrier.init(v_empty.index(s), count=2)  # ... and its V
         fence_async_shared()
 
-        off_m = pid_m * (2 * BLOCK_M)
-        if CAUSAL:
-            n_full = pid_m  # key blocks before the diagonal one (BLOCK_N == 2 * BLOCK_M)
-            n_blocks = pid_m + 1
-        else:
-            n_full = kv_len // BLOCK_N
-            n_blocks = n_full
         lse_base = pid_bh.to(gl.int64) * q_len
+        if INTERVAL:
+            z = (pid_bh // H) * LZB + (pid_bh % H) * LZH
+            n_prog = gl.num_programs(0)
+            row_base = z.to(gl.int64) * (n_prog * (2 * BLOCK_M))
+            t = TILES + (z.to(gl.int64) * n_prog + pid_m) * 5
+            off_m = gl.load(t) * (2 * BLOCK_M)
+            kb0 = gl.load(t + 1)
+            e1 = gl.load(t + 2)
+            e2 = gl.load(t + 3)
+            n_blocks = gl.load(t + 4)
+            n_full = n_blocks
+        else:
+            row_base = lse_base
+            off_m = pid_m * (2 * BLOCK_M)
+            kb0 = 0
+            if CAUSAL:
+                n_full = pid_m  # key blocks before the diagonal one (BLOCK_N == 2 * BLOCK_M)
+                n_blocks = pid_m + 1
+            else:
+                n_full = kv_len // BLOCK_N
+                n_blocks = n_full
+            e1 = n_blocks
+            e2 = n_blocks
         gl.warp_specialize([
-            (_fwd_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                             off_m, n_full, q_len, lse_base, qk_scale,
-                             0, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_fwd_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                             off_m, n_full, q_len, lse_base, qk_scale,
-                             1, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_fwd_consumer, (o_desc, LSE, LO, HI, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                             turn, off_m, kb0, n_full, e1, e2, n_blocks, q_len, lse_base, row_base, qk_scale,
+                             0, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_fwd_consumer, (o_desc, LSE, LO, HI, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                             turn, off_m, kb0, n_full, e1, e2, n_blocks, q_len, lse_base, row_base, qk_scale,
+                             1, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                             v_empty, off_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+                             v_empty, off_m, kb0, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

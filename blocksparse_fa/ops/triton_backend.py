@@ -14,6 +14,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..compiler.cache import LRUCache
 from ..compiler.finer import pick_list_block
+from ..compiler.intervals import row_interval, tile_ranges
 from ..compiler.layout import BlockLayout
 from ..kernels import _attn_bwd, _attn_bwd_preprocess, _attn_fwd, _attn_fwd_combine, _sum_partials
 from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
@@ -117,7 +118,8 @@ def set_lut_policy(**kw) -> None:
 
 # Forward loop options on Hopper (benchmarks/experiments/ab_variants.py compares them): K/V tiles through
 # tensor descriptors (TMA) instead of pointer loads, and warp specialisation of the unmasked loop.
-_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": "auto", "gluon": None}
+_FWD_OPTS = {"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": "auto", "gluon": None,
+             "interval": True}
 _GLUON_OK: dict = {}  # device index -> whether the Gluon forward can run there (checked once)
 
 
@@ -134,7 +136,10 @@ def set_forward_options(**kw) -> None:
     Triton has no Gluon, under the interpreter, or without a CUDA device of compute capability 9.
     ``dense="auto"`` (the default): ``"gluon"`` where it can run (on the H100: dense 1.41x and
     causal 1.38x our block-sparse forward, 1.07x / 1.09x cuDNN; NOTES.md "Gluon forward"), else None.
-    ``gluon``: that kernel's tiles, a :class:`GluonConfig` (None: the default one)."""
+    ``gluon``: that kernel's tiles, a :class:`GluonConfig` (None: the default one).
+    ``interval`` (bool, default True): where the Gluon forward is on, it also runs layouts whose mask
+    keeps one key interval per query row (``compiler/intervals.row_interval``: windows, documents,
+    their combinations with ``causal()``), masking each partial block with the rows' bounds."""
     for k, v in kw.items():
         if k not in _FWD_OPTS:
             raise ValueError(f"unknown forward option {k!r}; expected one of {sorted(_FWD_OPTS)}")
@@ -151,6 +156,8 @@ def set_forward_options(**kw) -> None:
                 raise ValueError(f"set_forward_options(dense='gluon'): {why}")
         if k == "gluon" and v is not None and not isinstance(v, GluonConfig):
             raise ValueError(f"set_forward_options(gluon=...): expected a GluonConfig or None, got {v!r}")
+        if k == "interval" and not isinstance(v, bool):
+            raise ValueError(f"set_forward_options(interval=...): expected a bool, got {v!r}")
         _FWD_OPTS[k] = v
     _bump()
 
@@ -761,35 +768,79 @@ def _dense_launch(q, k, v, out, lse, s: Shapes, scale: float) -> None:
 
 
 def _gluon_case(layout: BlockLayout, s: Shapes, dropout_p: float, *ts) -> str | None:
-    """``"dense"`` or ``"causal"`` when ``kernels/forward_gluon.py`` computes this call exactly with
-    the configured tiles, else None: every block full (or the ``causal()`` mask, top-left aligned,
-    ``Lq == Lk``), key length a multiple of ``block_n``, no dropout, head dim 64 or 128, 16-bit
-    CUDA tensors that tensor descriptors can address."""
+    """``"dense"``, ``"causal"`` or ``"interval"`` when ``kernels/forward_gluon.py`` computes this
+    call exactly with the configured tiles, else None: every block full (or the ``causal()`` mask,
+    top-left aligned, ``Lq == Lk``; or, with ``set_forward_options(interval=True)``, a mask with one
+    key interval per query row, batch/head-dependent ones included), key length a multiple of
+    ``block_n``, no dropout, head dim 64 or 128, 16-bit CUDA tensors that tensor descriptors can
+    address."""
     cfg = _FWD_OPTS["gluon"] or GluonConfig()
-    if dropout_p > 0.0 or layout.batch_shape or getattr(layout, "positions", None) is not None:
+    if dropout_p > 0.0 or getattr(layout, "positions", None) is not None:
         return None
     if s.D not in (64, 128) or not ts[0].is_cuda or ts[0].dtype not in (torch.float16, torch.bfloat16):
         return None
     if layout.kv_len % cfg.block_n or layout.kv_len == 0 or not _tma_ok(*ts):
         return None
-    if layout.n_partial == 0 and layout.n_full == layout.n_blocks:
-        return "dense"
-    if (isinstance(layout.mask, Causal) and layout.q_offset == 0 and s.Lq == s.Lk
-            and cfg.block_n == 2 * cfg.block_m):
-        return "causal"
+    if not layout.batch_shape:
+        if layout.n_partial == 0 and layout.n_full == layout.n_blocks:
+            return "dense"
+        if (isinstance(layout.mask, Causal) and layout.q_offset == 0 and s.Lq == s.Lk
+                and cfg.block_n == 2 * cfg.block_m):
+            return "causal"
+    if _FWD_OPTS["interval"] and row_interval(layout) is not None:
+        return "interval"
     return None
 
 
-def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, causal: bool, cfg: GluonConfig | None = None) -> None:
-    """The Gluon forward (``kernels/forward_gluon.py``): grid ``(cdiv(Lq, 2·block_m), B·H)``."""
+def _gluon_interval_tables(layout: BlockLayout, cfg: "GluonConfig", device):
+    """``(LO, HI, TILES)`` int32 device tensors of the Gluon forward's interval mode, built once per
+    layout, tiles and device: the rows' key intervals ``(Z, P·rows)`` (padded to whole programs with
+    the last row's interval), and per program ``(tile, kb0, e1, e2, n_blocks)`` ``(Z, P, 5)``, the
+    heaviest programs first (``kernels/forward_gluon._attn_fwd_gluon``)."""
+    key = ("gluon_interval", device, cfg.block_m, cfg.block_n)
+    hit = layout.cache.get(key)
+    if hit is not None:
+        return hit
+    lo, hi = row_interval(layout)
+    rows = 2 * cfg.block_m
+    z, lq = lo.shape
+    n_prog = _cdiv(lq, rows)
+    pad = n_prog * rows - lq
+    lo_p = np.pad(lo, ((0, 0), (0, pad)), mode="edge")
+    hi_p = np.pad(hi, ((0, 0), (0, pad)), mode="edge")
+    tiles = np.empty((z, n_prog, 5), np.int64)
+    for i in range(z):
+        first, f0, f1, end = tile_ranges(lo[i], hi[i], rows, cfg.block_n).T
+        # a program with nothing to attend still runs one (fully masked) block: O = 0, LSE = -inf
+        end = np.maximum(end, first + 1)
+        n = end - first
+        e1 = np.maximum(np.minimum(f0, end) - first, 1)
+        e2 = np.maximum(np.minimum(f1, end) - first, e1)
+        order = np.lexsort((-(n - (e2 - e1)), -n))  # most blocks first, then most masked blocks
+        tiles[i] = np.stack([np.arange(n_prog), first, e1, e2, n], axis=1)[order]
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
+    out = layout.cache[key] = (to(lo_p), to(hi_p), to(tiles))
+    return out
+
+
+def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: GluonConfig | None = None,
+                  layout: BlockLayout | None = None) -> None:
+    """The Gluon forward (``kernels/forward_gluon.py``): grid ``(cdiv(Lq, 2·block_m), B·H)``;
+    ``case`` from :func:`_gluon_case` (``"interval"`` needs ``layout``)."""
     _ensure_tma_allocator(q.device)
     cfg = cfg or _FWD_OPTS["gluon"] or GluonConfig()
+    if case == "interval":
+        lo, hi, tiles = _gluon_interval_tables(layout, cfg, q.device)
+        lzb, lzh = _layout_strides(layout)
+    else:
+        lo = hi = tiles = _placeholder(torch.int32, q.device)
+        lzb = lzh = 0
     _fg._attn_fwd_gluon[(_cdiv(s.Lq, 2 * cfg.block_m), s.B * s.H)](
-        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        s.H, s.G, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
-        PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+        q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        s.H, s.G, lzb, lzh, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages, CAUSAL=case == "causal", INTERVAL=case == "interval", PINGPONG=cfg.pingpong,
+        OVERLAP=cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
 
 
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
@@ -808,7 +859,7 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     if dense == "gluon" and odt is None and score_mod is None:
         case = _gluon_case(layout, s, dropout_p, q, k, v, out)
         if case is not None:
-            _gluon_launch(q, k, v, out, lse, s, scale, case == "causal")
+            _gluon_launch(q, k, v, out, lse, s, scale, case, layout=layout)
             return out, lse
     elif (dense is not None and dense != "gluon" and odt is None and score_mod is None
             and _dense_ok(layout, s, dropout_p, q, k, v, out)):
