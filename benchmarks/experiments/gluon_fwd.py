@@ -186,9 +186,12 @@ class _Child:
         return rec
 
 
-def child_main(cases: list[str], progress: str) -> None:
+def child_loop(make_child, cases: list[str], progress: str, tag: str, fmt) -> None:
+    """Run ``cases`` in this (child) process, one ``make_child().case(name)`` each, appending
+    start/done events to the ``progress`` file the parent watches (a silent child is killed);
+    a failing case is recorded as a result. Shared by the Gluon scripts."""
     try:
-        ch = _Child()
+        ch = make_child()
     except Exception:  # noqa: BLE001
         with open(progress, "a") as f:
             f.write(json.dumps(dict(event="fatal", error=traceback.format_exc())) + "\n")
@@ -206,7 +209,11 @@ def child_main(cases: list[str], progress: str) -> None:
         rec["seconds"] = round(time.time() - t0, 1)
         with open(progress, "a") as f:
             f.write(json.dumps(dict(event="done", case=name, result=rec)) + "\n")
-        print(f"[gluon] {name}: {_fmt(rec)}", flush=True)
+        print(f"{tag} {name}: {fmt(rec)}", flush=True)
+
+
+def child_main(cases: list[str], progress: str) -> None:
+    child_loop(_Child, cases, progress, "[gluon]", _fmt)
 
 
 def _fmt(rec: dict) -> str:

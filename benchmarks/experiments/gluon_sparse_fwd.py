@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from gluon_fwd import bench_ms, rel, run_children  # noqa: E402
+from gluon_fwd import bench_ms, child_loop, rel, run_children  # noqa: E402
 
 D = 128
 SIZES = {16384: 16, 65536: 8}  # N -> heads (bench.heads_for)
@@ -258,26 +258,7 @@ class _Child:
 
 
 def child_main(cases: list[str], progress: str) -> None:
-    try:
-        ch = _Child()
-    except Exception:  # noqa: BLE001
-        with open(progress, "a") as f:
-            f.write(json.dumps(dict(event="fatal", error=traceback.format_exc())) + "\n")
-        return
-    for name in cases:
-        with open(progress, "a") as f:
-            f.write(json.dumps(dict(event="start", case=name)) + "\n")
-        t0 = time.time()
-        try:
-            rec = ch.case(name)
-        except Exception as e:  # noqa: BLE001 - a failing case is a result
-            tb = traceback.format_exc()
-            print(tb, flush=True)
-            rec = dict(error=f"{type(e).__name__}: {str(e)[:500]}", traceback=tb[-3000:])
-        rec["seconds"] = round(time.time() - t0, 1)
-        with open(progress, "a") as f:
-            f.write(json.dumps(dict(event="done", case=name, result=rec)) + "\n")
-        print(f"[gluon] {name}: {_fmt(rec)}", flush=True)
+    child_loop(_Child, cases, progress, "[gluon]", _fmt)
 
 
 def _fmt(rec: dict) -> str:
