@@ -332,6 +332,21 @@ def test_score_fn_errors():
     assert bsfa.score_fn(fn) == bsfa.score_fn(fn) and hash(bsfa.score_fn(fn)) == hash(bsfa.score_fn(fn))
 
 
+def test_score_fn_auto_backend_takes_pytorch_path(monkeypatch):
+    """Where ``backend="auto"`` would pick the Triton kernels (a GPU), a ``score_fn`` callable runs
+    on the PyTorch backend instead of raising; ``backend="triton"`` still refuses it."""
+    from blocksparse_fa.ops import api
+
+    monkeypatch.setattr(api, "resolve_backend", lambda backend, device, dtype: "triton")
+    fn = lambda s, b, h, qi, kj: s + 0.1 * (qi - kj)  # noqa: E731
+    q, k, v = (t.detach().double() for t in _qkv(9, 9))
+    out = bsfa.attention(q, k, v, mask=bsfa.causal(), score_mod=bsfa.score_fn(fn))
+    ref = bsfa.reference_attention(q, k, v, bsfa.causal(), score_mod=bsfa.score_fn(fn))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    with pytest.raises(NotImplementedError, match="PyTorch backend only"):
+        bsfa.attention(q, k, v, score_mod=bsfa.score_fn(fn), backend="triton")
+
+
 @pytest.mark.interpreter
 def test_triton_split_tiles():
     """Work lists that split heavy tiles (global tokens) into pieces merged through their LSEs, in

@@ -250,8 +250,11 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
     else:
         be = resolve_backend(backend, q4.device, q4.dtype)
         if be == "triton" and score_mod is not None and score_mod.fn is not None:
-            raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only "
-                                      "(backend='torch'); the Triton kernels fuse alibi(), bias() and softcap()")
+            if backend != "auto":
+                raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only "
+                                          "(backend='torch' or 'auto'); the Triton kernels fuse alibi(), bias() "
+                                          "and softcap()")
+            be = "torch"  # a Python callable cannot enter the kernels: the PyTorch backend, on any device
         layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
         seed = draw_seed(dropout_p, dropout_seed)
         out, lse = run(q4, k4, v4, layout, s, scale, dropout_p, seed, backend, be, rewrite, return_lse, score_mod)
