@@ -22,6 +22,7 @@ from .mask import (
 from .mask.score import ScoreMod, alibi, alibi_slopes, bias, score_fn, softcap
 from .compiler import BlockLayout, compile_mask
 from .ops import attention, dropout_keep_mask, last_backend, reference_attention, scaled_dot_product_attention
+from .ops.options import KernelOptions
 from .ops.merge import merge_attention
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mask", "MaskSyntaxError", "BlockLayout", "compile_mask", "attention", "scaled_dot_product_attention",
     "reference_attention", "dropout_keep_mask", "attention_op", "register_mask", "merge_attention", "last_backend",
+    "KernelOptions", "explain",
     "nn", "parse", "load_pattern", "list_patterns", "pattern_info",
     "full", "causal", "window", "sliding_window", "global_tokens", "strided", "chunked", "prefix_lm",
     "summary", "document", "random_blocks", "block_mask", "dense_mask", "chunk_band", "key_range", "query_range",
@@ -36,7 +38,7 @@ __all__ = [
     "ScoreMod", "alibi", "alibi_slopes", "bias", "score_fn", "softcap",
 ]
 
-_LAZY = {"attention_op": ".ops.custom_op", "register_mask": ".ops.custom_op", "nn": ".nn"}
+_LAZY = {"attention_op": ".ops.custom_op", "register_mask": ".ops.custom_op", "nn": ".nn", "explain": ".ops.explain"}
 
 
 def __getattr__(name):

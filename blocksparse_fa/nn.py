@@ -34,6 +34,7 @@ from .mask.primitives import dense_mask, key_set
 from .mask.score import ScoreMod, bias as _bias
 from .ops.api import as_mask, check_align
 from .ops.custom_op import attention_op, register_mask, registry
+from .ops.options import as_options
 from .ops.sdpa import top_left_causal
 from .ops.validate import _OneEntry, keep_from_tensor
 
@@ -68,6 +69,8 @@ class BlockSparseAttention(nn.Module):
             sees it), any other tensor as a non-persistent buffer (it moves with ``.to()``).
             ``forward(..., score_mod=)`` adds a per-call modifier to it. Not with
             ``context_parallel``.
+        kernel_options: the module's :class:`~blocksparse_fa.KernelOptions` (or a dict of its
+            fields), used on every call; ``forward(..., kernel_options=)`` overrides it per call.
 
     Shapes:
         q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` with ``H % Hkv == 0`` ->
@@ -75,7 +78,7 @@ class BlockSparseAttention(nn.Module):
     """
 
     def __init__(self, mask=None, *, block_size=None, scale=None, dropout: float = 0.0, backend: str = "auto",
-                 align: str | None = None, context_parallel=None, score_mod=None):
+                 align: str | None = None, context_parallel=None, score_mod=None, kernel_options=None):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
@@ -87,6 +90,7 @@ class BlockSparseAttention(nn.Module):
         self.dropout = float(dropout)
         self.backend = backend
         self.context_parallel = context_parallel
+        self.kernel_options = as_options(kernel_options)
         self._score_mod = _register_score_mod(self, score_mod)
         if self._score_mod is not None and context_parallel is not None:
             raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
@@ -113,6 +117,7 @@ class BlockSparseAttention(nn.Module):
     def __setstate__(self, state):  # copy.deepcopy / unpickling: the copy registers and pins its own handle
         super().__setstate__(state)
         self.__dict__.setdefault("align", "bottom_right")  # modules pickled before align existed
+        self.__dict__.setdefault("kernel_options", as_options(None))
         self.handle = register_mask(self.mask, self.block_size, owner=self)
 
     def layout(self, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
@@ -120,9 +125,10 @@ class BlockSparseAttention(nn.Module):
         return registry.layout(self.handle, q_len, kv_len, device, self.align)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, cp_plan=None,
-                score_mod=None):
+                score_mod=None, kernel_options=None):
         p = self.dropout if self.training else 0.0
         mod = self._call_score_mod(score_mod)
+        opts = self.kernel_options if kernel_options is None else kernel_options
         if getattr(self, "context_parallel", None) is not None:
             if mod is not None:
                 raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
@@ -132,11 +138,12 @@ class BlockSparseAttention(nn.Module):
             return context_parallel_attention(q, k, v, None if cp_plan is not None else m, plan=cp_plan,
                                               group=self.context_parallel, scale=self.scale, dropout_p=p,
                                               return_lse=return_lse, backend=self.backend,
-                                              block_size=None if cp_plan is not None else self.block_size)
+                                              block_size=None if cp_plan is not None else self.block_size,
+                                              kernel_options=opts)
         if cp_plan is not None:
             raise ValueError("cp_plan needs a module built with context_parallel=<process group or mesh>")
         return attention_op(q, k, v, self.handle, scale=self.scale, dropout_p=p, return_lse=return_lse,
-                            backend=self.backend, align=self.align, score_mod=mod)
+                            backend=self.backend, align=self.align, score_mod=mod, kernel_options=opts)
 
     def extra_repr(self) -> str:
         m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
@@ -262,7 +269,8 @@ class BlockSparseMultiheadAttention(nn.Module):
                  bias: bool = False, dropout: float = 0.0, *, head_dim: int | None = None, rotary: bool = False,
                  rope_base: float = 10000.0, block_size=None, scale=None, backend: str = "auto",
                  batch_first: bool = True, kdim: int | None = None, vdim: int | None = None,
-                 align: str | None = None, context_parallel=None, score_mod=None, device=None, dtype=None):
+                 align: str | None = None, context_parallel=None, score_mod=None, kernel_options=None, device=None,
+                 dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -282,7 +290,8 @@ class BlockSparseMultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, bias=bias, **fk)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **fk)
         self.attn = BlockSparseAttention(mask, block_size=block_size, scale=scale, dropout=dropout, backend=backend,
-                                         align=align, context_parallel=context_parallel, score_mod=score_mod)
+                                         align=align, context_parallel=context_parallel, score_mod=score_mod,
+                                         kernel_options=kernel_options)
         self._tensor_mask = _OneEntry()
 
     @classmethod
@@ -357,7 +366,7 @@ class BlockSparseMultiheadAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = False,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True, is_causal: bool = False,
-                *, cp_plan=None, score_mod=None):
+                *, cp_plan=None, score_mod=None, kernel_options=None):
         cp = getattr(self.attn, "context_parallel", None)
         if cp is not None and (key is not None or value is not None or key_padding_mask is not None
                                or attn_mask is not None or is_causal):
@@ -393,7 +402,7 @@ class BlockSparseMultiheadAttention(nn.Module):
             if self.rotary:
                 pos = plan.indices(_rank(cp), x.device)
                 q, k = apply_rotary(q, pos, self.rope_base), apply_rotary(k, pos, self.rope_base)
-            o = self.attn(q, k, v, cp_plan=plan, score_mod=score_mod)
+            o = self.attn(q, k, v, cp_plan=plan, score_mod=score_mod, kernel_options=kernel_options)
             out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
             return out.transpose(0, 1) if not self.batch_first else out
         if self.rotary:
@@ -409,11 +418,12 @@ class BlockSparseMultiheadAttention(nn.Module):
             attn_mask = None
         m, bs = self._mask_with(key_padding_mask, attn_mask, is_causal, B, Lq, Lk, x.device)
         if bs is None:
-            o = self.attn(q, k, v, score_mod=score_mod)
+            o = self.attn(q, k, v, score_mod=score_mod, kernel_options=kernel_options)
         else:
             p = self.attn.dropout if self.training else 0.0
+            opts = self.attn.kernel_options if kernel_options is None else kernel_options
             o = attention_op(q, k, v, m, scale=self.attn.scale, dropout_p=p, backend=self.attn.backend, block_size=bs,
-                             align=self.attn.align, score_mod=self.attn._call_score_mod(score_mod))
+                             align=self.attn.align, score_mod=self.attn._call_score_mod(score_mod), kernel_options=opts)
         out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
         if not self.batch_first:
             out = out.transpose(0, 1)

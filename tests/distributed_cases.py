@@ -36,21 +36,14 @@ def run_case(case, rank, world):
     ``lists="fine"`` option; ``compiler/finer.py``), restored afterwards."""
     if not case.get("fine_lists"):
         return _run_case(case, rank, world)
-    from blocksparse_fa.kernels.config import TileConfig, set_override
-    from blocksparse_fa.ops import triton_backend as tb
+    from blocksparse_fa.ops.options import KernelOptions, TileConfig
 
-    for kernel, tile in (("fwd", (32, 16)), ("dkdv", (16, 32)), ("dq", (32, 16))):
-        set_override(kernel, TileConfig(*tile, 4, 2))
-    tb.set_kernel_options(lists="fine")
-    try:
-        return _run_case(case, rank, world)
-    finally:
-        for kernel in ("fwd", "dkdv", "dq"):
-            set_override(kernel, None)
-        tb.set_kernel_options(lists="coarse")
+    opts = KernelOptions(lists="fine", fwd_tiles=TileConfig(32, 16, 4, 2), dkdv_tiles=TileConfig(16, 32, 4, 2),
+                         dq_tiles=TileConfig(32, 16, 4, 2))
+    return _run_case(case, rank, world, opts)
 
 
-def _run_case(case, rank, world):
+def _run_case(case, rank, world, opts=None):
     import blocksparse_fa as bsfa
     from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
 
@@ -73,7 +66,7 @@ def _run_case(case, rank, world):
     out, lse = context_parallel_attention(ql, kl, vl, None if plan else case["mask"], plan=plan, dropout_p=p,
                                           dropout_seed=case.get("dropout_seed", 5), return_lse=True,
                                           overlap=case.get("overlap", False), backend=backend,
-                                          block_size=None if plan else case.get("block", 16))
+                                          block_size=None if plan else case.get("block", 16), kernel_options=opts)
     loss = (out * do[:, :, idx]).sum()
     if case.get("lse_grad"):
         loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * 0.37).sum()

@@ -70,7 +70,7 @@ def test_opcheck():
     q, k, v, _ = qkv(B=1, H=4, Hkv=2, Lq=40, Lk=40, D=8, dtype=torch.float32)
     h = register_mask(MASK, 16)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), h, 0.3, 0.0,
-            None, "auto", True, "bottom_right", [], None, None, None)
+            None, "auto", True, "bottom_right", [], None, None, None, '{"lists":"fine"}')
     res = torch.library.opcheck(attention_fwd, args)
     assert all(v == "SUCCESS" for v in res.values()), res
     # a template handle: the mask's tensors are op inputs
@@ -78,12 +78,12 @@ def test_opcheck():
 
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 20, 10]))[None]
     ht = registry.register_template("causal & document", ("document",), 16)
-    res = torch.library.opcheck(attention_fwd, args[:3] + (ht,) + args[4:-4] + ([ids], None, None, None))
+    res = torch.library.opcheck(attention_fwd, args[:3] + (ht,) + args[4:-5] + ([ids], None, None, None, ""))
     assert all(v == "SUCCESS" for v in res.values()), res
     # score modifiers: slopes, cap and a broadcast bias as op arguments, with gradients
     slopes = torch.tensor([0.5, 0.25, 0.125, 1.0], requires_grad=True)
     bias = torch.randn(1, 4, 1, 40, requires_grad=True)
-    res = torch.library.opcheck(attention_fwd, args[:-3] + (slopes, torch.tensor([2.5]), bias))
+    res = torch.library.opcheck(attention_fwd, args[:-4] + (slopes, torch.tensor([2.5]), bias, ""))
     assert all(v == "SUCCESS" for v in res.values()), res
 
 

@@ -51,7 +51,8 @@ SHARD_MASKS = {
 }
 
 
-def _shard_vs_full(layout, rows, cols, limit=None, dropout_p=0.0, backend="torch", dtype=torch.float64, H=2, Hkv=2):
+def _shard_vs_full(layout, rows, cols, limit=None, dropout_p=0.0, backend="torch", dtype=torch.float64, H=2, Hkv=2,
+                   opts=None):
     """Max errors of a shard's forward / dq / dk / dv against the rows of the full computation."""
     L, D = layout.q_len, 8
     g = torch.Generator().manual_seed(0)
@@ -67,15 +68,16 @@ def _shard_vs_full(layout, rows, cols, limit=None, dropout_p=0.0, backend="torch
     keep[gi[:, None], gj[None, :]] = sh.to_dense()
     full = bsfa.compile_mask(bsfa.dense_mask(keep), L, L, block_size=(bm, bn))
     s = Shapes(1, H, Hkv, L, L, D)
-    out, lse = dispatch.forward(q, k, v, full, s, 0.3, dropout_p, 11, backend)
+    kw = {} if opts is None else {"opts": opts}
+    out, lse = dispatch.forward(q, k, v, full, s, 0.3, dropout_p, 11, backend, **kw)
     do = torch.randn(out.shape, generator=g, dtype=dtype)
     do_rows = torch.zeros_like(do)
     do_rows[:, :, gi] = do[:, :, gi]
-    dq, dk, dv = dispatch.backward(q, k, v, out, lse, do_rows, full, s, 0.3, dropout_p, 11, backend)
+    dq, dk, dv = dispatch.backward(q, k, v, out, lse, do_rows, full, s, 0.3, dropout_p, 11, backend, **kw)
     ss = Shapes(1, H, Hkv, sh.q_len, sh.kv_len, D)
     ql, kl, vl = q[:, :, gi], k[:, :, gj], v[:, :, gj]
-    o2, l2 = dispatch.forward(ql, kl, vl, sh, ss, 0.3, dropout_p, 11, backend)
-    g2 = dispatch.backward(ql, kl, vl, o2, l2, do[:, :, gi], sh, ss, 0.3, dropout_p, 11, backend)
+    o2, l2 = dispatch.forward(ql, kl, vl, sh, ss, 0.3, dropout_p, 11, backend, **kw)
+    g2 = dispatch.backward(ql, kl, vl, o2, l2, do[:, :, gi], sh, ss, 0.3, dropout_p, 11, backend, **kw)
     fin = torch.isfinite(lse[:, :, gi])
     assert torch.equal(torch.isfinite(l2), fin)
     return [(a - b).abs().max().item() for a, b in

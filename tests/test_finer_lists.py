@@ -14,7 +14,7 @@ import torch
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler.finer import COST, list_states, pick_list_block, side_costs, upsample
 from blocksparse_fa.compiler.segments import EMPTY, FULL, PARTIAL
-from blocksparse_fa.kernels.config import TileConfig, set_override
+from blocksparse_fa.ops.options import KernelOptions, TileConfig
 from blocksparse_fa.ops import triton_backend as tb
 from conftest import rel_err
 from test_triton_interpreter import _check
@@ -119,24 +119,20 @@ def test_work_list_costs_stay_in_layout_blocks():
 # ------------------------------------------------------------------------------------------------
 # kernels (interpreter): layout block 32, kernel tiles stepping 16 along every loop
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def fine_tiles():
+HALF_TILES = dict(fwd_tiles=TileConfig(32, 16, 4, 2), dkdv_tiles=TileConfig(16, 32, 4, 2),
+                  dq_tiles=TileConfig(32, 16, 4, 2))
+
+
+def fine_tiles(**kw) -> KernelOptions:
     """Kernel tiles of half the layout block along each loop, and finer lists ("fine": every side
     that can; "auto": the cost model)."""
-    set_override("fwd", TileConfig(32, 16, 4, 2))
-    set_override("dkdv", TileConfig(16, 32, 4, 2))
-    set_override("dq", TileConfig(32, 16, 4, 2))
-    yield tb.set_kernel_options
-    for k in ("fwd", "dkdv", "dq"):
-        set_override(k, None)
-    tb.set_kernel_options(lists="coarse", list_stages="same", deterministic=True)
-    tb.set_split_chunk(None)
+    return KernelOptions(**HALF_TILES, **kw)
 
 
-def _plans_use_fine_lists(layout):
-    """Every launch plan of ``layout`` ran with list blocks of 16 (forward: LIST_BN, backward:
-    KV_LIST_BM and Q_LIST_BN)."""
-    plans = [v for k, v in layout.cache.items() if isinstance(k, tuple) and k[0] in ("fwd", "bwd")]
+def _plans_use_fine_lists(layout, opts):
+    """Every launch plan of ``layout`` under ``opts`` ran with list blocks of 16 (forward: LIST_BN,
+    backward: KV_LIST_BM and Q_LIST_BN)."""
+    plans = [v for k, v in layout.cache.items() if isinstance(k, tuple) and k[0] in ("fwd", "bwd") and opts in k]
     assert plans
     for p in plans:
         c = p.consts
@@ -151,81 +147,81 @@ def _plans_use_fine_lists(layout):
     (LONGFORMER, 2, 2, 70, 130),            # Lq != Lk
     (bsfa.parse("causal & (window(12) | global_tokens(5))"), 2, 1, 100, 60),  # rows with nothing to attend
 ])
-def test_fine_lists_match_reference(fine_tiles, mask, H, Hkv, Lq, Lk):
-    fine_tiles(lists="fine")
+def test_fine_lists_match_reference(mask, H, Hkv, Lq, Lk):
+    opts = fine_tiles(lists="fine")
     lay = bsfa.compile_mask(mask, Lq, Lk, 32)
     for side in ("row", "col"):  # the finer lists differ: some partial halves are full or empty
         coarse, fine = side_costs(lay, side, 16)
         assert fine.n_partial < 2 * coarse.n_partial, (side, coarse, fine)
-    out, lse, grads = _check(mask, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, block=32)
-    _plans_use_fine_lists(bsfa.compile_mask(mask, Lq, Lk, 32))
+    out, lse, grads = _check(mask, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, block=32, opts=opts)
+    _plans_use_fine_lists(bsfa.compile_mask(mask, Lq, Lk, 32), opts)
     if Lq > Lk:  # bottom-right: the first Lq - Lk rows see no key
         assert torch.equal(out[:, :, :Lq - Lk], torch.zeros_like(out[:, :, :Lq - Lk]))
         assert torch.equal(grads[0][:, :, :Lq - Lk], torch.zeros_like(grads[0][:, :, :Lq - Lk]))
 
 
 @pytest.mark.interpreter
-def test_fine_lists_with_deeper_stages_split_items_and_dropout(fine_tiles):
+def test_fine_lists_with_deeper_stages_split_items_and_dropout():
     """``list_stages="tiles"`` (stages x tiles per layout block), split work items (global rows and
     columns cut into pieces over the finer lists) and dropout (the same elements dropped as the
     reference's keep mask, which the coarse lists drop too)."""
-    fine_tiles(lists="fine", list_stages="tiles")
-    tb.set_split_chunk(2.0)
-    _check(LONGFORMER, H=2, Hkv=1, Lq=128, Lk=128, block=32)
-    _check(LONGFORMER, H=2, Hkv=1, Lq=96, Lk=96, block=32, dropout_p=0.3, seed=5)
+    opts = fine_tiles(lists="fine", list_stages="tiles", split_chunk=2.0)
+    _check(LONGFORMER, H=2, Hkv=1, Lq=128, Lk=128, block=32, opts=opts)
+    _check(LONGFORMER, H=2, Hkv=1, Lq=96, Lk=96, block=32, dropout_p=0.3, seed=5, opts=opts)
     plan = [v for k, v in bsfa.compile_mask(LONGFORMER, 128, 128, 32).cache.items()
-            if isinstance(k, tuple) and k[0] == "fwd"][0]
+            if isinstance(k, tuple) and k[0] == "fwd" and opts in k][0]
     assert plan.consts["STAGES"] == 4 and plan.part_shapes  # 2 stages x 2 tiles; split tiles
 
 
 @pytest.mark.interpreter
-def test_fine_and_coarse_lists_drop_the_same_elements(fine_tiles):
+def test_fine_and_coarse_lists_drop_the_same_elements():
     q, k, v = (torch.randn(1, 2, 96, 16) for _ in range(3))
     outs = []
     for lists in ("coarse", "fine"):
-        fine_tiles(lists=lists)
         outs.append(bsfa.attention(q, k, v, mask=LONGFORMER, block_size=32, backend="triton", dropout_p=0.4,
-                                   dropout_seed=3))
+                                   dropout_seed=3, kernel_options=fine_tiles(lists=lists)))
     assert rel_err(outs[1], outs[0]) < 1e-6
 
 
 @pytest.mark.interpreter
-def test_fine_lists_auto_rewrite_per_head_and_atomic(fine_tiles, monkeypatch):
+def test_fine_lists_auto_rewrite_per_head_and_atomic(monkeypatch):
     """``lists="auto"`` on layouts where the model takes the finer lists on both sides, on one; the
     strided rewrite's parts;
     a per-head window; the five-GEMM backward (which keeps layout-block lists)."""
     from blocksparse_fa.compiler import rewrite
 
-    fine_tiles(lists="auto")
+    opts = fine_tiles(lists="auto")
     lay = bsfa.compile_mask(BIGBIRD, 128, 128, 32)
-    assert tb._list_block(lay, "row", 16) == 16 and tb._list_block(lay, "col", 16) == 16
-    _check(BIGBIRD, H=2, Hkv=1, Lq=128, Lk=128, block=32)
+    assert tb._list_block(lay, "row", 16, opts) == 16 and tb._list_block(lay, "col", 16, opts) == 16
+    _check(BIGBIRD, H=2, Hkv=1, Lq=128, Lk=128, block=32, opts=opts)
     lay = bsfa.compile_mask(LONGFORMER, 128, 128, 32)  # the model: finer rows pay, finer columns do not
-    assert tb._list_block(lay, "row", 16) == 16 and tb._list_block(lay, "col", 16) is None
-    fine_tiles(lists="fine")
+    assert tb._list_block(lay, "row", 16, opts) == 16 and tb._list_block(lay, "col", 16, opts) is None
+    opts = fine_tiles(lists="fine")
     monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
     rewrite.plan.cache_clear()
     try:
-        _check(bsfa.parse("causal & (sliding_window(20) | strided(16))"), Lq=160, Lk=160, H=2, Hkv=1, block=32)
+        _check(bsfa.parse("causal & (sliding_window(20) | strided(16))"), Lq=160, Lk=160, H=2, Hkv=1, block=32,
+               opts=opts)
     finally:
         rewrite.plan.cache_clear()
-    _check(bsfa.window(bsfa.per_head([3, 20])) | bsfa.global_tokens(6), H=2, Hkv=1, Lq=97, Lk=97, block=32)
-    fine_tiles(lists="fine", deterministic=False)
-    _check(LONGFORMER, H=2, Hkv=1, Lq=97, Lk=97, block=32)
+    _check(bsfa.window(bsfa.per_head([3, 20])) | bsfa.global_tokens(6), H=2, Hkv=1, Lq=97, Lk=97, block=32,
+           opts=opts)
+    _check(LONGFORMER, H=2, Hkv=1, Lq=97, Lk=97, block=32, opts=fine_tiles(lists="fine", deterministic=False))
 
 
 @pytest.mark.interpreter
-def test_fine_lists_on_shards_with_position_tables(fine_tiles):
+def test_fine_lists_on_shards_with_position_tables():
     """A shard (context parallelism) lists its source's finer blocks at its local rows and columns,
     limited rows included; the kernels map finer entries to their layout block's global position."""
     from test_distributed import _shard_vs_full
 
-    fine_tiles(lists="fine")
+    opts = fine_tiles(lists="fine")
     layout = bsfa.compile_mask(bsfa.load_pattern("longformer", window=10, n_global=5), 150, 150, block_size=32,
                                rewrite=False)
     rows, cols = np.array([0, 2, 4]), np.array([0, 1, 3, 2, 4])  # the ragged last block comes last
     lim = (np.array([True, False, False]), np.array([0, 3, 4]))
-    errs = _shard_vs_full(layout, rows, cols, lim, dropout_p=0.3, backend="triton", dtype=torch.float32, H=2, Hkv=1)
+    errs = _shard_vs_full(layout, rows, cols, lim, dropout_p=0.3, backend="triton", dtype=torch.float32, H=2, Hkv=1,
+                          opts=opts)
     assert max(errs) < 1e-5, errs
     from blocksparse_fa.compiler.shard import shard_layout
 
@@ -236,10 +232,10 @@ def test_fine_lists_on_shards_with_position_tables(fine_tiles):
 
 
 def test_list_options_are_checked():
-    with pytest.raises(ValueError, match="lists='finest'"):
-        tb.set_kernel_options(lists="finest")
-    with pytest.raises(ValueError, match="list_stages='all'"):
-        tb.set_kernel_options(list_stages="all")
+    with pytest.raises(ValueError, match="lists must be one of .* got 'finest'"):
+        KernelOptions(lists="finest")
+    with pytest.raises(ValueError, match="list_stages must be one of .* got 'all'"):
+        KernelOptions(list_stages="all")
     lay = bsfa.compile_mask(bsfa.causal(), 64, 64, 32)
     with pytest.raises(ValueError, match="must divide the layout block"):
         list_states(lay, 32, 24)

@@ -84,7 +84,7 @@ def test_entry_points():
     lay = bsfa.compile_mask(bsfa.causal(), 21, 30, 16)
     with pytest.raises(ValueError, match="one head dim"):
         torch.ops.blocksparse_fa.attention_fwd(q4, k4, v4, bsfa.register_mask(lay), 0.5, 0.0, None, "auto", True,
-                                               "bottom_right", [], None, None, None)
+                                               "bottom_right", [], None, None, None, "")
     assert dispatch.pad_head_dims(q4, k4, k4)[3] is None
 
 

@@ -31,9 +31,9 @@ def _qkv(Lq, Lk, D=16, dtype=torch.float32, B=1):
     return mk(B, H, Lq, D), mk(B, HKV, Lk, D), mk(B, HKV, Lk, D)
 
 
-def _run(backend, mod, mask, Lq, Lk, dtype, block=16):
+def _run(backend, mod, mask, Lq, Lk, dtype, block=16, opts=None):
     q, k, v = _qkv(Lq, Lk, dtype=dtype)
-    out = bsfa.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, block_size=block)
+    out = bsfa.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, block_size=block, kernel_options=opts)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -351,15 +351,9 @@ def test_score_fn_auto_backend_takes_pytorch_path(monkeypatch):
 def test_triton_split_tiles():
     """Work lists that split heavy tiles (global tokens) into pieces merged through their LSEs, in
     the forward and the backward: the modifier is applied to every piece alike."""
-    from blocksparse_fa.ops.triton_backend import set_split_chunk
-
     mod = MODS["both"]
     mask = "global_tokens(16) | window(3)"
-    set_split_chunk(1.5)
-    try:
-        out, grads, ref, ref_grads = _run("triton", mod, mask, 96, 96, torch.float32)
-    finally:
-        set_split_chunk(None)
+    out, grads, ref, ref_grads = _run("triton", mod, mask, 96, 96, torch.float32, opts={"split_chunk": 1.5})
     assert rel_err(out, ref) < TOL
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) < TOL

@@ -11,7 +11,6 @@ import blocksparse_fa as bsfa
 from blocksparse_fa.kernels.predicate import build_payload, generate_source, predicate_function, structure_key
 from blocksparse_fa.kernels.schedule import build_worklist
 from blocksparse_fa.ops import triton_backend as tb
-from blocksparse_fa.ops.triton_backend import set_split_chunk
 from conftest import rel_err
 
 pytestmark = pytest.mark.interpreter
@@ -25,10 +24,10 @@ def _qkv(B, H, Hkv, Lq, Lk, D, dtype=torch.float32):
     return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, D)
 
 
-def _check(mask, B=1, H=2, Hkv=2, Lq=70, Lk=70, D=16, block=16, dropout_p=0.0, seed=7, tol=TOL):
+def _check(mask, B=1, H=2, Hkv=2, Lq=70, Lk=70, D=16, block=16, dropout_p=0.0, seed=7, tol=TOL, opts=None):
     q, k, v = _qkv(B, H, Hkv, Lq, Lk, D)
     out, lse = bsfa.attention(q, k, v, mask=mask, block_size=block, backend="triton", dropout_p=dropout_p,
-                              dropout_seed=seed, return_lse=True)
+                              dropout_seed=seed, return_lse=True, kernel_options=opts)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     keep = bsfa.dropout_keep_mask(B, H, Lq, Lk, dropout_p, seed) if dropout_p else None
@@ -137,12 +136,9 @@ def test_split_work_lists_give_identical_results():
     do = torch.randn(1, 2, 96, 16)
     results = []
     for chunk in (None, 1.5, 3.0):
-        set_split_chunk(chunk)
-        try:
-            out, lse = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16, return_lse=True)
-            results.append((out, lse, *torch.autograd.grad(out, (q, k, v), do)))
-        finally:
-            set_split_chunk(None)
+        out, lse = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16, return_lse=True,
+                                  kernel_options={"split_chunk": chunk})
+        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), do)))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
@@ -237,14 +233,13 @@ def test_triton_backend_errors(monkeypatch):
 def test_fused_backward_matches_separate_launches(text, split):
     """dK/dV and dQ in one launch (``_attn_bwd``) give the gradients of the two separate kernels and
     of the float64 reference, with and without split work items, with GQA and ragged lengths."""
-    from blocksparse_fa.kernels.config import TileConfig, set_override
     from blocksparse_fa.ops import triton_backend as tb
+    from blocksparse_fa.ops.options import TileConfig
 
     ids = torch.randint(0, 3, (90,)).sort().values
     mask = bsfa.causal() & bsfa.document(ids) if "document" in text else bsfa.parse(text)
-    set_override("dkdv", TileConfig(16, 16, 4, 2))  # equal warps: the fused launch applies
-    set_override("dq", TileConfig(16, 16, 4, 2))
-    set_split_chunk(split)
+    # equal warps: the fused launch applies
+    base = dict(dkdv_tiles=TileConfig(16, 16, 4, 2), dq_tiles=TileConfig(16, 16, 4, 2), split_chunk=split)
     calls = {"fused": 0, "parts": 0}
     real = tb._bwd_launch
 
@@ -256,24 +251,20 @@ def test_fused_backward_matches_separate_launches(text, split):
     try:
         grads = []
         for fused, head_major in ((True, True), (True, False), (False, True)):
-            tb.set_fused_backward(fused, head_major)
             tb._bwd_launch = spy
             torch.manual_seed(11)
             q, k, v = _qkv(1, 4, 2, 90, 90, 16)
             do = torch.randn(1, 4, 90, 16)
-            out = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16)
+            out = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16,
+                                 kernel_options=dict(base, fused_backward=fused, head_major=head_major))
             grads.append(torch.autograd.grad(out, (q, k, v), do))
         assert calls == {"fused": 2, "parts": 2}  # one launch (two grid orders), then dK/dV and dQ separately
         for other in grads[1:]:
             for a, b in zip(grads[0], other):
                 assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
-        _check(mask, H=4, Hkv=2, Lq=90, Lk=90)
+        _check(mask, H=4, Hkv=2, Lq=90, Lk=90, opts=base)
     finally:
         tb._bwd_launch = real
-        tb.set_fused_backward(True, None)
-        set_split_chunk(None)
-        set_override("dkdv", None)
-        set_override("dq", None)
 
 
 def test_run_tables_detection():
@@ -303,13 +294,12 @@ def test_lut_modes_match(text):
             "longformer": bsfa.global_tokens(16) | bsfa.window(20)}[text]
     policies = [dict(row_arith=False, fwd_other="load", col_arith=False),
                 dict(row_arith=True, fwd_other="prefetch", col_arith=True)]
-    set_split_chunk(2)
-    try:
-        res = []
-        for pol in policies:
-            tb.set_lut_policy(**pol)
+    res = []
+    for pol in policies:
+        opts = bsfa.KernelOptions(split_chunk=2, **pol)
+        if True:
             lay = bsfa.compile_mask(mask, 80, 80, 16)
-            modes = tb._device_state(lay, torch.device("cpu"))[3]
+            modes = tb._device_state(lay, torch.device("cpu"), opts)[3]
             rows, cols = lay.kernel_tables(True, True)
             if pol["row_arith"]:
                 assert modes["FULL_LUT"] == ("arith" if rows.runs else "prefetch")
@@ -320,13 +310,10 @@ def test_lut_modes_match(text):
             torch.manual_seed(5)
             q, k, v = _qkv(1, 2, 2, 80, 80, 16)
             do = torch.randn(1, 2, 80, 16)
-            out = bsfa.attention(q, k, v, mask=lay, backend="triton")
+            out = bsfa.attention(q, k, v, mask=lay, backend="triton", kernel_options=opts)
             res.append((out, *torch.autograd.grad(out, (q, k, v), do)))
-        for a, b in zip(*res):
-            assert torch.equal(a, b)
-    finally:
-        tb.set_lut_policy(row_arith=True, fwd_other="prefetch", col_arith=None)
-        set_split_chunk(None)
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
 
 
 def test_document_runs_form_matches_ids():
@@ -337,19 +324,15 @@ def test_document_runs_form_matches_ids():
     ids = torch.tensor([0] * 23 + [1] * 30 + [2] * 5 + [3] * 22)
     mask = bsfa.causal() & bsfa.document(ids)
     res = []
-    try:
-        for on in (True, False):
-            pr.set_document_runs(on)
-            lay = bsfa.compile_mask(mask, 80, 80, 16)
-            fn = pr.build_payload(lay, "cpu").fn
-            assert (fn is pr._functions["and(causal,document_runs)"]) == on
-            torch.manual_seed(3)
-            q, k, v = _qkv(1, 2, 1, 80, 80, 16)
-            do = torch.randn(1, 2, 80, 16)
-            out = bsfa.attention(q, k, v, mask=lay, backend="triton")
-            res.append((out, *torch.autograd.grad(out, (q, k, v), do)))
-    finally:
-        pr.set_document_runs(True)
+    for on in (True, False):
+        lay = bsfa.compile_mask(mask, 80, 80, 16)
+        fn = pr.build_payload(lay, "cpu", document_runs=on).fn
+        assert (fn is pr._functions["and(causal,document_runs)"]) == on
+        torch.manual_seed(3)
+        q, k, v = _qkv(1, 2, 1, 80, 80, 16)
+        do = torch.randn(1, 2, 80, 16)
+        out = bsfa.attention(q, k, v, mask=lay, backend="triton", kernel_options={"document_runs": on})
+        res.append((out, *torch.autograd.grad(out, (q, k, v), do)))
     for a, b in zip(*res):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
     _check(mask, H=2, Hkv=1, Lq=80, Lk=80)
@@ -363,13 +346,12 @@ def test_document_runs_form_matches_ids():
                                                     (1, 2, 2, 150, 16, True, False)])
 def test_strided_rewrite_class_views(monkeypatch, B, H, Hkv, N, D, gqa, residue):
     """The strided part runs on residue-class views (no copies) when N % stride == 0 (GQA/MQA only
-    with ``set_residue_gqa``, class-major views), else on permuted copies; both match the float64
-    reference in out, lse and all gradients."""
+    with the ``residue_gqa`` kernel option, class-major views), else on permuted copies; both match
+    the float64 reference in out, lse and all gradients."""
     from blocksparse_fa.compiler import rewrite
     from blocksparse_fa.ops import residue as res
 
     monkeypatch.setattr(rewrite, "MIN_PERIODS", 4)
-    monkeypatch.setitem(res._GQA, "on", gqa)
     rewrite.plan.cache_clear()
     bsfa.compiler.clear_cache()
     calls = []
@@ -378,7 +360,8 @@ def test_strided_rewrite_class_views(monkeypatch, B, H, Hkv, N, D, gqa, residue)
     try:
         mask = bsfa.parse("causal & (sliding_window(20) | strided(16))")
         q, k, v = _qkv(B, H, Hkv, N, N, D)
-        out, lse = bsfa.attention(q, k, v, mask=mask, block_size=16, backend="triton", return_lse=True)
+        out, lse = bsfa.attention(q, k, v, mask=mask, block_size=16, backend="triton", return_lse=True,
+                                  kernel_options={"residue_gqa": gqa})
         assert bool(calls) == residue
         do, w = torch.randn_like(out), torch.randn_like(lse)
         g = torch.autograd.grad((out * do).sum() + (lse * w).sum(), (q, k, v))
@@ -428,17 +411,14 @@ def test_backward_accumulate_adds_to_given_gradients(split):
     mask = bsfa.global_tokens(8) | bsfa.window(6)
     lay = bsfa.compile_mask(mask, 96, 96, 16)
     s = check_qkv(q, k, v)
-    set_split_chunk(split)
-    try:
-        out, lse = tb.triton_forward(q, k, v, lay, s, 0.25, 0.0, 0)
-        do = torch.randn_like(out)
-        ref = tb.triton_backward(q, k, v, out, lse, do, lay, s, 0.25, 0.0, 0)
-        base = [torch.randn(t.shape[0], t.shape[1], 2 * t.shape[2], t.shape[3])[:, :, ::2] for t in (q, k, v)]
-        acc = tuple(torch.empty(b.shape[0], b.shape[1], 2 * b.shape[2], b.shape[3])[:, :, ::2].copy_(b) for b in base)
-        delta = tb.backward_delta(out, do, lse, s)
-        got = tb.triton_backward(q, k, v, None, lse, do, lay, s, 0.25, 0.0, 0, delta=delta, accumulate=acc)
-    finally:
-        set_split_chunk(None)
+    opts = bsfa.KernelOptions(split_chunk=split)
+    out, lse = tb.triton_forward(q, k, v, lay, s, 0.25, 0.0, 0, opts=opts)
+    do = torch.randn_like(out)
+    ref = tb.triton_backward(q, k, v, out, lse, do, lay, s, 0.25, 0.0, 0, opts=opts)
+    base = [torch.randn(t.shape[0], t.shape[1], 2 * t.shape[2], t.shape[3])[:, :, ::2] for t in (q, k, v)]
+    acc = tuple(torch.empty(b.shape[0], b.shape[1], 2 * b.shape[2], b.shape[3])[:, :, ::2].copy_(b) for b in base)
+    delta = tb.backward_delta(out, do, lse, s)
+    got = tb.triton_backward(q, k, v, None, lse, do, lay, s, 0.25, 0.0, 0, delta=delta, accumulate=acc, opts=opts)
     for g, b, r in zip(got, base, ref):
         assert not g.is_contiguous()
         assert torch.allclose(g, b + r, atol=1e-5, rtol=1e-5)
@@ -450,15 +430,10 @@ def test_backward_accumulate_adds_to_given_gradients(split):
 def test_backward_tile_candidates_match_reference(dkdv, dq):
     """The backward tile shapes queued for the H100 A/B (``ab_variants.py``: fewer register spills)
     give the float64 reference's gradients on a 128-block layout."""
-    from blocksparse_fa.kernels.config import TileConfig, set_override
+    from blocksparse_fa.ops.options import TileConfig
 
-    set_override("dkdv", TileConfig(*dkdv, 8, 2))
-    set_override("dq", TileConfig(*dq, 8, 2))
-    try:
-        _check(bsfa.load_pattern("longformer", window=100, n_global=20), H=2, Hkv=1, Lq=300, Lk=300, block=128)
-    finally:
-        set_override("dkdv", None)
-        set_override("dq", None)
+    _check(bsfa.load_pattern("longformer", window=100, n_global=20), H=2, Hkv=1, Lq=300, Lk=300, block=128,
+           opts=dict(dkdv_tiles=TileConfig(*dkdv, 8, 2), dq_tiles=TileConfig(*dq, 8, 2)))
 
 
 def test_custom_op_and_module_use_the_strided_rewrite(monkeypatch):
@@ -502,20 +477,27 @@ def test_custom_op_and_module_use_the_strided_rewrite(monkeypatch):
 
 @pytest.mark.parametrize("D", [16, 24])
 def test_forward_through_tensor_descriptors_matches_reference(monkeypatch, D):
-    """The forward's tensor-descriptor K/V loads (``set_forward_options(kv_desc=True)``, TMA on
-    Hopper) give the reference's outputs, with ragged last blocks (zero-filled rows) and a head dim
-    that is not a power of two (zero-filled columns)."""
-    monkeypatch.setattr(tb, "_tma_ok", lambda *ts: True)
-    tb.set_forward_options(kv_desc=True)
-    try:
-        _check(bsfa.parse("causal & (sliding_window(20) | global_tokens(5))"), H=2, Hkv=1, Lq=61, Lk=75, D=D)
-    finally:
-        tb.set_forward_options(kv_desc=False)
+    """The forward's tensor-descriptor K/V loads (kernel option ``kv_desc=True``, TMA on Hopper)
+    give the reference's outputs, with ragged last blocks (zero-filled rows) and a head dim that is
+    not a power of two (zero-filled columns)."""
+    from blocksparse_fa.ops import select
+
+    monkeypatch.setattr(select, "tma_ok", lambda *ts: True)
+    _check(bsfa.parse("causal & (sliding_window(20) | global_tokens(5))"), H=2, Hkv=1, Lq=61, Lk=75, D=D,
+           opts={"kv_desc": True})
 
 
-def test_forward_options_reject_unknown_names():
-    with pytest.raises(ValueError, match="unknown forward option 'tma'"):
-        tb.set_forward_options(tma=True)
+def test_kernel_options_reject_unknown_names_and_values():
+    """``kernel_options`` is validated where it enters: unknown names and bad values name the field."""
+    q, k, v = _qkv(1, 2, 2, 32, 32, 16)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['tma'\]"):
+        bsfa.attention(q, k, v, kernel_options={"tma": True})
+    with pytest.raises(ValueError, match="lists must be one of"):
+        bsfa.attention(q, k, v, kernel_options={"lists": "finest"})
+    with pytest.raises(ValueError, match="warp_specialize=True needs kv_desc=True"):
+        bsfa.KernelOptions(warp_specialize=True)
+    with pytest.raises(TypeError, match="kernel_options must be a KernelOptions"):
+        bsfa.attention(q, k, v, kernel_options="fast")
 
 
 def test_tile_classes_follow_the_layout_shape():
@@ -524,10 +506,12 @@ def test_tile_classes_follow_the_layout_shape():
     backward pair; dense and causal keep the default tables."""
     from blocksparse_fa.kernels.config import TileConfig, bwd_configs, fwd_config
 
+    from blocksparse_fa.ops.select import layout_class
+
     def tiles(mask, n=16384):
-        lay = bsfa.compile_mask(mask, n, n, 128)
-        band, sp, ph = tb._is_band(lay), tb._is_short_partial(lay), tb._is_partial_heavy(lay)
-        return fwd_config(128, torch.bfloat16, 128, 128, band, sp), bwd_configs(128, torch.bfloat16, 128, 128, band, ph)
+        lc = layout_class(bsfa.compile_mask(mask, n, n, 128))
+        return (fwd_config(128, torch.bfloat16, 128, 128, lc.band, lc.short_partial),
+                bwd_configs(128, torch.bfloat16, 128, 128, lc.band, lc.partial_heavy))
 
     f, (kv, q) = tiles(bsfa.load_pattern("longformer"))
     assert f == TileConfig(128, 64, 8, 3) and kv == TileConfig(32, 128, 8, 2) and q == TileConfig(128, 64, 8, 2)

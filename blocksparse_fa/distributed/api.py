@@ -12,6 +12,7 @@ from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
 from ..ops.api import draw_seed, resolve_backend
 from ..ops.dispatch import pad_head_dims, slice_head_dim
+from ..ops.options import as_options
 from ..ops.validate import MAX_HEAD_DIM, check_qkv, check_scalars
 from .attention import cp_backward, cp_forward
 from .comm import check_call, resolve_group
@@ -26,22 +27,22 @@ class _CPAttention(torch.autograd.Function):
     """Eager autograd around :func:`.attention.cp_forward` / :func:`.attention.cp_backward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ex, scale, dropout_p, seed, backend, group, overlap):
+    def forward(ctx, q, k, v, ex, scale, dropout_p, seed, backend, group, overlap, opts):
         ctx.set_materialize_grads(False)
-        out, lse, saved = cp_forward(ex, q, k, v, scale, dropout_p, seed, backend, group, overlap)
+        out, lse, saved = cp_forward(ex, q, k, v, scale, dropout_p, seed, backend, group, overlap, opts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.extra = (ex, saved, scale, dropout_p, seed, backend, group, overlap)
+        ctx.extra = (ex, saved, scale, dropout_p, seed, backend, group, overlap, opts)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        ex, saved, scale, dropout_p, seed, backend, group, overlap = ctx.extra
+        ex, saved, scale, dropout_p, seed, backend, group, overlap, opts = ctx.extra
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = cp_backward(ex, q, k, v, out, lse, dout, dlse, saved, scale, dropout_p, seed, backend, group,
-                                 overlap)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                 overlap, opts)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _DEFAULT_PLANS = LRUCache(32)
@@ -67,7 +68,8 @@ def _default_plan(mask, block_size, group, world: int, length: int, device) -> C
 
 def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan | None = None, group=None,
                                scale=None, dropout_p: float = 0.0, dropout_seed=None, return_lse: bool = False,
-                               backend: str = "auto", block_size=None, overlap: bool = False, check: bool = True):
+                               backend: str = "auto", block_size=None, overlap: bool = False, check: bool = True,
+                               kernel_options=None):
     """Block-sparse self-attention over a sequence sharded across the ranks of ``group``.
 
     Every rank calls it with the q, k, v of its own tokens (and every rank must run the backward
@@ -90,6 +92,7 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
             launches merged in float32) instead of one launch after the fetch.
         check: exchange a description of the call first, so that inconsistent calls (different
             plans, shard lengths, shapes) raise the same error on every rank instead of hanging.
+        kernel_options: as in :func:`blocksparse_fa.attention`, for every local launch.
 
     Returns:
         ``out`` ``(B, H, L_r, D)`` (and ``lse`` ``(B, H, L_r)`` float32 if asked), this rank's rows
@@ -102,11 +105,13 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
         qp, kp, vp, dv = pad_head_dims(q, k, v)
         res = context_parallel_attention(qp, kp, vp, mask, plan=plan, group=group, scale=scale, dropout_p=dropout_p,
                                          dropout_seed=dropout_seed, return_lse=return_lse, backend=backend,
-                                         block_size=block_size, overlap=overlap, check=check)
+                                         block_size=block_size, overlap=overlap, check=check,
+                                         kernel_options=kernel_options)
         return (slice_head_dim(res[0], dv), res[1]) if return_lse else slice_head_dim(res, dv)
     if torch.compiler.is_compiling():
         return _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap,
-                         check)
+                         check, kernel_options)
+    opts = as_options(kernel_options)
     pg = resolve_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     local_error = None
@@ -150,17 +155,17 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
         ex = plan._exchanges.get(key)
         if ex is None:
             ex = plan._exchanges[key] = UlyssesExchange(plan, rank, q.device)
-        out, lse = ulysses_forward(q, k, v, ex, scale, be, pg, q.device)
+        out, lse = ulysses_forward(q, k, v, ex, scale, be, pg, q.device, opts)
     else:
         ex = exchange_for(plan, rank, q.device)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _CPAttention.apply(q, k, v, ex, scale, dropout_p, seed, be, pg, bool(overlap))
+            out, lse = _CPAttention.apply(q, k, v, ex, scale, dropout_p, seed, be, pg, bool(overlap), opts)
         else:
-            out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, seed, be, pg, bool(overlap))
+            out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, seed, be, pg, bool(overlap), opts)
     return (out, lse) if return_lse else out
 
 
-def _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap, check):
+def _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap, check, opts):
     """The ``torch.compile`` path: the custom ops of :mod:`.custom_op` (a plan is required)."""
     from ..ops.custom_op import _seed_tensor
     from .custom_op import cp_attention_op
@@ -174,5 +179,5 @@ def _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
     out, lse = cp_attention_op(q, k, v, plan, group, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed),
-                               backend, bool(overlap), bool(check))
+                               backend, bool(overlap), bool(check), opts)
     return (out, lse) if return_lse else out

@@ -25,6 +25,7 @@ import torch
 
 from ..ops import dispatch
 from ..ops.merge import merge_attention
+from ..ops.options import DEFAULT_OPTIONS
 from ..ops.validate import Shapes
 from .comm import Pending, all_to_all
 from .exchange import Exchange
@@ -47,15 +48,16 @@ def _tok_first(x: torch.Tensor, idx: torch.Tensor | None, dim: int) -> torch.Ten
     return x.movedim(dim, 0).contiguous()
 
 
-def _fwd(q, k, v, layout, scale, p, seed, backend, out_dtype):
+def _fwd(q, k, v, layout, scale, p, seed, backend, out_dtype, opts):
     s = _shapes(q, k, layout.q_len, layout.kv_len)
-    return dispatch.forward(q, k, v, layout, s, scale, p, seed, backend, use_rewrite=False, out_dtype=out_dtype)
+    return dispatch.forward(q, k, v, layout, s, scale, p, seed, backend, use_rewrite=False, out_dtype=out_dtype,
+                            opts=opts)
 
 
-def _bwd(q, k, v, out, lse, do, layout, scale, p, seed, backend, dlse, grad_dtype):
+def _bwd(q, k, v, out, lse, do, layout, scale, p, seed, backend, dlse, grad_dtype, opts):
     s = _shapes(q, k, layout.q_len, layout.kv_len)
     return dispatch.backward(q, k, v, out, lse, do, layout, s, scale, p, seed, backend, dlse=dlse, use_rewrite=False,
-                             grad_dtype=grad_dtype)
+                             grad_dtype=grad_dtype, opts=opts)
 
 
 class Saved:
@@ -108,20 +110,21 @@ def _merge_split(ex: Exchange, out, lse, parts_back: torch.Tensor, acc) -> tuple
 
 
 def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int, backend: str, group,
-               overlap: bool = False):
-    """``(out (B, H, L, D) in q's dtype, lse (B, H, L) float32, Saved)`` of this rank's tokens."""
+               overlap: bool = False, opts=DEFAULT_OPTIONS):
+    """``(out (B, H, L, D) in q's dtype, lse (B, H, L) float32, Saved)`` of this rank's tokens
+    (``opts``: the call's kernel options, for every local launch)."""
     acc = _acc(q.dtype)
     kv_in = _send_kv(ex, k, v, group, async_op=overlap)
     gq_in = _send_guest_q(ex, q, group, async_op=overlap)
     split_out = acc if ex.n_split else None
     saved = Saved()
     if overlap:
-        out, lse = _fwd(q, k, v, ex.part_local, scale, dropout_p, seed, backend, acc)
+        out, lse = _fwd(q, k, v, ex.part_local, scale, dropout_p, seed, backend, acc, opts)
         if kv_in is not None:
             recv = kv_in.wait()  # (T, 2, B, Hkv, D)
             if ex.part_remote is not None:
                 rem = recv.index_select(0, ex.remote_idx).movedim(0, 3)  # (2, B, Hkv, Tr, D)
-                o2, l2 = _fwd(q, rem[0], rem[1], ex.part_remote, scale, dropout_p, seed, backend, acc)
+                o2, l2 = _fwd(q, rem[0], rem[1], ex.part_remote, scale, dropout_p, seed, backend, acc, opts)
                 out, lse = merge_attention([(out, lse), (o2, l2)])
                 saved.kvrem = rem
         out = out.to(split_out or q.dtype)
@@ -135,13 +138,13 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
             if kv_in is not None:
                 kv_in.wait()  # nothing arrives here; others' blocks went out
             kb, vb = k, v
-        out, lse = _fwd(q, kb, vb, ex.main, scale, dropout_p, seed, backend, split_out)
+        out, lse = _fwd(q, kb, vb, ex.main, scale, dropout_p, seed, backend, split_out, opts)
     if gq_in is not None:
         gq = None
         back = torch.zeros((0, *q.shape[:2], q.shape[3] + 1), dtype=acc, device=q.device)
         if ex.guest is not None:
             gq = gq_in.wait().index_select(0, ex.gq_order).movedim(0, 2)  # (B, H, G, D)
-            og, lg = _fwd(gq, k, v, ex.guest, scale, dropout_p, seed, backend, acc)
+            og, lg = _fwd(gq, k, v, ex.guest, scale, dropout_p, seed, backend, acc, opts)
             back = torch.cat([og, lg.to(acc).unsqueeze(-1)], -1)
             back = _tok_first(back, ex.gback_idx, 2)
         else:
@@ -182,7 +185,7 @@ def _add_by_peer(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, splits
 
 
 def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale: float, dropout_p: float,
-                seed: int, backend: str, group, overlap: bool = False):
+                seed: int, backend: str, group, overlap: bool = False, opts=DEFAULT_OPTIONS):
     """``(dq, dk, dv)`` of this rank's tokens, in the inputs' dtypes."""
     acc = _acc(q.dtype)
     B, H, L, D = q.shape
@@ -202,20 +205,20 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
         dkv_own = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
         if saved.kvrem is not None:  # fetched blocks first, so their dK/dV can travel during the rest
             g = _bwd(q, saved.kvrem[0], saved.kvrem[1], out, lse, dout, ex.part_remote, scale, dropout_p, seed,
-                     backend, dlse, acc)
+                     backend, dlse, acc, opts)
             dq += g[0]
             dkv_rem = torch.stack([g[1], g[2]]).index_select(3, ex.remote_to_recv)
             dkv_back = all_to_all(dkv_rem.movedim(3, 0), ex.kv_recv_splits, ex.kv_send_splits, group, async_op=True)
         elif ex.has_kv:
             dkv_back = all_to_all(torch.zeros((0, 2, *k.shape[:2], D), dtype=acc, device=k.device),
                                   ex.kv_recv_splits, ex.kv_send_splits, group, async_op=True)
-        g = _bwd(q, k, v, out, lse, dout, ex.part_local, scale, dropout_p, seed, backend, dlse, acc)
+        g = _bwd(q, k, v, out, lse, dout, ex.part_local, scale, dropout_p, seed, backend, dlse, acc, opts)
         dq += g[0]
         dkv_own[0] += g[1]
         dkv_own[1] += g[2]
     else:
         kb, vb = (saved.kvbuf[0], saved.kvbuf[1]) if saved.kvbuf is not None else (k, v)
-        dq, dkb, dvb = _bwd(q, kb, vb, out, lse, dout, ex.main, scale, dropout_p, seed, backend, dlse, acc)
+        dq, dkb, dvb = _bwd(q, kb, vb, out, lse, dout, ex.main, scale, dropout_p, seed, backend, dlse, acc, opts)
         dkvb = torch.stack([dkb, dvb])
         if saved.kvbuf is not None:
             dkv_own = dkvb.index_select(3, ex.own_in_buf)
@@ -236,7 +239,8 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
             gdo, gout = gdo.to(q.dtype), gout.to(q.dtype)
             glse = glse.to(lse.dtype)
             gq = saved.gq
-            gdq, gdk, gdv = _bwd(gq, k, v, gout, glse, gdo, ex.guest, scale, dropout_p, seed, backend, gdlse, acc)
+            gdq, gdk, gdv = _bwd(gq, k, v, gout, glse, gdo, ex.guest, scale, dropout_p, seed, backend, gdlse, acc,
+                                 opts)
             dkv_own[0] += gdk
             dkv_own[1] += gdv
             back = _tok_first(gdq, ex.gback_idx, 2)

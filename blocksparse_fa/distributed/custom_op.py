@@ -1,10 +1,11 @@
 """Context-parallel attention as ``torch.library`` custom ops, so ``torch.compile`` traces it.
 
     blocksparse_fa::cp_attention_fwd(Tensor q, Tensor k, Tensor v, int plan, str group, float scale,
-        float dropout_p, Tensor? seed, str backend, bool overlap, bool check) -> (Tensor out, Tensor lse, Tensor seed)
+        float dropout_p, Tensor? seed, str backend, bool overlap, bool check, str kernel_options)
+        -> (Tensor out, Tensor lse, Tensor seed)
     blocksparse_fa::cp_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
         Tensor? dlse, int plan, str group, float scale, float dropout_p, Tensor seed, str backend,
-        bool overlap) -> (Tensor dq, Tensor dk, Tensor dv)
+        bool overlap, str kernel_options) -> (Tensor dq, Tensor dk, Tensor dv)
 
 The collectives run inside the ops (opaque to the compiler, in program order on every rank), the
 plan travels as an int handle (:func:`register_plan`) and the process group by name. The backward
@@ -20,6 +21,7 @@ import threading
 import torch
 
 from ..ops.api import resolve_backend
+from ..ops.options import decode_options
 from .attention import cp_backward, cp_forward, fetch
 from .comm import check_call, resolve_group
 from .exchange import exchange_for
@@ -56,7 +58,7 @@ def _plan(handle: int) -> ContextParallelPlan:
 @torch.library.custom_op("blocksparse_fa::cp_attention_fwd", mutates_args=())
 def cp_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int, group: str, scale: float,
                      dropout_p: float, seed: torch.Tensor | None, backend: str, overlap: bool,
-                     check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     check: bool, kernel_options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _plan(plan)
     pg = resolve_group(group)
     rank, world = torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
@@ -65,12 +67,12 @@ def cp_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: in
         s = check_call(pg, p, rank, world, q, k, v, scale, dropout_p, s, None, q.device)
     ex = exchange_for(p, rank, q.device)
     be = resolve_backend(backend, q.device, q.dtype)
-    out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, s, be, pg, overlap)
+    out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, s, be, pg, overlap, decode_options(kernel_options))
     return out.contiguous(), lse.contiguous(), torch.tensor(s, dtype=torch.int64)
 
 
 @cp_attention_fwd.register_fake
-def _fwd_fake(q, k, v, plan, group, scale, dropout_p, seed, backend, overlap, check):
+def _fwd_fake(q, k, v, plan, group, scale, dropout_p, seed, backend, overlap, check, kernel_options):
     B, H, L, _ = q.shape
     ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, L), dtype=ldt),
@@ -81,28 +83,28 @@ def _fwd_fake(q, k, v, plan, group, scale, dropout_p, seed, backend, overlap, ch
 def cp_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, dlse: torch.Tensor | None, plan: int, group: str, scale: float,
                      dropout_p: float, seed: torch.Tensor, backend: str,
-                     overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     overlap: bool, kernel_options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _plan(plan)
     pg = resolve_group(group)
     ex = exchange_for(p, torch.distributed.get_rank(pg), q.device)
     saved = fetch(ex, q, k, v, pg, overlap)
     be = resolve_backend(backend, q.device, q.dtype)
     dq, dk, dv = cp_backward(ex, q, k, v, out, lse, dout, dlse, saved, scale, dropout_p, int(seed.item()), be, pg,
-                             overlap)
+                             overlap, decode_options(kernel_options))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @cp_attention_bwd.register_fake
-def _bwd_fake(q, k, v, out, lse, dout, dlse, plan, group, scale, dropout_p, seed, backend, overlap):
+def _bwd_fake(q, k, v, out, lse, dout, dlse, plan, group, scale, dropout_p, seed, backend, overlap, kernel_options):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, plan, group, scale, dropout_p, _, backend, overlap, _ = inputs
+    q, k, v, plan, group, scale, dropout_p, _, backend, overlap, _, kernel_options = inputs
     out, lse, seed = output
     ctx.save_for_backward(q, k, v, out, lse, seed)
     ctx.args = (plan, group, scale, dropout_p)
-    ctx.rest = (backend, overlap)
+    ctx.rest = (backend, overlap, kernel_options)
 
 
 def _backward(ctx, dout, dlse, _dseed):
@@ -111,7 +113,7 @@ def _backward(ctx, dout, dlse, _dseed):
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.blocksparse_fa.cp_attention_bwd(q, k, v, out, lse, dout, dlse, *ctx.args, seed,
                                                            *ctx.rest)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 cp_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -128,10 +130,12 @@ def _group_name(group) -> str:
 
 
 def cp_attention_op(q, k, v, plan: ContextParallelPlan, group, scale: float, dropout_p: float, seed: torch.Tensor,
-                    backend: str, overlap: bool, check: bool):
+                    backend: str, overlap: bool, check: bool, opts=None):
     """``(out, lse)`` through the custom op (the path :func:`context_parallel_attention` takes under
-    ``torch.compile``)."""
+    ``torch.compile``; ``opts``: the call's kernel options)."""
+    from ..ops.custom_op import _encoded
+
     out, lse, _ = cp_attention_fwd(q, k, v, _handle(plan), _group_name(group), scale, dropout_p, seed, backend,
-                                   overlap, check)
+                                   overlap, check, _encoded(opts))
     return out, lse
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import dispatch
+from ..ops.options import as_options
 from ..ops.validate import Shapes
 from .comm import all_to_all
 from .plan import ContextParallelPlan
@@ -92,7 +93,7 @@ def ulysses_check(plan: ContextParallelPlan, H: int, Hkv: int, dropout_p: float)
     return None
 
 
-def ulysses_forward(q, k, v, ex: UlyssesExchange, scale: float, backend: str, group, layout_device):
+def ulysses_forward(q, k, v, ex: UlyssesExchange, scale: float, backend: str, group, layout_device, opts=None):
     """Differentiable ``(out (B, H, L_r, D), lse (B, H, L_r))`` of the rank's tokens."""
     P = ex.P
     if k.shape[1] % P:  # fewer key/value heads than ranks: each goes to the ranks of its query heads
@@ -101,7 +102,7 @@ def ulysses_forward(q, k, v, ex: UlyssesExchange, scale: float, backend: str, gr
     B, hq, N, D = qh.shape
     s = Shapes(B, hq, kh.shape[1], N, N, D)
     layout = ex.plan.device_layout(layout_device)
-    out_h, lse_h = dispatch.apply(qh, kh, vh, layout, s, scale, 0.0, 0, backend)
+    out_h, lse_h = dispatch.apply(qh, kh, vh, layout, s, scale, 0.0, 0, backend, opts=as_options(opts))
     out = _HeadToSeq.apply(out_h, ex, group)
     lse = _HeadToSeq.apply(lse_h.unsqueeze(-1), ex, group).squeeze(-1)
     return out, lse

@@ -85,6 +85,7 @@ from ..mask.expr import And
 from ..mask.primitives import Causal, causal, dense_mask, document, full
 from ..mask.score import ScoreMod, softcap
 from ..ops.custom_op import attention_op
+from ..ops.options import as_options
 
 __all__ = ["register", "unregister", "make_attention_function", "make_mask_function", "make_cp_attention_function",
            "make_cp_mask_function", "key_padding_ids"]
@@ -158,9 +159,11 @@ def _with_model_softcap(score_mod, cap):
     return softcap(cap) if score_mod is None else score_mod + softcap(cap)
 
 
-def make_attention_function(mask, *, block_size=None, backend: str = "auto", score_mod=None):
+def make_attention_function(mask, *, block_size=None, backend: str = "auto", score_mod=None, kernel_options=None):
     """The ``AttentionInterface`` function running ``mask`` combined with the model's mask (and
-    ``score_mod`` plus the model's ``softcap``, see *Score modifiers* above)."""
+    ``score_mod`` plus the model's ``softcap``, see *Score modifiers* above), with
+    ``kernel_options`` (:class:`~blocksparse_fa.KernelOptions`) on every call."""
+    opts = as_options(kernel_options)
     pattern = _as_mask(mask)
     pattern_causal = pattern & causal()
     cache = _LastMask()
@@ -201,7 +204,7 @@ def make_attention_function(mask, *, block_size=None, backend: str = "auto", sco
                     m = pattern & dense_mask(keep.to(query.device).contiguous())
                 cache.put(attention_mask, ck, m)
         out = attention_op(query, key, value, m, scale=scaling, dropout_p=float(dropout or 0.0),
-                           backend=backend, block_size=block_size, score_mod=mod)
+                           backend=backend, block_size=block_size, score_mod=mod, kernel_options=opts)
         return out.transpose(1, 2).contiguous(), None
 
     blocksparse_attention_forward.pattern = pattern
@@ -214,7 +217,8 @@ def _with_causal(pattern: Mask) -> Mask:
     return pattern if any(isinstance(f, Causal) for f in factors) else pattern & causal()
 
 
-def make_cp_attention_function(mask, *, context_parallel, plan=None, block_size=None, backend: str = "auto"):
+def make_cp_attention_function(mask, *, context_parallel, plan=None, block_size=None, backend: str = "auto",
+                               kernel_options=None):
     """The ``AttentionInterface`` function for a sequence sharded across ``context_parallel`` (see
     *Context parallelism* above): query ``(B, H, L_r, D)``, key/value ``(B, Hkv, L_r, D)`` of this
     rank's tokens -> ``(B, L_r, H, D)``."""
@@ -244,7 +248,8 @@ def make_cp_attention_function(mask, *, context_parallel, plan=None, block_size=
                              f"{plan.layout.mask}")
         out = context_parallel_attention(query, key, value, None if plan is not None else m, plan=plan,
                                          group=context_parallel, scale=scaling, dropout_p=float(dropout or 0.0),
-                                         backend=backend, block_size=None if plan is not None else block_size)
+                                         backend=backend, block_size=None if plan is not None else block_size,
+                                         kernel_options=kernel_options)
         return out.transpose(1, 2).contiguous(), None
 
     blocksparse_cp_attention_forward.pattern = pattern
@@ -298,7 +303,7 @@ def make_mask_function():
 
 
 def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: str = "auto",
-             context_parallel=None, plan=None, score_mod=None) -> str:
+             context_parallel=None, plan=None, score_mod=None, kernel_options=None) -> str:
     """Register ``mask`` as attention implementation ``name`` for ``transformers`` models.
 
     Args:
@@ -313,6 +318,8 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
             ``context_parallel``; default: contiguous shards in rank order).
         score_mod: a score modifier for every layer (see *Score modifiers* in this module's docs);
             not with ``context_parallel``.
+        kernel_options: :class:`~blocksparse_fa.KernelOptions` (or a dict of its fields) for every
+            layer's call.
 
     Returns:
         ``name``. Registering the same name again replaces the pattern.
@@ -325,13 +332,14 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
     if context_parallel is None:
         if plan is not None:
             raise ValueError("plan needs context_parallel=<process group or 1-D DeviceMesh>")
-        fn = make_attention_function(mask, block_size=block_size, backend=backend, score_mod=score_mod)
+        fn = make_attention_function(mask, block_size=block_size, backend=backend, score_mod=score_mod,
+                                     kernel_options=kernel_options)
         mask_fn = make_mask_function()
     else:
         if score_mod is not None:
             raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
         fn = make_cp_attention_function(mask, context_parallel=context_parallel, plan=plan, block_size=block_size,
-                                        backend=backend)
+                                        backend=backend, kernel_options=as_options(kernel_options))
         mask_fn = make_cp_mask_function()
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, mask_fn)

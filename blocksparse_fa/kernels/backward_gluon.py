@@ -35,7 +35,7 @@ the dK/dV kernel's Q/dO descriptor spans the group's heads, so a ragged query ti
 next head's rows). Longest programs first.
 
 Gluon does not run in Triton's CPU interpreter; the launcher (``ops/triton_backend.py``) uses this
-module only on request (``set_backward_options(dense="gluon")``).
+module where ``ops/select.choose_backward`` picks it (dense and causal layouts on Hopper).
 """
 
 from __future__ import annotations

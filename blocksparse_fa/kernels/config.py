@@ -6,19 +6,9 @@ the layout block must be a power of two >= 16 for the Triton backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import triton
 
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    flat: bool = False  # backward: one loop iteration per kernel tile, not per layout block (_attn_bwd)
+from ..ops.options import TileConfig
 
 
 # (head_dim_pad upper bound) -> config; chosen on an H100 (see benchmarks/NOTES.md)
@@ -52,20 +42,17 @@ PARTIAL_HEAVY = 0.1
 # layout block, three stages of 64-token tiles would need 264 KB of shared memory, flat 165 KB; sm_90
 # compile, triton 3.6, sliding_window(1024): 96 B of stack against 168 B for today's 64x128 pair).
 # A candidate for band-like backward layouts (partial-heavy but with short, mostly full rows: sliding
-# windows, packed documents), chosen with set_band_backward("flex"); not yet timed on the GPU.
+# windows, packed documents), chosen with kernel_options band_backward="flex"; not yet timed on the GPU.
 _BWD_BAND_TABLES = {
     "partial": _BWD_PARTIAL,
     "flex": {128: (TileConfig(64, 128, 8, 3, flat=True), TileConfig(128, 64, 8, 3, flat=True))},
 }
-BAND_BWD = ["partial"]
 BAND_BWD_ROW_BLOCKS = 16.0
 # The five-GEMM backward (kernels/backward_atomic.py): one tile, dK/dV programs that also add dQ.
 # sm_90, triton 3.6 (benchmarks/experiments/sass_probe.py --kernel atomic, Longformer): 32x128 with
 # two stages fits shared memory (214 KB; 230 KB with TMA reduce-adds); 64x128 spills 400 B per
 # thread at one stage, and two stages do not fit. Not yet timed on the GPU (kernel_ab.py).
 _BWD_ATOMIC = {64: TileConfig(32, 64, 4, 2), 128: TileConfig(32, 128, 8, 2), 256: TileConfig(16, 32, 4, 1)}
-_OVERRIDES: dict[str, TileConfig] = {}
-OVERRIDE_VERSION = [0]  # bumped by set_override (launch plans built before are not reused)
 
 
 def short_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
@@ -97,13 +84,18 @@ def _pick(table, d_pad: int, layout_bm: int, layout_bn: int) -> TileConfig:
                       cfg.flat)
 
 
+def _fit(c: TileConfig, layout_bm: int, layout_bn: int) -> TileConfig:
+    """A forced config clipped to the layout block."""
+    return TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages, c.flat)
+
+
 def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, band: bool = False,
-               short_partial: bool = False) -> TileConfig:
+               short_partial: bool = False, force: TileConfig | None = None) -> TileConfig:
     """Forward tiles; ``band`` (see :func:`short_rows`) and ``short_partial`` (see
-    :func:`short_partial_rows`) pick their tables where they have one."""
-    if "fwd" in _OVERRIDES:
-        c = _OVERRIDES["fwd"]
-        return TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)
+    :func:`short_partial_rows`) pick their tables where they have one; ``force`` (the
+    ``fwd_tiles`` kernel option) replaces the tables."""
+    if force is not None:
+        return _fit(force, layout_bm, layout_bn)
     table = _FWD
     if band and d_pad in _FWD_SHORT:
         table = _FWD_SHORT
@@ -121,33 +113,26 @@ def band_backward_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
     return 0 < mean_row_blocks <= BAND_BWD_ROW_BLOCKS and partial_fraction <= SHORT_ROW_PARTIAL
 
 
-def set_band_backward(table: str) -> None:
-    """Backward tiles of band-like, partial-heavy layouts: ``"partial"`` (the spill-free pair of
-    every partial-heavy layout, the default) or ``"flex"`` (FlexAttention's tiles in flat loops)."""
-    if table not in _BWD_BAND_TABLES:
-        raise ValueError(f"unknown band backward table {table!r}; expected one of {sorted(_BWD_BAND_TABLES)}")
-    BAND_BWD[0] = table
-    OVERRIDE_VERSION[0] += 1
-
-
 def bwd_configs(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int,
-                band: bool = False, partial_heavy: bool = False,
-                band_bwd: bool = False) -> tuple[TileConfig, TileConfig]:
+                band: bool = False, partial_heavy: bool = False, band_bwd: bool = False,
+                band_table: str = "partial", force: tuple = (None, None)) -> tuple[TileConfig, TileConfig]:
     """(dK/dV, dQ) tiles; ``band`` as in :func:`fwd_config`; ``partial_heavy``: at least
     ``PARTIAL_HEAVY`` of the visited blocks are partial; ``band_bwd`` (see
-    :func:`band_backward_rows`) takes the table chosen by :func:`set_band_backward` for
-    partial-heavy layouts."""
+    :func:`band_backward_rows`) takes the table ``band_table`` (``"partial"`` or ``"flex"``, the
+    ``band_backward`` kernel option) for partial-heavy layouts. ``force``: ``(dK/dV, dQ)``
+    configs replacing the tables (the ``dkdv_tiles``/``dq_tiles`` kernel options), None each."""
+    if band_table not in _BWD_BAND_TABLES:
+        raise ValueError(f"unknown band backward table {band_table!r}; expected one of {sorted(_BWD_BAND_TABLES)}")
     out = []
     dq_table = _BWD_DQ_SHORT if band and d_pad in _BWD_DQ_SHORT else _BWD_DQ
     kv_table = _BWD_DKDV
-    partial = _BWD_BAND_TABLES[BAND_BWD[0]] if band_bwd else _BWD_PARTIAL
+    partial = _BWD_BAND_TABLES[band_table] if band_bwd else _BWD_PARTIAL
     if partial_heavy and d_pad in partial:
         kv_table = {d_pad: partial[d_pad][0]}
         dq_table = {d_pad: partial[d_pad][1]}
-    for name, table in (("dkdv", kv_table), ("dq", dq_table)):
-        if name in _OVERRIDES:
-            c = _OVERRIDES[name]
-            cfg = TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages, c.flat)
+    for forced, table in zip(force, (kv_table, dq_table)):
+        if forced is not None:
+            cfg = _fit(forced, layout_bm, layout_bn)
         else:
             cfg = _pick(table, d_pad, layout_bm, layout_bn)
             if dtype == torch.float32:
@@ -156,22 +141,13 @@ def bwd_configs(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int,
     return out[0], out[1]
 
 
-def atomic_bwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int) -> TileConfig:
-    """Tiles of the five-GEMM backward: ``(queries per step, keys per program)``."""
-    if "atomic" in _OVERRIDES:
-        c = _OVERRIDES["atomic"]
-        return TileConfig(min(c.block_m, layout_bm), min(c.block_n, layout_bn), c.num_warps, c.num_stages)
+def atomic_bwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int,
+                      force: TileConfig | None = None) -> TileConfig:
+    """Tiles of the five-GEMM backward: ``(queries per step, keys per program)``; ``force``: the
+    ``atomic_tiles`` kernel option."""
+    if force is not None:
+        return _fit(force, layout_bm, layout_bn)
     cfg = _pick(_BWD_ATOMIC, d_pad, layout_bm, layout_bn)
     if dtype == torch.float32:
         cfg = TileConfig(min(cfg.block_m, 16), min(cfg.block_n, 32), cfg.num_warps, 1)
     return cfg
-
-
-def set_override(kernel: str, cfg: TileConfig | None) -> None:
-    """Force a tile config for ``"fwd"``, ``"dkdv"``, ``"dq"`` or ``"atomic"`` (the five-GEMM
-    backward) (benchmarks/tuning); None resets."""
-    if cfg is None:
-        _OVERRIDES.pop(kernel, None)
-    else:
-        _OVERRIDES[kernel] = cfg
-    OVERRIDE_VERSION[0] += 1

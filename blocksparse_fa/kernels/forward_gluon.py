@@ -33,7 +33,7 @@ clipped by the TMA store; ``Lk`` must be a multiple of ``BLOCK_N``.
 
 Gluon does not run in Triton's CPU interpreter and its API changes between Triton releases:
 :func:`gluon_available` says whether this module could define the kernel; the launcher
-(``ops/triton_backend.py``) uses the kernel where it can run (``set_forward_options(dense=...)``).
+(``ops/triton_backend.py``) uses the kernel where ``ops/select.choose_forward`` picks it.
 """
 
 from __future__ import annotations

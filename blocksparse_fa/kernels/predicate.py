@@ -241,15 +241,6 @@ def _pack_bits(grid: np.ndarray) -> np.ndarray:
     return pack_bits(torch.from_numpy(np.ascontiguousarray(grid))).numpy()
 
 
-_DOCUMENT_RUNS = {"on": True}
-
-
-def set_document_runs(on: bool) -> None:
-    """Use the run-bounds form of ``document`` when every document is one run (default) or always
-    compare ids (benchmarks compare both). Applies to payloads built afterwards."""
-    _DOCUMENT_RUNS["on"] = bool(on)
-
-
 def _document_runs(ids: np.ndarray):
     """``(start, end)`` int arrays ``(B, L)``: the run ``[start, end)`` of positions holding each
     position's document, when every document of every batch row is one contiguous run; else None."""
@@ -399,8 +390,11 @@ class Payload:
     gathers: bool  # the predicate gathers a (BLOCK_M, BLOCK_N) tile of words: don't pipeline it
 
 
-def build_payload(layout: BlockLayout, device) -> Payload:
+def build_payload(layout: BlockLayout, device, document_runs: bool = True) -> Payload:
     """Predicate, parameters and payload buffers for ``layout.mask`` at the layout's lengths.
+
+    ``document_runs``: evaluate ``document`` from its run bounds when every document is one
+    contiguous run (the ``document_runs`` kernel option), else compare ids.
 
     The predicate is generated for the mask simplified against the blocks where it is evaluated
     (:func:`blocksparse_fa.compiler.simplify.predicate_mask`): primitives constant on every masked
@@ -432,7 +426,7 @@ def build_payload(layout: BlockLayout, device) -> Payload:
             slots.extend(leaf._params)
         elif name == "document":
             ids = leaf.ids.detach().to("cpu").long().numpy()
-            runs = _document_runs(ids) if _DOCUMENT_RUNS["on"] else None
+            runs = _document_runs(ids) if document_runs else None
             if runs is not None:  # each document one run: compare positions with the run's bounds
                 forms[id(leaf)] = "document_runs"
                 start, end = runs

@@ -23,6 +23,7 @@ from ..mask.primitives import full, mask_mod
 from ..mask.score import check_score_mod
 from . import dispatch
 from .dense import dense_forward, inputs_finite, prefer_dense
+from .options import as_options
 from .validate import (Shapes, bool_mask_to_mask, check_layout, check_qkv, check_scalars, flatten_batch,
                        unflatten_batch)
 
@@ -160,22 +161,30 @@ def draw_seed(dropout_p: float, dropout_seed) -> int:
     return dropout_seed
 
 
+def takes_dense_path(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, be: str,
+                     return_lse: bool, score_mod=None) -> bool:
+    """Whether a call runs PyTorch's SDPA over the materialised mask (:mod:`blocksparse_fa.ops.dense`):
+    ``backend="auto"`` on CPU tensors, no logsumexp or score modifier, the cost model prefers it and
+    the inputs are finite."""
+    return (backend == "auto" and be == "torch" and not return_lse and q.device.type == "cpu" and score_mod is None
+            and prefer_dense(layout, s, dropout_p) and inputs_finite(q, k, v))
+
+
 def run(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-        be: str, rewrite: bool, return_lse: bool, score_mod=None):
+        be: str, rewrite: bool, return_lse: bool, score_mod=None, opts=None):
     """``(out, lse or None)`` over a compiled layout: ``be`` is the resolved backend, ``backend`` what
-    the caller asked for (``"auto"`` on CPU may take the dense path, :mod:`blocksparse_fa.ops.dense`,
-    unless a score modifier is given)."""
-    if (backend == "auto" and be == "torch" and not return_lse and q.device.type == "cpu" and score_mod is None
-            and prefer_dense(layout, s, dropout_p) and inputs_finite(q, k, v)):
+    the caller asked for (``"auto"`` on CPU may take the dense path, :func:`takes_dense_path`);
+    ``opts``: the call's :class:`~blocksparse_fa.ops.options.KernelOptions`."""
+    if takes_dense_path(q, k, v, layout, s, dropout_p, backend, be, return_lse, score_mod):
         dispatch.note_backend("dense")
         return dense_forward(q, k, v, layout, s, scale), None
     dispatch.note_backend(be)
-    return dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, rewrite, score_mod)
+    return dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, rewrite, score_mod, as_options(opts))
 
 
 def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
               return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
-              enable_gqa: bool = True, align: str | None = None, score_mod=None):
+              enable_gqa: bool = True, align: str | None = None, score_mod=None, kernel_options=None):
     """Block-sparse scaled-dot-product attention.
 
     Args:
@@ -218,6 +227,10 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             nothing new. Under ``torch.compile`` it runs inside the custom op (tensor arguments).
             On the PyTorch backend, eagerly, also a Flex-style callable
             (:func:`~blocksparse_fa.score_fn`).
+        kernel_options: which kernels run and how, for this call only: a
+            :class:`~blocksparse_fa.KernelOptions` or a ``dict`` of its fields (e.g.
+            ``{"backward": "triton", "lists": "auto"}``); None: the defaults. Eager and compiled calls
+            choose the same kernels (:func:`~blocksparse_fa.explain` shows which).
 
     Returns:
         ``out`` ``(B, H, Lq, Dv)`` (q's leading dims) in q's dtype (and ``lse`` if asked). Fully
@@ -246,7 +259,7 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
 
         res = attention_op(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                            return_lse=return_lse, backend=backend, block_size=block_size, rewrite=rewrite,
-                           align=align, score_mod=score_mod)
+                           align=align, score_mod=score_mod, kernel_options=kernel_options)
     else:
         be = resolve_backend(backend, q4.device, q4.dtype)
         if be == "triton" and score_mod is not None and score_mod.fn is not None:
@@ -257,7 +270,8 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             be = "torch"  # a Python callable cannot enter the kernels: the PyTorch backend, on any device
         layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
         seed = draw_seed(dropout_p, dropout_seed)
-        out, lse = run(q4, k4, v4, layout, s, scale, dropout_p, seed, backend, be, rewrite, return_lse, score_mod)
+        out, lse = run(q4, k4, v4, layout, s, scale, dropout_p, seed, backend, be, rewrite, return_lse, score_mod,
+                       as_options(kernel_options))
         res = (out, lse) if return_lse else out
     if return_lse:
         return unflatten_batch(dispatch.slice_head_dim(res[0], dv), lead), unflatten_batch(res[1], lead)

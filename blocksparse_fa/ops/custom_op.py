@@ -5,13 +5,19 @@ Two ops are registered in the ``blocksparse_fa`` namespace::
     blocksparse_fa::attention_fwd(Tensor q, Tensor k, Tensor v, int handle, float scale,
                                   float dropout_p, Tensor? seed, str backend, bool rewrite,
                                   str align, Tensor[] mask_tensors, Tensor? slopes,
-                                  Tensor? softcap, Tensor? bias) -> (Tensor out, Tensor lse)
+                                  Tensor? softcap, Tensor? bias, str kernel_options)
+                                  -> (Tensor out, Tensor lse)
     blocksparse_fa::attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
                                   Tensor? dlse, int handle, float scale, float dropout_p, Tensor? seed,
                                   str backend, bool rewrite, str align, Tensor[] mask_tensors,
                                   Tensor? slopes, Tensor? softcap, Tensor? bias, bool slopes_grad,
-                                  bool bias_grad)
+                                  bool bias_grad, str kernel_options)
                                   -> (Tensor dq, Tensor dk, Tensor dv, Tensor dslopes, Tensor dbias)
+
+``kernel_options`` is the call's :class:`~blocksparse_fa.KernelOptions` as its canonical string
+(:meth:`~blocksparse_fa.KernelOptions.encode`, ``""`` for the defaults): a constant of the graph,
+decoded (cached) inside the op, so compiled and eager calls run the same kernels
+(:mod:`blocksparse_fa.ops.select`).
 
 ``align`` places the queries (``"bottom_right"`` or ``"top_left"``, see
 :func:`blocksparse_fa.attention`); the registry compiles one layout per alignment.
@@ -91,6 +97,7 @@ from ..mask.primitives import full, mask_mod
 from ..mask.score import ScoreMod, check_score_mod
 from . import dispatch
 from .api import check_align, check_mask_for, resolve_backend, run
+from .options import KernelOptions, as_options, decode_options
 from .validate import check_layout, check_qkv, check_scalars
 
 __all__ = [
@@ -408,22 +415,23 @@ def _score_mod_of(slopes, softcap, bias):
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor | None, backend: str,
                   rewrite: bool, align: str, mask_tensors: list[torch.Tensor], slopes: torch.Tensor | None,
-                  softcap: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  softcap: torch.Tensor | None, bias: torch.Tensor | None,
+                  kernel_options: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))``. ``seed``: int64 CPU scalar
     tensor with dropout, else None (no CPU tensor in the graph: CUDA graphs stay possible).
     ``mask_tensors``: the tensors of a template handle (masks built inside a compiled function).
     ``slopes`` ``(H,)``, ``softcap`` ``(1,)``, ``bias`` (4-D, size-1 dims broadcast): the score
-    modifier."""
+    modifier. ``kernel_options``: :meth:`KernelOptions.encode` of the call's options."""
     s, layout = _layout(q, k, v, handle, align, mask_tensors)
     be = resolve_backend(backend, q.device, q.dtype)
     out, lse = dispatch.forward(q, k, v, layout, s, scale, dropout_p, _seed(seed), be, rewrite,
-                                score_mod=_score_mod_of(slopes, softcap, bias))
+                                score_mod=_score_mod_of(slopes, softcap, bias), opts=decode_options(kernel_options))
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors, slopes,
-                        softcap, bias):
+                        softcap, bias, kernel_options):
     B, H, Lq, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=dispatch.lse_dtype(q.dtype), device=q.device)
@@ -436,7 +444,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   seed: torch.Tensor | None, backend: str,
                   rewrite: bool, align: str,
                   mask_tensors: list[torch.Tensor], slopes: torch.Tensor | None, softcap: torch.Tensor | None,
-                  bias: torch.Tensor | None, slopes_grad: bool, bias_grad: bool,
+                  bias: torch.Tensor | None, slopes_grad: bool, bias_grad: bool, kernel_options: str,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv, dslopes, dbias)``: dq, dk, dv shaped like q, k, v (k/v gradients
     summed over GQA groups); the gradients of the slopes and the bias when ``slopes_grad`` /
@@ -446,7 +454,8 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     mod = _score_mod_of(slopes, softcap, bias)
     grads = None if mod is None else dispatch.score_grad_buffers(mod, slopes_grad, bias_grad, q.dtype, q.device)
     dq, dk, dv = dispatch.backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, _seed(seed), be,
-                                   dlse=dlse, use_rewrite=rewrite, score_mod=mod, score_grads=grads)
+                                   dlse=dlse, use_rewrite=rewrite, score_mod=mod, score_grads=grads,
+                                   opts=decode_options(kernel_options))
     dsl, db = grads or (None, None)
     dsl = dsl.to(slopes.dtype) if dsl is not None else q.new_empty(0)
     db = db.to(bias.dtype) if db is not None else q.new_empty(0)
@@ -455,7 +464,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, handle, scale, dropout_p, seed, backend, rewrite,
-                        align, mask_tensors, slopes, softcap, bias, slopes_grad, bias_grad):
+                        align, mask_tensors, slopes, softcap, bias, slopes_grad, bias_grad, kernel_options):
     like = lambda t, want: torch.empty(t.shape, dtype=t.dtype, device=t.device) if want else q.new_empty(0)  # noqa: E731
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
@@ -468,11 +477,12 @@ def _seed(seed) -> int:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors, slopes, softcap, bias = inputs
+    (q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors, slopes, softcap, bias,
+     kernel_options) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed, slopes, softcap, bias, *mask_tensors)
     ctx.args = (handle, scale, dropout_p)
-    ctx.backend, ctx.rewrite, ctx.align = backend, rewrite, align
+    ctx.backend, ctx.rewrite, ctx.align, ctx.kernel_options = backend, rewrite, align, kernel_options
     ctx.score_grad = (slopes is not None and slopes.requires_grad, bias is not None and bias.requires_grad)
 
 
@@ -482,9 +492,9 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv, dsl, db = torch.ops.blocksparse_fa.attention_bwd(
         q, k, v, out, lse, dout, dlse, *ctx.args, seed, ctx.backend, ctx.rewrite, ctx.align, mts, slopes,
-        softcap, bias, *ctx.score_grad)
+        softcap, bias, *ctx.score_grad, ctx.kernel_options)
     return (dq, dk, dv, None, None, None, None, None, None, None, [None] * len(mts),
-            dsl if ctx.score_grad[0] else None, None, db if ctx.score_grad[1] else None)
+            dsl if ctx.score_grad[0] else None, None, db if ctx.score_grad[1] else None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -505,9 +515,21 @@ def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor | None:
     return torch.tensor(dropout_seed, dtype=torch.int64)
 
 
+@_constant_result
+def _encoded(kernel_options) -> str:
+    # Trace-time constant under torch.compile: the options' canonical string, an argument of the ops.
+    # Dynamo hands a KernelOptions built inside the traced function over without its fields (an
+    # empty instance dict): refuse it rather than run the defaults.
+    if isinstance(kernel_options, KernelOptions) and not kernel_options.__dict__:
+        raise ValueError("kernel_options: a KernelOptions built inside a torch.compile'd function cannot be read "
+                         "while it is traced; build it outside the function (e.g. as a module attribute) or pass "
+                         "a dict of its fields")
+    return as_options(kernel_options).encode()
+
+
 def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
                  return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
-                 align: str | None = None, score_mod=None):
+                 align: str | None = None, score_mod=None, kernel_options=None):
     """:func:`blocksparse_fa.attention` through the custom op (``torch.compile``-safe).
 
     Eager calls take the same path as :func:`blocksparse_fa.attention` without the custom-op
@@ -538,6 +560,8 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
             ``torch.compile`` its slopes and bias are tensor arguments of the op (new values reuse
             the graph; slopes given as floats are constants of the graph, give a tensor to vary
             them) and its tensors get gradients. ``score_fn`` callables run eagerly only.
+        kernel_options: a :class:`~blocksparse_fa.KernelOptions` or a dict of its fields, as in
+            :func:`blocksparse_fa.attention` (a constant of a compiled graph).
 
     Returns:
         ``out`` ``(B, H, Lq, Dv)`` in q's dtype (and ``lse`` if asked).
@@ -556,14 +580,15 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
         res = _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align, score_mod)
     elif not torch.compiler.is_compiling():
         res = _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
-                     rewrite, align, score_mod)
+                     rewrite, align, score_mod, as_options(kernel_options))
     else:
         if score_mod is not None and score_mod.fn is not None:
             raise NotImplementedError("score_mod: score_fn() callables run eagerly on the PyTorch backend only; under "
                                       "torch.compile use alibi(), bias() and softcap() (their tensors are op inputs)")
         handle, mask_tensors = mask_handle(mask, block_size)
         out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
-                                 bool(rewrite), align, mask_tensors or [], *_op_score_args(score_mod, s.H, q.device))
+                                 bool(rewrite), align, mask_tensors or [], *_op_score_args(score_mod, s.H, q.device),
+                                 _encoded(kernel_options))
         res = (out, lse.float()) if return_lse else out
     if return_lse:
         return _dispatch.slice_head_dim(res[0], dv), res[1]
@@ -594,12 +619,12 @@ def _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align, score_
     check_mask_for(mask, s, block_size, None if isinstance(mask, BlockLayout) else align)
     handle = handle_of(mask, block_size)
     out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, None, "auto", True, align, [],
-                             *_op_score_args(score_mod, s.H, q.device))
+                             *_op_score_args(score_mod, s.H, q.device), "")
     return (out, lse.float()) if return_lse else out
 
 
 def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, backend, rewrite, align="bottom_right",
-           score_mod=None):
+           score_mod=None, opts=None):
     """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch
     (inputs with one head dim, a checked scale and a bound score modifier)."""
     from .api import draw_seed
@@ -612,5 +637,6 @@ def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, bac
     layout = registry.layout(handle, s.Lq, s.Lk, q.device, align)
     check_layout(layout, s)
     seed = draw_seed(dropout_p, int(dropout_seed) if isinstance(dropout_seed, torch.Tensor) else dropout_seed)
-    out, lse = run(q, k, v, layout, s, scale, dropout_p, seed, backend, be, bool(rewrite), return_lse, score_mod)
+    out, lse = run(q, k, v, layout, s, scale, dropout_p, seed, backend, be, bool(rewrite), return_lse, score_mod,
+                   opts)
     return (out, lse.float()) if return_lse else out

@@ -24,6 +24,8 @@ import torch
 
 from ..compiler.layout import BlockLayout
 from ..compiler.rewrite import residue_permutation
+from . import select
+from .options import DEFAULT_OPTIONS, KernelOptions
 from .validate import Shapes
 
 __all__ = ["forward", "backward", "apply", "lse_dtype", "last_backend", "note_backend", "score_grad_buffers",
@@ -78,36 +80,39 @@ def _rewrite(layout: BlockLayout, dropout_p: float, use_rewrite: bool, score_mod
     return rw if (rw is not None and use_rewrite and dropout_p == 0.0 and score_mod is None) else None
 
 
-def _residue_ok(rw, s: Shapes, dtype: torch.dtype) -> bool:
+def _residue_ok(rw, s: Shapes, dtype: torch.dtype, opts: KernelOptions) -> bool:
     from .residue import residue_applies
 
-    return rw.cls is not None and residue_applies(rw, s, dtype)
+    return rw.cls is not None and residue_applies(rw, s, dtype, opts.residue_gqa)
 
 
 # ------------------------------------------------------------------------------------------------
 # single layout, per backend
 # ------------------------------------------------------------------------------------------------
-def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype=None, score_mod=None):
+def _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype=None, score_mod=None,
+             opts: KernelOptions = DEFAULT_OPTIONS):
     if backend == "triton":
         from .triton_backend import triton_forward
 
         out, lse = triton_forward(q, k, v, layout, s, scale, dropout_p, seed, out_dtype=out_dtype,
-                                  score_mod=score_mod)
+                                  score_mod=score_mod, opts=opts)
         return out, lse
     from .torch_backend import torch_forward
 
+    select.note("forward", "torch:blocks")
     return torch_forward(q, k, v, layout, s, scale, dropout_p, seed, score_mod=score_mod)
 
 
 def _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype=None,
-             score_mod=None, score_grads=None):
+             score_mod=None, score_grads=None, opts: KernelOptions = DEFAULT_OPTIONS):
     if backend == "triton":
         from .triton_backend import triton_backward
 
         return triton_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse=dlse,
-                               grad_dtype=grad_dtype, score_mod=score_mod, score_grads=score_grads)
+                               grad_dtype=grad_dtype, score_mod=score_mod, score_grads=score_grads, opts=opts)
     from .torch_backend import torch_backward
 
+    select.note("backward", "torch:blocks")
     return torch_backward(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, dlse, score_mod=score_mod,
                           score_grads=score_grads or (None, None))
 
@@ -139,21 +144,22 @@ def _permuted(x, perm):
     return x if perm is None else x.index_select(2, perm)
 
 
-def _parts_forward(q, k, v, rw, s: Shapes, scale, backend):
+def _parts_forward(q, k, v, rw, s: Shapes, scale, backend, opts: KernelOptions):
     from .merge import merge_attention
 
     results = []
     for lay, perm, inv in _part_layouts(rw, s, q.device, s.Lq):
         n = lay.q_len
         ps = Shapes(s.B, s.H, s.Hkv, n, n, s.D)
-        o, l = _fwd_one(_permuted(q, perm), _permuted(k, perm), _permuted(v, perm), lay, ps, scale, 0.0, 0, backend)
+        o, l = _fwd_one(_permuted(q, perm), _permuted(k, perm), _permuted(v, perm), lay, ps, scale, 0.0, 0, backend,
+                        opts=opts)
         if inv is not None:
             o, l = o.index_select(2, inv), l.index_select(2, inv)
         results.append((o, l))
     return merge_attention(results)
 
 
-def _parts_backward(q, k, v, out, lse, dout, rw, s: Shapes, scale, backend, dlse):
+def _parts_backward(q, k, v, out, lse, dout, rw, s: Shapes, scale, backend, dlse, opts: KernelOptions):
     grads = None
     for lay, perm, inv in _part_layouts(rw, s, q.device, s.Lq):
         n = lay.q_len
@@ -161,7 +167,7 @@ def _parts_backward(q, k, v, out, lse, dout, rw, s: Shapes, scale, backend, dlse
         args = [_permuted(t, perm) for t in (q, k, v, out)]
         lp = lse if perm is None else lse.index_select(2, perm)
         dp = None if dlse is None else (dlse if perm is None else dlse.index_select(2, perm))
-        g = _bwd_one(*args, lp, _permuted(dout, perm), lay, ps, scale, 0.0, 0, backend, dp)
+        g = _bwd_one(*args, lp, _permuted(dout, perm), lay, ps, scale, 0.0, 0, backend, dp, opts=opts)
         if inv is not None:
             g = tuple(t.index_select(2, inv) for t in g)
         grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
@@ -172,43 +178,46 @@ def _parts_backward(q, k, v, out, lse, dout, rw, s: Shapes, scale, backend, dlse
 # the path
 # ------------------------------------------------------------------------------------------------
 def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-            use_rewrite: bool = True, out_dtype=None, score_mod=None):
+            use_rewrite: bool = True, out_dtype=None, score_mod=None, opts: KernelOptions = DEFAULT_OPTIONS):
     """``(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq))`` of attention over ``layout``.
 
     ``out_dtype``: the output's dtype instead of q's (float32 keeps a partial result exact for a
     later merge, e.g. the context-parallel merge of rows split between ranks). ``score_mod``: a
-    validated :class:`~blocksparse_fa.mask.score.ScoreMod` or None."""
+    validated :class:`~blocksparse_fa.mask.score.ScoreMod` or None. ``opts``: the call's
+    :class:`~blocksparse_fa.ops.options.KernelOptions`."""
     rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
     if rw is not None:
-        if backend == "triton" and _residue_ok(rw, s, q.dtype):
+        if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_forward
 
-            out, lse = residue_forward(q, k, v, rw, s, scale)
+            out, lse = residue_forward(q, k, v, rw, s, scale, opts)
         else:
-            out, lse = _parts_forward(q, k, v, rw, s, scale, backend)
+            out, lse = _parts_forward(q, k, v, rw, s, scale, backend, opts)
     else:
-        out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype, score_mod)
+        out, lse = _fwd_one(q, k, v, layout, s, scale, dropout_p, seed, backend, out_dtype, score_mod, opts)
     ldt, odt = lse_dtype(q.dtype), out_dtype or q.dtype
     return (out if out.dtype == odt else out.to(odt)), (lse if lse.dtype == ldt else lse.to(ldt))
 
 
 def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-             backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None, score_mod=None, score_grads=None):
+             backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None, score_mod=None, score_grads=None,
+             opts: KernelOptions = DEFAULT_OPTIONS):
     """``(dq, dk, dv)`` shaped and typed like q, k, v (or in ``grad_dtype``: float32 keeps partial
     gradients exact for a later sum). ``dlse``: gradient of the returned logsumexp (optional).
     ``score_mod``: as in :func:`forward`; ``score_grads``: ``(dslopes, dbias)`` buffers from
-    :func:`score_grad_buffers` (None each) that the gradients of its slopes and bias are added to."""
+    :func:`score_grad_buffers` (None each) that the gradients of its slopes and bias are added to.
+    ``opts``: the call's kernel options."""
     rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
     if rw is not None:
-        if backend == "triton" and _residue_ok(rw, s, q.dtype):
+        if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_backward
 
-            dq, dk, dv = residue_backward(q, k, v, out, lse, dout, rw, s, scale, dlse)
+            dq, dk, dv = residue_backward(q, k, v, out, lse, dout, rw, s, scale, dlse, opts)
         else:
-            dq, dk, dv = _parts_backward(q, k, v, out, lse, dout, rw, s, scale, backend, dlse)
+            dq, dk, dv = _parts_backward(q, k, v, out, lse, dout, rw, s, scale, backend, dlse, opts)
     else:
         dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype,
-                              score_mod, score_grads)
+                              score_mod, score_grads, opts)
     return tuple(g if g.dtype == (grad_dtype or t.dtype) else g.to(grad_dtype or t.dtype)
                  for g, t in ((dq, q), (dk, k), (dv, v)))
 
@@ -232,11 +241,14 @@ class _Attention(torch.autograd.Function):
     they receive gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, bias, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=None):
+    def forward(ctx, q, k, v, slopes, bias, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=None,
+                opts=DEFAULT_OPTIONS):
         ctx.set_materialize_grads(False)  # an unused LSE (or output) brings no gradient work
-        out, lse = forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod)
+        out, lse = forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod,
+                           opts=opts)
         ctx.save_for_backward(q, k, v, out, lse, slopes, bias)
         ctx.args = (layout, s, scale, dropout_p, seed, backend)
+        ctx.opts = opts
         ctx.use_rewrite = use_rewrite
         ctx.score_mod = None if score_mod is None else replace(score_mod, slopes=None if slopes is not None else
                                                                score_mod.slopes, bias=None)
@@ -252,19 +264,20 @@ class _Attention(torch.autograd.Function):
             mod = replace(mod, slopes=slopes if slopes is not None else mod.slopes, bias=bias)
             grads = score_grad_buffers(mod, ctx.needs_input_grad[3], ctx.needs_input_grad[4], q.dtype, q.device)
         dq, dk, dv = backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse, use_rewrite=ctx.use_rewrite,
-                              score_mod=mod, score_grads=grads)
+                              score_mod=mod, score_grads=grads, opts=ctx.opts)
         dsl, db = grads or (None, None)
         return (dq, dk, dv, None if dsl is None else dsl.to(slopes.dtype), None if db is None else db.to(bias.dtype),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def apply(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-          use_rewrite: bool = True, score_mod=None):
+          use_rewrite: bool = True, score_mod=None, opts: KernelOptions = DEFAULT_OPTIONS):
     """Differentiable ``(out, lse)`` through the eager path (``score_mod``: a bound
     :class:`~blocksparse_fa.mask.score.ScoreMod`, see :meth:`~blocksparse_fa.mask.score.ScoreMod.bind`;
-    its slopes and bias tensors receive gradients when they require them)."""
+    its slopes and bias tensors receive gradients when they require them; ``opts``: the call's
+    kernel options)."""
     slopes, bias = _score_tensors(score_mod)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, slopes, bias)):
         return _Attention.apply(q, k, v, slopes, bias, layout, s, scale, dropout_p, seed, backend, use_rewrite,
-                                score_mod)
-    return forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod)
+                                score_mod, opts)
+    return forward(q, k, v, layout, s, scale, dropout_p, seed, backend, use_rewrite, score_mod=score_mod, opts=opts)

@@ -15,7 +15,7 @@ backward adds its gradients to the band's in its epilogue (``ACCUMULATE``), thro
 
 Applies when the backend is Triton, ``N % S == 0`` and there is no dropout. Otherwise
 ``ops/dispatch`` permutes copies of each part. GQA/MQA inputs need the class-major layout (see
-:func:`class_view`; H100-validated, on by default, :func:`set_residue_gqa` turns it off).
+:func:`class_view`; H100-validated, on by default; the ``residue_gqa`` kernel option turns it off).
 """
 
 from __future__ import annotations
@@ -25,23 +25,16 @@ import torch
 from ..compiler.rewrite import Rewrite
 from .validate import Shapes
 
-__all__ = ["residue_applies", "class_view", "set_residue_gqa", "residue_forward", "residue_backward"]
+__all__ = ["residue_applies", "class_view", "residue_forward", "residue_backward"]
 
 
-_GQA = {"on": True}
-
-
-def set_residue_gqa(on: bool) -> None:
-    """Run GQA/MQA inputs through the class views too (class-major layout, below); on by default.
-    Off, they take permuted copies (``ops/dispatch``). On the H100 (16K, H = 16,
-    Hkv = 4) the views ran 3.14x / 3.46x faster than FlexAttention (fwd / fwd+bwd), the copies
-    1.74x / 1.69x (``benchmarks/experiments/strided_check.py --kv-heads-ratio 4``)."""
-    _GQA["on"] = bool(on)
-
-
-def residue_applies(rw: Rewrite, shapes: Shapes, dtype: torch.dtype) -> bool:
-    """Whether :func:`residue_forward` computes this rewrite for these shapes and dtype."""
-    return (rw.cls is not None and (shapes.G == 1 or _GQA["on"]) and shapes.Lq == shapes.Lk
+def residue_applies(rw: Rewrite, shapes: Shapes, dtype: torch.dtype, gqa: bool = True) -> bool:
+    """Whether :func:`residue_forward` computes this rewrite for these shapes and dtype. ``gqa``
+    (the ``residue_gqa`` kernel option): GQA/MQA inputs run through the class views too
+    (class-major layout, below); off, they take permuted copies (``ops/dispatch``). On the H100
+    (16K, H = 16, Hkv = 4) the views ran 3.14x / 3.46x faster than FlexAttention (fwd / fwd+bwd),
+    the copies 1.74x / 1.69x (``benchmarks/experiments/strided_check.py --kv-heads-ratio 4``)."""
+    return (rw.cls is not None and (shapes.G == 1 or gqa) and shapes.Lq == shapes.Lk
             and shapes.Lq % rw.stride == 0 and dtype != torch.float64)
 
 
@@ -72,23 +65,24 @@ def _class_shapes(rw: Rewrite, s: Shapes) -> tuple[Shapes, bool]:
     return Shapes(s.B * s.H, rw.stride, rw.stride, m, m, s.D), False
 
 
-def residue_forward(q, k, v, rw: Rewrite, s: Shapes, scale: float):
+def residue_forward(q, k, v, rw: Rewrite, s: Shapes, scale: float, opts=None):
     """``(out (B, H, N, D), lse (B, H, N) float32)``: band, class part, merge."""
     from .triton_backend import merge_residue, triton_forward
 
     q, k, v = (t.contiguous() for t in (q, k, v))
     st = rw.stride
     cs, cm = _class_shapes(rw, s)
-    out, lse = triton_forward(q, k, v, rw.band, s, scale, 0.0, 0)
+    kw = {} if opts is None else {"opts": opts}
+    out, lse = triton_forward(q, k, v, rw.band, s, scale, 0.0, 0, **kw)
     o2, l2 = triton_forward(class_view(q, st, cm), class_view(k, st, cm), class_view(v, st, cm), rw.cls,
-                            cs, scale, 0.0, 0)
+                            cs, scale, 0.0, 0, **kw)
     if cm:  # the merge kernel reads the (B·H, S, N/S) order
         o2, l2 = o2.transpose(0, 1).contiguous(), l2.transpose(0, 1).contiguous()
     merge_residue(out, lse, o2, l2, st)
     return out, lse
 
 
-def residue_backward(q, k, v, out, lse, dout, rw: Rewrite, s: Shapes, scale: float, dlse=None):
+def residue_backward(q, k, v, out, lse, dout, rw: Rewrite, s: Shapes, scale: float, dlse=None, opts=None):
     """``(dq, dk, dv)`` of :func:`residue_forward`: ``delta`` once, the band's backward, then the
     class part's, which adds its gradients through the views."""
     from .triton_backend import backward_delta, triton_backward
@@ -97,9 +91,11 @@ def residue_backward(q, k, v, out, lse, dout, rw: Rewrite, s: Shapes, scale: flo
     lse = lse.float()
     st = rw.stride
     cs, cm = _class_shapes(rw, s)
+    kw = {} if opts is None else {"opts": opts}
     delta = backward_delta(out, dout, lse, s, dlse)
-    dq, dk, dv = triton_backward(q, k, v, out, lse, dout, rw.band, s, scale, 0.0, 0, delta=delta)
+    dq, dk, dv = triton_backward(q, k, v, out, lse, dout, rw.band, s, scale, 0.0, 0, delta=delta, **kw)
     cq, ck, cv, cdout = (class_view(t, st, cm) for t in (q, k, v, dout))
     triton_backward(cq, ck, cv, None, _class_rows(lse, st, cm), cdout, rw.cls, cs, scale, 0.0, 0,
-                    delta=_class_rows(delta, st, cm), accumulate=tuple(class_view(g, st, cm) for g in (dq, dk, dv)))
+                    delta=_class_rows(delta, st, cm), accumulate=tuple(class_view(g, st, cm) for g in (dq, dk, dv)),
+                    **kw)
     return dq, dk, dv

@@ -73,7 +73,7 @@ def _broadcast_heads(q, k, v, enable_gqa: bool):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale=None, enable_gqa: bool = False, *, mask=None, backend: str = "auto",
-                                 block_size=None, align: str | None = None):
+                                 block_size=None, align: str | None = None, kernel_options=None):
     """:func:`torch.nn.functional.scaled_dot_product_attention` on block-sparse attention.
 
     For the inputs SDPA accepts it computes what SDPA computes, with these exceptions: rows with
@@ -103,6 +103,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             ``i``: SDPA's and FlexAttention's convention) or ``"bottom_right"`` (position
             ``i + Lk - Lq``, the default of :func:`blocksparse_fa.attention`). A compiled layout
             keeps its own. ``is_causal`` is top-left whatever the alignment.
+        kernel_options: as in :func:`blocksparse_fa.attention`.
 
     Returns:
         ``(..., H, Lq, Dv)``, the broadcast leading dims and query's dtype.
@@ -144,5 +145,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if isinstance(m, BlockLayout):
         align = None  # the layout's own
     out = attention(q, k, v, mask=m, scale=scale, dropout_p=dropout_p, backend=backend, block_size=bs, align=align,
-                    score_mod=score_mod)
+                    score_mod=score_mod, kernel_options=kernel_options)
     return out[0] if unbatched else out

@@ -80,7 +80,7 @@ class TrafficParams:
     played through the simulated L2 (with ``bwd_fused``), not by this all-or-nothing rule."""
     bwd_fused: bool = True
     """dK/dV and dQ run in one launch (``_attn_bwd`` with both parts, what the kernels do unless
-    ``set_fused_backward(False)``): under ``policy="trace"`` their programs form one reference stream
+    the ``fused_backward=False`` kernel option): under ``policy="trace"`` their programs form one reference stream
     in ``bwd_order`` with one L2, so dQ programs can find what dK/dV programs loaded (and with
     ``"phase"`` the first dQ programs overlap the last dK/dV ones). ``False``: two launches, each
     starting with a cold L2 (no head-major rule under the wave policies either)."""

@@ -1,0 +1,120 @@
+"""``explain``: which kernels a call of :func:`blocksparse_fa.attention` runs, without running it.
+
+It walks the same decisions as the call (validation, backend, compiled layout, exact rewrite, the
+CPU dense path) and asks :mod:`blocksparse_fa.ops.select` for the kernels, with the same tensors.
+Compiled calls (``torch.compile``, the custom op) run the same kernels as eager ones: the choice
+does not depend on how the call was made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..mask.score import check_score_mod
+from . import dispatch
+from .api import layout_for, resolve_backend, takes_dense_path
+from .options import as_options
+from .select import LayoutClass
+from .validate import bool_mask_to_mask, check_qkv, check_scalars, flatten_batch
+
+__all__ = ["Explanation", "explain"]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a call runs.
+
+    Attributes:
+        backend: ``"triton"`` (the kernels), ``"torch"`` (exact block walking in PyTorch) or
+            ``"dense"`` (PyTorch's SDPA over the materialised mask; CPU, ``backend="auto"``).
+        forward: the forward kernels (a :class:`~blocksparse_fa.ops.select.Choice` string such as
+            ``"gluon:causal"``, ``"triton:blocks"``, ``"torch:blocks"``); for an exact rewrite,
+            one entry per part joined by ``" + "``.
+        backward: the backward kernels in the same form (None: no gradient is needed).
+        rewrite: ``"residue"`` (the strided rewrite on class views), ``"parts"`` (on permuted
+            copies) or None.
+        layout: the compiled layout's class (None on the PyTorch backend).
+        kernels: the GPU kernels launched, forward then backward, as a profiler names them.
+    """
+
+    backend: str
+    forward: str
+    backward: str | None
+    rewrite: str | None = None
+    layout: LayoutClass | None = None
+    kernels: tuple = ()
+
+    def __str__(self) -> str:
+        lines = [f"backend:  {self.backend}", f"forward:  {self.forward}", f"backward: {self.backward or '-'}"]
+        if self.rewrite:
+            lines.append(f"rewrite:  {self.rewrite}")
+        if self.layout is not None:
+            lines.append(f"layout:   {self.layout.kind} ({self.layout.q_len} x {self.layout.kv_len}, block "
+                         f"{self.layout.block[0]}x{self.layout.block[1]})")
+        if self.kernels:
+            lines.append("kernels:  " + ", ".join(self.kernels))
+        return "\n".join(lines)
+
+
+def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_lse: bool = False,
+            backend: str = "auto", block_size=None, rewrite: bool = True, align: str | None = None,
+            score_mod=None, kernel_options=None, needs_grad: bool | None = None) -> Explanation:
+    """The kernels :func:`blocksparse_fa.attention` runs for these arguments (it takes the same
+    ones), eagerly or under ``torch.compile``.
+
+    Args:
+        q, k, v, mask, scale, dropout_p, return_lse, backend, block_size, rewrite, align,
+            score_mod, kernel_options: as in :func:`blocksparse_fa.attention`.
+        needs_grad: whether to report the backward (default: any of q, k, v requires grad).
+
+    Returns:
+        An :class:`Explanation` (``print`` it for a summary).
+    """
+    q4, k4, v4, lead = flatten_batch(q, k, v)
+    s = check_qkv(q4, k4, v4, dv_ok=True)
+    scale, dropout_p = check_scalars(scale, dropout_p)
+    opts = as_options(kernel_options)
+    if isinstance(mask, torch.Tensor):
+        mask = bool_mask_to_mask(mask, tuple(q.shape[:-3]), s.H, s.Lq, s.Lk, "mask", q4.device)
+    score_mod = check_score_mod(score_mod, s.H)
+    if score_mod is not None and score_mod.fn is None:
+        score_mod = score_mod.bind(lead if lead is not None else (s.B,), s.H, s.Lq, s.Lk, q4.device)
+    if needs_grad is None:
+        needs_grad = any(t.requires_grad for t in (q, k, v))
+    q4, k4, v4, _ = dispatch.pad_head_dims(q4, k4, v4)
+    s = replace(s, D=q4.shape[-1])
+    scale = 1.0 / math.sqrt(s.D) if scale is None else scale
+    be = resolve_backend(backend, q4.device, q4.dtype)
+    if be == "triton" and score_mod is not None and score_mod.fn is not None:
+        be = "torch"
+    layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
+    if takes_dense_path(q4, k4, v4, layout, s, dropout_p, backend, be, return_lse, score_mod):
+        return Explanation("dense", "sdpa:dense", "sdpa:dense" if needs_grad else None)
+    if be == "torch":
+        return Explanation("torch", "torch:blocks", "torch:blocks" if needs_grad else None)
+    from . import select
+    from .triton_backend import backward_choice, forward_choice
+
+    rw = dispatch._rewrite(layout, dropout_p, rewrite, score_mod)
+    if rw is not None:
+        if dispatch._residue_ok(rw, s, q4.dtype, opts):
+            from .residue import _class_shapes, class_view
+
+            cs, cm = _class_shapes(rw, s)
+            views = [class_view(t.contiguous(), rw.stride, cm) for t in (q4, k4, v4)]
+            parts = [(rw.band, s, (q4, k4, v4)), (rw.cls, cs, views)]
+            how = "residue"
+        else:
+            parts = [(lay, s, (q4, k4, v4)) for lay, _, _ in dispatch._part_layouts(rw, s, q4.device, s.Lq)]
+            how = "parts"
+    else:
+        parts, how = [(layout, s, (q4, k4, v4))], None
+    fwd = [forward_choice(*ts, lay, ps, dropout_p, opts, score_mod=score_mod) for lay, ps, ts in parts]
+    bwd = [backward_choice(*ts, ts[0], lay, ps, dropout_p, opts, accumulate=i > 0 and how == "residue",
+                           score_mod=score_mod) for i, (lay, ps, ts) in enumerate(parts)] if needs_grad else []
+    kernels = tuple(dict.fromkeys(kn for c in (*fwd, *bwd) for kn in c.kernels))
+    return Explanation("triton", " + ".join(map(str, fwd)), " + ".join(map(str, bwd)) if bwd else None, how,
+                       select.layout_class(layout), kernels)

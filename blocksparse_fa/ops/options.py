@@ -1,0 +1,277 @@
+"""Per-call kernel options: one immutable :class:`KernelOptions` instead of module-level setters.
+
+Every entry point takes ``kernel_options=`` (a :class:`KernelOptions`, a ``dict`` of its fields, or
+``None`` for the defaults), as FlexAttention does. The options are validated where they enter, are
+hashable (launch plans are cached per options value), and cross the ``torch.library`` custom op as
+a constant string (:meth:`KernelOptions.encode` / :func:`decode_options`), so they are the same in
+eager and compiled calls, and per call rather than per process: two threads, or two modules of one
+model, can run different options at once.
+
+The defaults are what the kernel choice (:mod:`blocksparse_fa.ops.select`) runs when nothing is
+asked for; most fields exist to compare kernels in benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass, fields
+
+__all__ = ["KernelOptions", "GluonConfig", "GluonBwdConfig", "TileConfig", "as_options", "decode_options",
+           "DEFAULT_OPTIONS"]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles of a Triton kernel: ``block_m`` queries, ``block_n`` keys, warps and pipeline stages.
+    ``flat`` (backward): one loop iteration per kernel tile rather than per layout block."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    flat: bool = False
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Tiles of the Gluon forward (``kernels/forward_gluon.py``): ``block_m`` query rows per consumer
+    warp group (a program covers two), ``block_n`` keys per step, ``stages`` K/V slots in shared
+    memory, ``pingpong`` (the two groups take turns issuing their products), ``overlap`` (each
+    group issues S_j = Q·K_jᵀ together with the previous block's P·V), register budgets of the
+    producer and the consumers (``setmaxnreg``). Causal layouts need ``block_n == 2·block_m``."""
+
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+    pingpong: bool = True
+    overlap: bool = True
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    """Tiles of the Gluon backward (``kernels/backward_gluon.py``). dK/dV kernel: ``block_n`` keys
+    per consumer warp group (a program covers two), ``block_m`` query rows per step, ``stages``
+    Q/dO slots. dQ kernel: ``dq_block_m`` query rows per consumer group (a program covers two),
+    ``dq_block_n`` keys per step, ``dq_stages`` K/V slots. Register budgets of the producer and
+    the consumers (``setmaxnreg``). Causal layouts need ``block_m | 2·block_n`` and
+    ``dq_block_n | 2·dq_block_m``.
+
+    Schedules (each kernel): ``pingpong`` / ``dq_pingpong``: the two consumer groups take turns
+    issuing a step's first products (a pair of mbarriers passes the turn). ``overlap`` /
+    ``dq_overlap``: a step's last product (``dK += dSᵀ·Q``, ``dQ += dS·K``) is issued with the next
+    step's first two, so that the elementwise work of a step runs while the tensor cores finish
+    the previous one; the slot of step ``t`` is released in step ``t + 1`` (3 stages keep the
+    loads ahead). 0: off; 1: dS carried in registers; 2: dS through a shared-memory tile per
+    group (fewer live registers). ``overlap`` applies to the deterministic dK/dV kernel only."""
+
+    block_m: int = 64
+    block_n: int = 64
+    stages: int = 2
+    dq_block_m: int = 64
+    dq_block_n: int = 128  # H100, 16K: dense backward 12.06 -> 11.42 ms against 64 (causal within 1 %)
+    dq_stages: int = 2
+    producer_regs: int = 24
+    consumer_regs: int = 240
+    pingpong: bool = False
+    overlap: int = 0
+    dq_pingpong: bool = False
+    dq_overlap: int = 0
+
+    def __post_init__(self):
+        for name in ("overlap", "dq_overlap"):
+            if getattr(self, name) not in (0, 1, 2):
+                raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected 0, 1 or 2")
+        for name in ("stages", "dq_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected at least 1")
+        if self.overlap and self.stages < 2:
+            raise ValueError(f"GluonBwdConfig: overlap={self.overlap} needs stages >= 2, got {self.stages}")
+        if self.dq_overlap and self.dq_stages < 2:
+            raise ValueError(f"GluonBwdConfig: dq_overlap={self.dq_overlap} needs dq_stages >= 2, got "
+                             f"{self.dq_stages}")
+
+
+_CHOICES = {
+    "forward": ("auto", "gluon", "triton", "plain", "ws"),
+    "backward": ("auto", "gluon", "triton"),
+    "lists": ("coarse", "half", "fine", "auto"),
+    "list_stages": ("same", "tiles"),
+    "fwd_other": ("load", "prefetch"),
+    "band_backward": ("partial", "flex"),
+}
+_OPTIONAL_BOOL = ("col_arith", "head_major")
+_CONFIGS = {"gluon_fwd": GluonConfig, "gluon_bwd": GluonBwdConfig, "fwd_tiles": TileConfig,
+            "dkdv_tiles": TileConfig, "dq_tiles": TileConfig, "atomic_tiles": TileConfig}
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which kernels run and how, for one call (``kernel_options=`` of every entry point).
+
+    Kernel families (the choice itself is :func:`blocksparse_fa.ops.select.choose_forward` /
+    ``choose_backward``; :func:`blocksparse_fa.explain` shows it for a call):
+
+    Attributes:
+        forward: ``"auto"`` (default): the Gluon producer/consumer forward on Hopper for dense,
+            ``causal()`` and one-interval-per-row layouts where it applies, else the block-sparse
+            Triton forward. ``"gluon"``: the same, but refused (``ValueError``) where Gluon cannot
+            run. ``"triton"``: always the block-sparse Triton forward. ``"plain"`` / ``"ws"``: for
+            all-full layouts, the dense Triton forward of ``kernels/forward_ws.py`` (8 warps /
+            warp-specialised; ``"ws"`` fails the float64 check with triton 3.6 and needs
+            ``BSFA_EXPERIMENTAL_WS=1``).
+        interval: let the Gluon forward run layouts whose rows keep one key interval (windows,
+            documents, their combinations with ``causal()``).
+        gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default).
+        backward: ``"auto"`` (default): the Gluon backward on Hopper for dense and ``causal()``
+            layouts where it applies, else the block-sparse Triton backward; ``"gluon"``: the same,
+            refused where Gluon cannot run (with ``deterministic=False`` its dQ is added with
+            atomics); ``"triton"``: always the Triton backward.
+        gluon_bwd: tiles of the Gluon backward (:class:`GluonBwdConfig`; None: the default).
+        deterministic: True (default) runs separate dK/dV and dQ programs (bit-reproducible);
+            False the five-GEMM Triton backward whose dK/dV programs add dQ with fp32 atomics.
+        fused_backward: the Triton backward's dK/dV and dQ programs in one launch (default) or two.
+        head_major: order that one launch's grid head by head (None: when no tile is split).
+        dq_desc: the five-GEMM backward adds dQ tiles through a tensor descriptor (Hopper).
+        even: drop the masked loops' bounds checks where lengths are multiples of the layout block.
+        lists: granularity of the kernels' block lists: ``"coarse"`` (layout blocks), ``"half"``,
+            ``"fine"`` (the kernel tile's step) or ``"auto"`` (a cost model per layout and side).
+        list_stages: with finer lists, keep each loop's stage count (``"same"``) or multiply it by
+            the tiles per layout block (``"tiles"``).
+        row_arith: rows whose unmasked blocks form one run are stored as runs (indices computed).
+        col_arith: the same for dK/dV's columns: True, False, or None (only where listing would be
+            large).
+        fwd_other: the forward's listed indices: ``"load"`` or ``"prefetch"`` (one entry ahead).
+        kv_desc: the Triton forward loads K/V through tensor descriptors (TMA) where possible.
+        warp_specialize: warp-specialise the Triton forward's unmasked loop (needs ``kv_desc``).
+        masked_stages: pipelining depth of the Triton forward's masked loop (None: the tile's).
+        split_chunk: force the work-list chunk that splits long rows/columns (None: the default).
+        residue_gqa: grouped-query inputs of a rewritten strided mask run on class views (True) or
+            on permuted copies (False).
+        document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
+            run bounds (True) rather than by comparing ids.
+        fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles
+            (:class:`TileConfig`; None: the tuned tables of ``kernels/config.py``).
+        band_backward: backward tiles of band-like partial-heavy layouts: ``"partial"`` or
+            ``"flex"`` (FlexAttention's tile shapes in flat loops).
+    """
+
+    forward: str = "auto"
+    interval: bool = True
+    gluon_fwd: GluonConfig | None = None
+    backward: str = "auto"
+    gluon_bwd: GluonBwdConfig | None = None
+    deterministic: bool = True
+    fused_backward: bool = True
+    head_major: bool | None = None
+    dq_desc: bool = False
+    even: bool = True
+    lists: str = "coarse"
+    list_stages: str = "same"
+    row_arith: bool = True
+    col_arith: bool | None = None
+    fwd_other: str = "prefetch"
+    kv_desc: bool = False
+    warp_specialize: bool = False
+    masked_stages: int | None = None
+    split_chunk: float | None = None
+    residue_gqa: bool = True
+    document_runs: bool = True
+    fwd_tiles: TileConfig | None = None
+    dkdv_tiles: TileConfig | None = None
+    dq_tiles: TileConfig | None = None
+    atomic_tiles: TileConfig | None = None
+    band_backward: str = "partial"
+
+    def __post_init__(self):
+        for f in fields(self):
+            name, value = f.name, getattr(self, f.name)
+            if name in _CHOICES:
+                if value not in _CHOICES[name]:
+                    raise ValueError(f"kernel_options: {name} must be one of {_CHOICES[name]}, got {value!r}")
+            elif name in _CONFIGS:
+                if value is not None and not isinstance(value, _CONFIGS[name]):
+                    raise ValueError(f"kernel_options: {name} must be a {_CONFIGS[name].__name__} or None, "
+                                     f"got {value!r}")
+            elif name in _OPTIONAL_BOOL:
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"kernel_options: {name} must be True, False or None, got {value!r}")
+            elif name == "masked_stages":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"kernel_options: masked_stages must be a positive int or None, got {value!r}")
+            elif name == "split_chunk":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                          or not value > 0):
+                    raise ValueError(f"kernel_options: split_chunk must be a positive number or None, got {value!r}")
+            elif not isinstance(value, bool):
+                raise ValueError(f"kernel_options: {name} must be True or False, got {value!r}")
+        if self.warp_specialize and not self.kv_desc:
+            raise ValueError("kernel_options: warp_specialize=True needs kv_desc=True")
+        if self.forward == "ws" and os.environ.get("BSFA_EXPERIMENTAL_WS") != "1":
+            raise ValueError("kernel_options forward='ws': the warp-specialised dense forward fails the float64 "
+                             "check on the H100 with triton 3.6 (error 11x that of eager bf16; benchmarks/NOTES.md); "
+                             "set BSFA_EXPERIMENTAL_WS=1 to run it anyway for experiments, or use forward='plain'")
+
+    def replace(self, **changes) -> "KernelOptions":
+        """A copy with ``changes`` (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def encode(self) -> str:
+        """The options as a canonical string (only fields that differ from the defaults; ``""`` for
+        the defaults): how they cross the custom op, a constant of a compiled graph."""
+        return _encode(self)
+
+
+DEFAULT_OPTIONS = KernelOptions()
+_FIELDS = {f.name for f in fields(KernelOptions)}
+
+
+@functools.lru_cache(maxsize=256)
+def _encode(opts: KernelOptions) -> str:
+    out = {}
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if value == f.default:
+            continue
+        if dataclasses.is_dataclass(value):
+            value = {g.name: getattr(value, g.name) for g in fields(value)}
+        out[f.name] = value
+    return json.dumps(out, sort_keys=True, separators=(",", ":")) if out else ""
+
+
+@functools.lru_cache(maxsize=256)
+def decode_options(text: str) -> KernelOptions:
+    """The :class:`KernelOptions` of :meth:`KernelOptions.encode`'s string (cached)."""
+    if not text:
+        return DEFAULT_OPTIONS
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"kernel_options: not an encoded KernelOptions: {text!r}")
+    for name, cls in _CONFIGS.items():
+        if isinstance(data.get(name), dict):
+            data[name] = cls(**data[name])
+    return as_options(data)
+
+
+def as_options(kernel_options) -> KernelOptions:
+    """``kernel_options`` (a :class:`KernelOptions`, a ``dict`` of its fields, or None) validated.
+
+    Raises:
+        ValueError: an unknown field (the message lists the known ones) or a bad value.
+        TypeError: anything else than the three forms.
+    """
+    if kernel_options is None:
+        return DEFAULT_OPTIONS
+    if isinstance(kernel_options, KernelOptions):
+        return kernel_options
+    if isinstance(kernel_options, dict):
+        unknown = sorted(set(kernel_options) - _FIELDS)
+        if unknown:
+            raise ValueError(f"kernel_options: unknown option(s) {unknown}; expected some of {sorted(_FIELDS)}")
+        return KernelOptions(**kernel_options)
+    raise TypeError(f"kernel_options must be a KernelOptions, a dict of its fields or None, "
+                    f"got {type(kernel_options).__name__}")

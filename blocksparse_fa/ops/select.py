@@ -1,0 +1,285 @@
+"""The kernel choice: one pure function per phase that every entry point's launches go through.
+
+:func:`blocksparse_fa.attention`, ``scaled_dot_product_attention``, the custom op's forward and
+backward (``attention_op`` and compiled graphs), the ``nn`` modules, the transformers hook and
+context parallelism's local launches all end in ``ops/dispatch.py`` and, on the Triton backend, in
+``triton_forward`` / ``triton_backward`` (``ops/triton_backend.py``). Those ask
+:func:`choose_forward` and :func:`choose_backward` which kernels run, from plain values only:
+
+* the layout's class (:class:`LayoutClass`: dense, ``causal()``, one key interval per row, or
+  block-sparse; per-batch/head; a context-parallel shard; its tile class),
+* the shapes, the dtype, the device's capabilities (:class:`Hardware`), whether the tensors can be
+  addressed by tensor descriptors,
+* dropout, a score modifier, the output/gradient dtypes the caller asks for,
+* the per-call :class:`~blocksparse_fa.ops.options.KernelOptions`.
+
+Nothing else enters: whether the call is eager or compiled, whether the mask arrived as an
+expression or a compiled layout, whether the logsumexp is returned (its gradient only shifts the
+backward's ``delta``), none of it changes the kernels. :func:`blocksparse_fa.explain` reports the
+choice for a call without running it; :func:`record` collects the choices that calls actually made
+(every thread, the autograd engine's included), which is how the tests check that eager and
+compiled calls run the same kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .options import GluonBwdConfig, GluonConfig, KernelOptions
+from .validate import Shapes
+
+__all__ = ["Hardware", "LayoutClass", "Choice", "hardware", "layout_class", "choose_forward", "choose_backward",
+           "tma_ok", "record", "note"]
+
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a device can run: its type (``"cuda"``, ``"cpu"``, ``"meta"``), compute capability
+    (CUDA) and ``gluon``, the reason the Gluon Hopper kernels cannot run there (``""``: they can)."""
+
+    type: str
+    capability: tuple | None = None
+    gluon: str = "not a CUDA device"
+
+    @property
+    def hopper(self) -> bool:
+        return self.type == "cuda" and self.capability is not None and self.capability[0] == 9
+
+
+_HW: dict = {}
+
+
+def _gluon_unavailable(device: torch.device) -> str:
+    """Why the Gluon kernels cannot run on ``device`` (``""`` when they can)."""
+    if device.type != "cuda":
+        return f"the Gluon kernels need a CUDA GPU of compute capability 9.x (Hopper); the tensors are on {device}"
+    from ..kernels import forward_gluon as _fg
+
+    if not _fg.gluon_available():
+        import triton
+
+        return f"this Triton ({triton.__version__}) has no usable Gluon Hopper API ({_fg.GLUON_IMPORT_ERROR})"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] != 9:
+        return f"it needs a GPU of compute capability 9.x (Hopper, wgmma); this one is {cap[0]}.{cap[1]}"
+    return ""
+
+
+def hardware(device: torch.device) -> Hardware:
+    """The :class:`Hardware` of ``device`` (checked once per device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    hw = _HW.get(device)
+    if hw is None:
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        hw = _HW[device] = Hardware(device.type, cap, _gluon_unavailable(device))
+    return hw
+
+
+@dataclass(frozen=True)
+class LayoutClass:
+    """What the kernel choice needs to know of a compiled layout.
+
+    ``kind``: ``"dense"`` (every block full), ``"causal"`` (the ``causal()`` mask with top-left
+    query positions and ``Lq == Lk``), ``"interval"`` (every query row keeps one key interval:
+    windows, contiguous documents, their combinations with ``causal()``) or ``"blocks"``
+    (anything else). ``batched``: the layout differs per batch row or head. ``shard``: a
+    context-parallel shard of a larger layout (its rows and keys sit at listed positions).
+    ``band``/``short_partial``/``partial_heavy``/``band_bwd``: the tile class of
+    ``kernels/config.py`` (which Triton tile tables apply)."""
+
+    kind: str
+    q_len: int
+    kv_len: int
+    block: tuple
+    batched: bool = False
+    shard: bool = False
+    band: bool = False
+    short_partial: bool = False
+    partial_heavy: bool = False
+    band_bwd: bool = False
+
+
+def layout_class(layout) -> LayoutClass:
+    """The :class:`LayoutClass` of a :class:`~blocksparse_fa.BlockLayout` (cached on it)."""
+    cls = layout.cache.get("layout_class")
+    if cls is not None:
+        return cls
+    from ..compiler.intervals import row_interval
+    from ..kernels.config import PARTIAL_HEAVY, band_backward_rows, short_partial_rows, short_rows
+    from ..mask.primitives import Causal
+
+    shard = getattr(layout, "positions", None) is not None
+    batched = bool(layout.batch_shape)
+    if not batched and not shard and layout.n_partial == 0 and layout.n_full == layout.n_blocks:
+        kind = "dense"
+    elif (not batched and not shard and isinstance(layout.mask, Causal) and layout.q_offset == 0
+          and layout.q_len == layout.kv_len):
+        kind = "causal"
+    elif not shard and row_interval(layout) is not None:
+        kind = "interval"
+    else:
+        kind = "blocks"
+    src = getattr(layout, "source", None) or layout  # a shard takes its source's tile class
+    mean_row, pf = src.n_nonempty / max(1, src._segs.n_rows), src.partial_fraction
+    band, short_partial = short_rows(mean_row, pf), short_partial_rows(mean_row, pf)
+    partial_heavy, band_bwd = src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf)
+    cls = LayoutClass(kind, layout.q_len, layout.kv_len, tuple(layout.block_size), batched, shard, band,
+                      short_partial, partial_heavy, band_bwd)
+    layout.cache["layout_class"] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One phase's kernels: ``family`` (``"gluon"``, ``"triton"``, ``"triton_dense"``), ``mode``
+    (forward: ``"dense"``, ``"causal"``, ``"interval"``, ``"blocks"``, ``"plain"``, ``"ws"``;
+    backward: ``"dense"``/``"causal"`` (Gluon, deterministic dQ kernel), the same with
+    ``"+atomic_dq"``, ``"blocks"`` (Triton dK/dV and dQ programs) or ``"five_gemm"`` (Triton,
+    atomic dQ)) and ``kernels``, the GPU kernels it launches, as a profiler names them."""
+
+    family: str
+    mode: str
+    kernels: tuple
+
+    def __str__(self) -> str:
+        return f"{self.family}:{self.mode}"
+
+
+def tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether tensor descriptors can address every tensor: CUDA on a Hopper-class GPU, 16-byte
+    aligned bases and 16-byte aligned strides (but the last)."""
+    if not all(t.is_cuda for t in ts) or hardware(ts[0].device).capability[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
+               for t in ts)
+
+
+def _gluon_fwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonConfig, opts: KernelOptions) -> str | None:
+    """The Gluon forward's mode for this layout and shapes, or None where it does not compute it."""
+    if s.D not in (64, 128) or lc.kv_len % cfg.block_n or lc.kv_len == 0:
+        return None
+    if lc.kind in ("dense", "causal"):
+        if lc.kind == "causal" and cfg.block_n != 2 * cfg.block_m:
+            return None
+        return lc.kind
+    if lc.kind == "interval" and opts.interval:
+        return "interval"
+    return None
+
+
+def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware, opts: KernelOptions, *,
+                   dropout: bool = False, score_mod: bool = False, out_dtype: bool = False,
+                   tma: bool = True) -> Choice:
+    """The forward kernel for one launch (pure: the same arguments give the same answer).
+
+    Args:
+        lc: the layout's class.
+        s: shapes (``s.D`` the head dim the kernels see).
+        dtype: q's dtype.
+        hw: the device's capabilities.
+        opts: the call's kernel options.
+        dropout: attention dropout is on.
+        score_mod: a score modifier is fused.
+        out_dtype: the output is asked for in another dtype than q's (float32 partial results).
+        tma: q, k, v and the output can be addressed by tensor descriptors.
+
+    Raises:
+        ValueError: ``forward="gluon"`` where the Gluon kernels cannot run on this device.
+    """
+    if opts.forward == "gluon" and hw.gluon:
+        raise ValueError(f"kernel_options forward='gluon': {hw.gluon}")
+    simple = not dropout and not score_mod and not out_dtype
+    if opts.forward in ("auto", "gluon") and not hw.gluon and simple and dtype in _16BIT and tma:
+        mode = _gluon_fwd_mode(lc, s, opts.gluon_fwd or GluonConfig(), opts)
+        if mode is not None:
+            return Choice("gluon", mode, ("_attn_fwd_gluon",))
+    # the dense Triton forward; in the interpreter (CPU) descriptors need no alignment
+    if (opts.forward in ("plain", "ws") and lc.kind == "dense" and simple and lc.kv_len % 128 == 0
+            and s.D in (16, 32, 64, 128) and (hw.type == "cpu" or (dtype in _16BIT and tma))):
+        return Choice("triton_dense", opts.forward, ("_attn_fwd_ws",))
+    return Choice("triton", "blocks", ("_attn_fwd",))
+
+
+def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | None:
+    if lc.kind not in ("dense", "causal") or s.D not in (64, 128):
+        return None
+    if s.Lq % max(cfg.block_m, 2 * cfg.dq_block_m) or s.Lq % cfg.block_m:
+        return None
+    if s.Lk % max(2 * cfg.block_n, cfg.dq_block_n) or s.Lk % cfg.dq_block_n:
+        return None
+    if lc.kind == "causal" and ((2 * cfg.block_n) % cfg.block_m or (2 * cfg.dq_block_m) % cfg.dq_block_n):
+        return None
+    return lc.kind
+
+
+def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware, opts: KernelOptions, *,
+                    dropout: bool = False, score_mod: bool = False, accumulate: bool = False,
+                    grad_dtype: bool = False, deterministic: bool | None = None, tma: bool = True) -> Choice:
+    """The backward kernels for one launch (pure). Arguments as in :func:`choose_forward`, and:
+
+    Args:
+        accumulate: gradients are added into the caller's tensors.
+        grad_dtype: gradients are asked for in another dtype than the inputs'.
+        deterministic: overrides ``opts.deterministic`` (None: the option).
+        tma: q, k, v, dO and the gradients can be addressed by tensor descriptors.
+
+    The gradient of a returned logsumexp does not enter: it only shifts ``delta``."""
+    if opts.backward == "gluon" and hw.gluon:
+        raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
+    det = opts.deterministic if deterministic is None else deterministic
+    if (opts.backward in ("auto", "gluon") and not hw.gluon and dtype in _16BIT and not dropout and not score_mod
+            and not accumulate and not grad_dtype and tma):
+        mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig())
+        if mode is not None:
+            if opts.backward == "gluon" and not det:  # "auto" keeps the deterministic dQ kernel (faster)
+                return Choice("gluon", mode + "+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",
+                                                             "_dq_finish"))
+            return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
+    if not det and not lc.shard and not grad_dtype and not score_mod:
+        return Choice("triton", "five_gemm", ("_attn_bwd_preprocess", "_attn_bwd_atomic", "_dq_finish"))
+    return Choice("triton", "blocks", ("_attn_bwd_preprocess", "_attn_bwd"))
+
+
+# ------------------------------------------------------------------------------------------------
+# what ran
+# ------------------------------------------------------------------------------------------------
+_REC_LOCK = threading.Lock()
+_RECORDERS: list = []
+
+
+def note(phase: str, choice) -> None:
+    """Record that a launch of ``phase`` (``"forward"``/``"backward"``) made ``choice`` (a
+    :class:`Choice`, or a string for the PyTorch paths), for every active :func:`record`."""
+    if _RECORDERS:
+        with _REC_LOCK:
+            for r in _RECORDERS:
+                r.append((phase, str(choice)))
+
+
+@contextlib.contextmanager
+def record():
+    """Collect ``(phase, choice)`` of every launch made while active, in any thread::
+
+        with record() as ran:
+            attention(q, k, v, mask=causal()).sum().backward()
+        # ran == [("forward", "gluon:causal"), ("backward", "gluon:causal")]
+    """
+    log: list = []
+    with _REC_LOCK:
+        _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        with _REC_LOCK:
+            _RECORDERS.remove(log)

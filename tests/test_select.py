@@ -1,0 +1,284 @@
+"""The kernel choice (``ops/select.py``): one pure function per phase, the same answer for every
+entry point, eager or compiled, expression or precompiled layout.
+
+The CPU has no Hopper GPU, so the Gluon kernels are made "available" here by replacing the
+device's :class:`Hardware` and the descriptor check, and their launchers by the exact PyTorch
+backend: what is tested is which kernels each path asks for, and that the answers are right."""
+
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.ops import select
+from blocksparse_fa.ops import triton_backend as tb
+from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
+from blocksparse_fa.ops.select import Hardware, LayoutClass, choose_backward, choose_forward
+from blocksparse_fa.ops.torch_backend import torch_backward, torch_forward
+from blocksparse_fa.ops.validate import Shapes
+from conftest import rel_err
+
+HOPPER = Hardware("cuda", (9, 0), "")
+NO_GLUON = Hardware("cuda", (8, 0), "it needs a GPU of compute capability 9.x (Hopper, wgmma); this one is 8.0")
+S = Shapes(1, 16, 4, 16384, 16384, 128)
+DEFAULT = KernelOptions()
+
+
+def _lc(kind, **kw):
+    return LayoutClass(kind, S.Lq, S.Lk, (128, 128), **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# the pure function
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["dense", "causal", "interval"])
+def test_forward_gluon_where_it_applies(kind):
+    c = choose_forward(_lc(kind), S, torch.bfloat16, HOPPER, DEFAULT)
+    assert (c.family, c.mode, c.kernels) == ("gluon", kind, ("_attn_fwd_gluon",))
+    assert str(c) == f"gluon:{kind}"
+
+
+@pytest.mark.parametrize("why", ["blocks", "dropout", "score_mod", "out_dtype", "fp32", "no_tma", "d96", "ragged",
+                                 "no_gluon", "option", "interval_off"])
+def test_forward_falls_back_to_triton(why):
+    lc, s, dtype, hw, opts, kw = _lc("causal"), S, torch.bfloat16, HOPPER, DEFAULT, {}
+    if why == "blocks":
+        lc = _lc("blocks")
+    elif why in ("dropout", "score_mod", "out_dtype"):
+        kw[why] = True
+    elif why == "fp32":
+        dtype = torch.float32
+    elif why == "no_tma":
+        kw["tma"] = False
+    elif why == "d96":
+        s = Shapes(1, 16, 4, 16384, 16384, 96)
+    elif why == "ragged":
+        lc = LayoutClass("dense", 16384, 16100, (128, 128))
+    elif why == "no_gluon":
+        hw = NO_GLUON
+    elif why == "option":
+        opts = KernelOptions(forward="triton")
+    elif why == "interval_off":
+        lc, opts = _lc("interval"), KernelOptions(interval=False)
+    c = choose_forward(lc, s, dtype, hw, opts, **kw)
+    assert (c.family, c.mode, c.kernels) == ("triton", "blocks", ("_attn_fwd",))
+
+
+def test_forward_gluon_option_refused_without_gluon():
+    with pytest.raises(ValueError, match="forward='gluon': it needs a GPU of compute capability 9.x"):
+        choose_forward(_lc("dense"), S, torch.bfloat16, NO_GLUON, KernelOptions(forward="gluon"))
+    assert choose_forward(_lc("dense"), S, torch.bfloat16, HOPPER, KernelOptions(forward="gluon")).family == "gluon"
+
+
+@pytest.mark.parametrize("kind", ["dense", "causal"])
+def test_backward_gluon_where_it_applies(kind):
+    c = choose_backward(_lc(kind), S, torch.float16, HOPPER, DEFAULT)
+    assert (c.family, c.mode) == ("gluon", kind)
+    assert c.kernels == ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon")
+    # the deterministic dQ kernel unless the Gluon backward is asked for with atomics
+    assert choose_backward(_lc(kind), S, torch.float16, HOPPER, KernelOptions(deterministic=False)).mode == kind
+    c = choose_backward(_lc(kind), S, torch.float16, HOPPER, KernelOptions(backward="gluon", deterministic=False))
+    assert c.mode == kind + "+atomic_dq" and "_dq_finish" in c.kernels
+
+
+@pytest.mark.parametrize("why", ["interval", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "short",
+                                 "option", "causal_tiles"])
+def test_backward_falls_back_to_triton(why):
+    lc, s, opts, kw = _lc("causal"), S, DEFAULT, {}
+    if why == "interval":
+        lc = _lc("interval")
+    elif why in ("dropout", "score_mod", "accumulate", "grad_dtype"):
+        kw[why] = True
+    elif why == "no_tma":
+        kw["tma"] = False
+    elif why == "short":  # lengths must be multiples of both kernels' program rows
+        s = Shapes(1, 16, 4, 192, 192, 128)
+    elif why == "option":
+        opts = KernelOptions(backward="triton")
+    elif why == "causal_tiles":
+        opts = KernelOptions(gluon_bwd=GluonBwdConfig(block_m=256))
+    c = choose_backward(lc, s, torch.bfloat16, HOPPER, opts, **kw)
+    assert (c.family, c.mode) == ("triton", "blocks")
+    c = choose_backward(lc, s, torch.bfloat16, HOPPER, opts.replace(deterministic=False), **kw)
+    assert c.mode == ("blocks" if why in ("score_mod", "grad_dtype") else "five_gemm")
+
+
+def test_backward_of_a_shard_stays_deterministic():
+    c = choose_backward(_lc("blocks", shard=True), S, torch.bfloat16, HOPPER, KernelOptions(deterministic=False))
+    assert c.mode == "blocks"
+
+
+def test_layout_class_of_compiled_layouts():
+    n = 512
+    cls = lambda m, **kw: select.layout_class(bsfa.compile_mask(m, n, n, 128, **kw))  # noqa: E731
+    assert cls(bsfa.full()).kind == "dense"
+    assert cls(bsfa.causal()).kind == "causal"
+    assert cls(bsfa.causal(), align="top_left").kind == "causal"
+    assert select.layout_class(bsfa.compile_mask(bsfa.causal(), 256, 512, 128)).kind == "interval"  # q offset
+    assert cls(bsfa.sliding_window(100)).kind == "interval"
+    ids = torch.tensor([0] * 100 + [1] * 300 + [2] * 112)
+    assert cls(bsfa.causal() & bsfa.document(ids)).kind == "interval"
+    assert cls(bsfa.load_pattern("longformer", window=64, n_global=16)).kind == "blocks"
+    lc = cls(bsfa.window(bsfa.per_head([10, 40])))
+    assert lc.kind == "interval" and lc.batched
+
+
+# ------------------------------------------------------------------------------------------------
+# every path asks the same question: eager and compiled, expression and precompiled layout
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend the CPU is a Hopper GPU with Gluon: the Gluon launchers compute with the exact
+    PyTorch backend, so results stay checkable."""
+    monkeypatch.setattr(select, "hardware", lambda device: HOPPER)
+    monkeypatch.setattr(select, "tma_ok", lambda *ts: True)
+
+    def fwd(q, k, v, out, lse, s, scale, case, cfg, layout=None):
+        o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
+        out.copy_(o)
+        lse.copy_(l)
+
+    def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None):
+        o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
+        for g, r in zip(grads, torch_backward(q, k, v, o.to(q.dtype), l, dout, layout, s, scale, 0.0, 0)):
+            g.copy_(r)
+
+    monkeypatch.setattr(tb, "_gluon_launch", fwd)
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", bwd)
+
+
+L = 256
+IDS = torch.tensor([0] * 70 + [1] * 130 + [2] * 56)
+MASKS = {
+    "dense": (lambda: None, "gluon:dense", "gluon:dense"),
+    "causal": (bsfa.causal, "gluon:causal", "gluon:causal"),
+    "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "triton:blocks"),
+    "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "gluon:interval", "triton:blocks"),
+    "longformer": (lambda: bsfa.window(16) | bsfa.global_tokens(8), "triton:blocks", "triton:blocks"),
+}
+
+
+def _inputs(Hkv=1):
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, L, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, L, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+def _run(fn, q, k, v):
+    with select.record() as ran:
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    return ran, out, grads
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", list(MASKS))
+def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
+    """Eager ``attention``, ``torch.compile(fullgraph=True)`` of it (the custom op under AOT
+    autograd: its backward receives a materialised logsumexp gradient), a precompiled layout, and a
+    compiled ``nn.BlockSparseAttention`` all run the kernels the choice names, and agree."""
+    make, fwd, bwd = MASKS[name]
+    mask = make()
+    q, k, v = _inputs()
+    kw = dict(backend="triton", block_size=128)
+    paths = {
+        "eager": lambda q, k, v: bsfa.attention(q, k, v, mask=mask, **kw),
+        "compiled": torch.compile(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, **kw), backend="aot_eager",
+                                  fullgraph=True),
+        "layout": lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.compile_mask(bsfa.full() if mask is None else mask, L, L, 128),
+                                                 backend="triton"),
+        "module": torch.compile(bsfa.nn.BlockSparseAttention(mask, block_size=128, backend="triton"),
+                                backend="aot_eager", fullgraph=True),
+    }
+    want = [("forward", fwd), ("backward", bwd)]
+    results = {}
+    for path, fn in paths.items():
+        ran, out, grads = _run(fn, q, k, v)
+        assert ran == want, (path, ran)
+        results[path] = (out, *grads)
+    for path in ("compiled", "layout", "module"):
+        for a, b in zip(results[path], results["eager"]):
+            assert rel_err(a, b) < 1e-2, path
+    ex = bsfa.explain(q, k, v, mask=mask, **kw)
+    assert (ex.backend, ex.forward, ex.backward) == ("triton", fwd, bwd)
+
+
+@pytest.mark.interpreter
+def test_kernel_options_reach_compiled_graphs(hopper):
+    """``kernel_options`` travel through the custom op as a constant: the compiled call runs the
+    kernels the options ask for, the same as the eager call, and a new options value gives a new
+    graph rather than a stale one."""
+    q, k, v = _inputs()
+    mask = bsfa.causal()
+    f = torch.compile(lambda q, k, v, o: bsfa.attention(q, k, v, mask=mask, backend="triton", kernel_options=o),
+                      backend="aot_eager", fullgraph=True)
+    for opts, want in (({"forward": "triton", "backward": "triton"}, ["triton:blocks", "triton:blocks"]),
+                       ({"backward": "triton"}, ["gluon:causal", "triton:blocks"]),
+                       (None, ["gluon:causal", "gluon:causal"])):
+        ran, _, _ = _run(lambda q, k, v: f(q, k, v, opts), q, k, v)
+        assert [c for _, c in ran] == want, opts
+        ran_eager, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="triton",
+                                                               kernel_options=opts), q, k, v)
+        assert ran_eager == ran
+
+
+def test_options_encode_round_trip():
+    from blocksparse_fa.ops.options import TileConfig, decode_options
+
+    assert KernelOptions().encode() == ""
+    o = KernelOptions(lists="auto", deterministic=False, gluon_bwd=GluonBwdConfig(overlap=2, stages=3),
+                      fwd_tiles=TileConfig(64, 64, 4, 2), split_chunk=1.5)
+    assert decode_options(o.encode()) == o
+    assert hash(o) == hash(decode_options(o.encode()))
+
+
+@pytest.mark.interpreter
+def test_options_are_per_call_and_thread_safe():
+    """Two threads running different options at once each get their own launch plans (no global
+    state): the tiles each thread's options force are the ones its plans hold, and both results
+    match the float64 reference."""
+    import threading
+
+    from blocksparse_fa.ops.options import TileConfig
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    mask = bsfa.window(8) | bsfa.global_tokens(4)
+    opts = {"a": KernelOptions(fwd_tiles=TileConfig(16, 16, 4, 1)), "b": KernelOptions(fwd_tiles=TileConfig(32, 16, 4, 1))}
+    results, errors = {}, []
+
+    def run(name):
+        try:
+            results[name] = [bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=32,
+                                            kernel_options=opts[name]) for _ in range(2)]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(n,)) for n in opts]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    ref = bsfa.reference_attention(q.double(), k.double(), v.double(), mask)
+    for name in opts:
+        assert all(rel_err(o, ref) < 1e-5 for o in results[name])
+    lay = bsfa.compile_mask(mask, 64, 64, 32)
+    for name, o in opts.items():
+        plans = [p for key, p in lay.cache.items() if isinstance(key, tuple) and key[0] == "fwd" and o in key]
+        assert plans and all(p.cfg[0].block_m == o.fwd_tiles.block_m for p in plans)
+
+
+def test_options_built_inside_a_compiled_function_are_refused():
+    """Dynamo hands a KernelOptions constructed while tracing over without its fields: a clear error
+    instead of silently running the defaults; dicts and objects built outside work."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    f = torch.compile(lambda q: bsfa.attention(q, k, v, backend="torch", kernel_options=KernelOptions(lists="fine")),
+                      backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="built inside a torch.compile'd function"):
+        f(q)
+    outside = KernelOptions(lists="fine")
+    for opts in (outside, {"lists": "fine"}):
+        g = torch.compile(lambda q, o=opts: bsfa.attention(q, k, v, backend="torch", kernel_options=o),
+                          backend="eager", fullgraph=True)
+        assert torch.allclose(g(q), bsfa.attention(q, k, v, backend="torch"), atol=1e-6)
