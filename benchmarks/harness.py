@@ -84,6 +84,7 @@ class Options:
     block_size: int = 128
     seed: int = 0
     chunk_bytes: float = 2e9  # float64 scores per reference chunk (bytes)
+    deadline: float = 0.0  # time.time() after which no further implementation starts (0 = none)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,6 +392,9 @@ def run_case(case: Case, opts: Options, block_mask_fn: Callable | None = None, l
                         "reference_s": time.perf_counter() - t0}
     b = Builder(case, q, k, v, do, opts, block_mask_fn)
     for impl in opts.impls:
+        if opts.deadline and time.time() > opts.deadline:
+            res["impls"][impl] = {"na": "skipped (deadline)"}
+            continue
         try:
             r = b.build(impl)
         except Exception as e:  # noqa: BLE001  (e.g. a block mask that cannot be built)

@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     data = {"env": env_info(dev), "options": dict(opts.__dict__, N=n, H=H, Hkv=Hkv, D=D, check_len=check_len),
             "tolerance": harness.TOLERANCE, "cases": []}
     t0 = time.time()
+    opts.deadline = t0 + args.deadline if args.deadline else 0.0
     longest = 0.0
     path = os.path.join(out, "new_primitives_gpu.json")
     for name, mask, mod, (B, _) in cases(n, H=H, device=dev):

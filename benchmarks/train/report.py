@@ -19,9 +19,9 @@ import numpy as np
 
 SCHEMA = "train_long_context/2"
 TARGET = {"seq_len": 65536, "layers": 8, "d_model": 1024, "heads": 8, "kv_heads": 2, "head_dim": 128}
-IMPL_LABEL = {"sdpa": "SDPA", "flex": "Flex", "bsfa": "blocksparse_fa"}
+IMPL_LABEL = {"sdpa": "SDPA", "fa4": "FA4", "flex": "Flex-Triton", "flexflash": "Flex-FLASH", "bsfa": "blocksparse_fa"}
 FAMILY_ORDER = ("causal", "sliding", "longformer", "bigbird", "documents")
-IMPL_ORDER = ("sdpa", "flex", "bsfa")
+IMPL_ORDER = ("sdpa", "fa4", "flex", "flexflash", "bsfa")
 
 
 def length_label(L: int) -> str:
@@ -249,7 +249,7 @@ def _data_info(payload):
 # ------------------------------------------------------------------------------------------------
 # plots
 # ------------------------------------------------------------------------------------------------
-_STYLE = {"sdpa": "-", "flex": "--", "bsfa": "-"}
+_STYLE = {"sdpa": "-", "fa4": "-.", "flex": "--", "flexflash": ":", "bsfa": "-"}
 _COLOR = {"causal": "k", "sliding": "tab:orange", "longformer": "tab:blue", "bigbird": "tab:green",
           "documents": "tab:purple"}
 
@@ -332,8 +332,9 @@ def plot_throughput(payload: dict, path: str) -> bool:
             if r is not None:
                 xs.append(j + (i - (len(variants) - 1) / 2) * w)
                 ys.append(r["tokens_per_s"])
-        ax.bar(xs, ys, width=w, color=_COLOR.get(fam), alpha={"sdpa": 1.0, "flex": 0.45, "bsfa": 0.9}[impl],
-               hatch="//" if impl == "flex" else None, edgecolor="k", lw=0.3, label=f"{IMPL_LABEL[impl]} {fam}")
+        ax.bar(xs, ys, width=w, color=_COLOR.get(fam), alpha={"sdpa": 1.0, "bsfa": 0.9}.get(impl, 0.45),
+               hatch={"flex": "//", "flexflash": "..", "fa4": "xx"}.get(impl), edgecolor="k", lw=0.3,
+               label=f"{IMPL_LABEL.get(impl, impl)} {fam}")
     ax.set_xticks(range(len(lengths)))
     ax.set_xticklabels([length_label(L) for L in lengths])
     ax.set_yscale("log")
@@ -415,12 +416,14 @@ def _speed_table(payload, L) -> list[str]:
     res = payload["results"]
     rows = [r for r in res if r.get("mode") == "throughput" and r.get("seq_len") == L]
     lines = ["| variant | status | tokens/s | vs SDPA | vs Flex | GPU busy | peak GB | setup s | compile s | "
-             "attention kernels ms/step | block density |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "attention kernels ms/step | graphs (first step / later) | block density |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         g = r.get("gpu") or {}
         att = _f(g.get("attention_kernel_ms_per_step"), "{:.1f}")
-        lines.append(f"| {_label(r)} | {_status_cell(r)} | {' | '.join(_speed_cols(res, r))} | {att} | "
+        dyn = r.get("dynamo")
+        graphs = f"{dyn['graphs_first_step']} / {dyn['recompiles']}" if dyn else "n/a"
+        lines.append(f"| {_label(r)} | {_status_cell(r)} | {' | '.join(_speed_cols(res, r))} | {att} | {graphs} | "
                      f"{_f(r.get('block_density'), '{:.3f}')} |")
     return lines
 

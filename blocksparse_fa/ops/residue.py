@@ -35,7 +35,7 @@ def set_residue_gqa(on: bool) -> None:
     """Run GQA/MQA inputs through the class views too (class-major layout, below); on by default.
     Off, they take permuted copies (``ops/dispatch``). On the H100 (16K, H = 16,
     Hkv = 4) the views ran 3.14x / 3.46x faster than FlexAttention (fwd / fwd+bwd), the copies
-    1.74x / 1.69x (``benchmarks/experiments/strided_check.py --kv-heads-ratio 4``)."""
+    1.74x / 1.69x (``benchmarks/NOTES.md``, v9, "Strided with GQA")."""
     _GQA["on"] = bool(on)
 
 
