@@ -15,7 +15,7 @@ Results go to ``--out`` (``bench.json`` after every case, ``bench.md`` and a plo
 ``docs/`` is written only with ``--update-docs`` (``docs/data/bench.json``, the generated part of
 ``docs/benchmarks.md``, the plots).
 
-    PYTHONPATH=. python benchmarks/bench.py --out DIR                       # default sweep (~6 min, H100)
+    PYTHONPATH=. python benchmarks/bench.py --out DIR --deadline 330        # default grid, meant for ~6 min
     PYTHONPATH=. python benchmarks/bench.py --out DIR --full                # 16K/64K x d 64/128 x MHA/GQA
     PYTHONPATH=. python benchmarks/bench.py --out DIR --masks causal document_causal --sizes 65536
     PYTHONPATH=. python benchmarks/bench.py --dry-run --out DIR             # CPU, tiny: the code paths
@@ -161,8 +161,8 @@ class Runner:
 
     def inputs(self, n, d, h, seed=0, grad=True):
         g = torch.Generator(device="cuda").manual_seed(seed)
-        mk = lambda: torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(grad)  # noqa: E731
-        return mk(), mk(), mk(), torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        return q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), do
 
     def fns(self, name, n, d, h):
         import blocksparse_fa as bsfa
@@ -320,7 +320,8 @@ def report_lines(data: dict) -> list[str]:
     env = data["env"]
     lines = ["# Benchmarks: ours beside FlashAttention-4, FlexAttention and cuDNN", "",
              f"One run of `benchmarks/bench.py` on **{env['device']}**, torch {env['torch']}, triton {env['triton']}"
-             + (f", {env['flash_attn']}" if env.get("flash_attn") else "") + f", {env['date']}: `{env['command']}`.", "",
+             + (f", {env['flash_attn']}" if env.get("flash_attn") else "")
+             + f", {env['date']}: `{env['command']}`.", "",
              "bf16, B = 1, the same random inputs for every implementation. Times are medians of "
              "`triton.testing.do_bench` (warm-up first); TFLOP/s = 4·B·H·N²·d·(kept fraction) / time "
              "(×3.5 for forward+backward). *ours (compiled)*: `torch.compile(fullgraph=True)` of a function "
@@ -340,7 +341,8 @@ def report_lines(data: dict) -> list[str]:
         lines += [f"- {c['mask']} N={c['N']} d={c['D']} Hkv={c['Hkv']}: {c['error']}" for c in bad]
     if data.get("sweep"):
         lines += ["", "## Time against block density (ours and Flex-Triton)", "",
-                  "| mask | block density | ours fwd / fwd+bwd ms | Flex-Triton fwd / fwd+bwd ms |", "|---|---|---|---|"]
+                  "| mask | block density | ours fwd / fwd+bwd ms | Flex-Triton fwd / fwd+bwd ms |",
+                  "|---|---|---|---|"]
         for r in data["sweep"]:
             lines.append(f"| {r['mask']} | {r['block_density']:.4f} | {harness.cell_time(r['impls']['ours'])} | "
                          f"{harness.cell_time(r['impls']['flex_triton'])} |")
@@ -409,7 +411,8 @@ def write_report(data: dict, out: str, update_docs: bool = False) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--out", default=None, help="results folder (default $OUT or <tmp>/bsfa_bench/bench)")
     ap.add_argument("--update-docs", action="store_true",
                     help="also write docs/data/bench.json, docs/benchmarks.md (generated part) and the plots")
@@ -419,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
     ap.add_argument("--kv-heads", type=int, nargs="+", default=None,
                     help="key/value heads per run, H for MHA, fewer for GQA (default 16 4)")
-    ap.add_argument("--full", action="store_true", help="16K and 64K, d 64 and 128, MHA and GQA (about 30 min)")
+    ap.add_argument("--full", action="store_true",
+                    help="16K and 64K, d 64 and 128, MHA and GQA (several times the default grid)")
     ap.add_argument("--impls", nargs="+", default=list(harness.IMPLS), choices=harness.IMPLS)
     ap.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     ap.add_argument("--check-heads", choices=("ends", "all"), default="ends",
@@ -473,6 +477,11 @@ def main(argv=None) -> int:
     data = run(args)
     write_report(data, args.out, args.update_docs)
     print(f"total {data['wall_s']:.0f} s; results in {args.out}")
+    ours = [c["impls"][i] for c in data["cases"] for i in ("ours", "ours_compiled") if i in c.get("impls", {})]
+    failed = [r for r in ours if r.get("ok") is False or "fwd_error" in r or "fb_error" in r]
+    if failed or any("error" in c for c in data["cases"]):
+        print(f"{len(failed)} of our results failed the float64 check or raised", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,9 +11,10 @@
 # in OUT_DIR/sweep_status.tsv and the next step runs; each step writes its JSON (and log) into
 # OUT_DIR as it goes, so a step stopped by its limit keeps what finished.
 #
-# quick: about 16 minutes on an H100 (validate 3, bench 6, new primitives 3.5, training 5).
+# quick: step limits 3 + 6 + 3.5 + 5 minutes (validate --quick; bench's default grid; new
+#        primitives at 16K; training throughput at 16K and 64K).
 # full:  every shape of bench.py (16K/64K, d 64/128, MHA/GQA), the full validation, training at
-#        16K-128K: about 1.5 hours.
+#        16K-128K; step limits 25 + 40 + 15 + 20 minutes.
 # Limits (seconds) can be changed with T_VALIDATE, T_BENCH, T_NEWPRIM, T_TRAIN.
 set -u
 if [ $# -lt 1 ]; then

@@ -19,7 +19,6 @@ An implementation that cannot express the mask, or is not installed, is recorded
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import traceback
@@ -486,7 +485,3 @@ def markdown_tables(cases: list[dict], impls=IMPLS) -> list[str]:
                 lines.append(f"| {c['mask']} | {c.get('element_density', float('nan')):.3f} | "
                              + " | ".join(cells) + " |")
     return lines
-
-
-def finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -94,10 +94,11 @@ FLEX_BACKENDS = {"flex_triton": None, "flex_flash": {"BACKEND": "FLASH"}}
 
 @functools.lru_cache(maxsize=None)
 def flex_compiled():
-    """One compiled ``flex_attention`` (``dynamic=False``); each mask, shape and backend is a graph."""
+    """One compiled ``flex_attention`` (``fullgraph=True``, ``dynamic=False``: a graph break is an
+    error, not a silent eager part); each mask, shape and backend is a graph of its own."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
 def flex_call(q, k, v, block_mask, backend: str = "flex_triton", compiled: bool = True):
@@ -158,8 +159,14 @@ def cu_seqlens_from_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+@functools.lru_cache(maxsize=None)
+def _params(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def _kwargs_for(fn, **kw):
-    names = inspect.signature(fn).parameters
+    """The keyword arguments ``fn`` takes (FA4's internal entry points change between releases)."""
+    names = _params(fn)
     return {k: v for k, v in kw.items() if k in names}
 
 
@@ -170,7 +177,12 @@ def _fa4_fwd_impl(q, k, v, cu_seqlens, max_seqlen, causal, window_left, window_r
     kw = _kwargs_for(fi._flash_attn_fwd, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=m,
                      max_seqlen_k=m, causal=causal, window_size_left=None if window_left < 0 else window_left,
                      window_size_right=None if window_right < 0 else window_right, return_lse=True)
+    if "return_lse" not in kw and "lse" in _params(fi._flash_attn_fwd):  # the LSE the backward needs
+        shape = (q.shape[0], q.shape[2], q.shape[1]) if cu_seqlens is None else (q.shape[1], q.shape[0])
+        kw["lse"] = torch.empty(shape, dtype=torch.float32, device=q.device)
     out, lse = fi._flash_attn_fwd(q, k, v, **kw)[:2]
+    if lse is None:
+        raise RuntimeError("this FA4 version returns no LSE from _flash_attn_fwd; its backward cannot run")
     return out, lse
 
 

@@ -320,12 +320,9 @@ def env_info(device: str) -> dict:
 def _outputs(args) -> tuple[str, str | None]:
     """``(results file, folder for training.md and the figures or None)`` of a run or a report."""
     out = args.out or default_out()
-    if args.json:
-        path = args.json
-    else:
-        path = DEFAULT_JSON if (args.cmd == "report" and args.update_docs) else os.path.join(out, "training_results.json")
-    docs = args.docs if args.docs is not None else (
-        DEFAULT_DOCS if (args.cmd == "report" and args.update_docs) else out if not args.json else None)
+    to_docs = args.cmd == "report" and args.update_docs
+    path = args.json or (DEFAULT_JSON if to_docs else os.path.join(out, "training_results.json"))
+    docs = args.docs if args.docs is not None else DEFAULT_DOCS if to_docs else out if not args.json else None
     return path, docs
 
 
