@@ -384,7 +384,11 @@ def plot(data: dict, out: str) -> list[str]:
 
 def write_report(data: dict, out: str, update_docs: bool = False) -> None:
     os.makedirs(out, exist_ok=True)
-    pngs = plot(data, out)
+    try:
+        pngs = plot(data, out)
+    except ImportError as e:  # no matplotlib: the tables still get written
+        print(f"no plots ({e})")
+        pngs = []
     lines = report_lines(data)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
