@@ -1,6 +1,9 @@
-"""Write ``docs/analysis.md``: block-graph reachability of every pattern in ``masks/``.
+"""The table of ``docs/analysis.md``: block-graph reachability of every pattern in ``masks/``.
 
-    python benchmarks/analysis_table.py [--len 16384] [--layers 6] [--block 128] [--out docs/analysis.md]
+    python benchmarks/analysis_table.py [--len 16384] [--layers 6] [--block 128] [--out FILE] [--update-docs]
+
+Writes ``--out`` (default ``$OUT/analysis.md`` or ``<tmp>/bsfa_bench/analysis.md``); ``--update-docs``
+writes ``docs/analysis.md``.
 
 Every shipped pattern is analysed with its default parameters (``blocksparse_fa.list_patterns()``);
 ``document_causal`` gets random, block-aligned documents (seeded, mean length ``--doc-len``).
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -126,8 +130,14 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--doc-len", type=int, default=2048, help="mean document length for document_causal")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "analysis.md"))
+    ap.add_argument("--out", default=None, help="file to write (default $OUT or <tmp>/bsfa_bench, analysis.md)")
+    ap.add_argument("--update-docs", action="store_true", help="write docs/analysis.md")
     args = ap.parse_args(argv)
+    if args.update_docs:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "analysis.md")
+    elif args.out is None:
+        args.out = os.path.join(os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "bsfa_bench"),
+                                "analysis.md")
     rows = build(args.n, args.layers, args.block, args.doc_len, args.seed)
     text = render(rows, args.n, args.layers, args.block, args.doc_len, args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

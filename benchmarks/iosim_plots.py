@@ -1,10 +1,11 @@
 """Plots of the FlashAttention IO simulator (blocksparse_fa.analysis.iosim) against the paper's results.
 
-    PYTHONPATH=. python benchmarks/iosim_plots.py [--out docs]
+    PYTHONPATH=. python benchmarks/iosim_plots.py [--out DIR] [--update-docs]
 
 Writes ``iosim_vs_M.png`` (HBM accesses vs SRAM size M: Theorem 2's Θ(N²d²/M) between the
 boundary cases M = d² and M = Nd) and ``iosim_vs_s.png`` (block-sparse accesses vs block density s:
-Proposition 4's linear law), and prints the fitted lines (slope, intercept, R²). CPU only, seconds.
+Proposition 4's linear law) into ``--out`` (default ``$OUT`` or ``<tmp>/bsfa_bench/iosim``; ``docs/``
+with ``--update-docs``), and prints the fitted lines (slope, intercept, R²). CPU only, seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -43,8 +45,13 @@ def sweep_s(seed: int = 0):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs", help="output directory for the PNGs (default docs)")
+    ap.add_argument("--out", default=None, help="output directory for the PNGs (default $OUT or <tmp>/bsfa_bench/iosim)")
+    ap.add_argument("--update-docs", action="store_true", help="write the PNGs into docs/")
     args = ap.parse_args(argv)
+    if args.update_docs:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+    elif args.out is None:
+        args.out = os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "bsfa_bench", "iosim")
     import matplotlib
 
     matplotlib.use("Agg")

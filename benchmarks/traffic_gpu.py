@@ -34,8 +34,10 @@ Regimes (block density s from ~1 % to 100 %; 20 configurations x 2 implementatio
   block masks (``random_blocks(r)``) with r from 1 to 1024 of the 1024 key blocks (s = 0.1 % … 100 %;
   the model puts the departure from compulsory traffic between r = 1 and r = 4).
 
-Everything written goes under ``--out`` and ``docs/`` (``docs/data/``, ``docs/traffic_*.png``,
-``docs/traffic.md``). ncu needs access to the GPU performance counters (run as root or with
+Everything written goes under ``--out`` (``data/traffic_<regime>.json``, ``traffic_<regime>.png``,
+``traffic.md``); ``docs/`` (``docs/data/``, ``docs/traffic_*.png``, ``docs/traffic.md``) only with
+``--update-docs`` or an explicit ``--docs DIR``. ``report`` reads ``docs/data/`` unless ``--docs``
+names another tree. ncu needs access to the GPU performance counters (run as root or with
 ``NVreg_RestrictProfilingToAdminUsers=0``).
 """
 
@@ -51,6 +53,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -416,6 +419,14 @@ def _data_path(docs: str, regime: str) -> str:
     return os.path.join(docs, "data", f"traffic_{regime}.json")
 
 
+REPO_DOCS = os.path.join(REPO, "docs")
+
+
+def _write_root(args) -> str:
+    """Where results are written: ``--docs`` if given, ``docs/`` with ``--update-docs``, else ``--out``."""
+    return args.docs or (REPO_DOCS if getattr(args, "update_docs", False) else args.out)
+
+
 def run_driver(args) -> int:
     ncu = shutil.which(args.ncu) or (args.ncu if os.path.exists(args.ncu) else None)
     if ncu is None:
@@ -423,12 +434,13 @@ def run_driver(args) -> int:
         return 2
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    os.makedirs(os.path.join(args.docs, "data"), exist_ok=True)
+    root = _write_root(args)
+    os.makedirs(os.path.join(root, "data"), exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     ver = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     for regime in args.regimes.split(","):
-        path = _data_path(args.docs, regime)
+        path = _data_path(root, regime)
         data = {"regime": regime, "synthetic": False, "ncu": ver[-1] if ver else "", "metrics": list(METRICS),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
         names = set(args.names.split(",")) if args.names else None
@@ -485,7 +497,7 @@ def run_driver(args) -> int:
                     json.dump(data, f, indent=1)
         print(f"wrote {path}")
     if not args.no_report:
-        return report(argparse.Namespace(docs=args.docs, l2_mb=args.l2_mb, sms=args.sms, occupancy=args.occupancy,
+        return report(argparse.Namespace(docs=root, out=root, l2_mb=args.l2_mb, sms=args.sms, occupancy=args.occupancy,
                                          policy=args.policy, order=args.order, l2_partitions=args.l2_partitions))
     return 0
 
@@ -523,7 +535,8 @@ def synth(args) -> int:
     import numpy as np
 
     rng = np.random.default_rng(args.seed)
-    os.makedirs(os.path.join(args.docs, "data"), exist_ok=True)
+    root = _write_root(args)
+    os.makedirs(os.path.join(root, "data"), exist_ok=True)
     for regime in args.regimes.split(","):
         data = {"regime": regime, "synthetic": True, "ncu": "synthetic", "metrics": list(METRICS), "runs": []}
         for cfg in regime_configs(regime, args.quick):
@@ -546,7 +559,7 @@ def synth(args) -> int:
                                      "total": {k: fwd[k] + bwd[k] for k in fwd}, "split_ok": True,
                                      "worker": {"density": rep.density, "time_fwd_ms": tf, "time_bwd_ms": tb},
                                      "kernels": []})
-        path = _data_path(args.docs, regime)
+        path = _data_path(root, regime)
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
         print(f"wrote {path} (SYNTHETIC)")
@@ -587,11 +600,13 @@ def report(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    docs = args.docs
+    src = args.docs or REPO_DOCS  # the measurements are read from here
+    docs = _write_root(args)  # traffic.md and the plots are written here
+    os.makedirs(docs, exist_ok=True)
     sections = []
     any_data = False
     for regime in REGIMES:
-        path = _data_path(docs, regime)
+        path = _data_path(src, regime)
         if not os.path.exists(path):
             continue
         with open(path) as f:
@@ -772,12 +787,13 @@ def report(args) -> int:
               + f", program order {args.order}", ""]
         sections.append("\n".join(L))
     if not any_data:
-        print(f"no data in {os.path.join(docs, 'data')} (run the 'run' mode on a GPU first)", file=sys.stderr)
+        print(f"no data in {os.path.join(src, 'data')} (run the 'run' mode on a GPU first)", file=sys.stderr)
         return 1
     body = "\n".join(sections)
     md = os.path.join(docs, "traffic.md")
-    if os.path.exists(md):
-        with open(md) as f:
+    base = md if os.path.exists(md) else os.path.join(REPO_DOCS, "traffic.md")
+    if os.path.exists(base):
+        with open(base) as f:
             text = f.read()
     else:
         text = f"# Memory traffic\n\n## GPU measurements\n\n{BEGIN}\n{END}\n"
@@ -810,8 +826,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="mode", required=True)
 
-    def model_args(p):
-        p.add_argument("--docs", default=os.path.join(REPO, "docs"), help="docs directory (default <repo>/docs)")
+    def model_args(p, out=True):
+        p.add_argument("--docs", default=None,
+                       help="docs tree to read data/ from and write into (default: read <repo>/docs/data, "
+                            "write --out)")
+        p.add_argument("--update-docs", action="store_true", help="write into <repo>/docs")
+        if out:
+            p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "bsfa_bench",
+                                                                                   "traffic"),
+                           help="folder for the results (default $OUT or <tmp>/bsfa_bench/traffic)")
         p.add_argument("--l2-mb", type=float, default=50.0, help="L2 capacity for the model (MiB)")
         p.add_argument("--sms", type=int, default=132)
         p.add_argument("--occupancy", default="1",
@@ -838,7 +861,7 @@ def main(argv=None) -> int:
     p.add_argument("--names", default=None, help="only these configurations (comma-separated, e.g. dense,causal)")
     p.add_argument("--bwd-variant", default="default", choices=BWD_VARIANTS,
                    help="backward experiment: spill-free tiles and/or two launches (ours only)")
-    model_args(p)
+    model_args(p, out=False)
     p.set_defaults(func=run_driver)
 
     p = sub.add_parser("worker", help="(internal) one configuration under ncu")
@@ -848,7 +871,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.set_defaults(func=worker)
 
-    p = sub.add_parser("report", help="plots and docs/traffic.md from docs/data/traffic_*.json")
+    p = sub.add_parser("report", help="plots and traffic.md from docs/data/traffic_*.json")
     model_args(p)
     p.set_defaults(func=report)
 

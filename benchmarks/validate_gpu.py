@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -152,7 +153,8 @@ def main():
                     help="with --special-only: run only the special cases whose name contains one of these")
     ap.add_argument("--lists", default=None, choices=["coarse", "half", "fine", "auto"],
                     help="the kernels' list granularity (set_kernel_options(lists=...))")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "bsfa_bench", "validate"),
+                    help="results folder (default $OUT or <tmp>/bsfa_bench/validate)")
     args = ap.parse_args()
     _set_lists(args.lists)
     dev = torch.cuda.get_device_name()
@@ -332,6 +334,7 @@ def main():
     summary = dict(device=dev, torch=torch.__version__, triton=__import__("triton").__version__, rows=rows,
                    recompiles_on_window_and_length_change=recompiles, recompiles_allowed=allowed,
                    recompiles_on_score_mod_values=sm_recompiles, n_fail=n_fail)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "validate_gpu.json"), "w") as f:
         json.dump(summary, f, indent=1)
     md = ["| result | pattern | N | D | dtype | case | density | ours O/dQ/dK/dV[/dBias] | eager O/dQ/dK/dV[/dBias] | first call s |",

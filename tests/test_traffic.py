@@ -623,7 +623,7 @@ def _sweep_misses(n_obj: int, obj_bytes: int, cap: int, shared: bool) -> float:
 def test_partitions_reproduce_the_calibration_thresholds():
     """Two partitions of 25 MB: a sweep every SM reads is re-read from L2 up to 25 MB (each line
     held twice), a sweep of private slices up to 33 MB (half the lines held twice): the thresholds
-    benchmarks/l2_calibration.py measured on the H100 (between 20 and 24 MiB, and 28 and 32 MiB)."""
+    benchmarks/experiments/l2_calibration.py measured on the H100 (between 20 and 24 MiB, and 28 and 32 MiB)."""
     cap, ob = 25 * 2**20, 64 * 1024
     for mb, shared, want in ((20, True, 1.0), (24, True, 1.0), (27, True, 2.0), (32, True, 2.0),
                              (28, False, 1.0), (32, False, 1.0), (35, False, 2.0), (48, False, 2.0)):
@@ -688,7 +688,7 @@ def test_trace_step_time_parameters():
 
 
 def test_l2_calibration_csv_and_report(capsys):
-    spec = importlib.util.spec_from_file_location("l2cal", os.path.join(REPO, "benchmarks", "l2_calibration.py"))
+    spec = importlib.util.spec_from_file_location("l2cal", os.path.join(REPO, "benchmarks", "experiments", "l2_calibration.py"))
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     text = ('==PROF== noise\n"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum","device__attribute_x"\n'

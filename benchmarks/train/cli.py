@@ -1,14 +1,20 @@
 """Command line of ``benchmarks/train_long_context.py``.
 
     run         train every variant at the given length(s), evaluate, profile (the default command)
-    throughput  a few steps per variant and length: tokens/s, GPU busy, memory (no evaluation)
-    report      merge result files and regenerate docs/training.md and the figures
+    throughput  a few steps per variant and length: tokens/s, GPU busy, memory, recompiles (no evaluation)
+    report      merge result files and write training.md and the figures
     cp          context-parallel training under torchrun (each rank holds a shard of every sequence)
 
 Variants run in the order given (priority). With ``--deadline`` the first ``--core`` variants run
 the same number of steps (planned from the first one's measured step time), later variants run at
 most as many and stop before the deadline, and a variant that cannot reach its first evaluation is
-skipped with the reason. Results are written after every variant, so a killed run keeps what finished.
+skipped with the reason. ``throughput`` runs the ``--protect`` variants (ours: causal and documents)
+first at every length and never skips them: when time is short they run fewer steps. Results are
+written after every variant, so a killed run keeps what finished.
+
+Output: ``--out`` (``training_results.json``, and ``training.md`` with the figures at the end);
+``docs/`` only with ``--update-docs`` (the results merged into ``docs/data/training_results.json``,
+``docs/training.md`` and the figures regenerated).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
+import peers
 import torch
 
 from . import report as rep
@@ -46,12 +54,19 @@ CPU = dict(seq_len="512", batch=2, layers=2, d_model=64, heads=4, kv_heads=2, st
            bigbird_global=32, bigbird_random=1, probe_pairs=8, probe_rounds=3, eval_every=10, eval_windows=2,
            eval_probes=2, profile_steps=0, log_every=10, compile=False)
 # throughput: a few steps per variant and length, no evaluation (GPU: about four minutes in all)
-THROUGHPUT = dict(gpu=dict(seq_len="16384,32768,131072", steps=8, profile_steps=2, log_every=0),
+THROUGHPUT = dict(gpu=dict(seq_len="16384,32768,65536,131072", steps=8, profile_steps=2, log_every=0),
                   cpu=dict(seq_len="512", steps=6))
 # context parallelism (cp): a longer sequence than one GPU's comparison, a few steps, no evaluation
 CP_GPU = dict(seq_len=131072, steps=20, log_every=5)
 CP_CPU = dict(seq_len=512, steps=6, log_every=1)
-THROUGHPUT_VARIANTS = ("sdpa_causal", "flex_longformer", "bsfa_longformer")
+THROUGHPUT_VARIANTS = ("bsfa_causal", "bsfa_documents", "sdpa_causal", "fa4_causal", "fa4_documents", "flex_causal",
+                       "flex_documents", "flexflash_causal", "flexflash_documents")
+PROTECTED = ("bsfa_causal", "bsfa_documents")  # throughput: run first, never skipped
+
+
+def default_out() -> str:
+    """``$OUT`` when set, else a folder under the system's temporary directory."""
+    return os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "bsfa_bench", "train")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -119,9 +134,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile mode (default, max-autotune-no-cudagraphs, ...)")
     c.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend (aot_eager traces without generating code: a quick CPU check)")
-    c.add_argument("--bsfa-mode", choices=("auto", "op", "island"), default="auto",
-                   help="blocksparse_fa inside the compiled block (op), in a torch.compiler.disable region "
-                        "(island), or op with a fallback to island when it does not compile (auto)")
+    c.add_argument("--bsfa-mode", choices=("auto", "op", "island"), default="op",
+                   help="blocksparse_fa inside the compiled block (op, default: a failure to compile is a "
+                        "result), in a torch.compiler.disable region (island), or op with a fallback to island "
+                        "(auto)")
     c.add_argument("--bsfa-api", choices=("module", "attention", "attention_op"), default="module",
                    help="static patterns through nn.BlockSparseAttention, bsfa.attention or bsfa.attention_op")
     c.add_argument("--flex-block-mask", choices=FLEX_BLOCK_MASKS, default="layout",
@@ -133,13 +149,24 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                                                              "(compilation); excluded from tokens/s")
     c.add_argument("--log-every", type=int)
     c.add_argument("--threads", type=int, help="CPU threads (default 1 with --device cpu)")
+    g.add_argument("--protect", default=",".join(PROTECTED),
+                   help="throughput: variants run first at every length and never skipped under --deadline "
+                        "(fewer steps instead)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", default=DEFAULT_JSON, help="results file (default docs/data/training_results.json)")
+    _add_out_args(o)
+    o.add_argument("--json", default=None, help="results file (default <out>/training_results.json)")
     o.add_argument("--merge", action="store_true", help="merge into the existing --json file instead of replacing it")
     o.add_argument("--docs", default=None,
-                   help="regenerate training.md and figures in this folder (default: docs/ when --json is the "
-                        "default file, else none)")
+                   help="write training.md and the figures into this folder (default: --out when --json is "
+                        "not given; docs/ with --update-docs)")
     o.add_argument("--quiet", action="store_true")
+
+
+def _add_out_args(p) -> None:
+    p.add_argument("--out", default=None, help="results folder (default $OUT or <tmp>/bsfa_bench/train)")
+    p.add_argument("--update-docs", action="store_true",
+                   help="merge the results into docs/data/training_results.json and regenerate docs/training.md "
+                        "and the figures")
 
 
 def _add_cp_args(p: argparse.ArgumentParser) -> None:
@@ -222,10 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(sub.add_parser("run", help="train, evaluate and profile every variant"))
     _add_run_args(sub.add_parser("throughput", help="tokens/s, GPU busy and memory at several lengths"))
     _add_cp_args(sub.add_parser("cp", help="context-parallel training (run it under torchrun)"))
-    r = sub.add_parser("report", help="merge result files and regenerate the docs")
+    r = sub.add_parser("report", help="merge result files and write training.md and the figures")
     r.add_argument("files", nargs="+", help="results JSON files (later files win on the same variant and length)")
-    r.add_argument("--json", default=DEFAULT_JSON, help="merged results file to write")
-    r.add_argument("--docs", default=DEFAULT_DOCS, help="folder for training.md and the figures")
+    _add_out_args(r)
+    r.add_argument("--json", default=None, help="merged results file to write (default <out>/training_results.json; "
+                                                "docs/data/training_results.json with --update-docs)")
+    r.add_argument("--docs", default=None, help="folder for training.md and the figures (default --out; docs/ with "
+                                                "--update-docs)")
     return ap
 
 
@@ -284,7 +314,24 @@ def env_info(device: str) -> dict:
     except Exception:  # noqa: BLE001
         tv = None
     return {"device": name, "torch": torch.__version__, "triton": tv, "python": platform.python_version(),
-            "cuda": torch.version.cuda}
+            "cuda": torch.version.cuda, "peers": peers.status(dev)}
+
+
+def _outputs(args) -> tuple[str, str | None]:
+    """``(results file, folder for training.md and the figures or None)`` of a run or a report."""
+    out = args.out or default_out()
+    to_docs = args.cmd == "report" and args.update_docs
+    path = args.json or (DEFAULT_JSON if to_docs else os.path.join(out, "training_results.json"))
+    docs = args.docs if args.docs is not None else DEFAULT_DOCS if to_docs else out if not args.json else None
+    return path, docs
+
+
+def _publish(payload: dict, args, log) -> None:
+    """``--update-docs`` after a run: merge into docs/data/training_results.json, regenerate the page."""
+    merged = rep.merge(([rep.load([DEFAULT_JSON])] if os.path.exists(DEFAULT_JSON) else []) + [payload])
+    rep.save(merged, DEFAULT_JSON)
+    rep.write_docs(merged, DEFAULT_DOCS)
+    log(f"merged into {DEFAULT_JSON}; wrote {os.path.join(DEFAULT_DOCS, 'training.md')}")
 
 
 def _run(args, ap, argv) -> dict:
@@ -292,35 +339,41 @@ def _run(args, ap, argv) -> dict:
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     t0 = time.perf_counter()
     deadline = t0 + args.deadline if args.deadline else None
+    json_path, docs = _outputs(args)
     threads = torch.get_num_threads()
     if args.threads or args.device == "cpu":  # the tiny CPU model runs fastest on one thread
         torch.set_num_threads(args.threads or 1)
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+    protect = [v for v in args.protect.split(",") if v in variants] if args.cmd == "throughput" else []
+    # throughput: the protected variants at every length first, then the others length by length
+    schedule = [(cfg, [v]) for v in protect for cfg in cfgs] + \
+        [(cfg, [v for v in variants if v not in protect]) for cfg in cfgs]
     try:
         corpus = load_corpus(None, cfgs[0].held_out_permille)
         run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        base = rep.load([args.json]) if args.merge and os.path.exists(args.json) else rep.new_payload()
+        base = rep.load([json_path]) if args.merge and os.path.exists(json_path) else rep.new_payload()
         cfg_dict = cfgs[0].as_dict()
         cfg_dict["seq_len"] = [c.seq_len for c in cfgs]
         base["runs"][run_id] = {"argv": argv, "env": env_info(args.device), "config": cfg_dict,
                                 "patterns": pats.as_dict(), "data": corpus.info, "variants": variants,
-                                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+                                "protected": protect, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         log(f"{base['runs'][run_id]['env']['device']}: {len(corpus.train.files)} training files "
             f"({corpus.info['bytes_train'] / 1e6:.1f} MB), unigram entropy {corpus.info['unigram_entropy_bpb']:.3f} "
             f"bits/byte; lengths {[c.seq_len for c in cfgs]}; variants {variants}")
         ref = [base]
-        rep.save(base, args.json)  # the run's configuration, even if it is killed during the first variant
-        for cfg in cfgs:
-            _run_length(cfg, variants, pats, corpus, args, deadline, run_id, log, ref)
+        rep.save(base, json_path)  # the run's configuration, even if it is killed during the first variant
+        for cfg, vs in schedule:
+            if vs:
+                _run_length(cfg, vs, pats, corpus, args, deadline, run_id, log, ref, json_path, set(protect))
         payload = ref[0]
-        docs = args.docs if args.docs is not None else (DEFAULT_DOCS if os.path.abspath(args.json) ==
-                                                        os.path.abspath(DEFAULT_JSON) else None)
         if docs:
             rep.write_docs(payload, docs)
             log(f"wrote {os.path.join(docs, 'training.md')}")
-        log(f"wrote {args.json} ({time.perf_counter() - t0:.0f} s)")
+        if args.update_docs:
+            _publish(payload, args, log)
+        log(f"wrote {json_path} ({time.perf_counter() - t0:.0f} s)")
         return payload
     finally:
         torch.set_num_threads(threads)
@@ -343,11 +396,13 @@ def _ratio(d_later, d_now) -> float:
     return min(8.0, max(0.4, (0.05 + d_later) / (0.05 + d_now)))
 
 
-def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, log, payload_ref) -> None:
+def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, log, payload_ref, json_path,
+                protect=frozenset()) -> None:
     """Every variant at one length, in priority order. Under a deadline the first ``--core``
     variants run the same number of steps (planned by the first from its measured step time);
     every later variant runs at most as many (equal steps), stops before the deadline, and is
-    skipped when its estimated setup, compilation and steps to its first evaluation do not fit."""
+    skipped when its estimated setup, compilation and steps to its first evaluation do not fit.
+    A ``protect``-ed variant is never skipped: when it does not fit it runs ``sync_steps + 2`` steps."""
     dens = {v: variant_density(v, cfg, pats, corpus) for v in variants}
     core = variants[:max(0, args.core)] if cfg.mode == "train" else []
     cap = cfg.max_steps or 0
@@ -362,13 +417,19 @@ def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, 
             over = estimate_overhead_s(impl, measured, default=DEFAULT_OVERHEAD_S if cfg.compile else 5.0)
             first = cfg_v.run_steps if cfg.eval_every <= 0 else min(cfg.eval_every, cfg_v.run_steps)
             need = over + first * step_s + tail_s(cfg_v, step_s) if step_s else None
-            if (need if need is not None else args.min_variant_s) > left and \
-                    not (impl == "flex" and not cfg.device.startswith("cuda")):
+            short = (need if need is not None else args.min_variant_s) > left
+            if short and v in protect:
+                cfg_v = replace(cfg_v, max_steps=min(cfg_v.run_steps, cfg.sync_steps + 2))
+                log(f"== {v} @ {cfg.seq_len}: {max(0.0, left):.0f} s left; {cfg_v.run_steps} steps (never skipped)")
+                r = train_variant(v, cfg_v, pats, corpus, log, deadline=None, density=dens[v])
+                _record(r, run_id, json_path, payload_ref)
+                continue
+            if short and not (impl in ("flex", "flexflash") and not cfg.device.startswith("cuda")):
                 reason = f"invocation deadline: {max(0.0, left):.0f} s left, " + (
                     f"about {need:.0f} s needed (setup, compilation, {first} steps, evaluation)" if need is not None
                     else f"less than --min-variant-s {args.min_variant_s:g} s")
                 log(f"== {v} @ {cfg.seq_len}: skipped ({reason})")
-                _record(_skipped(v, cfg_v, reason, dens[v]), run_id, args, payload_ref)
+                _record(_skipped(v, cfg_v, reason, dens[v]), run_id, json_path, payload_ref)
                 continue
             if v in core:
                 def plan(step_s, now, done, own_overhead, v=v, cfg_v=cfg_v, measured=measured):
@@ -391,14 +452,14 @@ def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, 
                 + (f", held-out {fin['bpb']:.4f} bits/byte" if fin.get("bpb") is not None else ""))
             if v in core and cfg.mode == "train" and r["steps"] < cfg_v.run_steps:
                 cap = r["steps"]  # equal steps: later variants run no more than this one did
-        _record(r, run_id, args, payload_ref)
+        _record(r, run_id, json_path, payload_ref)
 
 
-def _record(r: dict, run_id: str, args, payload_ref) -> None:
+def _record(r: dict, run_id: str, json_path: str, payload_ref) -> None:
     """Add a result and write the results file (after every variant: a killed run keeps what finished)."""
     r["run_id"] = run_id
     payload_ref[0] = rep.merge([payload_ref[0], {"schema": rep.SCHEMA, "runs": {}, "results": [r]}])
-    rep.save(payload_ref[0], args.json)
+    rep.save(payload_ref[0], json_path)
 
 
 def main(argv=None) -> dict:
@@ -408,11 +469,12 @@ def main(argv=None) -> dict:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.cmd == "report":
+        path, docs = _outputs(args)
         payload = rep.load(args.files)
-        rep.save(payload, args.json)
-        rep.write_docs(payload, args.docs)
-        print(f"merged {len(args.files)} file(s), {len(payload['results'])} results -> {args.json}; "
-              f"docs in {args.docs}")
+        rep.save(payload, path)
+        rep.write_docs(payload, docs)
+        print(f"merged {len(args.files)} file(s), {len(payload['results'])} results -> {path}; "
+              f"training.md and figures in {docs}")
         return payload
     if args.cmd == "cp":
         return _run_cp(args, ap)

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
+import peers
 import torch
 
 from .data import ANSWER, TEXT, VOCAB, Prefetcher, ProbeSpec, TrainStream, eval_batches, probe_spec
@@ -131,7 +132,9 @@ def _short(e: BaseException) -> str:
 # profiling
 # ------------------------------------------------------------------------------------------------
 _ATTN_KERNELS = {"sdpa": r"sdpa|fmha|flash|attention|cudnn",
+                 "fa4": r"flash|fmha|attention|cute",
                  "flex": r"triton_tem|flex",
+                 "flexflash": r"flash|fmha|attention|cute|triton_tem|flex",
                  "bsfa": r"_attn_|_merge_residue|_sum_partials|_dkdv|_dq_"}
 
 
@@ -283,6 +286,15 @@ def _evaluate(setup: _Setup, text_evals, probe_evals) -> dict:
     return out
 
 
+def unavailable(impl: str, dev: torch.device) -> str | None:
+    """Why an implementation cannot train here (``None``: it can)."""
+    if impl in ("flex", "flexflash") and dev.type != "cuda":
+        return "FlexAttention has no backward on CPU"
+    if impl in ("fa4", "flexflash"):
+        return peers.status(dev)["fa4" if impl == "fa4" else "flex_flash"]
+    return None
+
+
 def variant_density(name: str, cfg: RunConfig, pats: Patterns, corpus) -> tuple:
     """``(block density, note)`` of a variant's pattern at ``cfg.seq_len`` (documents: of the first
     held-out window); ``(None, error)`` when it cannot be computed."""
@@ -407,8 +419,9 @@ def train_variant(name: str, cfg: RunConfig, pats: Patterns, corpus, log, deadli
     base["block_density"] = dens
     if note:
         base["block_density_note"] = note
-    if base["impl"] == "flex" and dev.type != "cuda":
-        return {**base, "status": "skipped", "reason": "FlexAttention has no backward on CPU"}
+    why = unavailable(base["impl"], dev)
+    if why:
+        return {**base, "status": "skipped", "reason": why}
     modes = ["op", "island"] if cfg.bsfa_mode == "auto" else [cfg.bsfa_mode]
     if base["impl"] != "bsfa" or not cfg.compile:
         modes = modes[:1]
@@ -435,6 +448,15 @@ def _cleanup(dev):
 PLAN_AFTER = 3  # timed steps after compilation before the planner is asked
 
 
+def _dynamo_delta(dyn: list) -> dict:
+    """Graphs compiled by the first step and after it (recompiles: a per-batch mask that changes
+    the graph shows up here), graph breaks, from counts taken before, after the first step and now."""
+    end = peers.dynamo_counts()
+    first = dyn[1] if len(dyn) > 1 else end
+    return {"graphs_first_step": first["graphs"] - dyn[0]["graphs"], "recompiles": end["graphs"] - first["graphs"],
+            "graph_breaks": end["graph_breaks"] - dyn[0]["graph_breaks"]}
+
+
 def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline, plan, retry_ok) -> dict:
     dev = torch.device(cfg.device)
     cuda = dev.type == "cuda"
@@ -446,6 +468,7 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
     step = -1
     n_done = 0
     out: dict = {}
+    dyn = [peers.dynamo_counts()]  # Dynamo's counts before the first step, after it, at the end
     try:
         setup = _Setup(name, cfg, pats, corpus, spec, bsfa_mode)
         out.update({"info": setup.variant.info, "fullgraph": setup.variant.fullgraph, "n_params": setup.n_params,
@@ -497,6 +520,7 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
                 _sync(dev)
                 host_s.append(time.perf_counter() - t0)
                 if step == 0:
+                    dyn.append(peers.dynamo_counts())
                     log(f"  {name}: first step {host_s[0]:.1f} s (compilation)")
                 if step >= 1:
                     step_est = min(host_s[1:])  # a synchronised step after the compile step
@@ -615,9 +639,11 @@ def _attempt(name, cfg: RunConfig, pats, corpus, spec, bsfa_mode, log, deadline,
             "eval_s": eval_s, "profile_s": profile_s,
             "overhead_s": setup_s + (compile_s or 0.0) + profile_s,
             "wall_s": time.perf_counter() - t_setup,
+            "dynamo": _dynamo_delta(dyn),
         })
         return out
     except Exception as e:  # noqa: BLE001  (OOM, compile errors: recorded as results)
+        out["dynamo"] = _dynamo_delta(dyn)
         if _is_oom(e):
             out.update({"status": "oom", "error": _short(e), "failed_at_step": step if step >= 0 else None,
                         "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None})

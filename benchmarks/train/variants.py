@@ -14,6 +14,13 @@ Variants are ``<impl>_<pattern>``:
   CPU): on torch 2.11 its first call compiles the block mask's sort into a Triton kernel that
   takes minutes (about 200 s at 16K on an H100), and eager ``create_block_mask`` materialises
   ``L x L`` elements.
+* ``flexflash_<pattern>``: the same FlexAttention call with ``kernel_options={"BACKEND": "FLASH"}``
+  (FA4's CuTe kernels instantiated for the ``mask_mod``; needs ``flash_attn.cute``).
+* ``fa4_<pattern>``: FlashAttention-4 (``flash_attn.cute``) through two custom ops (``peers.fa4_op``:
+  traced by ``torch.compile`` without a graph break): ``causal``, ``sliding`` (``window_size``) and
+  ``documents`` (``flash_attn_varlen_func``'s packed form: one sequence per document, the
+  ``cu_seqlens`` built per batch on the host and padded with empty sequences to a fixed length so
+  that a new batch compiles nothing).
 * ``bsfa_<pattern>``: blocksparse_fa. Static patterns through ``nn.BlockSparseAttention`` (a
   registered mask, the custom op under ``torch.compile``); documents through
   ``bsfa.attention(q, k, v, mask=causal() & document(ids))`` with the mask built per batch.
@@ -43,10 +50,13 @@ from blocksparse_fa.mask import primitives as P
 from blocksparse_fa.mask.expr import And, Mask, Not, Or
 from blocksparse_fa.nn import BlockSparseAttention
 
-IMPLS = ("sdpa", "flex", "bsfa")
+import peers
+
+IMPLS = ("sdpa", "fa4", "flex", "flexflash", "bsfa")
 FAMILIES = ("causal", "sliding", "longformer", "bigbird", "documents")
-VARIANTS = ("sdpa_causal",
+VARIANTS = ("sdpa_causal", "fa4_causal", "fa4_sliding", "fa4_documents",
             "flex_causal", "flex_sliding", "flex_longformer", "flex_bigbird", "flex_documents",
+            "flexflash_causal", "flexflash_sliding", "flexflash_longformer", "flexflash_bigbird", "flexflash_documents",
             "bsfa_causal", "bsfa_sliding", "bsfa_longformer", "bsfa_bigbird", "bsfa_documents")
 # priority order of a run (under a deadline the first ones are measured first; the first three
 # are the targets' comparison: dense, ours and Flex on the Longformer pattern)
@@ -303,15 +313,50 @@ def _flex_fns(compiled: bool):
 class FlexCore(nn.Module):
     """``flex_attention`` with the block mask passed per call. On CUDA the fused kernel needs
     compilation: inside a compiled block ``flex_attention`` is traced, in eager mode a compiled
-    wrapper is called; on CPU without compilation the unfused implementation runs."""
+    wrapper is called; on CPU without compilation the unfused implementation runs. ``flash``:
+    ``kernel_options={"BACKEND": "FLASH"}``."""
 
-    def __init__(self, compiled_kernel: bool):
+    def __init__(self, compiled_kernel: bool, flash: bool = False):
         super().__init__()
-        self.compiled_kernel = compiled_kernel
+        self.compiled_kernel, self.flash = compiled_kernel, flash
 
     def forward(self, q, k, v, block_mask):
         fn = flex_attention if torch.compiler.is_compiling() else _flex_fns(self.compiled_kernel)[0]
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        kw = {"kernel_options": {"BACKEND": "FLASH"}} if self.flash else {}
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# FlashAttention-4
+# ------------------------------------------------------------------------------------------------
+def varlen_args(doc: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA4's packed-documents arguments of a batch's ids ``(B, L)`` (CPU): ``cu_seqlens`` int32 on
+    ``device`` (one sequence per run of equal ids, rows end to end), padded with empty sequences to
+    ``max(64, next power of two)`` entries so that a new batch rarely changes its shape, and the
+    longest run as a 0-d CPU tensor."""
+    cu, longest = peers.cu_seqlens_from_ids(doc)
+    n = max(64, 1 << (len(cu) - 1).bit_length())
+    cu = torch.cat([cu, cu[-1:].expand(n + 1 - len(cu))])
+    return cu.to(device, non_blocking=True), torch.tensor(longest)
+
+
+class FA4Core(nn.Module):
+    """FlashAttention-4 on the model's ``(B, H, L, D)`` views (its ``(B, L, H, D)`` layout is the
+    projections' own); ``window``: a sliding window; ``arg`` (documents): :func:`varlen_args`."""
+
+    def __init__(self, window: int | None = None, varlen: bool = False):
+        super().__init__()
+        self.window, self.varlen = window, varlen
+
+    def forward(self, q, k, v, arg):
+        B, H, L, D = q.shape
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.varlen:
+            cu, longest = arg
+            o = peers.fa4_op(q.reshape(B * L, H, D), k.reshape(B * L, k.shape[2], D),
+                             v.reshape(B * L, v.shape[2], v.shape[3]), causal=True, cu_seqlens=cu, max_seqlen=longest)
+            return o.view(B, L, H, -1).transpose(1, 2)
+        return peers.fa4_op(q, k, v, causal=True, window=self.window).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -394,10 +439,18 @@ class Variant:
             self.info["sdpa_backend"] = choice["label"]
             if choice.get("rejected"):
                 self.info["sdpa_rejected"] = choice["rejected"]
-        elif self.impl == "flex":
+        elif self.impl == "fa4":
+            if self.family not in ("causal", "sliding", "documents"):
+                raise ValueError(f"FA4 has no form of the {self.family} pattern (causal, sliding, documents only)")
+            window = pats.sliding_window if self.family == "sliding" else None
+            self.core = FA4Core(window=window, varlen=self.family == "documents")
+            self.info["fa4"] = "flash_attn_varlen_func (one sequence per document)" if self.family == "documents" \
+                else f"flash_attn_func(causal=True, window_size={peers.fa4_window(window)})"
+        elif self.impl in ("flex", "flexflash"):
             if flex_block_mask not in FLEX_BLOCK_MASKS:
                 raise ValueError(f"flex_block_mask must be one of {FLEX_BLOCK_MASKS}, got {flex_block_mask!r}")
-            self.core = FlexCore(compiled_kernel=cuda)
+            self.core = FlexCore(compiled_kernel=cuda, flash=self.impl == "flexflash")
+            self.info["flex_backend"] = "FLASH" if self.impl == "flexflash" else "Triton"
             self.flex_block_mask = flex_block_mask
             self.info["flex_block_mask"] = {"layout": "BlockMask.from_kv_blocks (block states)",
                                             "create": "create_block_mask"}[flex_block_mask]
@@ -427,7 +480,9 @@ class Variant:
 
     def arg(self, batch_cpu, batch_dev):
         """The per-batch argument of the core (built outside the compiled model)."""
-        if self.impl == "flex":
+        if self.impl == "fa4":
+            return varlen_args(batch_cpu.doc, self.device) if self.family == "documents" else None
+        if self.impl in ("flex", "flexflash"):
             if self.family != "documents":
                 return self._static_arg
             if self._doc_buf is None or self._doc_buf.shape != batch_dev.doc.shape:

@@ -33,7 +33,7 @@ def residue_applies(rw: Rewrite, shapes: Shapes, dtype: torch.dtype, gqa: bool =
     (the ``residue_gqa`` kernel option): GQA/MQA inputs run through the class views too
     (class-major layout, below); off, they take permuted copies (``ops/dispatch``). On the H100
     (16K, H = 16, Hkv = 4) the views ran 3.14x / 3.46x faster than FlexAttention (fwd / fwd+bwd),
-    the copies 1.74x / 1.69x (``benchmarks/experiments/strided_check.py --kv-heads-ratio 4``)."""
+    the copies 1.74x / 1.69x (``benchmarks/NOTES.md``, v9, "Strided with GQA")."""
     return (rw.cls is not None and (shapes.G == 1 or gqa) and shapes.Lq == shapes.Lk
             and shapes.Lq % rw.stride == 0 and dtype != torch.float64)
 

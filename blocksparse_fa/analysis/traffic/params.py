@@ -88,7 +88,7 @@ class TrafficParams:
     """``policy="trace"`` only: ``2`` plays the H100's two L2 partitions of ``l2_bytes / 2`` each,
     every object half homed in each, with near copies of the far half (so data read from both
     partitions is held twice); ``1``: one LRU of ``l2_bytes``. Measured by
-    ``benchmarks/l2_calibration.py``: a sweep read by every SM is re-read from L2 up to 20–24 MiB,
+    ``benchmarks/experiments/l2_calibration.py``: a sweep read by every SM is re-read from L2 up to 20–24 MiB,
     one read by a single SM per slice up to 28–32 MiB (two partitions predict 25 and 33 MB)."""
     step_time: dict = field(default_factory=lambda: dict(H100_STEP_TIME))
     """``policy="trace"`` only: time of one lookup-table entry by kernel (``"fwd"``, ``"bwd_dkdv"``,

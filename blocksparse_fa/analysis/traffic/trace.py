@@ -26,7 +26,7 @@ wave analysis under "lru". Assumptions:
   homed in the other one is served by a near copy if the reader's partition has one, else by its
   home (filled from DRAM if absent), and leaves a near copy. So data that both partitions read is
   held twice and private data 1.5 times: re-reads hit up to 25 MB and 33 MB of distinct data,
-  the thresholds ``benchmarks/l2_calibration.py`` measured on the H100 (20–24 MiB and 28–32 MiB).
+  the thresholds ``benchmarks/experiments/l2_calibration.py`` measured on the H100 (20–24 MiB and 28–32 MiB).
   Objects are the wave model's (forward and dQ: K+V of a
   layout block per batch·kv-head; dK/dV: Q+dO+LSE+δ of a layout block per batch·head), split into
   the kernels' own tiles where those are smaller (dQ's BLOCK_M rows, dK/dV's BLOCK_N keys), so a
@@ -171,7 +171,7 @@ def _lru_partitioned(ids: np.ndarray, part: np.ndarray, size: list, cap: int, ba
     filled from DRAM; a half homed in the other partition is served by a near copy in ``p`` if one
     is there, else by its home (filled from DRAM if absent there too), and leaves a near copy in
     ``p``. Data that programs on both partitions read is thus held twice, private data 1.5 times:
-    the 25 MB and 33 MB thresholds that ``benchmarks/l2_calibration.py`` measured on the H100."""
+    the 25 MB and 33 MB thresholds that ``benchmarks/experiments/l2_calibration.py`` measured on the H100."""
     caches = (OrderedDict(), OrderedDict())
     used = [0, 0]
     miss = np.zeros(len(ids), dtype=np.float64)

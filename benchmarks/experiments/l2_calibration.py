@@ -21,11 +21,12 @@ shared and for private data.
 
 Run on the H100, from the repository root:
 
-    PYTHONPATH=. python benchmarks/l2_calibration.py run --out /tmp/l2cal
+    PYTHONPATH=. python benchmarks/experiments/l2_calibration.py run --out /tmp/l2cal
 
 ``run`` launches this script's ``worker`` under ``ncu --cache-control all --clock-control none
---profile-from-start off`` and writes ``docs/data/l2_calibration.json``; ``report`` (CPU) prints
-the table from it.
+--profile-from-start off`` and writes ``data/l2_calibration.json`` in ``--out`` (in ``docs/`` with
+``--update-docs``); ``report`` (CPU) prints the table from ``docs/data/l2_calibration.json`` (or
+``--docs DIR``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ("shared", "private", "smid_half", "smid_parity")
 SIZES_MIB = (8, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
 BASE_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
@@ -175,11 +176,13 @@ def run(args) -> int:
         print(f"error: {len(rows)} profiled kernels for {len(info['launches'])} launches", file=sys.stderr)
         return 1
     res = [dict(launch, **{k: v for k, v in r.items() if k != "id"}) for launch, r in zip(info["launches"], rows)]
-    data = {"note": "L2 sweep microbenchmark (benchmarks/l2_calibration.py): one program per SM reads a bf16 "
+    data = {"note": "L2 sweep microbenchmark (benchmarks/experiments/l2_calibration.py): one program per SM reads a bf16 "
                     f"buffer of X MiB in {PASSES} passes, {BLOCK * 2} B per step; ncu --cache-control all",
             "gpu": info["gpu"], "n_sm": info["n_sm"], "metrics": metrics, "passes": PASSES,
             "sum_check_max_abs_err": info.get("sum_check_max_abs_err"),
             "smid_distinct": {m: len(set(v)) for m, v in info["smid"].items()}, "results": res}
+    args.docs = args.docs or (os.path.join(REPO, "docs") if args.update_docs else args.out)
+    os.makedirs(os.path.join(args.docs, "data"), exist_ok=True)
     path = os.path.join(args.docs, "data", "l2_calibration.json")
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
@@ -215,7 +218,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", default="/tmp/l2cal")
-    r.add_argument("--docs", default=os.path.join(REPO, "docs"))
+    r.add_argument("--docs", default=None, help="write data/l2_calibration.json into this tree (default --out)")
+    r.add_argument("--update-docs", action="store_true", help="write docs/data/l2_calibration.json")
     w = sub.add_parser("worker")
     w.add_argument("--result", required=True)
     p = sub.add_parser("report")
