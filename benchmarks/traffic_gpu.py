@@ -170,18 +170,18 @@ def _kernel_tiles(cfg: dict) -> dict | None:
 BWD_VARIANTS = ("default", "spill_free", "two_launch", "spill_free_two_launch")
 
 
-def _apply_bwd_variant(variant: str) -> None:
+def _bwd_variant_options(variant: str) -> dict:
+    """The kernel options of a backward variant."""
     if variant not in BWD_VARIANTS:
         raise ValueError(f"unknown backward variant {variant!r}; expected one of {BWD_VARIANTS}")
     from blocksparse_fa.kernels import config as kc
-    from blocksparse_fa.ops.triton_backend import set_fused_backward
 
+    opts = {}
     if variant.startswith("spill_free"):
-        kv, dq = kc._BWD_PARTIAL[128]
-        kc.set_override("dkdv", kv)
-        kc.set_override("dq", dq)
+        opts["dkdv_tiles"], opts["dq_tiles"] = kc._BWD_PARTIAL[128]
     if variant.endswith("two_launch"):
-        set_fused_backward(False)
+        opts["fused_backward"] = False
+    return opts
 
 
 def worker(args) -> int:
@@ -198,10 +198,10 @@ def worker(args) -> int:
     v = torch.randn(B, Hkv, cfg["kv_len"], D, device="cuda", dtype=dt, requires_grad=True)
     dout = torch.randn_like(q)
     layout = _layout(cfg, device="cuda")
-    _apply_bwd_variant(cfg.get("bwd_variant", "default"))
+    opts = _bwd_variant_options(cfg.get("bwd_variant", "default"))
     if args.impl == "ours":
         def fwd():
-            return bsfa.attention(q, k, v, mask=layout, backend="triton")
+            return bsfa.attention(q, k, v, mask=layout, backend="triton", kernel_options=opts)
     elif args.impl == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 

@@ -13,7 +13,7 @@ length does not recompile, except where the new layout falls into another tile c
 are and are not multiples of the block (the ``even`` variant): each new tile config of the forward
 or the backward may add one compiled variant, no more.
 
-``--lists MODE`` runs everything with ``set_kernel_options(lists=MODE)`` (the kernels' lists from a
+``--lists MODE`` runs everything with ``kernel_options={"lists": MODE}`` (the kernels' lists from a
 finer classification, ``compiler/finer.py``); the recompile check then also allows a new variant
 where a layout's list blocks change.
 
@@ -35,6 +35,7 @@ import blocksparse_fa as bsfa
 from blocksparse_fa.kernels import _attn_bwd, _attn_fwd
 
 FLOOR = 1e-6
+OPTIONS: dict = {}  # kernel_options of every checked call (--lists)
 
 
 def rel(a, b) -> float:
@@ -82,7 +83,7 @@ def patterns(n: int):
 
 
 def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128, op=False, score_mod=None,
-              bias_shape=None, bias_pad=0, Dv=None):
+              bias_shape=None, bias_pad=0, Dv=None, opts=None):
     """Output and dQ, dK, dV (and dBias with ``bias_shape``: a learned bias of that shape in the
     inputs' dtype, added to ``score_mod``; ``bias_pad`` keys at the end of sequence 0 get -inf) vs
     float64; ``Dv``: v's head dim when it differs from ``D``."""
@@ -105,7 +106,8 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     t0 = time.perf_counter()
     fn = bsfa.attention_op if op else bsfa.attention  # the custom op (nn modules, transformers hook)
     sm = {} if score_mod is None else dict(score_mod=score_mod)
-    out = fn(q, k, v, mask, dropout_p=dropout_p, dropout_seed=1234, **sm)  # rewrites apply
+    out = fn(q, k, v, mask, dropout_p=dropout_p, dropout_seed=1234, kernel_options=dict(OPTIONS, **(opts or {})),
+             **sm)  # rewrites apply
     g = torch.autograd.grad(out, ins, do)
     torch.cuda.synchronize()
     t_first = time.perf_counter() - t0
@@ -128,9 +130,7 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
 def _set_lists(mode):
     """Worker initializer: the ``lists`` kernel option (None: the package's default)."""
     if mode is not None:
-        from blocksparse_fa.ops.triton_backend import set_kernel_options
-
-        set_kernel_options(lists=mode)
+        OPTIONS["lists"] = mode
 
 
 def _warm(args):
@@ -152,7 +152,7 @@ def main():
     ap.add_argument("--only", nargs="+", default=None, metavar="SUBSTR",
                     help="with --special-only: run only the special cases whose name contains one of these")
     ap.add_argument("--lists", default=None, choices=["coarse", "half", "fine", "auto"],
-                    help="the kernels' list granularity (set_kernel_options(lists=...))")
+                    help="the kernels' list granularity (kernel option lists)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "bsfa_bench", "validate"),
                     help="results folder (default $OUT or <tmp>/bsfa_bench/validate)")
     args = ap.parse_args()
@@ -208,14 +208,10 @@ def main():
         record("causal", N, D, torch.bfloat16, f"D={D}", mask=bsfa.causal(), B=1, H=2, Hkv=2, Lq=N, Lk=N)
     st = bsfa.parse("causal & (sliding_window(128) | strided(128))")  # rewritten: band + residue classes
     record("strided rewrite, class views", 8192, 128, torch.bfloat16, "B=2 s=128", mask=st, B=2, H=2, Hkv=2, Lq=8192, Lk=8192)
-    from blocksparse_fa.ops.residue import set_residue_gqa
-
-    set_residue_gqa(False)  # GQA through permuted copies
-    record("strided rewrite, GQA copies", 8192, 64, torch.bfloat16, "H=4 Hkv=2", mask=st, B=1, H=4, Hkv=2, Lq=8192, Lk=8192)
-
+    record("strided rewrite, GQA copies", 8192, 64, torch.bfloat16, "H=4 Hkv=2", mask=st, B=1, H=4, Hkv=2, Lq=8192,
+           Lk=8192, opts={"residue_gqa": False})  # GQA through permuted copies
     record("strided rewrite, custom op", 8192, 128, torch.bfloat16, "attention_op", mask=st, B=1, H=2, Hkv=2,
            Lq=8192, Lk=8192, op=True)
-    set_residue_gqa(True)  # class-major views for GQA/MQA (the default)
     record("strided rewrite, GQA class-major", 8192, 128, torch.bfloat16, "B=2 H=4 Hkv=2", mask=st, B=2, H=4, Hkv=2,
            Lq=8192, Lk=8192)
     record("strided rewrite, MQA class-major", 8192, 64, torch.bfloat16, "H=3 Hkv=1", mask=st, B=1, H=3, Hkv=1,
