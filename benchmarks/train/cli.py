@@ -364,7 +364,7 @@ def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, 
             need = over + first * step_s + tail_s(cfg_v, step_s) if step_s else None
             if (need if need is not None else args.min_variant_s) > left and \
                     not (impl == "flex" and not cfg.device.startswith("cuda")):
-                reason = f"invocation deadline: {max(0.0, left):.0f} s left, " + (
+                reason = f"--deadline: {max(0.0, left):.0f} s left, " + (
                     f"about {need:.0f} s needed (setup, compilation, {first} steps, evaluation)" if need is not None
                     else f"less than --min-variant-s {args.min_variant_s:g} s")
                 log(f"== {v} @ {cfg.seq_len}: skipped ({reason})")
