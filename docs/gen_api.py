@@ -234,9 +234,11 @@ def _own_members(cls) -> list[tuple[str, object]]:
             if name.startswith("_") or name in seen or name in outside:
                 continue
             seen.add(name)
-            if isinstance(value, (staticmethod, classmethod)):
+            if isinstance(value, classmethod):
+                value = getattr(cls, name)  # bound: its signature has no cls
+            elif isinstance(value, staticmethod):
                 value = value.__func__
-            if isinstance(value, property) or inspect.isfunction(value):
+            if isinstance(value, property) or inspect.isfunction(value) or inspect.ismethod(value):
                 out.append((name, value))
     return out
 
@@ -258,12 +260,12 @@ def _entry(qualname: str, obj, level: int) -> list[str]:
                     out.append("*property*")
                     out.append("")
                 else:
-                    msig = signature(name, member)
-                    if msig:
-                        msig = re.sub(r"^(\w+)\(self(?:, |\))", lambda m: m.group(1) + "(" if m.group(0).endswith(", ")
-                                      else m.group(1) + "()", msig, count=1)
+                    msig = signature(f"{short}.{name}", member)
+                    if msig:  # drop self: the reader calls it on an instance
+                        msig = re.sub(r"^([\w.]+)\(self(, |\))", lambda m: m.group(1) + ("(" if m.group(2) == ", " else "()"),
+                                      msig, count=1)
                         msig = msig.replace("(\n    self,\n", "(\n", 1)
-                        out += ["```python", f"{short}.{msig}", "```", ""]
+                        out += ["```python", msig, "```", ""]
                 out.append(docstring_markdown(member.__doc__))
         return out
     return [f"{hashes} {qualname.rsplit('.', 1)[-1]}", "", "```python",

@@ -495,7 +495,7 @@ def markdown(payload: dict, figures: dict) -> str:
         "files: the level a model that learned nothing but byte frequencies reaches.",
         f"- **Probe** (multi-query associative recall): {c.get('probe_pairs', '?')} key-value pairs written "
         "at the start of the sequence (inside the global-token prefix of Longformer and BigBird), then "
-        "rounds near the end that repeat every key in a random order, each followed by its value; the "
+        "passes near the end that repeat every key in a random order, each followed by its value; the "
         "scored prediction is the value. Every query key is more than `layers x window` tokens after any "
         "earlier occurrence of its key, so a sliding window, even stacked over all layers, sees only text "
         f"and unrelated pairs: it is at chance ({1 / N_VALS:.3f}). Global tokens and dense attention see the "
