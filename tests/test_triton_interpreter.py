@@ -501,7 +501,7 @@ def test_kernel_options_reject_unknown_names_and_values():
 
 
 def test_tile_classes_follow_the_layout_shape():
-    """Forward and backward tiles per layout class (H100 A/B, NOTES.md v9): short rows mostly
+    """Forward and backward tiles per layout class (H100 A/B, benchmarks/NOTES.md "Forward kernel" and "Backward kernels"): short rows mostly
     partial get 128x64 forward steps with three stages; >= 10 % partial blocks get the spill-free
     backward pair; dense and causal keep the default tables."""
     from blocksparse_fa.kernels.config import TileConfig, bwd_configs, fwd_config

@@ -36,7 +36,7 @@ VARIANTS = {
     "doc_ids": (dict(document_runs=False), None),
     "phase": ({}, False),
     "headmajor": ({}, True),
-    # backward tiles (bit-identical to "default" on the H100, NOTES.md v9).
+    # backward tiles (bit-identical to "default" on the H100, NOTES.md "Backward kernels").
     # Local sm_90 compile (sass_probe.py --kernel bwd, documents): default 64x128 / dQ 128x128 has
     # 208 B of stack and 167 spill ops; dQ 128x64: 160 B / 121; dK/dV 32x128 with dQ 128x64: none.
     "dq64": ({}, None, {"dq": (128, 64, 8, 2)}),

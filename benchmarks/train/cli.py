@@ -425,7 +425,7 @@ def _run_length(cfg: RunConfig, variants, pats, corpus, args, deadline, run_id, 
                 _record(r, run_id, json_path, payload_ref)
                 continue
             if short and not (impl in ("flex", "flexflash") and not cfg.device.startswith("cuda")):
-                reason = f"invocation deadline: {max(0.0, left):.0f} s left, " + (
+                reason = f"--deadline: {max(0.0, left):.0f} s left, " + (
                     f"about {need:.0f} s needed (setup, compilation, {first} steps, evaluation)" if need is not None
                     else f"less than --min-variant-s {args.min_variant_s:g} s")
                 log(f"== {v} @ {cfg.seq_len}: skipped ({reason})")

@@ -14,6 +14,7 @@ import glob
 import json
 import math
 import os
+import re
 
 import numpy as np
 
@@ -211,7 +212,7 @@ def targets(payload: dict) -> list[dict]:
             continue
         g = gap_vs_dense(res, L, r)
         if g is None:
-            out.append({"target": f"held-out bits/byte within 3 % of dense: bsfa_{fam}", "measured": None,
+            out.append({"target": f"held-out bits/byte at most 3 % above dense: bsfa_{fam}", "measured": None,
                         "met": None, "detail": "no common evaluation step with sdpa_causal"})
             continue
         s, bv, bd, gap = g
@@ -219,7 +220,7 @@ def targets(payload: dict) -> list[dict]:
         detail = f"{bv:.4f} vs {bd:.4f} at step {s}"
         if not met:
             detail += f"; missed by {gap - 0.03:.1%} points"
-        out.append({"target": f"held-out bits/byte within 3 % of dense: bsfa_{fam}", "measured": f"{gap:+.2%}",
+        out.append({"target": f"held-out bits/byte at most 3 % above dense: bsfa_{fam}", "measured": f"{gap:+.2%}",
                     "met": met, "detail": detail})
     return out
 
@@ -355,8 +356,17 @@ def _f(x, fmt="{:.2f}", na="n/a"):
     return na if x is None or (isinstance(x, float) and not math.isfinite(x)) else fmt.format(x)
 
 
-_STOPPED = {"plan": "steps planned to fit the deadline", "max_steps": "capped: equal steps with the variants before",
-            "deadline": "stopped by the deadline", "time_budget": "stopped by the time budget"}
+_STOPPED = {"plan": "steps planned to fit `--deadline`", "max_steps": "capped: equal steps with the variants before",
+            "deadline": "stopped by `--deadline`", "time_budget": "stopped by the time budget"}
+
+
+def _reason(r) -> str:
+    """Why a variant did not run, in the reader's terms (a deadline skip keeps only its estimate)."""
+    reason = r.get("reason", "")
+    m = re.match(r"(?:invocation deadline|--deadline): (\d+) s left, about (\d+) s needed", reason)
+    if m:
+        return f"`--deadline` left {m.group(1)} s, it needed about {m.group(2)} s"
+    return reason
 
 
 def _status_cell(r):
@@ -371,7 +381,7 @@ def _status_cell(r):
         return "**out of memory**"
     if st == "error":
         return f"**error**: {r.get('error', '')[:120]}"
-    return f"{st}: {r.get('reason', '')}"
+    return f"not run: {_reason(r)}" if st == "skipped" else f"{st}: {_reason(r)}"
 
 
 def _speed_cols(res, r):
@@ -490,7 +500,7 @@ def markdown(payload: dict, figures: dict) -> str:
         "files: the level a model that learned nothing but byte frequencies reaches.",
         f"- **Probe** (multi-query associative recall): {c.get('probe_pairs', '?')} key-value pairs written "
         "at the start of the sequence (inside the global-token prefix of Longformer and BigBird), then "
-        "rounds near the end that repeat every key in a random order, each followed by its value; the "
+        "passes near the end that repeat every key in a random order, each followed by its value; the "
         "scored prediction is the value. Every query key is more than `layers x window` tokens after any "
         "earlier occurrence of its key, so a sliding window, even stacked over all layers, sees only text "
         f"and unrelated pairs: it is at chance ({1 / N_VALS:.3f}). Global tokens and dense attention see the "
@@ -595,12 +605,14 @@ def markdown(payload: dict, figures: dict) -> str:
             "python benchmarks/train_long_context.py --device cpu", "```"]
     out += [""] + CP_SECTION
     out += ["", "## Runs", ""]
-    for rid, run in sorted(runs.items()):
-        rc = run.get("config", {})
+    for _, run in sorted(runs.items()):
+        rc, env = run.get("config", {}), run.get("env", {})
         summary = (f"lengths {rc.get('seq_len')}, {rc.get('layers')} layers x d_model {rc.get('d_model')}, "
                    f"{rc.get('steps')} steps, compile {'on' if rc.get('compile') else 'off'}")
-        out.append(f"- `{rid}`: `python benchmarks/train_long_context.py {' '.join(run.get('argv', []))}` "
-                   f"on {run.get('env', {}).get('device', '?')} ({summary})")
+        versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "triton", "python") if env.get(k))
+        argv = " ".join(os.path.basename(a) if os.path.isabs(a) else a for a in run.get("argv", []))
+        out.append(f"- `python benchmarks/train_long_context.py {argv}` on {env.get('device', '?')}"
+                   f"{f' ({versions})' if versions else ''}: {summary}")
     out += ["", "Raw data, including per-step times and losses, evaluation histories and profiles: "
             "`docs/data/training_results.json`.", ""]
     return "\n".join(out)
@@ -637,7 +649,7 @@ def _coverage(payload, L, mode) -> list[str]:
     ok = [r["variant"] for r in rs if _ok(r)]
     short = [f"{r['variant']} ({r['steps']} of {r['steps_planned']})" for r in rs
              if _ok(r) and r.get("steps_planned") and r.get("steps", 0) < r["steps_planned"]]
-    skipped = [f"{r['variant']} ({r.get('reason', '')})" for r in rs if r.get("status") == "skipped"]
+    skipped = [f"{r['variant']} ({_reason(r)})" for r in rs if r.get("status") == "skipped"]
     failed = [f"{r['variant']} ({r.get('status')})" for r in rs if r.get("status") in ("oom", "error")]
     out = [f"Measured: {', '.join(f'`{v}`' for v in ok) or 'none'}."]
     if short:
@@ -655,7 +667,7 @@ def _probe_line(payload, L) -> list[str]:
     for r in payload["results"]:
         p = r.get("probe")
         if r.get("seq_len") == L and r.get("mode") == "train" and p:
-            line = (f"Probe at this length: {p['pairs']} pairs, {len(p['rounds'])} query round(s) "
+            line = (f"Probe at this length: {p['pairs']} pairs, {len(p['rounds'])} query pass(es) "
                     f"({p['pairs'] * len(p['rounds'])} scored answers per probe sequence), every query more "
                     f"than {p['reach']:,} tokens after the earlier occurrences of its key; chance accuracy "
                     f"{1 / N_VALS:.3f}.")
@@ -672,7 +684,7 @@ def _probe_line(payload, L) -> list[str]:
                 line += (f" **No variant, dense included, learned the probe within {steps} steps** (best held-out "
                          f"accuracy {max(best.values()):.3f}, chance {1 / N_VALS:.3f}): this run does not show the "
                          "difference between a window alone and a window with global tokens; that needs a longer "
-                         "run than the time available here.")
+                         "run.")
             return [line, ""]
     return []
 

@@ -130,12 +130,12 @@ def _shard_states(shard, source, bm: int, bn: int) -> Segments:
 # ------------------------------------------------------------------------------------------------
 COST = {
     # a masked kernel tile costs this many unmasked ones (sm_90 SASS instructions per iteration with
-    # ``even``, benchmarks/NOTES.md "Lever 1": forward 1.90, dQ 1.91, dK/dV 1.42-1.47)
+    # ``even``, benchmarks/NOTES.md, "Where a partial tile's cost comes from": forward 1.90, dQ 1.91, dK/dV 1.42-1.47)
     "partial_row": 1.9,
     "partial_col": 1.45,
     # what one more loop iteration adds beyond its tiles' work (LUT read, loop control, the pipeline's
     # wait and barrier, set-up the unrolled tiles of one entry share), in unmasked tiles: sm_90 SASS of
-    # the unmasked loops over 128-blocks and over 64-blocks, Longformer (benchmarks/NOTES.md "Lever 5"):
+    # the unmasked loops over 128-blocks and over 64-blocks, Longformer (benchmarks/NOTES.md, "Finer lists"):
     # forward 128x64 675 vs 2 x 359 instructions (43 = 0.13 tile), dQ 128x64 565 vs 2 x 295 (0.09),
     # dK/dV 32x128 1086 vs 2 x 606 (126 = 0.46 tile)
     "iteration_row": 0.12,

@@ -93,6 +93,17 @@ __all__ = ["register", "unregister", "make_attention_function", "make_mask_funct
 _registered: dict = {}
 
 
+def _transformers():
+    """``transformers``' two registries; an ImportError that names the extra when it is missing."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("the transformers integration needs transformers >= 4.56: "
+                          f"pip install 'blocksparse_fa[hf]' ({e})") from e
+    return AttentionInterface, AttentionMaskInterface
+
+
 def _as_mask(mask) -> Mask:
     if mask is None:
         return full()
@@ -276,6 +287,7 @@ def make_cp_mask_function():
 def make_mask_function():
     """The ``AttentionMaskInterface`` function: the compact key-padding form (or ``None``) for the
     plain causal mask with aligned queries, SDPA's boolean 4D mask for everything else."""
+    _transformers()
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     def blocksparse_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
@@ -324,8 +336,7 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
     Returns:
         ``name``. Registering the same name again replaces the pattern.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface, AttentionMaskInterface = _transformers()
 
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
@@ -349,8 +360,7 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
 
 def unregister(name: str = "blocksparse") -> None:
     """Remove an implementation added by :func:`register`."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface, AttentionMaskInterface = _transformers()
 
     if _registered.pop(name, None) is not None:
         AttentionInterface._global_mapping.pop(name, None)

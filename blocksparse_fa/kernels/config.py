@@ -13,17 +13,17 @@ from ..ops.options import TileConfig
 
 # (head_dim_pad upper bound) -> config; chosen on an H100 (see benchmarks/NOTES.md)
 # fwd: (BLOCK_M queries, BLOCK_N keys); dkdv: (BLOCK_M queries per step, BLOCK_N keys per program);
-# dq: (BLOCK_M queries per program, BLOCK_N keys per step). Measured: benchmarks/NOTES.md (v2 sweep).
+# dq: (BLOCK_M queries per program, BLOCK_N keys per step). Measured: benchmarks/NOTES.md, "Tile configurations".
 _FWD = {64: TileConfig(64, 128, 4, 3), 128: TileConfig(128, 128, 8, 2), 256: TileConfig(64, 32, 4, 2)}
 _BWD_DKDV = {64: TileConfig(64, 64, 4, 2), 128: TileConfig(64, 128, 8, 2), 256: TileConfig(32, 32, 4, 1)}
 _BWD_DQ = {64: TileConfig(128, 32, 8, 2), 128: TileConfig(128, 128, 8, 2), 256: TileConfig(32, 32, 4, 1)}
 # Band-like layouts ("short rows": few blocks per row, mostly full) run faster with 64-key steps
-# in the forward and dQ (v6 sweep, benchmarks/NOTES.md: sliding_window(1024) fwd 0.472 -> 0.436 ms,
+# in the forward and dQ (benchmarks/NOTES.md, "Tile configurations": sliding_window(1024) fwd 0.472 -> 0.436 ms,
 # backward 1.338 -> 1.268 ms); dense/causal and partial-heavy patterns keep the tables above.
 _FWD_SHORT = {128: TileConfig(128, 64, 8, 2)}
 # Short rows with many partial blocks (narrow windows, Longformer, BigBird): 64-key steps with three
 # stages; the 128x128 tiles spill there (sliding_window(128): 88 MB of local loads per forward).
-# A/B v9 (NOTES.md), fwd ms: window 128 0.213 -> 0.202, 256 0.247 -> 0.235, 512 0.313 -> 0.298,
+# A/B (benchmarks/NOTES.md, "Forward kernel"), fwd ms: window 128 0.213 -> 0.202, 256 0.247 -> 0.235, 512 0.313 -> 0.298,
 # Longformer 0.546 -> 0.525, BigBird 0.600 -> 0.579.
 _FWD_SHORT_PARTIAL = {128: TileConfig(128, 64, 8, 3)}
 _BWD_DQ_SHORT = {128: TileConfig(128, 64, 8, 2)}
@@ -34,7 +34,7 @@ SHORT_ROW_PARTIAL = 0.3
 # local loads 602 -> 8 MB on documents; Longformer 389 MB -> 2 MB of spill fills), L2->SM bytes at
 # the traffic model, Longformer 1.447 -> 1.332 ms, BigBird 1.673 -> 1.605 ms, documents and the
 # 1024 window unchanged within 1 %. Dense and causal lose 3-6 % with them and keep the tables above
-# (A/B v9, benchmarks/NOTES.md).
+# (A/B, benchmarks/NOTES.md, "Backward kernels").
 _BWD_PARTIAL = {128: (TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2))}
 PARTIAL_HEAVY = 0.1
 # FlexAttention's backward tiles at d = 128 on Hopper (dK/dV 64 queries x 128 keys, dQ 128 x 64,
