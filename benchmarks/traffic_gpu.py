@@ -151,14 +151,13 @@ def _kernel_tiles(cfg: dict) -> dict | None:
 
         from blocksparse_fa.kernels import config as kc
 
-        from blocksparse_fa.ops.triton_backend import _is_band, _is_partial_heavy, _is_short_partial
+        from blocksparse_fa.ops.select import layout_class
 
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
         dp = kc.head_dim_pad(cfg["head_dim"])
-        lay = _layout(cfg, device="cpu")
-        band = _is_band(lay)  # band-like and partial-heavy layouts get their own tile tables
-        f = kc.fwd_config(dp, dt, cfg["block"], cfg["block"], band, _is_short_partial(lay))
-        a, b = kc.bwd_configs(dp, dt, cfg["block"], cfg["block"], band, _is_partial_heavy(lay))
+        lc = layout_class(_layout(cfg, device="cpu"))  # band-like and partial-heavy layouts: own tile tables
+        f = kc.fwd_config(dp, dt, cfg["block"], cfg["block"], lc.band, lc.short_partial)
+        a, b = kc.bwd_configs(dp, dt, cfg["block"], cfg["block"], lc.band, lc.partial_heavy)
         return dict(fwd_block_m=f.block_m, fwd_block_n=f.block_n, dkdv_block_m=a.block_m, dkdv_block_n=a.block_n,
                     dq_block_m=b.block_m, dq_block_n=b.block_n)
     except Exception:  # noqa: BLE001 - best effort

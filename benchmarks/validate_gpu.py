@@ -291,24 +291,25 @@ def main():
     # recompilation check: window size and length changes reuse compiled kernels
     def run_fwd_bwd(mask, n):
         q = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        o = bsfa.attention(q, q, q, mask=mask)
+        o = bsfa.attention(q, q, q, mask=mask, kernel_options=OPTIONS)
         o.sum().backward()
         torch.cuda.synchronize()
 
     def tile_configs(w, n):
         from blocksparse_fa.kernels import config as kc
-        from blocksparse_fa.ops.triton_backend import _is_band, _is_partial_heavy, _is_short_partial
-
+        from blocksparse_fa.ops.options import as_options
+        from blocksparse_fa.ops.select import layout_class
         from blocksparse_fa.ops.triton_backend import _even, _list_block
 
+        opts = as_options(OPTIONS)
         lay = bsfa.compile_mask(bsfa.causal() & bsfa.window(w), n, n, 128)
-        band, even = _is_band(lay), _even(lay)  # a length that is not a multiple of 128: its own variant
-        fc = kc.fwd_config(128, torch.bfloat16, 128, 128, band, _is_short_partial(lay))
-        kv, dq = kc.bwd_configs(128, torch.bfloat16, 128, 128, band, _is_partial_heavy(lay))
+        lc, even = layout_class(lay), _even(lay, opts)  # a length that is not a multiple of 128: its own variant
+        fc = kc.fwd_config(128, torch.bfloat16, 128, 128, lc.band, lc.short_partial)
+        kv, dq = kc.bwd_configs(128, torch.bfloat16, 128, 128, lc.band, lc.partial_heavy)
         # finer lists (--lists): a layout whose list blocks change compiles its own variant too
-        return ((fc, even, _list_block(lay, "row", fc.block_n)),
-                ((kv, dq), even, _list_block(lay, "col", kv.block_m, kv.flat), _list_block(lay, "row", dq.block_n,
-                                                                                            dq.flat)))
+        return ((fc, even, _list_block(lay, "row", fc.block_n, opts)),
+                ((kv, dq), even, _list_block(lay, "col", kv.block_m, opts, kv.flat),
+                 _list_block(lay, "row", dq.block_n, opts, dq.flat)))
 
     first, later = (256, 4096), ((512, 4096), (1000, 8192), (77, 5000), (4096, 12288))
     run_fwd_bwd(bsfa.causal() & bsfa.window(first[0]), first[1])

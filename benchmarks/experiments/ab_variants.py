@@ -1,8 +1,11 @@
 """A/B of kernel variants on the same inputs (N=16K, d=128, bf16, H=16): how the loops find LUT
-block indices (loaded, prefetched, computed for contiguous lists; ``set_lut_policy``) and the
-one-launch backward's grid order (head by head vs all dK/dV programs first), and backward tile
-sizes (register spills). Every variant is checked against the first one (bit-identical results
-expected; the tile variants are too on the H100, as the MMAs walk the reduction in the same order).
+block indices (loaded, prefetched, computed for contiguous lists; the ``row_arith``/``fwd_other``/
+``col_arith`` kernel options) and the one-launch backward's grid order (head by head vs all dK/dV
+programs first), and backward tile sizes (register spills). Each variant is a
+:class:`~blocksparse_fa.KernelOptions` value passed to the timed Triton forward and backward (the
+Gluon kernels, the default for dense and causal on Hopper, are off). Every variant is checked
+against the first one (bit-identical results expected; the tile variants are too on the H100, as
+the MMAs walk the reduction in the same order).
 
     PYTHONPATH=. python benchmarks/experiments/ab_variants.py [--patterns ...] [--out DIR]
     PYTHONPATH=. python benchmarks/experiments/ab_variants.py worker --pattern P --variant V   # one fwd+bwd, for ncu
@@ -24,36 +27,38 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from tune_sparse import parallel_warm, rel  # noqa: E402
 
+from blocksparse_fa.ops.options import KernelOptions, TileConfig  # noqa: E402
+
 PATTERNS = ["dense", "causal", "sliding_window_1024", "document_causal", "longformer", "bigbird"]
-# name -> (LUT policy, head-major backward grid: None = automatic); the first is the reference
-DEFAULT_POLICY = dict(row_arith=True, fwd_other="prefetch", col_arith=None)
+BASE = dict(forward="triton", backward="triton")  # the Triton kernels on every pattern
+# name -> kernel options (fields of KernelOptions beyond BASE); the first is the reference
 VARIANTS = {
-    "default": ({}, None),
-    "load": (dict(row_arith=False, fwd_other="load"), None),
-    "no_prefetch": (dict(fwd_other="load"), None),
-    "no_row_arith": (dict(row_arith=False), None),
-    "col_arith": (dict(col_arith=True), None),
-    "doc_ids": (dict(document_runs=False), None),
-    "phase": ({}, False),
-    "headmajor": ({}, True),
+    "default": {},
+    "load": dict(row_arith=False, fwd_other="load"),
+    "no_prefetch": dict(fwd_other="load"),
+    "no_row_arith": dict(row_arith=False),
+    "col_arith": dict(col_arith=True),
+    "doc_ids": dict(document_runs=False),
+    "phase": dict(head_major=False),
+    "headmajor": dict(head_major=True),
     # backward tiles (bit-identical to "default" on the H100, NOTES.md "Backward kernels").
     # Local sm_90 compile (sass_probe.py --kernel bwd, documents): default 64x128 / dQ 128x128 has
     # 208 B of stack and 167 spill ops; dQ 128x64: 160 B / 121; dK/dV 32x128 with dQ 128x64: none.
-    "dq64": ({}, None, {"dq": (128, 64, 8, 2)}),
-    "dkdv32": ({}, None, {"dkdv": (32, 128, 8, 2)}),
-    "dkdv32_dq64": ({}, None, {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
-    "fwd64": ({}, None, {"fwd": (128, 64, 8, 2)}),
-    "fwd64_s3": ({}, None, {"fwd": (128, 64, 8, 3)}),
-    "old_tiles": ({}, None, {"dkdv": (64, 128, 8, 2), "dq": (128, 128, 8, 2)}),  # before v9, non-band
-    "dkdv32_dq64_s3": ({}, None, {"dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 3)}),
+    "dq64": dict(dq_tiles=TileConfig(128, 64, 8, 2)),
+    "dkdv32": dict(dkdv_tiles=TileConfig(32, 128, 8, 2)),
+    "dkdv32_dq64": dict(dkdv_tiles=TileConfig(32, 128, 8, 2), dq_tiles=TileConfig(128, 64, 8, 2)),
+    "fwd64": dict(fwd_tiles=TileConfig(128, 64, 8, 2)),
+    "fwd64_s3": dict(fwd_tiles=TileConfig(128, 64, 8, 3)),
+    "old_tiles": dict(dkdv_tiles=TileConfig(64, 128, 8, 2), dq_tiles=TileConfig(128, 128, 8, 2)),  # before v9
+    "dkdv32_dq64_s3": dict(dkdv_tiles=TileConfig(32, 128, 8, 3), dq_tiles=TileConfig(128, 64, 8, 3)),
     # forward loop: K/V through tensor descriptors (TMA), warp specialisation, masked-loop depth
-    "kv_desc": ({}, None, {}, dict(kv_desc=True)),
-    "kv_desc_ws": ({}, None, {}, dict(kv_desc=True, warp_specialize=True)),
-    "mstages1": ({}, None, {}, dict(masked_stages=1)),
-    "mstages3": ({}, None, {}, dict(masked_stages=3)),
-    "default_again": ({}, None, {}, {}),  # run-to-run noise
+    "kv_desc": dict(kv_desc=True),
+    "kv_desc_ws": dict(kv_desc=True, warp_specialize=True),
+    "mstages1": dict(masked_stages=1),
+    "mstages3": dict(masked_stages=3),
+    "default_again": {},  # run-to-run noise
     # diagnostic, wrong results: partial tiles keep every element (the predicate's cost)
-    "trivial_pred": ({}, None, {}, {}),
+    "trivial_pred": {},
 }
 
 
@@ -62,23 +67,9 @@ def _keep_all(qp, kj, i, b, h, PARAMS, AUX, KEY_SIDE: tl.constexpr):
     return (qp + kj) >= -1
 
 
-def _apply(variant: str) -> None:
-    from blocksparse_fa.ops import triton_backend as tb
-
-    from blocksparse_fa.kernels.predicate import set_document_runs
-
-    from blocksparse_fa.kernels.config import TileConfig, set_override
-
-    policy, head_major, *rest = VARIANTS[variant]
-    tiles = rest[0] if rest else {}
-    tb.set_forward_options(kv_desc=False, warp_specialize=False, masked_stages=None)
-    tb.set_forward_options(**(rest[1] if len(rest) > 1 else {}))
-    for kernel in ("fwd", "dkdv", "dq"):
-        set_override(kernel, TileConfig(*tiles[kernel]) if kernel in tiles else None)
-    policy = dict(policy)
-    set_document_runs(policy.pop("document_runs", True))
-    tb.set_lut_policy(**{**DEFAULT_POLICY, **policy})
-    tb.set_fused_backward(True, head_major)
+def options(variant: str) -> KernelOptions:
+    """The kernel options of ``variant``."""
+    return KernelOptions(**BASE, **VARIANTS[variant])
 
 
 def _fns(p, n, variant, h=16, d=128):
@@ -86,16 +77,16 @@ def _fns(p, n, variant, h=16, d=128):
 
     from blocksparse_fa.ops import triton_backend as tb
 
-    _apply(variant)
+    opts = options(variant)
     lay, q, k, v, do, s = _setup(p, n, d, h)
-    lay.__dict__.pop("_triton_state", None)  # compile_mask caches layouts: rebuild LUTs and predicate
+    lay.cache.clear()  # compile_mask caches layouts: rebuild LUTs, predicate and launch plans
     if variant == "trivial_pred":
-        _, _, pay, _ = tb._device_state(lay, q.device)
+        pay = tb._device_state(lay, q.device, opts)[2]
         pay.fn = _keep_all
     scale = d ** -0.5
-    fwd = lambda: tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
+    fwd = lambda: tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=opts)
     out, lse = fwd()
-    bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0)
+    bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0, opts=opts)
     return fwd, bwd, out, bwd()
 
 
@@ -148,10 +139,9 @@ def main():
             tb_ = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
             res[f"{p}/{v}"] = dict(fwd_ms=tf, bwd_ms=tb_, max_rel_diff_vs_first=err)
             print(f"{p:20s} {v:10s} fwd {tf:.3f} ms  bwd {tb_:.3f} ms  diff vs {args.variants[0]} {err:.1e}", flush=True)
-        _apply("default")
     with open(os.path.join(args.out, "ab_variants.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       n=args.n, d=128, h=16, variants={k: [repr(x) for x in v] for k, v in VARIANTS.items()},
+                       n=args.n, d=128, h=16, variants={k: options(k).encode() for k in VARIANTS},
                        results=res), f, indent=1)
 
 

@@ -13,7 +13,8 @@ default backward, cuDNN and FlexAttention.
    (``ours_blocksparse``), cuDNN (SDPA) and compiled FlexAttention. TFLOP/s of the backward count
    10·B·H·N²·d (causal: half), of fwd+bwd 14·B·H·N²·d.
 
-Variants (``VARIANTS``: :class:`GluonBwdConfig` fields and deterministic or not): ``det`` (the
+Variants (``VARIANTS``: :class:`GluonBwdConfig` fields and deterministic or not, run as the kernel
+options ``backward="gluon", gluon_bwd=..., deterministic=...``): ``det`` (the
 default: dK/dV kernel + dQ kernel with 128-key steps), ``atomic`` (dQ added with fp32 atomics by the
 dK/dV kernel), and the schedules: ``pp`` (both kernels'
 consumer groups take turns issuing), ``ov*`` (dK/dV kernel: ``dK += dSᵀ·Q`` of step t issued with
@@ -103,12 +104,13 @@ class _Child:
 
         tb._gluon_bwd_launch = counted
         self.big = {}
+        self.opts = None  # the kernel options of the current variant (set_variant)
 
     def set_variant(self, name):
-        tb = self.tb
+        from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
+
         fields, det = VARIANTS[name]
-        tb.set_backward_options(dense="gluon", gluon=tb.GluonBwdConfig(**fields))
-        tb.set_kernel_options(deterministic=det)
+        self.opts = KernelOptions(backward="gluon", gluon_bwd=GluonBwdConfig(**fields), deterministic=det)
         return det
 
     def mask(self, pattern):
@@ -140,7 +142,7 @@ class _Child:
         s = check_qkv(q, k, v)
         scale = q.shape[-1] ** -0.5
         lay = bsfa.compile_mask(self.mask(pattern), s.Lq, s.Lk, 128, device=q.device)
-        out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
+        out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=self.opts)
         before = self.calls
         real_empty = torch.empty
 
@@ -150,7 +152,8 @@ class _Child:
 
         torch.empty = poisoned
         try:
-            dq, dk, dv = tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0, deterministic=det)
+            dq, dk, dv = tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0, deterministic=det,
+                                            opts=self.opts)
         finally:
             torch.empty = real_empty
         torch.cuda.synchronize()
@@ -206,16 +209,18 @@ class _Child:
             m = self.mask(pattern)
             scale = D ** -0.5
             lay = bsfa.compile_mask(m, N, N, 128, device=q.device)
-            out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
-            bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0)  # noqa: E731
+            opts = self.opts
+            out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=opts)
+            bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0, opts=opts)  # noqa: E731
             before = self.calls
             bwd()
             rec["timed_gluon"] = self.calls > before
             rec["bwd_ms"] = bench_ms(bwd)
             qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
-            def fb():  # default forward options (the Gluon forward on Hopper); the variant's backward
-                grads = torch.autograd.grad(bsfa.attention(qg, kg, vg, mask=m), (qg, kg, vg), do)
+            def fb():  # the default forward (the Gluon forward on Hopper); the variant's backward
+                grads = torch.autograd.grad(bsfa.attention(qg, kg, vg, mask=m, kernel_options=opts), (qg, kg, vg),
+                                            do)
                 del grads
 
             try:
@@ -270,7 +275,6 @@ def baselines(results, deadline, save, no_flex=False):
     s = check_qkv(q, k, v)
     scale = D ** -0.5
     base = results["baselines"]
-    tb.set_kernel_options(deterministic=True)
 
     def fwd_bwd_pair(fwd):
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -289,24 +293,23 @@ def baselines(results, deadline, save, no_flex=False):
         # process only when the default variant passed its checks in a child (a hang would stop
         # the run here); ours_blocksparse: the block-sparse backward (Gluon forward)
         det_ok = results["gluon"].get(f"big:{pattern}:det", {}).get("ok", False)
-        for name, dense in (("ours_default", "auto"), ("ours_blocksparse", None)):
+        for name, opts in (("ours_default", bsfa.KernelOptions()),
+                           ("ours_blocksparse", bsfa.KernelOptions(backward="triton"))):
             if name == "ours_default" and not det_ok:
                 rec[f"{name}_skipped"] = "the default Gluon variant did not pass its check in a child"
                 continue
             try:
-                tb.set_backward_options(dense=dense, gluon=None)
                 lay = bsfa.compile_mask(m, N, N, 128, device=q.device)
-                out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
-                bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0)  # noqa: E731
+                out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=opts)
+                bwd = lambda: tb.triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0, opts=opts)  # noqa: E731
                 bwd()
                 rec[f"{name}_bwd_ms"] = bench_ms(bwd)
-                _, fb = fwd_bwd_pair(lambda a, b_, c: bsfa.attention(a, b_, c, mask=m))
+                _, fb = fwd_bwd_pair(lambda a, b_, c: bsfa.attention(a, b_, c, mask=m, kernel_options=opts))
                 fb()
                 rec[f"{name}_fwdbwd_ms"] = bench_ms(fb)
             except Exception:  # noqa: BLE001
                 rec[f"{name}_error"] = traceback.format_exc()[-2000:]
                 print(rec[f"{name}_error"], flush=True)
-        tb.set_backward_options(dense="auto", gluon=None)
         try:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 bwd, fb = fwd_bwd_pair(lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c,

@@ -7,8 +7,9 @@ default forward, FlexAttention and cuDNN.
    2x that of eager attention in the same dtype, LSE's max error at most max(2x eager, 1e-3).
 2. Timings (``triton.testing.do_bench``, median) at N = 16K, d = 128, bf16, B = 1, H = 16, dense
    and causal: every configuration that passed its check, through ``blocksparse_fa.attention``
-   (``set_forward_options(dense="gluon", gluon=cfg)``), beside our default forward, cuDNN (SDPA)
-   and FlexAttention (compiled). TFLOP/s count 4·B·H·N²·d (causal: half).
+   (kernel options ``forward="gluon", gluon_fwd=cfg``), beside our block-sparse Triton forward
+   (``forward="triton"``, reported as ``ours_default``), cuDNN (SDPA) and FlexAttention
+   (compiled). TFLOP/s count 4·B·H·N²·d (causal: half).
 
 A barrier mistake in a Gluon kernel hangs the GPU rather than raising, so the Gluon cases run in a
 child process that the parent kills when it makes no progress for ``--stall`` seconds (the case is
@@ -29,7 +30,7 @@ import time
 import traceback
 
 N, H, D = 16384, 16, 128
-# name -> GluonConfig fields; "default" is GluonConfig() (the one set_forward_options uses)
+# name -> GluonConfig fields; "default" is GluonConfig() (the one the kernel options default to)
 CONFIGS = {
     "default": {},
     "stages3": dict(stages=3),
@@ -61,6 +62,15 @@ def child_cases() -> list[str]:
                 cases.append(f"small:{0 if pat == 'dense' else 3}:{cfg}")
             cases.append(f"big:{pat}:{cfg}")
     return cases
+
+
+def gluon_options(fields: dict):
+    """Kernel options that run the Gluon forward (refused where it cannot run) with the tiles
+    ``fields`` (:class:`~blocksparse_fa.ops.options.GluonConfig` fields; interval layouts included,
+    the ``interval`` option's default)."""
+    from blocksparse_fa.ops.options import GluonConfig, KernelOptions
+
+    return KernelOptions(forward="gluon", gluon_fwd=GluonConfig(**fields))
 
 
 def rel(a, b) -> float:
@@ -98,10 +108,10 @@ class _Child:
 
         tb._gluon_launch = counted
         self.big = {}
+        self.opts = None  # the kernel options of the current configuration (set_cfg)
 
     def set_cfg(self, name):
-        tb = self.tb
-        tb.set_forward_options(dense="gluon", gluon=tb.GluonConfig(**CONFIGS[name]))
+        self.opts = gluon_options(CONFIGS[name])
 
     def mask(self, pattern):
         return self.bsfa.full() if pattern == "dense" else self.bsfa.causal()
@@ -123,7 +133,7 @@ class _Child:
 
         torch.empty = poisoned
         try:
-            out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
+            out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=self.opts)
         finally:
             torch.empty = real_empty
         torch.cuda.synchronize()
@@ -176,7 +186,7 @@ class _Child:
         rec = self.run_check(pattern, q, k, v, heads=2)
         if rec["ok"]:
             m = self.mask(pattern)
-            fn = lambda: self.bsfa.attention(q, k, v, mask=m)  # noqa: E731
+            fn = lambda: self.bsfa.attention(q, k, v, mask=m, kernel_options=self.opts)  # noqa: E731
             with torch.no_grad():
                 before = self.calls
                 fn()
@@ -288,17 +298,16 @@ def baselines(results, deadline, save):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import blocksparse_fa as bsfa
-    from blocksparse_fa.ops import triton_backend as tb
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     base = results["baselines"]
+    triton_fwd = bsfa.KernelOptions(forward="triton")  # "ours_default": our block-sparse Triton forward
     for pattern in ("dense", "causal"):
         rec = base.setdefault(pattern, {})
         m = bsfa.full() if pattern == "dense" else bsfa.causal()
-        tb.set_forward_options(dense=None, gluon=None)
         try:
-            fn = lambda: bsfa.attention(q, k, v, mask=m)  # noqa: E731
+            fn = lambda: bsfa.attention(q, k, v, mask=m, kernel_options=triton_fwd)  # noqa: E731
             with torch.no_grad():
                 fn()
                 rec["ours_default_ms"] = bench_ms(fn)

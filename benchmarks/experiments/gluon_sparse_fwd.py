@@ -11,8 +11,9 @@ on the H100: checked, then timed beside our Triton block-sparse forward and Flex
 2. Timings (``triton.testing.do_bench``, median), bf16, d 128, B 1: 16K with H 16 and 64K with H 8,
    for ``sliding_window(1024)``, ``causal & document`` (``bench.py``'s document_causal ids),
    ``causal & sliding_window(4096)`` and ``key_range(0, 512) | causal``: forward through
-   ``blocksparse_fa.attention`` with the Gluon forward (default), with our Triton block-sparse
-   forward (``set_forward_options(interval=False)``), and compiled FlexAttention; forward+backward
+   ``blocksparse_fa.attention`` with the Gluon forward (kernel options ``forward="gluon"``; the
+   default picks it too), with our Triton block-sparse forward (``interval=False``), and compiled
+   FlexAttention; forward+backward
    at 16K for all three (our backward is the same block-sparse kernel either way). Dense and
    causal at 16K with the Gluon forward too (the paths this change must not slow). TFLOP/s count
    4·H·d·(kept pairs).
@@ -35,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from gluon_fwd import bench_ms, child_loop, rel, run_children  # noqa: E402
+from gluon_fwd import bench_ms, child_loop, gluon_options, rel, run_children  # noqa: E402
 
 D = 128
 SIZES = {16384: 16, 65536: 8}  # N -> heads (bench.heads_for)
@@ -158,6 +159,10 @@ class _Child:
 
         tb._gluon_launch = counted
         self.big = {}
+        self.opts = None  # the kernel options of the current case
+
+    def set_cfg(self, cfg: str) -> None:
+        self.opts = gluon_options(CONFIGS[cfg])  # interval layouts on (the default)
 
     def run_check(self, mask, q, k, v, heads=None) -> dict:
         """Our output through triton_forward (O and LSE poisoned with NaN) vs float64 and eager."""
@@ -176,7 +181,7 @@ class _Child:
 
         torch.empty = poisoned
         try:
-            out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0)
+            out, lse = tb.triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=self.opts)
         finally:
             torch.empty = real_empty
         torch.cuda.synchronize()
@@ -203,12 +208,12 @@ class _Child:
         return rec
 
     def case(self, name: str) -> dict:
-        torch, bsfa, tb = self.torch, self.bsfa, self.tb
+        torch, bsfa = self.torch, self.bsfa
         parts = name.split(":")
         dev = "cuda"
         if parts[0] == "small":
             i, cfg = int(parts[1]), parts[2]
-            tb.set_forward_options(dense="gluon", gluon=tb.GluonConfig(**CONFIGS[cfg]), interval=True)
+            self.set_cfg(cfg)
             mname, b, h, hkv, lq, lk, d, dt, strided = SMALL[i]
             dtype = torch.bfloat16 if dt == "bf16" else torch.float16
             g = torch.Generator(device=dev).manual_seed(i)
@@ -224,7 +229,7 @@ class _Child:
             return rec
         n, pattern = int(parts[1]), parts[2]
         h = SIZES[n]
-        tb.set_forward_options(dense="gluon", gluon=None, interval=True)
+        self.set_cfg("default")
         key = ("qkv", n)
         if key not in self.big:
             self.big.clear()
@@ -239,7 +244,8 @@ class _Child:
         else:
             rec = dict(ok=True, unchecked="timing only")
         if rec["ok"]:
-            fn = lambda: bsfa.attention(q, k, v, mask=mask)  # noqa: E731
+            opts = self.opts
+            fn = lambda: bsfa.attention(q, k, v, mask=mask, kernel_options=opts)  # noqa: E731
             with torch.no_grad():
                 before = len(self.calls)
                 fn()
@@ -250,7 +256,7 @@ class _Child:
             rec["tflops"] = flops / (rec["fwd_ms"] * 1e-3) / 1e12
             if n <= 16384 and pattern not in ("dense", "causal"):
                 qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-                fb = fwd_bwd(lambda: bsfa.attention(qg, kg, vg, mask=mask), do)
+                fb = fwd_bwd(lambda: bsfa.attention(qg, kg, vg, mask=mask, kernel_options=opts), do)
                 fb()
                 rec["fb_ms"] = bench_ms(fb)
                 del qg, kg, vg
@@ -284,11 +290,10 @@ def baselines(results, deadline, save):
     import torch
 
     import blocksparse_fa as bsfa
-    from blocksparse_fa.ops import triton_backend as tb
     from bench import Runner
 
     base = results["baselines"]
-    tb.set_forward_options(interval=False)  # the block-sparse Triton forward for interval layouts
+    triton_fwd = bsfa.KernelOptions(interval=False)  # the block-sparse Triton forward for interval layouts
     runner = None
     inputs = {}
 
@@ -314,13 +319,14 @@ def baselines(results, deadline, save):
                 mask, mm = big_mask(pattern, n)
                 try:
                     if stage == "triton":
-                        fn = lambda: bsfa.attention(q, k, v, mask=mask)  # noqa: E731
+                        fn = lambda: bsfa.attention(q, k, v, mask=mask, kernel_options=triton_fwd)  # noqa: E731
                         with torch.no_grad():
                             fn()
                             rec["triton_fwd_ms"] = bench_ms(fn)
                         if n <= 16384:
                             qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-                            fb = fwd_bwd(lambda: bsfa.attention(qg, kg, vg, mask=mask), do)
+                            fb = fwd_bwd(lambda: bsfa.attention(qg, kg, vg, mask=mask, kernel_options=triton_fwd),
+                                         do)
                             fb()
                             rec["triton_fb_ms"] = bench_ms(fb)
                     else:
@@ -341,7 +347,6 @@ def baselines(results, deadline, save):
                     rec[f"{stage}_error"] = traceback.format_exc()[-2000:]
                     print(rec[f"{stage}_error"], flush=True)
                 save()
-    tb.set_forward_options(interval=True)
 
 
 def table(results) -> str:

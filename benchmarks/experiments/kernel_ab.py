@@ -1,18 +1,21 @@
 """Kernel variants side by side on the H100, checked against float64, beside FlexAttention and cuDNN.
 
-The variants (all off by default in the package; ``benchmarks/NOTES.md`` says what each
-is and what the sm_90 compile showed: "Lever 1" to "Lever 4"):
+The variants are kernel options (:class:`~blocksparse_fa.KernelOptions`, passed per call as
+``kernel_options=``), all off by default in the package; ``benchmarks/NOTES.md`` says what each
+is and what the sm_90 compile showed: "Lever 1" to "Lever 4". Every variant, ``default`` included,
+runs the Triton kernels (``forward="triton"``, ``backward="triton"``: the Gluon kernels, the
+default for dense and causal on Hopper, are off):
 
 - ``no_even``: masked loops keep their bounds checks even when the lengths are multiples of the
-  layout block (``set_kernel_options(even=False)``; the default drops them);
+  layout block (``even=False``; the default drops them);
 - ``band_flex``: FlexAttention's backward tiles (dK/dV 64x128, dQ 128x64, 3 stages, 8 warps) in
-  flat loops for band-like layouts (``set_band_backward("flex")``);
-- ``atomic``: the five-GEMM backward, dQ through fp32 atomic adds (``set_kernel_options(
-  deterministic=False)``); ``atomic_tma``: those adds as TMA reduce-adds (``dq_desc=True``);
+  flat loops for band-like layouts (``band_backward="flex"``);
+- ``atomic``: the five-GEMM backward, dQ through fp32 atomic adds (``deterministic=False``);
+  ``atomic_tma``: those adds as TMA reduce-adds (``dq_desc=True``);
 - ``dense_ws`` / ``dense_plain``: dense layouts through the descriptor-only forward, warp-specialised
-  (4 warps) or not (8 warps) (``set_forward_options(dense=...)``);
+  (4 warps) or not (8 warps) (``forward="ws"`` / ``"plain"``);
 - ``lists_*`` ("Lever 5"): the kernels' lists from a finer classification than the layout block
-  (``set_kernel_options(lists=...)``, ``compiler/finer.py``): ``lists_auto`` the cost model's choice
+  (``lists=...``, ``compiler/finer.py``): ``lists_auto`` the cost model's choice
   per side between the layout block and its half, ``lists_half`` half layout blocks on every side
   (forward/dQ 64 keys, dK/dV 64 queries per entry), ``lists_fine`` blocks of the kernel step
   (dK/dV 32 queries with the partial-heavy tiles), ``*_tiles`` with the stages multiplied by the
@@ -49,21 +52,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.py
 
+BASE = dict(forward="triton", backward="triton")  # every variant: the Triton kernels
+# name -> kernel options (fields of KernelOptions beyond BASE)
 VARIANTS = {
     "default": {},
-    "no_even": dict(kernel=dict(even=False)),
-    "band_flex": dict(band="flex"),
-    "band_flex_no_even": dict(band="flex", kernel=dict(even=False)),
-    "atomic": dict(kernel=dict(deterministic=False)),
-    "atomic_no_even": dict(kernel=dict(deterministic=False, even=False)),
-    "atomic_tma": dict(kernel=dict(deterministic=False, dq_desc=True)),
-    "dense_plain": dict(fwd=dict(dense="plain")),
-    "dense_ws": dict(fwd=dict(dense="ws")),
-    "lists_auto": dict(kernel=dict(lists="auto")),
-    "lists_half": dict(kernel=dict(lists="half")),
-    "lists_half_tiles": dict(kernel=dict(lists="half", list_stages="tiles")),
-    "lists_fine": dict(kernel=dict(lists="fine")),
-    "lists_fine_tiles": dict(kernel=dict(lists="fine", list_stages="tiles")),
+    "no_even": dict(even=False),
+    "band_flex": dict(band_backward="flex"),
+    "band_flex_no_even": dict(band_backward="flex", even=False),
+    "atomic": dict(deterministic=False),
+    "atomic_no_even": dict(deterministic=False, even=False),
+    "atomic_tma": dict(deterministic=False, dq_desc=True),
+    "dense_plain": dict(forward="plain"),
+    "dense_ws": dict(forward="ws"),
+    "lists_auto": dict(lists="auto"),
+    "lists_half": dict(lists="half"),
+    "lists_half_tiles": dict(lists="half", list_stages="tiles"),
+    "lists_fine": dict(lists="fine"),
+    "lists_fine_tiles": dict(lists="fine", list_stages="tiles"),
 }
 # (pattern, N) -> variants; "default" (the package's defaults: ``even`` on) first, the reference of
 # every ratio. cuDNN is timed for dense and causal.
@@ -101,17 +106,11 @@ def heads(n: int) -> int:
 os.environ.setdefault("BSFA_EXPERIMENTAL_WS", "1")  # dense_ws is refused by default (wrong on the H100)
 
 
-def apply(variant: str) -> None:
-    """Set the package's options for ``variant`` (every other option back to its default)."""
-    from blocksparse_fa.kernels.config import set_band_backward
-    from blocksparse_fa.ops import triton_backend as tb
+def options(variant: str):
+    """The kernel options of ``variant`` (every other option at its default)."""
+    from blocksparse_fa import KernelOptions
 
-    v = VARIANTS[variant]
-    tb.set_kernel_options(**{"even": True, "deterministic": True, "dq_desc": False, "lists": "coarse",
-                             "list_stages": "same", **v.get("kernel", {})})
-    tb.set_forward_options(**{"kv_desc": False, "warp_specialize": False, "masked_stages": None, "dense": None,
-                              **v.get("fwd", {})})
-    set_band_backward(v.get("band", "partial"))
+    return KernelOptions(**{**BASE, **VARIANTS[variant]})
 
 
 def inputs(n: int, h: int, seed: int = 0):
@@ -121,10 +120,10 @@ def inputs(n: int, h: int, seed: int = 0):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
 
-def ours_fn(mask, q, k, v):
+def ours_fn(mask, q, k, v, opts):
     import blocksparse_fa as bsfa
 
-    return lambda: bsfa.attention(q, k, v, mask=mask)
+    return lambda: bsfa.attention(q, k, v, mask=mask, kernel_options=opts)
 
 
 def fwd_bwd(fn, do):
@@ -144,10 +143,9 @@ def warm(job):
             f = r.fns(pattern, n, D, heads(n))
             f["flex"]().backward(f["do"])
         else:
-            apply(variant)
             mask, _ = bench.make_case(pattern, n)
             q, k, v, do = inputs(n, heads(n))
-            fwd_bwd(ours_fn(mask, q, k, v), do)()
+            fwd_bwd(ours_fn(mask, q, k, v, options(variant)), do)()
         torch.cuda.synchronize()
         return None
     except Exception as e:  # noqa: BLE001 - the timing run reports it too
@@ -189,18 +187,18 @@ class Reference:
         return res
 
 
-def list_blocks(mask, n: int, device) -> dict:
-    """List blocks and tiles of the launches of the current options (their plans, cached on the layout
-    ``attention`` compiled): per kernel ``[keys or queries per list entry, (tile), stages]``."""
+def list_blocks(mask, n: int, device, opts) -> dict:
+    """List blocks and tiles of the launches of kernel options ``opts`` (their plans, cached on the
+    layout ``attention`` compiled and keyed on the options): per kernel ``[keys or queries per list
+    entry, (tile), stages]``."""
     import blocksparse_fa as bsfa
-    from blocksparse_fa.ops import triton_backend as tb
 
     lay = bsfa.compile_mask(mask, n, n, 128, device=device)
     lays = [lay] if lay.rewrite is None else [lay.rewrite.band]
     out = {}
     for part in lays:
         for key, plan in list(part.cache.items()):
-            if not (isinstance(key, tuple) and key and key[0] in ("fwd", "bwd") and key[8] == tb._VERSION[0]):
+            if not (isinstance(key, tuple) and key and key[0] in ("fwd", "bwd") and key[8] == opts):
                 continue
             c = plan.consts
             if key[0] == "fwd":
@@ -236,10 +234,10 @@ def run_case(pattern, n, variants, runner, results, deadline):
         if time.time() > deadline:
             row["variants"][variant] = dict(skipped="time budget")
             continue
-        apply(variant)
-        fn = ours_fn(mask, q, k, v)
         rec = {}
         try:
+            opts = options(variant)
+            fn = ours_fn(mask, q, k, v, opts)
             out = fn()
             grads = torch.autograd.grad(out, (q, k, v), do)
             if ref is not None:
@@ -249,13 +247,12 @@ def run_case(pattern, n, variants, runner, results, deadline):
                 rec["fwd_ms"] = bench_ms(fn)
             rec["fb_ms"] = bench_ms(fwd_bwd(fn, do))
             if variant == "default" or variant.startswith("lists"):
-                rec["list_blocks"] = list_blocks(mask, n, q.device)
+                rec["list_blocks"] = list_blocks(mask, n, q.device, opts)
         except Exception as e:  # noqa: BLE001 - a variant that fails is a result
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         q.grad = k.grad = v.grad = None
         row["variants"][variant] = rec
         print(f"{pattern:20s} {n:6d} {variant:15s} {_fmt(rec)}", flush=True)
-    apply("default")
     if time.time() < deadline:
         try:
             f = runner.fns(pattern, n, D, h)  # the same inputs as bench.py (seed 0), Flex compiled

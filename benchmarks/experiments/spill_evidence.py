@@ -40,7 +40,7 @@ def rows(data: dict, n: int = 16384, heads: int = 16) -> list[dict]:
     import blocksparse_fa as bsfa
     from blocksparse_fa.analysis.traffic import TileSizes, TrafficParams, traffic_model
     from blocksparse_fa.kernels.config import bwd_configs, fwd_config
-    from blocksparse_fa.ops.triton_backend import _is_band
+    from blocksparse_fa.ops.select import layout_class
 
     import torch
 
@@ -53,7 +53,7 @@ def rows(data: dict, n: int = 16384, heads: int = 16) -> list[dict]:
             continue
         mask = _MASKS[name](n) if name in _MASKS else bsfa.load_pattern("document_causal", document=bench.doc_ids(n))
         lay = bsfa.compile_mask(mask, n, n, 128)
-        band = _is_band(lay)
+        band = layout_class(lay).band
         f = fwd_config(128, torch.bfloat16, 128, 128, band)
         kv, q = bwd_configs(128, torch.bfloat16, 128, 128, band)
         tiles = TileSizes(fwd_block_m=f.block_m, fwd_block_n=f.block_n, dkdv_block_m=kv.block_m,

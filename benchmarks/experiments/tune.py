@@ -1,7 +1,10 @@
 """Tile-config sweep for the three kernels on the GPU (dense and causal, bf16, N=16K, H=16).
 
 Each candidate is checked against an fp32 SDPA reference before it is timed; failing or
-out-of-resource candidates are skipped. Prints the best config per (kernel, head dim).
+out-of-resource candidates are skipped. Prints the best config per (kernel, head dim). Candidates
+are the ``fwd_tiles``/``dkdv_tiles``/``dq_tiles`` kernel options of the Triton kernels (the Gluon
+kernels, the default for dense and causal on Hopper, are turned off: ``forward="triton"``,
+``backward="triton"``).
 
     PYTHONPATH=. python benchmarks/experiments/tune.py [--dims 128 64] [--out DIR]
 """
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 import triton
 
 import blocksparse_fa as bsfa
-from blocksparse_fa.kernels.config import TileConfig, set_override
+from blocksparse_fa.ops.options import KernelOptions, TileConfig
 from blocksparse_fa.ops.triton_backend import triton_backward, triton_forward
 from blocksparse_fa.ops.validate import check_qkv
 
@@ -25,6 +28,10 @@ FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64
        (64, 128, 4, 3), (128, 32, 4, 3)]
 DKDV = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3),
         (32, 128, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]
+# kernel -> its tiles' kernel option
+FIELD = {"fwd": "fwd_tiles", "dkdv": "dkdv_tiles", "dq": "dq_tiles"}
+TRITON = dict(forward="triton", backward="triton")  # the Triton kernels whose tiles are swept
+
 DQ = [(64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3), (64, 64, 8, 3),
       (128, 128, 8, 2), (64, 32, 4, 3)]
 
@@ -57,20 +64,20 @@ def main():
             gref = torch.autograd.grad(ref, (qr, kr, vr), do.float())
             ref = ref.detach()
             flops = 4 * H * N * N * D * (0.5 if causal else 1.0)
+            best_tiles = {}  # kernel option -> the best tiles so far (dq is tuned with the best dkdv)
             for kernel, cands in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
                 best = None
                 for c in cands:
-                    cfg = TileConfig(*c)
-                    set_override(kernel, cfg)
+                    opts = KernelOptions(**TRITON, **{**best_tiles, FIELD[kernel]: TileConfig(*c)})
                     try:
-                        out, lse = triton_forward(q, k, v, lay, shapes, scale, 0.0, 0)
+                        out, lse = triton_forward(q, k, v, lay, shapes, scale, 0.0, 0, opts=opts)
                         if kernel == "fwd":
                             err = rel(out, ref)
-                            fn = lambda: triton_forward(q, k, v, lay, shapes, scale, 0.0, 0)
+                            fn = lambda: triton_forward(q, k, v, lay, shapes, scale, 0.0, 0, opts=opts)
                         else:
-                            g = triton_backward(q, k, v, out, lse, do, lay, shapes, scale, 0.0, 0)
+                            g = triton_backward(q, k, v, out, lse, do, lay, shapes, scale, 0.0, 0, opts=opts)
                             err = max(rel(a, b) for a, b in zip(g, gref))
-                            fn = lambda: triton_backward(q, k, v, out, lse, do, lay, shapes, scale, 0.0, 0)
+                            fn = lambda: triton_backward(q, k, v, out, lse, do, lay, shapes, scale, 0.0, 0, opts=opts)
                         if not err < 3e-2:
                             print(f"  {kernel} {c}: WRONG err={err:.2e}", flush=True)
                             continue
@@ -84,11 +91,9 @@ def main():
                         best = (c, ms)
                 # keep the best for the following kernels (dq is tuned with the best dkdv)
                 if best:
-                    set_override(kernel, TileConfig(*best[0]))
+                    best_tiles[FIELD[kernel]] = TileConfig(*best[0])
                     results[f"{D}/{mname}/{kernel}"] = best
                     print(f"BEST D={D} {mname} {kernel}: {best[0]} {best[1]:.3f} ms", flush=True)
-            for kk in ("fwd", "dkdv", "dq"):
-                set_override(kk, None)
     with open(os.path.join(args.out, "tune.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(json.dumps(results))

@@ -1,7 +1,9 @@
 """Tile-config sweep for the sparse patterns of bench.py's suite (N=16K, d=128, bf16, H=16).
 
 Kernels are compiled first by parallel workers (Triton's disk cache), then each config is timed
-with ``do_bench`` and checked against the default config's result in the same run.
+with ``do_bench`` and checked against the default config's result in the same run. A config is the
+``fwd_tiles``/``dkdv_tiles``/``dq_tiles`` kernel option of the Triton kernels (``forward="triton"``,
+``backward="triton"``: the Gluon kernels are off for dense and causal).
 
     PYTHONPATH=. python benchmarks/experiments/tune_sparse.py [--patterns ...] [--out DIR]
 """
@@ -42,21 +44,26 @@ def _setup(name, n, d, h):
     return lay, q, k, v, do, check_qkv(q, k, v)
 
 
+def options(kernel, cfg):
+    """Kernel options with ``cfg`` (a tuple of :class:`TileConfig` fields) as the tiles of
+    ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``), on the Triton kernels."""
+    from blocksparse_fa.ops.options import KernelOptions, TileConfig
+
+    return KernelOptions(forward="triton", backward="triton", **{f"{kernel}_tiles": TileConfig(*cfg)})
+
+
 def _run(kernel, cfg, lay, q, k, v, do, s):
-    from blocksparse_fa.kernels.config import TileConfig, set_override
     from blocksparse_fa.ops import triton_backend
     from blocksparse_fa.ops.triton_backend import triton_backward, triton_forward
 
     triton_backend._FALLBACK.clear()  # a config that does not fit must fail here, not be replaced
-    for kn in ("fwd", "dkdv", "dq"):
-        set_override(kn, None)
-    set_override(kernel, TileConfig(*cfg))
+    opts = options(kernel, cfg)
     scale = q.shape[-1] ** -0.5
     if kernel == "fwd":
-        fn = lambda: triton_forward(q, k, v, lay, s, scale, 0.0, 0)
+        fn = lambda: triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=opts)
         return fn, fn()
-    out, lse = triton_forward(q, k, v, lay, s, scale, 0.0, 0)
-    fn = lambda: triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0)
+    out, lse = triton_forward(q, k, v, lay, s, scale, 0.0, 0, opts=opts)
+    fn = lambda: triton_backward(q, k, v, out, lse, do, lay, s, scale, 0.0, 0, opts=opts)
     return fn, fn()
 
 
@@ -124,9 +131,6 @@ def main():
             line = "  ".join(f"{c}:{ms:.3f}" if ms else f"{c}:{err}" for c, ms, err in rows)
             print(f"{p:20s} {kn:5s} best {best[0]} {best[1]:.3f} ms | {line}", flush=True)
             results[f"{p}/{kn}"] = [dict(cfg=c, ms=ms, err=err if isinstance(err, float) else str(err)) for c, ms, err in rows]
-    from blocksparse_fa.kernels.config import set_override
-    for kn in ("fwd", "dkdv", "dq"):
-        set_override(kn, None)
     with open(os.path.join(args.out, "tune_sparse.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                        n=args.n, d=args.d, results=results), f, indent=1)

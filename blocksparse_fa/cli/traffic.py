@@ -33,13 +33,13 @@ def _kernel_tiles(layout, head_dim: int, dtype: str):
     import torch
 
     from ..kernels.config import bwd_configs, fwd_config, head_dim_pad
-    from ..ops.triton_backend import _is_band, _is_partial_heavy, _is_short_partial
+    from ..ops.select import layout_class
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     bm, bn = layout.block_size
-    band = _is_band(layout)
-    f = fwd_config(head_dim_pad(head_dim), dt, bm, bn, band, _is_short_partial(layout))
-    kv, q = bwd_configs(head_dim_pad(head_dim), dt, bm, bn, band, _is_partial_heavy(layout))
+    lc = layout_class(layout)
+    f = fwd_config(head_dim_pad(head_dim), dt, bm, bn, lc.band, lc.short_partial)
+    kv, q = bwd_configs(head_dim_pad(head_dim), dt, bm, bn, lc.band, lc.partial_heavy)
     return (f.block_m, f.block_n), (kv.block_m, kv.block_n), (q.block_m, q.block_n)
 
 
