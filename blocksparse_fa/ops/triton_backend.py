@@ -103,6 +103,20 @@ def _device_state(layout: BlockLayout, device: torch.device, opts: KernelOptions
 # extra live registers of index arithmetic add spills there.
 
 
+_LAUNCHERS: dict = {}
+
+
+def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
+    """``fn[grid](*args, **consts)`` through a cached :class:`~blocksparse_fa.ops.launcher.Launch`
+    (Triton's Python launch path only on a new specialisation); ``n_key``: the leading arguments
+    that select a compiled variant (tensors, strides, ints)."""
+    key = (fn, tuple(consts.items()), device)
+    launch = _LAUNCHERS.get(key)
+    if launch is None:
+        launch = _LAUNCHERS[key] = Launch(fn, consts, n_key, device)
+    launch(grid, *args)
+
+
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (grid ``(Lk / (2·block_n), B·H // G)``),
@@ -117,12 +131,12 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
            else _placeholder(torch.float32, q.device))
-    _bg._attn_bwd_dkdv_gluon[(s.Lk // (2 * cfg.block_n), s.B * s.Hkv)](
+    _launch(_bg._attn_bwd_dkdv_gluon, (s.Lk // (2 * cfg.block_n), s.B * s.Hkv), (
         qg, k, v, dog, dk, dv, dqa, lse, delta,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        s.H, s.G, s.Lq, s.Lk, qk, scale, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        s.H, s.G, s.Lq, s.Lk, qk, scale), 31, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
         OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
         num_warps=4)
@@ -131,14 +145,14 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
                                                  num_warps=4)
         return
-    _bg._attn_bwd_dq_gluon[(s.Lq // (2 * cfg.dq_block_m), s.B * s.H)](
+    _launch(_bg._attn_bwd_dq_gluon, (s.Lq // (2 * cfg.dq_block_m), s.B * s.H), (
         q, k, v, dout, dq, lse, delta,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        s.H, s.G, s.Lq, s.Lk, qk, scale, HEAD_DIM=s.D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        STAGES=cfg.dq_stages, CAUSAL=causal, PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap,
-        PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+        s.H, s.G, s.Lq, s.Lk, qk, scale), 26, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.dq_block_m,
+        BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal, PINGPONG=cfg.dq_pingpong,
+        OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
@@ -518,12 +532,13 @@ def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: Gl
     else:
         lo = hi = tiles = _placeholder(torch.int32, q.device)
         lzb = lzh = 0
-    _fg._attn_fwd_gluon[(_cdiv(s.Lq, 2 * cfg.block_m), s.B * s.H)](
+    _launch(_fg._attn_fwd_gluon, (_cdiv(s.Lq, 2 * cfg.block_m), s.B * s.H), (
         q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        s.H, s.G, lzb, lzh, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages, CAUSAL=case == "causal", INTERVAL=case == "interval", PINGPONG=cfg.pingpong,
-        OVERLAP=cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+        s.H, s.G, lzb, lzh, s.Lq, s.Lk, scale * _LOG2E), 26, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=case == "causal", INTERVAL=case == "interval",
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
 
 
 def forward_choice(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, opts: KernelOptions,
