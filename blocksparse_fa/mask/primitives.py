@@ -313,7 +313,7 @@ class Document(_TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
     with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
 
-    __slots__ = ("_runs_cache",)
+    __slots__ = ("_runs_cache", "_contiguous")
     name = "document"
     TENSOR = "document"
 
@@ -325,13 +325,22 @@ class Document(_TensorPrimitive):
             raise ValueError(f"document(): ids must be an integer tensor, got {ids.dtype}")
         if ids.dim() not in (1, 2) or ids.shape[-1] < 1:
             raise ValueError(f"document(): ids must have shape (L,) or (B, L), got {tuple(ids.shape)}")
-        # value checks read the data: skipped while torch.compile traces (the op checks the real tensor)
-        if ids.numel() and not torch.compiler.is_compiling() and (
-                int(ids.min()) < -INT32_MAX or int(ids.max()) > INT32_MAX):
+        # value checks read the data: skipped while torch.compile traces or a CUDA graph captures
+        # (the device path compares ids exactly in any range; the host path checks the real tensor)
+        if ids.numel() and not _tracing(ids) and (int(ids.min()) < -INT32_MAX or int(ids.max()) > INT32_MAX):
             raise ValueError("document(): ids must fit in int32")
         ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
         self._runs_cache = None
+        self._contiguous = False
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether each document is known to be one contiguous run of ids (set by
+        :func:`~blocksparse_fa.mask.documents.document_from_cu_seqlens` and
+        :func:`~blocksparse_fa.mask.documents.document_from_positions`, which build such ids); the
+        device path then needs no id compare. False says nothing about the ids."""
+        return getattr(self, "_contiguous", False)
 
     def runs(self):
         """``(start, end)`` int64 ``(B, L)``: position x's document is the run ``[start, end)`` —
@@ -386,6 +395,14 @@ class Document(_TensorPrimitive):
         L = ids.shape[1]
         qp = ctx.qp.clamp(0, L - 1)
         return (ids[b, qp] == ids[b, ctx.j]) & (ctx.qp >= 0) & (ctx.qp < L)
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values would break a trace: ``torch.compile`` tracing, or a CUDA
+    graph capturing on the current stream (a read is a device-to-host copy, not allowed there)."""
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class _PositionSet(_TensorPrimitive):
