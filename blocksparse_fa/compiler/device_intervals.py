@@ -169,9 +169,15 @@ def _shifted(qp, shifts, device):
     return qp
 
 
-def term_bounds(prim, qp, kv_len: int, device):
+def _clip(x, kv_len):
+    x = x.clamp(min=0)
+    return torch.minimum(x, kv_len) if isinstance(kv_len, torch.Tensor) else x.clamp(max=kv_len)
+
+
+def term_bounds(prim, qp, kv_len, device):
     """``(lo, hi)`` int64, half-open, clipped to ``[0, kv_len]``, of an interval or row primitive at
-    query positions ``qp`` (``(.., Lq)`` int64; broadcast against per-head/batch parameters)."""
+    query positions ``qp`` (``(.., Lq)`` int64; broadcast against per-head/batch parameters).
+    ``kv_len``: an int, or an int64 tensor broadcastable to ``qp`` (one length per row)."""
     p = tuple(_param(v, device) for v in prim._params)
     if isinstance(prim, P.RowPrimitive):
         keep = prim._rows(qp, p)
@@ -180,7 +186,7 @@ def term_bounds(prim, qp, kv_len: int, device):
     else:
         lo, h = prim._bounds(qp, p)
         lo, hi = torch.as_tensor(lo, device=device), torch.as_tensor(h, device=device) + 1
-    return lo.clamp(0, kv_len), hi.clamp(0, kv_len)
+    return _clip(lo, kv_len), _clip(hi, kv_len)
 
 
 def document_runs(ids: torch.Tensor):
