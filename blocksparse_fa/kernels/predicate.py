@@ -431,7 +431,7 @@ def build_payload(layout: BlockLayout, device) -> Payload:
         if name in _SIMPLE:
             slots.extend(leaf._params)
         elif name == "document":
-            ids = leaf.ids.detach().to("cpu").long().numpy()
+            ids = leaf.host_ids()
             runs = _document_runs(ids) if _DOCUMENT_RUNS["on"] else None
             if runs is not None:  # each document one run: compare positions with the run's bounds
                 forms[id(leaf)] = "document_runs"

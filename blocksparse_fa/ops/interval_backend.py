@@ -32,7 +32,9 @@ import torch
 from ..compiler.device_intervals import DeviceIntervals, col_tables, interval_spec, row_tables
 from .validate import Shapes, check_qkv
 
-__all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd"]
+__all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward"]
+
+_LOG2E = 1.4426950408889634
 
 
 def _lse_dtype(dtype):
@@ -51,6 +53,14 @@ def _strides(iv: DeviceIntervals, kv_len: int):
 # Triton
 # ------------------------------------------------------------------------------------------------
 _LAUNCHES: dict = {}
+
+
+def _new_like(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """An uninitialised kernel output: shaped and strided like ``like``, or contiguous ``shape``
+    (tests fill it with NaN to prove that the kernels write every element)."""
+    if shape is None:
+        return torch.empty_like(like, dtype=dtype)
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
 def _launch(fn, consts: dict, n_key: int, device):
@@ -98,8 +108,8 @@ def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: floa
     from .triton_backend import _dot_precision
 
     q, k, v = _last_dim_contiguous(q, k, v)
-    out = torch.empty_like(q)
-    lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=q.device)
+    out = _new_like(q)
+    lse = _new_like(q, shape=(s.B, s.H, s.Lq), dtype=torch.float32)
     d_pad = head_dim_pad(s.D)
     zb, zh, kidb = _strides(iv, s.Lk)
     qid, kid = _ids_or_placeholder(iv, q.device)
@@ -117,11 +127,11 @@ def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: floa
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             s.H, s.G, zb, zh, kidb, n_tiles, s.Lq, s.Lk, scale * _LOG2E)
 
-    _shrunk(fit, (fwd_config(d_pad, q.dtype, 128, 128),))
+    # the band tiles (128 x 64 at d = 128): no spills on sm_90 with or without the id compare
+    # (triton 3.9 compile probe; the 128 x 128 tile spills with it)
+    _shrunk(fit, (fwd_config(d_pad, q.dtype, 128, 128, band=True),))
     return out, lse
 
-
-_LOG2E = 1.4426950408889634
 
 
 def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None):
@@ -134,7 +144,7 @@ def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sh
     q, k, v, dout = _last_dim_contiguous(q, k, v, dout)
     lse = lse.contiguous()
     delta = backward_delta(out, dout, lse, s, dlse)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = _new_like(q), _new_like(k), _new_like(v)
     d_pad = head_dim_pad(s.D)
     zb, zh, kidb = _strides(iv, s.Lk)
     qid, kid = _ids_or_placeholder(iv, q.device)
@@ -164,8 +174,45 @@ def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sh
                 dv.stride(0), dv.stride(1), dv.stride(2), s.H, s.G,
                 zb, zh, kidb, n_kv, kv_tiles, q_tiles, s.Lq, s.Lk, scale * _LOG2E, scale)
 
-    _shrunk(fit, bwd_configs(d_pad, q.dtype, 128, 128))
+    # the partial-heavy pair (dK/dV 32 x 128, dQ 128 x 64 at d = 128): 2-4 spill instructions on
+    # sm_90 against 90-142 with the default pair (triton 3.9 compile probe), one launch (8 warps each)
+    _shrunk(fit, bwd_configs(d_pad, q.dtype, 128, 128, partial_heavy=True))
     return dq, dk, dv
+
+
+def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float, cfg=None):
+    """``(out, lse)`` through the Gluon forward's interval mode (``kernels/forward_gluon.py``, Hopper)
+    with tables built on the device (:func:`~blocksparse_fa.compiler.device_intervals.gluon_interval_tables`)
+    instead of the host ones of a compiled layout. Needs intervals without an id compare (no
+    document, or ``contiguous`` documents), a Hopper GPU with Gluon, 16-bit inputs, head dim 64 or
+    128, ``Lk`` a multiple of the tiles' ``block_n`` and tensors that tensor descriptors address.
+    Not chosen automatically yet: ``benchmarks/experiments/documents_gpu.py`` checks and times it."""
+    from ..compiler.device_intervals import gluon_interval_tables
+    from .triton_backend import GluonConfig, _ensure_tma_allocator, _fg, _gluon_unavailable, _tma_ok
+
+    cfg = cfg or GluonConfig()
+    why = _gluon_unavailable()
+    if iv.qid is not None or iv.ilo is not None:
+        why = "the intervals need an id compare (documents not known to be contiguous runs)"
+    elif s.D not in (64, 128) or q.dtype not in (torch.float16, torch.bfloat16) or s.Lk % cfg.block_n:
+        why = f"needs head dim 64/128, 16-bit inputs and Lk % {cfg.block_n} == 0"
+    if why:
+        raise ValueError(f"gluon_interval_forward: {why}")
+    out = _new_like(q)
+    lse = _new_like(q, shape=(s.B, s.H, s.Lq), dtype=torch.float32)
+    if not _tma_ok(q, k, v, out):
+        raise ValueError("gluon_interval_forward: tensor descriptors need 16-byte aligned tensors and strides")
+    _ensure_tma_allocator(q.device)
+    z = iv.lo.shape[0] * iv.lo.shape[1]
+    lo, hi, tiles = gluon_interval_tables(iv.lo.view(z, s.Lq), iv.hi.view(z, s.Lq), cfg.block_m, cfg.block_n)
+    zb, zh, _ = _strides(iv, s.Lk)
+    _fg._attn_fwd_gluon[(-(-s.Lq // (2 * cfg.block_m)), s.B * s.H)](
+        q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        s.H, s.G, zb, zh, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages, CAUSAL=False, INTERVAL=True, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
+        PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+    return out, lse
 
 
 # ------------------------------------------------------------------------------------------------
