@@ -200,7 +200,12 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             tensor (``True`` = attend) broadcastable to ``(*batch, H, Lq, Lk)`` as SDPA's
             ``attn_mask`` (it becomes a :func:`~blocksparse_fa.dense_mask`), a FlexAttention-style
             ``mask_mod(b, h, q_idx, kv_idx)`` callable (wrapped in :func:`~blocksparse_fa.mask_mod`;
-            called with ``b = h = 0`` unless wrapped with ``B``/``H``) or ``None`` (dense).
+            called with ``b = h = 0`` unless wrapped with ``B``/``H``) or ``None`` (dense). A Mask
+            that holds a ``document(ids)`` and keeps one key interval per row (an ``&`` with
+            ``causal()``, windows, ranges, ...) runs, without dropout or score modifier, on
+            intervals built on the device (``ops/interval_backend.py``): no layout is compiled
+            (``block_size`` does not apply), nothing is read on the host, and under
+            ``torch.compile`` new ids never recompile.
         scale: softmax scale, default ``1/sqrt(D)``; any positive finite real (Python or numpy
             scalar, 0-d CPU tensor).
         dropout_p: attention dropout probability in ``[0, 1)``.
