@@ -148,7 +148,11 @@ def interval_spec(mask, q_len: int, kv_len: int, align: str = "bottom_right", de
     docs = [i for i, (t, _) in enumerate(terms) if isinstance(t, P.Document)]
     if len(docs) > 1 or (require_tensor and not docs):
         return None
-    mask.check_lengths(q_len, kv_len)
+    if isinstance(q_len, int) and isinstance(kv_len, int):
+        mask.check_lengths(q_len, kv_len)
+    else:  # symbolic lengths (torch.compile with dynamic shapes): the leaves' own checks
+        for prim, _ in terms:
+            prim._check_lengths(q_len, kv_len)
     zb, zh = mask.batch_shape or (1, 1)
     return IntervalSpec(terms, docs[0] if docs else -1, q_len, kv_len, query_offset(q_len, kv_len, align), zb, zh)
 

@@ -22,13 +22,24 @@ forward zeroes them at the end and the backward sees their LSE ``-inf`` (probabi
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, load_tile, mma, store_grad_tile, store_tile
+from .backward import _load_lse2
+from .common import LN2, load_tile, mma, store_grad_tile, store_tile
 
 
 @triton.jit
 def _tile_index(t, base, split, jump):
     """Tile ``t`` of a loop over ``[base, base + split)`` then ``[base + split + jump, ..)``."""
     return base + t + (t >= split).to(tl.int32) * jump
+
+
+@triton.jit
+def _key_tile(BASE, stride_n, offs_d, kv_len, t, base, split, jump, HEAD_DIM: tl.constexpr,
+              HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr):
+    """``(offs_n, tile)``: the keys of loop step ``t`` (see :func:`_tile_index`) and their rows of
+    ``BASE`` (K or V of one head), read as 0 past ``kv_len`` when ``CHECK``."""
+    offs_n = _tile_index(t, base, split, jump) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, load_tile(BASE + offs_n[:, None] * stride_n + offs_d[None, :], offs_n, kv_len, offs_d,
+                             HEAD_DIM, HEAD_DIM_PAD, CHECK)
 
 
 @triton.jit
@@ -48,9 +59,8 @@ def _fwd_loop(acc, l_i, m_i, q, lo, hi, qid, K_base, V_base, KID_base, stride_kn
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
               KV_EVEN: tl.constexpr):
     for t in tl.range(0, count, num_stages=STAGES):
-        offs_n = _tile_index(t, base, split, jump) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
-                      HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN)
+        offs_n, k = _key_tile(K_base, stride_kn, offs_d, kv_len, t, base, split, jump, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
+                              MASKED and not KV_EVEN)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
         if MASKED:
             keep = _row_keep(offs_n, lo, hi, qid, KID_base, kv_len, HAS_IDS)
@@ -86,6 +96,23 @@ def _rows(LO, HI, QID, KID, ZB, ZH, KIDB, b, h, q_len, offs_m, HAS_IDS: tl.const
     return inst, lo, hi, qid, KID + b.to(tl.int64) * KIDB
 
 
+@triton.jit
+def _row_tile(pid_m, pid_bh, K, V, LO, HI, QID, KID, TAB, stride_kb, stride_kh, stride_vb, stride_vh, H, G, ZB, ZH,
+              KIDB, n_tiles, q_len, HAS_IDS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What a program over row tile ``pid_m`` of batch·head ``pid_bh`` (forward, dQ) starts from:
+    ``(b64, h64, offs_m, offs_d, lo, hi, qid, KID_base, first, f0, f1, end, K_base, V_base)``."""
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    inst, lo, hi, qid, KID_base = _rows(LO, HI, QID, KID, ZB, ZH, KIDB, b, h, q_len, offs_m, HAS_IDS)
+    tab = TAB + (inst * n_tiles + pid_m) * 4
+    b64 = b.to(tl.int64)
+    return (b64, h.to(tl.int64), offs_m, tl.arange(0, HEAD_DIM_PAD), lo, hi, qid, KID_base, tl.load(tab),
+            tl.load(tab + 1), tl.load(tab + 2), tl.load(tab + 3), K + b64 * stride_kb + hk.to(tl.int64) * stride_kh,
+            V + b64 * stride_vb + hk.to(tl.int64) * stride_vh)
+
+
 @triton.jit(do_not_specialize=["q_len", "kv_len", "n_tiles", "ZB", "ZH", "KIDB"])
 def _interval_fwd(Q, K, V, O, LSE, LO, HI, QID, KID, TAB,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -99,22 +126,11 @@ def _interval_fwd(Q, K, V, O, LSE, LO, HI, QID, KID, TAB,
     ``kv_len % BLOCK_N == 0`` (no key row checks)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // G
-    b64, h64 = b.to(tl.int64), h.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    inst, lo, hi, qid, KID_base = _rows(LO, HI, QID, KID, ZB, ZH, KIDB, b, h, q_len, offs_m, HAS_IDS)
-    tab = TAB + (inst * n_tiles + pid_m) * 4
-    first = tl.load(tab)
-    f0 = tl.load(tab + 1)
-    f1 = tl.load(tab + 2)
-    end = tl.load(tab + 3)
+    b64, h64, offs_m, offs_d, lo, hi, qid, KID_base, first, f0, f1, end, K_base, V_base = _row_tile(
+        pid_m, pid_bh, K, V, LO, HI, QID, KID, TAB, stride_kb, stride_kh, stride_vb, stride_vh, H, G, ZB, ZH, KIDB,
+        n_tiles, q_len, HAS_IDS, HEAD_DIM_PAD, BLOCK_M)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -134,14 +150,20 @@ def _interval_fwd(Q, K, V, O, LSE, LO, HI, QID, KID, TAB,
 
 
 @triton.jit
-def _lse2(LSE_row, offs_m, q_len, CHECK: tl.constexpr):
-    """Base-2 logsumexp of rows; rows that keep nothing (-inf) and rows past ``q_len`` become +inf,
-    so their recomputed probabilities are exactly 0."""
+def _row_operands(Q_base, DO_base, LSE_row, DELTA_row, offs_m, offs_d, stride_qm, stride_dom, q_len,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CHECK: tl.constexpr):
+    """``(q, do, lse2, delta)`` of rows ``offs_m``: rows past ``q_len`` (``CHECK``) read as 0 with LSE
+    +inf, and rows that keep nothing have LSE +inf, so their recomputed probabilities are 0."""
+    q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
+                  HEAD_DIM, HEAD_DIM_PAD, CHECK)
+    do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
+                   HEAD_DIM, HEAD_DIM_PAD, CHECK)
+    lse2 = _load_lse2(LSE_row, offs_m, q_len, CHECK)
     if CHECK:
-        lse = tl.load(LSE_row + offs_m, mask=offs_m < q_len, other=float("inf"))
+        delta = tl.load(DELTA_row + offs_m, mask=offs_m < q_len, other=0.0)
     else:
-        lse = tl.load(LSE_row + offs_m)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        delta = tl.load(DELTA_row + offs_m)
+    return q, do, lse2, delta
 
 
 @triton.jit
@@ -153,15 +175,8 @@ def _dkdv_loop(dk, dv, k, v, offs_n, offs_d, Q_base, DO_base, LSE_row, DELTA_row
     CHECK: tl.constexpr = MASKED or not Q_EVEN  # full tiles may hold the padding rows of the last tile
     for t in tl.range(0, count, num_stages=STAGES):
         offs_m = _tile_index(t, base, split, jump) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
-                      HEAD_DIM, HEAD_DIM_PAD, CHECK)
-        do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
-                       HEAD_DIM, HEAD_DIM_PAD, CHECK)
-        lse2 = _lse2(LSE_row, offs_m, q_len, CHECK)
-        if CHECK:
-            delta = tl.load(DELTA_row + offs_m, mask=offs_m < q_len, other=0.0)
-        else:
-            delta = tl.load(DELTA_row + offs_m)
+        q, do, lse2, delta = _row_operands(Q_base, DO_base, LSE_row, DELTA_row, offs_m, offs_d, stride_qm, stride_dom,
+                                           q_len, HEAD_DIM, HEAD_DIM_PAD, CHECK)
         s_t = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASKED:
@@ -240,9 +255,8 @@ def _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stri
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
              KV_EVEN: tl.constexpr):
     for t in tl.range(0, count, num_stages=STAGES):
-        offs_n = _tile_index(t, base, split, jump) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, kv_len, offs_d,
-                      HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN)
+        offs_n, k = _key_tile(K_base, stride_kn, offs_d, kv_len, t, base, split, jump, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
+                              MASKED and not KV_EVEN)
         v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
@@ -264,26 +278,13 @@ def _dq_program(pid_m, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, LO, HI, QID, KID, TA
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 STAGES: tl.constexpr, KV_EVEN: tl.constexpr):
     """dQ of row tile ``pid_m`` of batch·head ``pid_bh`` (tables as the forward's)."""
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // G
-    b64, h64 = b.to(tl.int64), h.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    inst, lo, hi, qid, KID_base = _rows(LO, HI, QID, KID, ZB, ZH, KIDB, b, h, q_len, offs_m, HAS_IDS)
-    tab = TAB + (inst * n_tiles + pid_m) * 4
-    first = tl.load(tab)
-    f0 = tl.load(tab + 1)
-    f1 = tl.load(tab + 2)
-    end = tl.load(tab + 3)
-    q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                  offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-    do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
-                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-    lse2 = _lse2(LSE + pid_bh.to(tl.int64) * q_len, offs_m, q_len, True)
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * q_len + offs_m, mask=offs_m < q_len, other=0.0)
-    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    b64, h64, offs_m, offs_d, lo, hi, qid, KID_base, first, f0, f1, end, K_base, V_base = _row_tile(
+        pid_m, pid_bh, K, V, LO, HI, QID, KID, TAB, stride_kb, stride_kh, stride_vb, stride_vh, H, G, ZB, ZH, KIDB,
+        n_tiles, q_len, HAS_IDS, HEAD_DIM_PAD, BLOCK_M)
+    row = pid_bh.to(tl.int64) * q_len
+    q, do, lse2, delta = _row_operands(Q + b64 * stride_qb + h64 * stride_qh, DO + b64 * stride_dob + h64 * stride_doh,
+                                       LSE + row, DELTA + row, offs_m, offs_d, stride_qm, stride_dom, q_len,
+                                       HEAD_DIM, HEAD_DIM_PAD, True)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d,
                   f0, f1 - f0, 0, f1 - f0, kv_len, qk_scale, False, HAS_IDS, HEAD_DIM, HEAD_DIM_PAD,
