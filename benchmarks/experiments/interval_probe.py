@@ -2,7 +2,7 @@
 registers, spills and shared memory (``sass_probe.report``), at the tiles the launcher picks and
 at the default block-sparse tiles. Indicative only: the local triton may differ from the GPU's.
 
-    PYTHONPATH=. python benchmarks/experiments/interval_probe.py [--d 128] [--ids]
+    PYTHONPATH=. python benchmarks/experiments/interval_probe.py [--d 128] [--ids] [--dropout]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def compile_interval(fn, consts: dict, warps: int, stages: int):
     types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
     types.update({n: "*fp32" for n in ("LSE", "DELTA")})
     types.update({n: "*i32" for n in ("LO", "HI", "QID", "KID", "TAB", "ROW_TAB", "COL_TAB")})
-    types.update({n: "fp32" for n in ("qk_scale", "sm_scale")})
+    types.update({n: "fp32" for n in ("qk_scale", "sm_scale", "drop_scale")})
     consts = dict(consts, G=1)  # an int equal to 1 is specialised (MHA)
     div16 = [i for i, n in enumerate(fn.arg_names) if n not in consts and
              (types.get(n, "").startswith("*") or n.startswith("stride_") or n == "H")]
@@ -40,12 +40,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--ids", action="store_true", help="the id compare of documents whose ids may recur")
+    ap.add_argument("--dropout", action="store_true", help="with attention dropout")
     args = ap.parse_args(argv)
     d, dt = args.d, torch.bfloat16
     for label, f in (("launcher", fwd_config(d, dt, 128, 128, band=True)), ("default", fwd_config(d, dt, 128, 128))):
         ck = compile_interval(_interval_fwd, dict(HAS_IDS=args.ids, HEAD_DIM=d, HEAD_DIM_PAD=d, BLOCK_M=f.block_m,
                                                   BLOCK_N=f.block_n, DOT_PRECISION="tf32", STAGES=f.num_stages,
-                                                  KV_EVEN=True), f.num_warps, f.num_stages)
+                                                  KV_EVEN=True, HAS_DROPOUT=args.dropout), f.num_warps,
+                              f.num_stages)
         r = sp.report(ck)
         r.pop("top", None)
         print(f"fwd {label:8s} {f}: {r}", flush=True)
@@ -56,7 +58,8 @@ def main(argv=None) -> None:
             ck = compile_interval(_interval_bwd, dict(
                 HAS_IDS=args.ids, HEAD_DIM=d, HEAD_DIM_PAD=d, KV_BLOCK_M=kv.block_m, KV_BLOCK_N=kv.block_n,
                 Q_BLOCK_M=q.block_m, Q_BLOCK_N=q.block_n, DOT_PRECISION="tf32", KV_STAGES=kv.num_stages,
-                Q_STAGES=q.num_stages, RUN_KV=run_kv, RUN_Q=run_q, Q_EVEN=True, KV_EVEN=True),
+                Q_STAGES=q.num_stages, RUN_KV=run_kv, RUN_Q=run_q, Q_EVEN=True, KV_EVEN=True,
+                HAS_DROPOUT=args.dropout),
                 kv.num_warps if run_kv else q.num_warps, max(kv.num_stages, q.num_stages))
             r = sp.report(ck)
             r.pop("top", None)

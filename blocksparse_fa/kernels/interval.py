@@ -14,6 +14,8 @@ then over the others (``[first, f0)`` then ``[f1, end)``, one loop) with two com
 rows' bounds (and one id compare). Same conventions as ``kernels/forward.py`` and
 ``kernels/backward.py``: scores in base 2 with ``log2(e) · scale`` folded in, logsumexp (natural,
 float32) saved, GQA by ``h // G``, int64 batch/head offsets, head dims padded to a power of two.
+Dropout (``HAS_DROPOUT``) draws the block kernels' Philox stream (``kernels/common.dropout_keep``,
+counters ``(row, key, b·H + h)``): the same elements are dropped on both paths.
 Rows that keep nothing output 0 with LSE ``-inf`` and get zero gradients; such rows, and padding
 rows past ``q_len``, may sit inside full tiles (the tables let them), which is exact because the
 forward zeroes them at the end and the backward sees their LSE ``-inf`` (probabilities 0).
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .backward import _load_lse2
-from .common import LN2, load_tile, mma, store_grad_tile, store_tile
+from .common import LN2, dropout_keep, load_tile, mma, store_grad_tile, store_tile
 
 
 @triton.jit
@@ -53,10 +55,11 @@ def _row_keep(offs_n, lo, hi, qid, KID_base, kv_len, HAS_IDS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_loop(acc, l_i, m_i, q, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d,
-              base, split, jump, count, kv_len, qk_scale,
-              MASKED: tl.constexpr, HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+def _fwd_loop(acc, l_i, m_i, q, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d, offs_m, bh,
+              base, split, jump, count, kv_len, qk_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
+              MASKED: tl.constexpr, HAS_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+              HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              STAGES: tl.constexpr,
               KV_EVEN: tl.constexpr):
     for t in tl.range(0, count, num_stages=STAGES):
         offs_n, k = _key_tile(K_base, stride_kn, offs_d, kv_len, t, base, split, jump, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
@@ -74,6 +77,9 @@ def _fwd_loop(acc, l_i, m_i, q, lo, hi, qid, K_base, V_base, KID_base, stride_kn
             p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = tl.where(dropout_keep(offs_m[:, None], offs_n[None, :], bh, seed_lo, seed_hi, drop_thresh),
+                         p * drop_scale, 0.0)
         v = load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, kv_len, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASKED and not KV_EVEN)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
@@ -113,14 +119,14 @@ def _row_tile(pid_m, pid_bh, K, V, LO, HI, QID, KID, TAB, stride_kb, stride_kh, 
             V + b64 * stride_vb + hk.to(tl.int64) * stride_vh)
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len", "n_tiles", "ZB", "ZH", "KIDB"])
+@triton.jit(do_not_specialize=["q_len", "kv_len", "n_tiles", "ZB", "ZH", "KIDB", "seed_lo", "seed_hi", "drop_thresh"])
 def _interval_fwd(Q, K, V, O, LSE, LO, HI, QID, KID, TAB,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                  H, G, ZB, ZH, KIDB, n_tiles, q_len, kv_len, qk_scale,
+                  H, G, ZB, ZH, KIDB, n_tiles, q_len, kv_len, qk_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
                   HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  STAGES: tl.constexpr, KV_EVEN: tl.constexpr):
+                  STAGES: tl.constexpr, KV_EVEN: tl.constexpr, HAS_DROPOUT: tl.constexpr = False):
     """Forward of one tile of ``BLOCK_M`` rows and batch·head: grid ``(n_tiles, B·H)``. ``TAB``:
     ``(first, f0, f1, end)`` per (instance, tile) in key tiles of ``BLOCK_N``. ``KV_EVEN``:
     ``kv_len % BLOCK_N == 0`` (no key row checks)."""
@@ -135,11 +141,13 @@ def _interval_fwd(Q, K, V, O, LSE, LO, HI, QID, KID, TAB,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d,
-                              f0, f1 - f0, 0, f1 - f0, kv_len, qk_scale, False, HAS_IDS, HEAD_DIM, HEAD_DIM_PAD,
-                              BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, KV_EVEN)
+                              offs_m, pid_bh, f0, f1 - f0, 0, f1 - f0, kv_len, qk_scale, seed_lo, seed_hi, drop_thresh,
+                              drop_scale, False, HAS_IDS, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N,
+                              DOT_PRECISION, STAGES, KV_EVEN)
     acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d,
-                              first, f0 - first, f1 - f0, (f0 - first) + (end - f1), kv_len, qk_scale, True, HAS_IDS,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, KV_EVEN)
+                              offs_m, pid_bh, first, f0 - first, f1 - f0, (f0 - first) + (end - f1), kv_len, qk_scale,
+                              seed_lo, seed_hi, drop_thresh, drop_scale, True, HAS_IDS, HAS_DROPOUT, HEAD_DIM,
+                              HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, KV_EVEN)
     # rows that keep nothing give exactly 0 (they may have run through full tiles)
     empty = (l_i == 0.0) | (hi <= lo)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
@@ -168,9 +176,10 @@ def _row_operands(Q_base, DO_base, LSE_row, DELTA_row, offs_m, offs_d, stride_qm
 
 @triton.jit
 def _dkdv_loop(dk, dv, k, v, offs_n, offs_d, Q_base, DO_base, LSE_row, DELTA_row, LO_row, HI_row, QID_row,
-               kid, stride_qm, stride_dom, base, split, jump, count, q_len, qk_scale,
-               MASKED: tl.constexpr, HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+               kid, stride_qm, stride_dom, bh, base, split, jump, count, q_len, qk_scale, seed_lo, seed_hi, drop_thresh,
+               drop_scale, MASKED: tl.constexpr, HAS_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
                Q_EVEN: tl.constexpr):
     CHECK: tl.constexpr = MASKED or not Q_EVEN  # full tiles may hold the padding rows of the last tile
     for t in tl.range(0, count, num_stages=STAGES):
@@ -189,7 +198,12 @@ def _dkdv_loop(dk, dv, k, v, offs_n, offs_d, Q_base, DO_base, LSE_row, DELTA_row
                 keep = keep & (kid[:, None] == qid[None, :])
             p_t = tl.where(keep, p_t, 0.0)
         dp_t = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION)
-        dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION)
+        if HAS_DROPOUT:
+            drop = dropout_keep(offs_m[None, :], offs_n[:, None], bh, seed_lo, seed_hi, drop_thresh)
+            dv = mma(tl.where(drop, p_t * drop_scale, 0.0).to(do.dtype), do, dv, DOT_PRECISION)
+            dp_t = tl.where(drop, dp_t * drop_scale, 0.0)
+        else:
+            dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
@@ -200,10 +214,10 @@ def _dkdv_program(pid_n, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA, LO, HI, QID, 
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  H, G, ZB, ZH, KIDB, n_tiles, q_len, kv_len, qk_scale, sm_scale,
-                  HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  STAGES: tl.constexpr, Q_EVEN: tl.constexpr):
+                  H, G, ZB, ZH, KIDB, n_tiles, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                  drop_scale, HAS_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, Q_EVEN: tl.constexpr):
     """dK/dV of key tile ``pid_n`` of batch·kv-head ``pid_bhk``, summed over the GQA group; ``TAB``:
     ``(first, f0, f1, end)`` per (instance, key tile) in row tiles of ``BLOCK_M``."""
     HKV = H // G
@@ -234,14 +248,17 @@ def _dkdv_program(pid_n, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA, LO, HI, QID, 
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         row = (b64 * H + h64) * q_len
         LO_row = LO + inst * q_len
+        bh = b * H + h
         dk, dv = _dkdv_loop(dk, dv, k, v, offs_n, offs_d, Q_base, DO_base, LSE + row, DELTA + row, LO_row,
-                            HI + inst * q_len, QID + inst * q_len, kid, stride_qm, stride_dom,
-                            f0, f1 - f0, 0, f1 - f0, q_len, qk_scale, False, HAS_IDS, HEAD_DIM, HEAD_DIM_PAD,
-                            BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, Q_EVEN)
+                            HI + inst * q_len, QID + inst * q_len, kid, stride_qm, stride_dom, bh,
+                            f0, f1 - f0, 0, f1 - f0, q_len, qk_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
+                            False, HAS_IDS, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                            STAGES, Q_EVEN)
         dk, dv = _dkdv_loop(dk, dv, k, v, offs_n, offs_d, Q_base, DO_base, LSE + row, DELTA + row, LO_row,
-                            HI + inst * q_len, QID + inst * q_len, kid, stride_qm, stride_dom,
-                            first, f0 - first, f1 - f0, (f0 - first) + (end - f1), q_len, qk_scale, True, HAS_IDS,
-                            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, Q_EVEN)
+                            HI + inst * q_len, QID + inst * q_len, kid, stride_qm, stride_dom, bh,
+                            first, f0 - first, f1 - f0, (f0 - first) + (end - f1), q_len, qk_scale, seed_lo, seed_hi,
+                            drop_thresh, drop_scale, True, HAS_IDS, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
+                            BLOCK_N, DOT_PRECISION, STAGES, Q_EVEN)
     store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
                     + offs_d[None, :], dk * sm_scale, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
     store_grad_tile(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
@@ -249,10 +266,11 @@ def _dkdv_program(pid_n, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA, LO, HI, QID, 
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d,
-             base, split, jump, count, kv_len, qk_scale,
-             MASKED: tl.constexpr, HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+def _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d, offs_m, bh,
+             base, split, jump, count, kv_len, qk_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
+             MASKED: tl.constexpr, HAS_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+             HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             STAGES: tl.constexpr,
              KV_EVEN: tl.constexpr):
     for t in tl.range(0, count, num_stages=STAGES):
         offs_n, k = _key_tile(K_base, stride_kn, offs_d, kv_len, t, base, split, jump, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
@@ -264,6 +282,9 @@ def _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stri
         if MASKED:
             p = tl.where(_row_keep(offs_n, lo, hi, qid, KID_base, kv_len, HAS_IDS), p, 0.0)
         dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION)
+        if HAS_DROPOUT:
+            drop = dropout_keep(offs_m[:, None], offs_n[None, :], bh, seed_lo, seed_hi, drop_thresh)
+            dp = tl.where(drop, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
@@ -273,10 +294,10 @@ def _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stri
 def _dq_program(pid_m, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, LO, HI, QID, KID, TAB,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
-                H, G, ZB, ZH, KIDB, n_tiles, q_len, kv_len, qk_scale, sm_scale,
-                HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                STAGES: tl.constexpr, KV_EVEN: tl.constexpr):
+                H, G, ZB, ZH, KIDB, n_tiles, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                drop_scale, HAS_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, KV_EVEN: tl.constexpr):
     """dQ of row tile ``pid_m`` of batch·head ``pid_bh`` (tables as the forward's)."""
     b64, h64, offs_m, offs_d, lo, hi, qid, KID_base, first, f0, f1, end, K_base, V_base = _row_tile(
         pid_m, pid_bh, K, V, LO, HI, QID, KID, TAB, stride_kb, stride_kh, stride_vb, stride_vh, H, G, ZB, ZH, KIDB,
@@ -287,29 +308,32 @@ def _dq_program(pid_m, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, LO, HI, QID, KID, TA
                                        HEAD_DIM, HEAD_DIM_PAD, True)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d,
-                  f0, f1 - f0, 0, f1 - f0, kv_len, qk_scale, False, HAS_IDS, HEAD_DIM, HEAD_DIM_PAD,
-                  BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, KV_EVEN)
+                  offs_m, pid_bh, f0, f1 - f0, 0, f1 - f0, kv_len, qk_scale, seed_lo, seed_hi, drop_thresh, drop_scale,
+                  False, HAS_IDS, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, KV_EVEN)
     dq = _dq_loop(dq, q, do, lse2, delta, lo, hi, qid, K_base, V_base, KID_base, stride_kn, stride_vn, offs_d,
-                  first, f0 - first, f1 - f0, (f0 - first) + (end - f1), kv_len, qk_scale, True, HAS_IDS,
-                  HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, STAGES, KV_EVEN)
+                  offs_m, pid_bh, first, f0 - first, f1 - f0, (f0 - first) + (end - f1), kv_len, qk_scale, seed_lo,
+                  seed_hi, drop_thresh, drop_scale, True, HAS_IDS, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
+                  BLOCK_N, DOT_PRECISION, STAGES, KV_EVEN)
     # rows that keep nothing get exactly 0 (0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
     store_grad_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
                     dq, offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len", "N_KV", "KV_TILES", "Q_TILES", "ZB", "ZH", "KIDB"])
+@triton.jit(do_not_specialize=["q_len", "kv_len", "N_KV", "KV_TILES", "Q_TILES", "ZB", "ZH", "KIDB", "seed_lo",
+                               "seed_hi", "drop_thresh"])
 def _interval_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, LO, HI, QID, KID, ROW_TAB, COL_TAB,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                   stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn,
                   stride_dvb, stride_dvh, stride_dvn,
                   H, G, ZB, ZH, KIDB, N_KV, KV_TILES, Q_TILES, q_len, kv_len, qk_scale, sm_scale,
-                  HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  seed_lo, seed_hi, drop_thresh, drop_scale, HAS_IDS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr,
                   KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr, Q_BLOCK_M: tl.constexpr,
                   Q_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_STAGES: tl.constexpr,
                   Q_STAGES: tl.constexpr, RUN_KV: tl.constexpr, RUN_Q: tl.constexpr,
-                  Q_EVEN: tl.constexpr, KV_EVEN: tl.constexpr):
+                  Q_EVEN: tl.constexpr, KV_EVEN: tl.constexpr, HAS_DROPOUT: tl.constexpr = False):
     """The backward on a 1-D grid: ``N_KV = KV_TILES · B · Hkv`` dK/dV programs, then
     ``Q_TILES · B · H`` dQ programs (``RUN_KV``/``RUN_Q``: only one part, ``N_KV = 0`` for dQ
     alone). ``Q_EVEN``: ``q_len % KV_BLOCK_M == 0``; ``KV_EVEN``: ``kv_len % Q_BLOCK_N == 0``."""
@@ -324,13 +348,15 @@ def _interval_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, LO, HI, QID, KID, ROW_TAB
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                      H, G, ZB, ZH, KIDB, KV_TILES, q_len, kv_len, qk_scale, sm_scale,
-                      HAS_IDS, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N, DOT_PRECISION, KV_STAGES, Q_EVEN)
+                      H, G, ZB, ZH, KIDB, KV_TILES, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                      drop_scale, HAS_IDS, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_M, KV_BLOCK_N, DOT_PRECISION,
+                      KV_STAGES, Q_EVEN)
     else:
         pq = pid - N_KV
         _dq_program(pq % Q_TILES, pq // Q_TILES, Q, K, V, DO, DQ, LSE, DELTA, LO, HI, QID, KID, ROW_TAB,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm,
-                    H, G, ZB, ZH, KIDB, Q_TILES, q_len, kv_len, qk_scale, sm_scale,
-                    HAS_IDS, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N, DOT_PRECISION, Q_STAGES, KV_EVEN)
+                    H, G, ZB, ZH, KIDB, Q_TILES, q_len, kv_len, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
+                    drop_scale, HAS_IDS, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M, Q_BLOCK_N, DOT_PRECISION,
+                    Q_STAGES, KV_EVEN)

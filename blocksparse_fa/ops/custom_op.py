@@ -552,8 +552,8 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
     if score_mod is not None and score_mod.fn is None:
         score_mod = score_mod.bind((s.B,), s.H, s.Lq, s.Lk, q.device)
     q, k, v, dv = _dispatch.pad_head_dims(q, k, v)
-    res = device_intervals(q, k, v, mask, replace(s, D=q.shape[-1]), scale, dropout_p, score_mod, backend, align,
-                           return_lse)
+    res = device_intervals(q, k, v, mask, replace(s, D=q.shape[-1]), scale, dropout_p, dropout_seed, score_mod,
+                           backend, align, return_lse)
     if res is not None:  # e.g. causal() & document(ids): intervals built on the device (ops/interval_backend.py)
         pass
     elif q.device.type == "meta" and not torch.compiler.is_compiling():

@@ -6,14 +6,14 @@ is compiled or read on the host: the rows' intervals and the kernels' per-tile r
 operations on the call's device, and two ``torch.library`` custom ops take them as tensor inputs::
 
     blocksparse_fa::interval_fwd(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, Tensor? ilo,
-                                 Tensor? ihi, Tensor? qid, Tensor? kid, float scale, str backend)
-                                 -> (Tensor out, Tensor lse)
+                                 Tensor? ihi, Tensor? qid, Tensor? kid, float scale, float dropout_p,
+                                 Tensor? seed, str backend) -> (Tensor out, Tensor lse)
     blocksparse_fa::interval_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
                                  Tensor? dlse, Tensor lo, Tensor hi, Tensor? ilo, Tensor? ihi,
-                                 Tensor? qid, Tensor? kid, float scale, str backend)
-                                 -> (Tensor dq, Tensor dk, Tensor dv)
+                                 Tensor? qid, Tensor? kid, float scale, float dropout_p, Tensor? seed,
+                                 str backend) -> (Tensor dq, Tensor dk, Tensor dv)
 
-(``attention_fwd`` has registered autograd whose backward is ``interval_bwd``.) Under
+(``interval_fwd`` has registered autograd whose backward is ``interval_bwd``.) Under
 ``torch.compile`` a mask built inside the compiled function from that step's ids becomes those
 torch operations plus the two opaque calls: the ids are graph inputs, never guarded on, so new ids
 never recompile, and a captured CUDA graph replays any packing of the same shapes.
@@ -21,8 +21,8 @@ never recompile, and a captured CUDA graph replays any packing of the same shape
 Backends: the Triton kernels of ``kernels/interval.py`` (CUDA, or the interpreter with
 ``backend="triton"``), or an exact PyTorch implementation (CPU, float64) that walks row chunks and
 reads their key ranges on the host (free on the CPU; on a GPU, with ``backend="torch"``, one read
-per call). Not on this path (the callers take the block-layout path instead): dropout, score
-modifiers, meta tensors.
+per call). Dropout draws the same Philox stream as the block kernels. Not on this path (the callers
+take the block-layout path instead): score modifiers, meta tensors.
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ from __future__ import annotations
 import torch
 
 from ..compiler.device_intervals import DeviceIntervals, col_tables, interval_spec, row_tables
+from .dispatch import lse_dtype
 from .validate import Shapes, check_qkv
 
 __all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward"]
 
 _LOG2E = 1.4426950408889634
-
-
-def _lse_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _strides(iv: DeviceIntervals, kv_len: int):
@@ -101,7 +98,17 @@ def _last_dim_contiguous(*ts):
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
-def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float):
+def _dropout_args(dropout_p: float, seed: int) -> tuple:
+    """``(seed_lo, seed_hi, threshold, scale)`` of the kernels' Philox dropout (zeros without it)."""
+    from .dropout import dropout_threshold, seed_words
+
+    if dropout_p == 0.0:
+        return 0, 0, 0, 1.0
+    return (*seed_words(seed), dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p))
+
+
+def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float, dropout_p: float = 0.0,
+                            seed: int = 0):
     """``(out, lse)``: out like q (its strides), lse ``(B, H, Lq)`` float32."""
     from ..kernels.config import fwd_config, head_dim_pad
     from ..kernels.interval import _interval_fwd
@@ -120,12 +127,13 @@ def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: floa
         n_tiles = tab.shape[-2]
         consts = dict(HAS_IDS=iv.qid is not None, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
-                      KV_EVEN=s.Lk % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                      KV_EVEN=s.Lk % cfg.block_n == 0, HAS_DROPOUT=dropout_p > 0.0, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)
         _launch(_interval_fwd, consts, 24, q.device)(
             (n_tiles, s.B * s.H), q, k, v, out, lse, iv.lo, iv.hi, qid, kid, tab,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            s.H, s.G, zb, zh, kidb, n_tiles, s.Lq, s.Lk, scale * _LOG2E)
+            s.H, s.G, zb, zh, kidb, n_tiles, s.Lq, s.Lk, scale * _LOG2E, *_dropout_args(dropout_p, seed))
 
     # the band tiles (128 x 64 at d = 128): no spills on sm_90 with or without the id compare
     # (triton 3.9 compile probe; the 128 x 128 tile spills with it)
@@ -134,7 +142,8 @@ def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: floa
 
 
 
-def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None):
+def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None,
+                             dropout_p: float = 0.0, seed: int = 0):
     """``(dq, dk, dv)`` like q, k, v (k/v gradients summed over the GQA group): dK/dV and dQ
     programs in one launch when their tiles take the same warp count, else two."""
     from ..kernels.config import bwd_configs, head_dim_pad
@@ -162,7 +171,7 @@ def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sh
                           KV_BLOCK_N=cfg_kv.block_n, Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
                           DOT_PRECISION=prec, KV_STAGES=cfg_kv.num_stages, Q_STAGES=cfg_q.num_stages,
                           RUN_KV=run_kv, RUN_Q=run_q, Q_EVEN=s.Lq % cfg_kv.block_m == 0,
-                          KV_EVEN=s.Lk % cfg_q.block_n == 0, num_warps=warps,
+                          KV_EVEN=s.Lk % cfg_q.block_n == 0, HAS_DROPOUT=dropout_p > 0.0, num_warps=warps,
                           num_stages=max(cfg_kv.num_stages if run_kv else 1, cfg_q.num_stages if run_q else 1))
             n_kv = kv_tiles * s.B * s.Hkv if run_kv else 0
             grid = (n_kv + (q_tiles * s.B * s.H if run_q else 0),)
@@ -172,7 +181,8 @@ def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sh
                 v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                 dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
                 dv.stride(0), dv.stride(1), dv.stride(2), s.H, s.G,
-                zb, zh, kidb, n_kv, kv_tiles, q_tiles, s.Lq, s.Lk, scale * _LOG2E, scale)
+                zb, zh, kidb, n_kv, kv_tiles, q_tiles, s.Lq, s.Lk, scale * _LOG2E, scale,
+                *_dropout_args(dropout_p, seed))
 
     # the partial-heavy pair (dK/dV 32 x 128, dQ 128 x 64 at d = 128): 2-4 spill instructions on
     # sm_90 against 90-142 with the default pair (triton 3.9 compile probe), one launch (8 warps each)
@@ -251,7 +261,22 @@ def _compute(q, k, v, s: Shapes):
     return q.to(cdt), exp(k), exp(v)
 
 
-def torch_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float):
+def _dropped(s: Shapes, i0, i1, k0, k1, dropout_p: float, seed: int, dtype, device):
+    """``keep / (1 - p)`` ``(B, H, i1 - i0, k1 - k0)`` of the rows' and keys' Philox draws, or None."""
+    if dropout_p == 0.0:
+        return None
+    import numpy as np
+
+    from .dropout import keep_from_counters
+
+    bh = (np.arange(s.B)[:, None] * s.H + np.arange(s.H)[None, :])[:, :, None, None]
+    keep = keep_from_counters(np.arange(i0, i1)[None, None, :, None], np.arange(k0, k1)[None, None, None, :], bh,
+                              dropout_p, seed)
+    return torch.from_numpy(keep).to(device=device, dtype=dtype) / (1.0 - dropout_p)
+
+
+def torch_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float, dropout_p: float = 0.0,
+                           seed: int = 0):
     """``(out, lse)`` in the compute dtype (float32, float64 for float64), exact."""
     qc, kc, vc = _compute(q, k, v, s)
     out = torch.zeros_like(qc)
@@ -264,13 +289,15 @@ def torch_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(sc - m)
         l = p.sum(-1, keepdim=True)
-        o = torch.matmul(p, vc[:, :, k0:k1]) / torch.where(l == 0, torch.ones_like(l), l)
+        drop = _dropped(s, i0, i1, k0, k1, dropout_p, seed, p.dtype, q.device)
+        o = torch.matmul(p if drop is None else p * drop, vc[:, :, k0:k1]) / torch.where(l == 0, torch.ones_like(l), l)
         out[:, :, i0:i1] = torch.where(l == 0, torch.zeros_like(o), o)
         lse[:, :, i0:i1] = (m + torch.log(l)).squeeze(-1)
     return out, lse
 
 
-def torch_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None):
+def torch_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None,
+                            dropout_p: float = 0.0, seed: int = 0):
     """``(dq, dk, dv)`` in the compute dtype (k/v gradients summed over the GQA group), exact."""
     qc, kc, vc = _compute(q, k, v, s)
     cdt = qc.dtype
@@ -286,12 +313,15 @@ def torch_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
         sc = torch.matmul(qs, ks.transpose(-1, -2)) * scale
         p = torch.exp(sc - lse[:, :, i0:i1, None]).masked_fill(~keep, 0.0)
         dp = torch.matmul(do, vs.transpose(-1, -2))
+        drop = _dropped(s, i0, i1, k0, k1, dropout_p, seed, p.dtype, q.device)
+        pd = p if drop is None else p * drop
+        dp = dp if drop is None else dp * drop
         ds = p * (dp - delta[:, :, i0:i1, None])
         empty = torch.isinf(lse[:, :, i0:i1, None])  # 0 whatever q, k, v hold (0 * NaN)
         ds = torch.where(empty, torch.zeros_like(ds), ds)
         dq[:, :, i0:i1] = torch.where(empty, 0.0, torch.matmul(ds, ks) * scale)
         dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), torch.where(empty, 0.0, qs)) * scale
-        dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do)
+        dv[:, :, k0:k1] += torch.matmul(pd.transpose(-1, -2), do)
     if s.G > 1:
         dk = dk.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
         dv = dv.view(s.B, s.Hkv, s.G, s.Lk, s.D).sum(2)
@@ -311,12 +341,14 @@ def _check_intervals(iv: DeviceIntervals, s: Shapes, device) -> None:
     if lq != s.Lq or zb not in (1, s.B) or zh not in (1, s.H):
         raise ValueError(f"interval bounds must have shape (Zb, Zh, Lq) with Zb in (1, {s.B}), Zh in (1, {s.H}), "
                          f"Lq = {s.Lq}; got {tuple(iv.lo.shape)}")
-    for name, t, shape in (("lo", iv.lo, iv.lo.shape), ("hi", iv.hi, iv.lo.shape), ("ilo", iv.ilo, iv.lo.shape), ("ihi", iv.ihi, iv.lo.shape),
-                           ("qid", iv.qid, iv.lo.shape), ("kid", iv.kid, None)):
+    rows = iv.lo.shape
+    for name, t, shape in (("lo", iv.lo, rows), ("hi", iv.hi, rows), ("ilo", iv.ilo, rows), ("ihi", iv.ihi, rows),
+                           ("qid", iv.qid, rows), ("kid", iv.kid, None)):
         if t is None:
             continue
         if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():
-            raise ValueError(f"interval tensor {name} must be contiguous int32 on {device}, got {t.dtype} on {t.device}")
+            raise ValueError(f"interval tensor {name} must be contiguous int32 on {device}, got {t.dtype} on "
+                             f"{t.device}")
         if shape is not None and t.shape != shape:
             raise ValueError(f"interval tensor {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if (iv.qid is None) != (iv.kid is None) or (iv.ilo is None) != (iv.ihi is None):
@@ -328,30 +360,32 @@ def _check_intervals(iv: DeviceIntervals, s: Shapes, device) -> None:
 @torch.library.custom_op("blocksparse_fa::interval_fwd", mutates_args=())
 def interval_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  ilo: torch.Tensor | None, ihi: torch.Tensor | None, qid: torch.Tensor | None,
-                 kid: torch.Tensor | None, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 kid: torch.Tensor | None, scale: float, dropout_p: float, seed: torch.Tensor | None,
+                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out, lse)``: out shaped and strided like q, in q's dtype; lse ``(B, H, Lq)``
-    float32 (float64 for float64 inputs)."""
+    float32 (float64 for float64 inputs). ``seed``: an int64 CPU scalar tensor with dropout, else
+    None."""
     from .api import resolve_backend
 
     s = check_qkv(q, k, v)
     iv = _intervals(lo, hi, ilo, ihi, qid, kid)
     _check_intervals(iv, s, q.device)
     if resolve_backend(backend, q.device, q.dtype) == "triton":
-        return triton_interval_forward(q, k, v, iv, s, scale)
-    o, lse = torch_interval_forward(q, k, v, iv, s, scale)
-    return torch.empty_like(q).copy_(o), lse.to(_lse_dtype(q.dtype))
+        return triton_interval_forward(q, k, v, iv, s, scale, dropout_p, _seed(seed))
+    o, lse = torch_interval_forward(q, k, v, iv, s, scale, dropout_p, _seed(seed))
+    return torch.empty_like(q).copy_(o), lse.to(lse_dtype(q.dtype))
 
 
 @interval_fwd.register_fake
-def _interval_fwd_fake(q, k, v, lo, hi, ilo, ihi, qid, kid, scale, backend):
-    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=_lse_dtype(q.dtype))
+def _interval_fwd_fake(q, k, v, lo, hi, ilo, ihi, qid, kid, scale, dropout_p, seed, backend):
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("blocksparse_fa::interval_bwd", mutates_args=())
 def interval_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  dout: torch.Tensor, dlse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
                  ilo: torch.Tensor | None, ihi: torch.Tensor | None, qid: torch.Tensor | None,
-                 kid: torch.Tensor | None, scale: float, backend: str
+                 kid: torch.Tensor | None, scale: float, dropout_p: float, seed: torch.Tensor | None, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped, strided and typed like q, k, v. ``dlse``: the gradient of
     the returned logsumexp (None: none)."""
@@ -360,29 +394,33 @@ def interval_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     s = check_qkv(q, k, v)
     iv = _intervals(lo, hi, ilo, ihi, qid, kid)
     if resolve_backend(backend, q.device, q.dtype) == "triton":
-        return triton_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse)
-    g = torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse)
+        return triton_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, _seed(seed))
+    g = torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, _seed(seed))
     return tuple(torch.empty_like(t).copy_(d) for t, d in zip((q, k, v), g))
 
 
 @interval_bwd.register_fake
-def _interval_bwd_fake(q, k, v, out, lse, dout, dlse, lo, hi, ilo, ihi, qid, kid, scale, backend):
+def _interval_bwd_fake(q, k, v, out, lse, dout, dlse, lo, hi, ilo, ihi, qid, kid, scale, dropout_p, seed, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _seed(seed) -> int:
+    return 0 if seed is None else int(seed.item())  # a CPU scalar: no device read
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, lo, hi, ilo, ihi, qid, kid, scale, backend = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], lo, hi, ilo, ihi, qid, kid)
-    ctx.scale, ctx.backend = scale, backend
+    q, k, v, lo, hi, ilo, ihi, qid, kid, scale, dropout_p, seed, backend = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], lo, hi, ilo, ihi, qid, kid, seed)
+    ctx.scale, ctx.dropout_p, ctx.backend = scale, dropout_p, backend
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, lo, hi, ilo, ihi, qid, kid = ctx.saved_tensors
+    q, k, v, out, lse, lo, hi, ilo, ihi, qid, kid, seed = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.blocksparse_fa.interval_bwd(q, k, v, out, lse, dout, dlse, lo, hi, ilo, ihi, qid, kid,
-                                                       ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                       ctx.scale, ctx.dropout_p, seed, ctx.backend)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 interval_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -391,26 +429,31 @@ interval_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------
 # entry points
 # ------------------------------------------------------------------------------------------------
-def interval_attention(q, k, v, iv: DeviceIntervals, scale: float, backend: str = "auto", return_lse: bool = False):
+def interval_attention(q, k, v, iv: DeviceIntervals, scale: float, backend: str = "auto", return_lse: bool = False,
+                       dropout_p: float = 0.0, dropout_seed=None):
     """Attention of ``q (B, H, Lq, D)``, ``k, v (B, Hkv, Lk, D)`` (any strides with a contiguous
     last dim; one head dim) over device intervals ``iv``; ``(out, lse)`` when ``return_lse``
-    (lse float32 and differentiable), else ``out``, shaped and strided like q."""
-    out, lse = interval_fwd(q, k, v, *iv, float(scale), backend)
+    (lse float32 and differentiable), else ``out``, shaped and strided like q. ``dropout_seed``:
+    an int, an int64 scalar tensor or None (drawn from torch's RNG, inside a compiled graph too)."""
+    from .custom_op import _seed_tensor
+
+    seed = _seed_tensor(dropout_p, dropout_seed)
+    out, lse = interval_fwd(q, k, v, *iv, float(scale), float(dropout_p), seed, backend)
     return (out, lse.float()) if return_lse else out
 
 
-def try_interval_attention(q, k, v, mask, s: Shapes, scale: float, dropout_p: float, score_mod, backend: str,
-                           align, return_lse: bool):
+def try_interval_attention(q, k, v, mask, s: Shapes, scale: float, dropout_p: float, dropout_seed, score_mod,
+                           backend: str, align, return_lse: bool):
     """The result of the device path, or None where it does not apply (the caller then takes the
     block-layout path): ``mask`` a Mask with one ``document(ids)`` in an ``&`` of interval leaves
-    (:func:`~blocksparse_fa.compiler.device_intervals.interval_spec`), no dropout, no score
-    modifier, real tensors (not meta). Inputs as :func:`interval_attention`'s (validated, one head
-    dim); ``align`` None is ``"bottom_right"``."""
-    if dropout_p != 0.0 or score_mod is not None or q.device.type == "meta":
+    (:func:`~blocksparse_fa.compiler.device_intervals.interval_spec`), no score modifier, real
+    tensors (not meta). Inputs as :func:`interval_attention`'s (validated, one head dim); ``align``
+    None is ``"bottom_right"``."""
+    if score_mod is not None or q.device.type == "meta":
         return None
     spec = interval_spec(mask, s.Lq, s.Lk, "bottom_right" if align is None else align)
     if spec is None:
         return None
     if spec.zb not in (1, s.B) or spec.zh not in (1, s.H):
         raise ValueError(f"mask batch shape {(spec.zb, spec.zh)} does not fit (B, H) = ({s.B}, {s.H})")
-    return interval_attention(q, k, v, spec.bounds(q.device), scale, backend, return_lse)
+    return interval_attention(q, k, v, spec.bounds(q.device), scale, backend, return_lse, dropout_p, dropout_seed)

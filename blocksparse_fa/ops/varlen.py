@@ -102,7 +102,8 @@ def _bounds(terms, cu_q, cu_k, total_q: int, align: str, device) -> DeviceInterv
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, mask=None, *,
-                     scale=None, align: str = "bottom_right", backend: str = "auto", return_lse: bool = False):
+                     scale=None, dropout_p: float = 0.0, dropout_seed=None, align: str = "bottom_right",
+                     backend: str = "auto", return_lse: bool = False):
     """Attention over sequences packed back to back, each attending only within itself.
 
     Sequence ``s`` holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1]`` and keys
@@ -118,7 +119,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     of them, with int or per-head parameters, given as a Mask or DSL text (``"causal &
     sliding_window(256)"``). Each keeps one key interval per row, which is what the kernels run on.
     Unions, complements, per-batch parameters and tensor-holding primitives (``document``: the
-    sequences already are the documents) are refused. Not supported here: dropout, score modifiers.
+    sequences already are the documents) are refused. Not supported here: score modifiers.
 
     This is FlashAttention's varlen interface; for packed ``(B, H, L, D)`` tensors, the same masks
     are ``causal() & document_from_cu_seqlens(cu_seqlens, L)`` (or ``document_from_positions``)
@@ -135,6 +136,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             ``torch.compile``; the kernels do not need them).
         mask: see above.
         scale: softmax scale (default ``1/sqrt(D)``).
+        dropout_p, dropout_seed: attention dropout (the library's Philox stream, counted on the
+            packed row and key indices) and its seed (default: drawn from torch's RNG).
         align: ``"bottom_right"`` or ``"top_left"``.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
         return_lse: also return the logsumexp ``(H, total_q)`` (float32, natural log).
@@ -154,11 +157,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     terms = _varlen_terms(mask)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     s = check_qkv(q4, k4, v4, dv_ok=True)
-    scale, _ = check_scalars(scale, 0.0)
+    scale, dropout_p = check_scalars(scale, dropout_p)
     scale = 1.0 / math.sqrt(s.D) if scale is None else scale
     q4, k4, v4, dv = dispatch.pad_head_dims(q4, k4, v4)
     iv = _bounds(terms, cu_seqlens_q, cu_seqlens_k, q.shape[0], align, q.device)
-    res = interval_attention(q4, k4, v4, iv, scale, backend, return_lse)
+    res = interval_attention(q4, k4, v4, iv, scale, backend, return_lse, dropout_p, dropout_seed)
     out, lse = res if return_lse else (res, None)
     out = dispatch.slice_head_dim(out[0].transpose(0, 1), dv).contiguous()
     return (out, lse[0]) if return_lse else out
