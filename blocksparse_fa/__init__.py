@@ -19,6 +19,7 @@ from .mask import (
     shift, strided, summary, window,
 )
 
+from .mask.documents import document_from_cu_seqlens, document_from_positions
 from .mask.score import ScoreMod, alibi, alibi_slopes, bias, score_fn, softcap
 from .compiler import BlockLayout, compile_mask
 from .ops import attention, dropout_keep_mask, last_backend, reference_attention, scaled_dot_product_attention
@@ -36,9 +37,11 @@ __all__ = [
     "summary", "document", "random_blocks", "block_mask", "dense_mask", "chunk_band", "key_range", "query_range",
     "key_set", "query_set", "periodic_window", "neighborhood", "sliding_tiles", "mask_mod", "per_head", "per_batch", "shift",
     "ScoreMod", "alibi", "alibi_slopes", "bias", "score_fn", "softcap",
+    "varlen_attention", "document_from_cu_seqlens", "document_from_positions",
 ]
 
-_LAZY = {"attention_op": ".ops.custom_op", "register_mask": ".ops.custom_op", "nn": ".nn", "explain": ".ops.explain"}
+_LAZY = {"attention_op": ".ops.custom_op", "register_mask": ".ops.custom_op", "nn": ".nn", "explain": ".ops.explain",
+         "varlen_attention": ".ops.varlen"}
 
 
 def __getattr__(name):

@@ -30,7 +30,7 @@ from torch import nn
 from dataclasses import replace
 
 from .compiler.layout import BlockLayout
-from .mask.primitives import dense_mask, key_set
+from .mask.primitives import Document, dense_mask, key_set
 from .mask.score import ScoreMod, bias as _bias
 from .ops.api import as_mask, check_align
 from .ops.custom_op import attention_op, register_mask, registry
@@ -125,7 +125,12 @@ class BlockSparseAttention(nn.Module):
         return registry.layout(self.handle, q_len, kv_len, device, self.align)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, cp_plan=None,
-                score_mod=None, kernel_options=None):
+                score_mod=None, kernel_options=None, mask=None):
+        """Attention of ``q, k, v`` under the module's mask, intersected with ``mask`` when given: a
+        per-call :class:`~blocksparse_fa.Mask` such as this step's ``document(ids)`` (packed
+        sequences). Masks that keep one key interval per row and hold a ``document`` (the module's,
+        or the intersection) build their intervals on the device: no layout is compiled, and under
+        ``torch.compile`` new ids never recompile."""
         p = self.dropout if self.training else 0.0
         mod = self._call_score_mod(score_mod)
         opts = self.kernel_options if kernel_options is None else kernel_options
@@ -142,14 +147,32 @@ class BlockSparseAttention(nn.Module):
                                               kernel_options=opts)
         if cp_plan is not None:
             raise ValueError("cp_plan needs a module built with context_parallel=<process group or mesh>")
-        return attention_op(q, k, v, self.handle, scale=self.scale, dropout_p=p, return_lse=return_lse,
-                            backend=self.backend, align=self.align, score_mod=mod, kernel_options=opts)
+        return attention_op(q, k, v, self._call_mask(mask), scale=self.scale, dropout_p=p, return_lse=return_lse,
+                            backend=self.backend, block_size=self.block_size, align=self.align, score_mod=mod,
+                            kernel_options=opts)
+
+    def _call_mask(self, mask):
+        """The handle, or a Mask: the module's intersected with a per-call one, or the module's own
+        when it holds a document (the device-interval path takes it)."""
+        own = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
+        if mask is not None:
+            if isinstance(self.mask, BlockLayout):
+                raise ValueError("a per-call mask needs a module built with a Mask (not a compiled BlockLayout, "
+                                 "which is fixed to its lengths)")
+            return own & as_mask(mask)
+        if not isinstance(self.mask, BlockLayout) and _holds_document(own):
+            return own
+        return self.handle
 
     def extra_repr(self) -> str:
         m = self.mask.mask if isinstance(self.mask, BlockLayout) else self.mask
         al = "" if self.align == "bottom_right" else f", align={self.align!r}"
         sm = "" if self.__dict__.get("_score_mod") is None else f", score_mod={str(self.score_mod)!r}"
         return f"mask={str(m)!r}, block_size={self.block_size}, dropout={self.dropout}{al}{sm}"
+
+
+def _holds_document(mask) -> bool:
+    return any(isinstance(leaf, Document) for leaf in mask.leaves())
 
 
 def _register_score_mod(module: nn.Module, score_mod) -> ScoreMod | None:
@@ -263,6 +286,11 @@ class BlockSparseMultiheadAttention(nn.Module):
       second element is always ``None``. Masks given as tensors are rebuilt when the tensors change
       (an ``attn_mask`` is stored as one bit per element); building them reads tensor values, so
       under ``torch.compile`` it breaks the graph.
+
+    Both forms take ``mask=``: a per-call :class:`~blocksparse_fa.Mask` intersected with the
+    pattern, e.g. this step's packing ``document(ids)`` or ``document_from_positions(pos)``; with a
+    pattern that keeps one key interval per row (``causal()``, windows) it runs on intervals built
+    on the device, and under ``torch.compile`` new ids never recompile.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, mask=None, num_kv_heads: int | None = None,
@@ -366,7 +394,7 @@ class BlockSparseMultiheadAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = False,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True, is_causal: bool = False,
-                *, cp_plan=None, score_mod=None, kernel_options=None):
+                *, cp_plan=None, score_mod=None, kernel_options=None, mask=None):
         cp = getattr(self.attn, "context_parallel", None)
         if cp is not None and (key is not None or value is not None or key_padding_mask is not None
                                or attn_mask is not None or is_causal):
@@ -418,8 +446,9 @@ class BlockSparseMultiheadAttention(nn.Module):
             attn_mask = None
         m, bs = self._mask_with(key_padding_mask, attn_mask, is_causal, B, Lq, Lk, x.device)
         if bs is None:
-            o = self.attn(q, k, v, score_mod=score_mod, kernel_options=kernel_options)
+            o = self.attn(q, k, v, score_mod=score_mod, kernel_options=kernel_options, mask=mask)
         else:
+            m = m if mask is None else m & as_mask(mask)
             p = self.attn.dropout if self.training else 0.0
             opts = self.attn.kernel_options if kernel_options is None else kernel_options
             o = attention_op(q, k, v, m, scale=self.attn.scale, dropout_p=p, backend=self.attn.backend, block_size=bs,

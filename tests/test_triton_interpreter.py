@@ -26,7 +26,9 @@ def _qkv(B, H, Hkv, Lq, Lk, D, dtype=torch.float32):
 
 def _check(mask, B=1, H=2, Hkv=2, Lq=70, Lk=70, D=16, block=16, dropout_p=0.0, seed=7, tol=TOL, opts=None):
     q, k, v = _qkv(B, H, Hkv, Lq, Lk, D)
-    out, lse = bsfa.attention(q, k, v, mask=mask, block_size=block, backend="triton", dropout_p=dropout_p,
+    # a compiled layout: the block kernels (document masks given as expressions take the interval kernels)
+    layout = bsfa.compile_mask(mask, Lq, Lk, block) if isinstance(mask, bsfa.Mask) else mask
+    out, lse = bsfa.attention(q, k, v, mask=layout, backend="triton", dropout_p=dropout_p,
                               dropout_seed=seed, return_lse=True, kernel_options=opts)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
@@ -255,7 +257,7 @@ def test_fused_backward_matches_separate_launches(text, split):
             torch.manual_seed(11)
             q, k, v = _qkv(1, 4, 2, 90, 90, 16)
             do = torch.randn(1, 4, 90, 16)
-            out = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=16,
+            out = bsfa.attention(q, k, v, mask=bsfa.compile_mask(mask, 90, 90, 16), backend="triton",
                                  kernel_options=dict(base, fused_backward=fused, head_major=head_major))
             grads.append(torch.autograd.grad(out, (q, k, v), do))
         assert calls == {"fused": 2, "parts": 2}  # one launch (two grid orders), then dK/dV and dQ separately

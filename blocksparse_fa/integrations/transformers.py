@@ -19,7 +19,7 @@
 How the model's mask is combined with the pattern
 -------------------------------------------------
 The attention computed is ``pattern & model_mask``, where the model's mask (causality, padding,
-sliding windows, packed sequences, ...) arrives in one of three forms:
+sliding windows, packed sequences, ...) arrives in one of four forms:
 
 * ``None``: no padding and a plain causal (or bidirectional) model. The mask used is
   ``pattern & causal`` when the layer is causal (``is_causal`` kwarg, else ``module.is_causal``,
@@ -33,6 +33,13 @@ sliding windows, packed sequences, ...) arrives in one of three forms:
   *padded* query row attends only to itself (in SDPA it sees the valid keys, or nothing for a left-
   padded row). Padded positions are ignored by losses and by generation, and no valid position can
   see a padded one, so logits and gradients at valid positions are identical.
+* **packed sequences** (``position_ids`` that restart at 0, no attention mask, no cache: what
+  ``DataCollatorWithFlattening`` produces): transformers marks each new sequence where a position
+  is not the previous one plus 1; our mask function recognises that mask and hands the layers the
+  sequence ids ``(B, L)`` instead of an ``L x L`` mask, and the mask used is ``pattern & causal &
+  document(ids)``. With an interval pattern (``causal``, ``sliding_window(w)``, ...) it runs on
+  intervals built on the device: nothing read on the host, and under ``torch.compile`` one graph
+  for every packing.
 * **any other 4D mask** ``(B, 1 or H, Lq, Lk)`` (bool, or additive with values 0 / very negative):
   sliding-window models, packed sequences, static caches, user-supplied 4D masks. It is used
   exactly, as ``pattern & dense_mask(keep)`` (``O(B * Lq * Lk)``, like SDPA's own mask). Additive
@@ -75,6 +82,7 @@ them across the group (or let data-parallel wrappers on another mesh dimension d
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -82,6 +90,7 @@ import torch
 from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.expr import And
+from ..mask.documents import _runs as document_runs
 from ..mask.primitives import Causal, causal, dense_mask, document, full
 from ..mask.score import ScoreMod, softcap
 from ..ops.custom_op import attention_op
@@ -191,6 +200,9 @@ def make_attention_function(mask, *, block_size=None, backend: str = "auto", sco
         is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
         if attention_mask is None:
             m = pattern_causal if is_causal else pattern
+        elif attention_mask.dim() == 2 and not attention_mask.dtype.is_floating_point \
+                and attention_mask.dtype != torch.bool:  # packed sequences' ids, from our mask function
+            m = pattern_causal & document_runs(attention_mask.to(query.device))
         else:
             if attention_mask.dim() != 4:
                 raise ValueError(f"blocksparse attention expects a 4D attention_mask or None, got shape "
@@ -284,6 +296,49 @@ def make_cp_mask_function():
     return blocksparse_cp_mask
 
 
+def _closure(fn, qualname: str):
+    """The closure variables of ``fn`` by name when it is the nested function ``qualname``, else None."""
+    if getattr(fn, "__qualname__", None) != qualname or getattr(fn, "__closure__", None) is None:
+        return None
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+
+
+def _packed_causal(mask_function, kwargs) -> bool:
+    """Whether ``mask_function`` is the mask transformers builds for causal packed sequences
+    (``position_ids`` restarting at 0, no attention mask, no cache): ``and_masks(
+    remap_positions_for_packed_sequence(causal_mask_function, position_ids),
+    packed_sequence_mask_function(ids))``. Causal on the remapped positions inside one sequence is
+    causal on the packed indices, so that mask is ``causal & document(ids)``. Eagerly the closures
+    are checked exactly; under ``torch.compile`` (Dynamo does not expose closures) the mask is
+    recognised by its form: transformers' ``and_masks`` without a local window (``local_size``:
+    sliding-window and chunked layers) and without overlay functions (``use_vmap``)."""
+    # isinstance and a plain attribute read: Dynamo answers getattr-with-default as if absent
+    if not isinstance(mask_function, types.FunctionType) or mask_function.__qualname__ != "and_masks.<locals>.and_mask":
+        return False
+    if kwargs.get("local_size") is not None or kwargs.get("use_vmap"):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    from transformers.masking_utils import causal_mask_function
+
+    fns = _closure(mask_function, "and_masks.<locals>.and_mask").get("mask_functions")
+    if not isinstance(fns, tuple) or len(fns) != 2:
+        return False
+    remap = _closure(fns[0], "remap_positions_for_packed_sequence.<locals>.inner_mask")
+    packed = _closure(fns[1], "packed_sequence_mask_function.<locals>.inner_mask")
+    return remap is not None and packed is not None and remap.get("mask_function") is causal_mask_function
+
+
+def _packed_sequence_ids(mask_function, batch_size: int, length: int, device) -> torch.Tensor:
+    """Sequence ids ``(B, L)`` of a causal packed-sequence mask, read off the mask itself: token
+    ``x`` starts a new sequence when it may not see token ``x - 1`` (``O(L)`` evaluations)."""
+    b = torch.arange(batch_size, device=device).view(-1, 1)
+    x = torch.arange(length, device=device).view(1, -1)
+    same = mask_function(b, 0, x, x - 1).expand(batch_size, length)
+    new = torch.cat([torch.ones_like(same[:, :1]), ~same[:, 1:]], dim=1)
+    return torch.cumsum(new.to(torch.int32), dim=1, dtype=torch.int32) - 1
+
+
 def make_mask_function():
     """The ``AttentionMaskInterface`` function: the compact key-padding form (or ``None``) for the
     plain causal mask with aligned queries, SDPA's boolean 4D mask for everything else."""
@@ -307,6 +362,9 @@ def make_mask_function():
             if bool(valid.all()):
                 return None
             return valid[:, None, None, :]
+        if attention_mask is None and aligned and q_offset == 0 and q_length == kv_length \
+                and _packed_causal(mask_function, kwargs):  # packed sequences: their ids (B, L) go to the layers
+            return _packed_sequence_ids(mask_function, batch_size, q_length, kwargs.get("device", "cpu"))
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          allow_is_causal_skip=False, **kwargs)

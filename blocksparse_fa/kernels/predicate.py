@@ -425,7 +425,7 @@ def build_payload(layout: BlockLayout, device, document_runs: bool = True) -> Pa
         if name in _SIMPLE:
             slots.extend(leaf._params)
         elif name == "document":
-            ids = leaf.ids.detach().to("cpu").long().numpy()
+            ids = leaf.host_ids()
             runs = _document_runs(ids) if document_runs else None
             if runs is not None:  # each document one run: compare positions with the run's bounds
                 forms[id(leaf)] = "document_runs"

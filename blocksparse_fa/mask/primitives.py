@@ -313,7 +313,7 @@ class Document(_TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
     with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
 
-    __slots__ = ("_runs_cache",)
+    __slots__ = ("_runs_cache", "_contiguous")
     name = "document"
     TENSOR = "document"
 
@@ -325,19 +325,36 @@ class Document(_TensorPrimitive):
             raise ValueError(f"document(): ids must be an integer tensor, got {ids.dtype}")
         if ids.dim() not in (1, 2) or ids.shape[-1] < 1:
             raise ValueError(f"document(): ids must have shape (L,) or (B, L), got {tuple(ids.shape)}")
-        # value checks read the data: skipped while torch.compile traces (the op checks the real tensor)
-        if ids.numel() and not torch.compiler.is_compiling() and (
-                int(ids.min()) < -INT32_MAX or int(ids.max()) > INT32_MAX):
-            raise ValueError("document(): ids must fit in int32")
+        # the int32 range is checked here for CPU ids (free); ids on a GPU are checked where the block
+        # path reads them to the host (host_ids), never here: building the mask reads no device memory
+        # (the device path compares ids of any range exactly)
+        if ids.numel() and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_int32(ids)
         ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
         self._runs_cache = None
+        self._contiguous = False
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether each document is known to be one contiguous run of ids (set by
+        :func:`~blocksparse_fa.mask.documents.document_from_cu_seqlens` and
+        :func:`~blocksparse_fa.mask.documents.document_from_positions`, which build such ids); the
+        device path then needs no id compare. False says nothing about the ids."""
+        return getattr(self, "_contiguous", False)
+
+    def host_ids(self) -> np.ndarray:
+        """The ids on the host: int64 numpy ``(B, L)``, checked to fit int32 (the block path's
+        tables hold them as int32)."""
+        ids = self.tensor.detach().to("cpu")
+        _check_int32(ids)
+        return ids.long().numpy()
 
     def runs(self):
         """``(start, end)`` int64 ``(B, L)``: position x's document is the run ``[start, end)`` —
         when every document (of every batch row) is one contiguous run; else None. Cached."""
         if self._runs_cache is None:
-            ids = self.tensor.detach().to("cpu").long().numpy()
+            ids = self.host_ids()
             bsz, n = ids.shape
             change = np.ones((bsz, n), dtype=bool)
             change[:, 1:] = ids[:, 1:] != ids[:, :-1]
@@ -386,6 +403,19 @@ class Document(_TensorPrimitive):
         L = ids.shape[1]
         qp = ctx.qp.clamp(0, L - 1)
         return (ids[b, qp] == ids[b, ctx.j]) & (ctx.qp >= 0) & (ctx.qp < L)
+
+
+def _check_int32(ids: torch.Tensor) -> None:
+    if ids.numel() and (int(ids.min()) < -INT32_MAX or int(ids.max()) > INT32_MAX):
+        raise ValueError("document(): ids must fit in int32")
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values would break a trace: ``torch.compile`` tracing, or a CUDA
+    graph capturing on the current stream (a read is a device-to-host copy, not allowed there)."""
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class _PositionSet(_TensorPrimitive):

@@ -150,6 +150,18 @@ def check_mask_for(mask, s: Shapes, block_size=None, align=None) -> None:
             raise ValueError(f"mask batch shape {m.batch_shape} does not fit (B, H) = ({s.B}, {s.H})")
 
 
+def device_intervals(q, k, v, mask, s: Shapes, scale: float, dropout_p: float, dropout_seed, score_mod, backend: str,
+                     align, return_lse: bool, kernel_options=None):
+    """The result of the device-interval path (``ops/interval_backend.py``) for masks that hold a
+    ``document(ids)`` and keep one key interval per row, or None (the layout path applies)."""
+    if not isinstance(mask, Mask):
+        return None
+    from .interval_backend import try_interval_attention
+
+    return try_interval_attention(q, k, v, mask, s, scale, dropout_p, dropout_seed, score_mod, backend, align,
+                                  return_lse, kernel_options)
+
+
 def draw_seed(dropout_p: float, dropout_seed) -> int:
     """The dropout seed: 0 without dropout, ``dropout_seed`` checked, or one drawn from torch's RNG."""
     if dropout_p == 0.0:
@@ -198,7 +210,12 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             tensor (``True`` = attend) broadcastable to ``(*batch, H, Lq, Lk)`` as SDPA's
             ``attn_mask`` (it becomes a :func:`~blocksparse_fa.dense_mask`), a FlexAttention-style
             ``mask_mod(b, h, q_idx, kv_idx)`` callable (wrapped in :func:`~blocksparse_fa.mask_mod`;
-            called with ``b = h = 0`` unless wrapped with ``B``/``H``) or ``None`` (dense).
+            called with ``b = h = 0`` unless wrapped with ``B``/``H``) or ``None`` (dense). A Mask
+            that holds a ``document(ids)`` and keeps one key interval per row (an ``&`` with
+            ``causal()``, windows, ranges, ...) runs, without score modifier, on
+            intervals built on the device (``ops/interval_backend.py``): no layout is compiled
+            (``block_size`` does not apply), nothing is read on the host, and under
+            ``torch.compile`` new ids never recompile.
         scale: softmax scale, default ``1/sqrt(D)``; any positive finite real (Python or numpy
             scalar, 0-d CPU tensor).
         dropout_p: attention dropout probability in ``[0, 1)``.
@@ -254,7 +271,11 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
         score_mod = score_mod.bind(lead if lead is not None else (s.B,), s.H, s.Lq, s.Lk, q4.device)
     q4, k4, v4, dv = dispatch.pad_head_dims(q4, k4, v4)  # Dv != D: one head dim for the kernels
     s = replace(s, D=q4.shape[-1])
-    if torch.compiler.is_compiling() or q4.device.type == "meta":
+    res = device_intervals(q4, k4, v4, mask, s, scale, dropout_p, dropout_seed, score_mod, backend, align, return_lse,
+                           kernel_options)
+    if res is not None:  # e.g. causal() & document(ids): intervals built on the device, no layout
+        pass
+    elif torch.compiler.is_compiling() or q4.device.type == "meta":
         from .custom_op import attention_op
 
         res = attention_op(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,

@@ -84,7 +84,7 @@ import math
 import sys
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -96,7 +96,7 @@ from ..mask.expr import Mask
 from ..mask.primitives import full, mask_mod
 from ..mask.score import ScoreMod, check_score_mod
 from . import dispatch
-from .api import check_align, check_mask_for, resolve_backend, run
+from .api import check_align, check_mask_for, device_intervals, resolve_backend, run
 from .options import KernelOptions, as_options, decode_options
 from .validate import check_layout, check_qkv, check_scalars
 
@@ -576,7 +576,11 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
     if score_mod is not None and score_mod.fn is None:
         score_mod = score_mod.bind((s.B,), s.H, s.Lq, s.Lk, q.device)
     q, k, v, dv = _dispatch.pad_head_dims(q, k, v)
-    if q.device.type == "meta" and not torch.compiler.is_compiling():
+    res = device_intervals(q, k, v, mask, replace(s, D=q.shape[-1]), scale, dropout_p, dropout_seed, score_mod,
+                           backend, align, return_lse, kernel_options)
+    if res is not None:  # e.g. causal() & document(ids): intervals built on the device (ops/interval_backend.py)
+        pass
+    elif q.device.type == "meta" and not torch.compiler.is_compiling():
         res = _meta(q, k, v, mask, block_size, scale, dropout_p, return_lse, align, score_mod)
     elif not torch.compiler.is_compiling():
         res = _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,

@@ -59,6 +59,30 @@ class Explanation:
         return "\n".join(lines)
 
 
+def _device_interval(q, k, v, mask, s, dropout_p, score_mod, be, align, opts, needs_grad) -> Explanation | None:
+    """The explanation of a call on the device-interval path (``ops/interval_backend.py``: masks
+    holding this call's ``document(ids)``), or None where the layout path applies."""
+    from ..compiler.device_intervals import interval_spec
+    from ..mask.expr import Mask
+
+    if not isinstance(mask, Mask) or score_mod is not None or q.device.type == "meta":
+        return None
+    spec = interval_spec(mask, s.Lq, s.Lk, "bottom_right" if align is None else align)
+    if spec is None:
+        return None
+    if be == "torch":
+        return Explanation("torch", "torch:interval", "torch:interval" if needs_grad else None)
+    from . import select
+    from .interval_backend import _class, forward_choice
+
+    iv = spec.bounds(q.device)
+    fwd = forward_choice(q, k, v, iv, s, dropout_p, opts)
+    lc = _class(iv, s)
+    bwd = select.choose_backward(lc, s, q.dtype, select.hardware(q.device), opts) if needs_grad else None
+    kernels = tuple(dict.fromkeys(fwd.kernels + (bwd.kernels if bwd else ())))
+    return Explanation("triton", str(fwd), None if bwd is None else str(bwd), None, lc, kernels)
+
+
 def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_lse: bool = False,
             backend: str = "auto", block_size=None, rewrite: bool = True, align: str | None = None,
             score_mod=None, kernel_options=None, needs_grad: bool | None = None) -> Explanation:
@@ -90,6 +114,10 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
     be = resolve_backend(backend, q4.device, q4.dtype)
     if be == "triton" and score_mod is not None and score_mod.fn is not None:
         be = "torch"
+    dev = _device_interval(q4, k4, v4, mask, s, dropout_p, score_mod, be, align, as_options(kernel_options),
+                           needs_grad)
+    if dev is not None:
+        return dev
     layout = layout_for(mask, s, q4.device, block_size, rewrite, align)
     if takes_dense_path(q4, k4, v4, layout, s, dropout_p, backend, be, return_lse, score_mod):
         return Explanation("dense", "sdpa:dense", "sdpa:dense" if needs_grad else None)

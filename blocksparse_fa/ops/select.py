@@ -92,9 +92,12 @@ class LayoutClass:
 
     ``kind``: ``"dense"`` (every block full), ``"causal"`` (the ``causal()`` mask with top-left
     query positions and ``Lq == Lk``), ``"interval"`` (every query row keeps one key interval:
-    windows, contiguous documents, their combinations with ``causal()``) or ``"blocks"``
-    (anything else). ``batched``: the layout differs per batch row or head. ``shard``: a
-    context-parallel shard of a larger layout (its rows and keys sit at listed positions).
+    windows, contiguous documents, their combinations with ``causal()``), ``"blocks"``
+    (anything else), or ``"device_interval"``: no compiled layout, the rows' key intervals built
+    on the device from a mask holding this call's ``document(ids)`` (``compiler/device_intervals.py``;
+    ``ids``: the kernels also compare document ids, for ids not known to be contiguous runs).
+    ``batched``: the layout differs per batch row or head. ``shard``: a context-parallel shard of a
+    larger layout (its rows and keys sit at listed positions).
     ``band``/``short_partial``/``partial_heavy``/``band_bwd``: the tile class of
     ``kernels/config.py`` (which Triton tile tables apply)."""
 
@@ -108,6 +111,17 @@ class LayoutClass:
     short_partial: bool = False
     partial_heavy: bool = False
     band_bwd: bool = False
+    ids: bool = False
+
+
+def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool) -> LayoutClass:
+    """The class of a call on the device-interval path (no compiled layout)."""
+    return LayoutClass("device_interval", q_len, kv_len, (0, 0), batched=batched, ids=ids)
+
+
+# The Gluon forward on device-built interval tables (``ops/interval_backend.gluon_interval_forward``)
+# runs only when asked for (``forward="gluon"``) until the GPU check makes it the default.
+GLUON_DEVICE_INTERVALS = False
 
 
 def layout_class(layout) -> LayoutClass:
@@ -200,6 +214,13 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
     if opts.forward == "gluon" and hw.gluon:
         raise ValueError(f"kernel_options forward='gluon': {hw.gluon}")
     simple = not dropout and not score_mod and not out_dtype
+    if lc.kind == "device_interval":
+        cfg = opts.gluon_fwd or GluonConfig()
+        want = opts.forward == "gluon" or (opts.forward == "auto" and GLUON_DEVICE_INTERVALS)
+        if (want and not hw.gluon and simple and dtype in _16BIT and tma and not lc.ids and s.D in (64, 128)
+                and lc.kv_len % cfg.block_n == 0):
+            return Choice("gluon", "interval", ("_attn_fwd_gluon",))
+        return Choice("triton", "interval", ("_interval_fwd",))
     if opts.forward in ("auto", "gluon") and not hw.gluon and simple and dtype in _16BIT and tma:
         mode = _gluon_fwd_mode(lc, s, opts.gluon_fwd or GluonConfig(), opts)
         if mode is not None:
@@ -238,6 +259,8 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     if opts.backward == "gluon" and hw.gluon:
         raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
     det = opts.deterministic if deterministic is None else deterministic
+    if lc.kind == "device_interval":  # deterministic: dK/dV and dQ programs, no atomics
+        return Choice("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd"))
     if (opts.backward in ("auto", "gluon") and not hw.gluon and dtype in _16BIT and not dropout and not score_mod
             and not accumulate and not grad_dtype and tma):
         mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig())

@@ -1,0 +1,296 @@
+"""Packed documents on the device path, on a GPU: accuracy, no syncs, no recompiles, CUDA graphs, time.
+
+1. ``accuracy``: forward and backward of ``document`` masks (alone, ``& causal()``, ``&
+   sliding_window(w)``, ids that recur, ``document_from_cu_seqlens``) on the device path against
+   float64, beside eager attention in the same precision and the block-layout path; the Gluon
+   interval forward with device-built tables (Hopper) against float64 and its tables against the
+   host ones.
+2. ``compiled``: a decoder block under ``torch.compile(fullgraph=True)`` that builds ``causal() &
+   document(ids)`` from each step's ids, 20 steps of new packings (documents of 2K-16K tokens at
+   64K) under ``torch.cuda.set_sync_debug_mode("error")``: counts recompiles and checks a step
+   against eager; the eager path under the same mode.
+3. ``graph``: one eager forward+backward step captured in a CUDA graph, replayed with new ids
+   copied into its input, against eager.
+4. ``timing``: fwd+bwd of the attention call with the mask built per call (eager and compiled),
+   beside the block-layout path with a precompiled layout (kernels only) and with the layout
+   compiled per call (the host path), at 16K and 64K (``triton.testing.do_bench``, median ms).
+
+    PYTHONPATH=. python benchmarks/experiments/documents_gpu.py --out DIR [--lens 16384 65536]
+
+Prints a table and writes ``DIR/documents_gpu.json``. ``--smoke`` runs tiny shapes (CPU: the
+PyTorch backend, no sync/graph/timing parts) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.compiler.device_intervals import gluon_interval_tables, interval_spec
+
+
+def _packing(total: int, lo: int, hi: int, g: torch.Generator) -> torch.Tensor:
+    """Document ids ``(total,)``: random lengths in ``[lo, hi]`` (the last one cut to fit)."""
+    lens = []
+    while sum(lens) < total:
+        lens.append(min(int(torch.randint(lo, hi + 1, (1,), generator=g)), total - sum(lens)))
+    return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _grads(fn, q, k, v, do):
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+def accuracy(dev, dtype, L: int, H: int, Hkv: int, D: int, report: dict) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = _packing(L, L // 8, L // 3, g).to(dev)
+    recurring = torch.cat([ids[: L // 2], ids[: L - L // 2]])  # every id in two runs
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.bincount(ids.cpu()), 0)]).to(dev)
+    cases = {
+        "document": bsfa.document(ids),
+        "causal & document": bsfa.causal() & bsfa.document(ids),
+        f"sliding_window({L // 16}) & document": bsfa.sliding_window(L // 16) & bsfa.document(ids),
+        "causal & document (recurring ids)": bsfa.causal() & bsfa.document(recurring),
+        "causal & document_from_cu_seqlens": bsfa.causal() & bsfa.document_from_cu_seqlens(cu, L),
+    }
+    torch.manual_seed(0)
+    q = torch.randn(1, H, L, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+    rows = report.setdefault("accuracy", [])
+    for name, mask in cases.items():
+        ref = _grads(lambda q, k, v: bsfa.reference_attention(q, k, v, mask=mask), q, k, v, do)
+        eager = _grads(lambda q, k, v: bsfa.reference_attention(q, k, v, mask=mask, upcast=False), q, k, v, do)
+        ours = _grads(lambda q, k, v: bsfa.attention(q, k, v, mask=mask), q, k, v, do)
+        layout = bsfa.compile_mask(mask, L, L, 128, device=dev)
+        lay = _grads(lambda q, k, v: bsfa.attention(q, k, v, mask=layout), q, k, v, do)
+        row = dict(mask=name, L=L)
+        for part, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+            row[part] = _rel(ours[i], ref[i])
+            row[part + "_eager"] = _rel(eager[i], ref[i])
+            row[part + "_layout_path"] = _rel(lay[i], ref[i])
+            row[part + "_finite"] = bool(torch.isfinite(ours[i]).all())
+        row["ratio_to_eager"] = max(row[p] / max(row[p + "_eager"], 1e-30) for p in ("out", "dq", "dk", "dv"))
+        rows.append(row)
+        print(f"  {name:42s} out {row['out']:.2e} dq {row['dq']:.2e} dk {row['dk']:.2e} dv {row['dv']:.2e} "
+              f"(eager {row['out_eager']:.2e}, layout path {row['out_layout_path']:.2e}) "
+              f"ratio to eager {row['ratio_to_eager']:.2f}", flush=True)
+    gluon(dev, cases["causal & document_from_cu_seqlens"], q, k, v, L, report)
+
+
+def gluon(dev, mask, q, k, v, L: int, report: dict) -> None:
+    """The Gluon interval forward on device-built tables (where it runs) and those tables against the
+    host ones of the same mask."""
+    from blocksparse_fa.ops.interval_backend import gluon_interval_forward
+    from blocksparse_fa.ops.triton_backend import GluonConfig, _gluon_interval_tables, _gluon_unavailable
+    from blocksparse_fa.ops.validate import check_qkv
+
+    spec = interval_spec(mask, L, L)
+    iv = spec.bounds(dev)
+    cfg = GluonConfig()
+    layout = bsfa.compile_mask(mask, L, L, 128, device=dev)
+    host = _gluon_interval_tables(layout, cfg, dev)
+    devt = gluon_interval_tables(iv.lo.view(1, L), iv.hi.view(1, L), cfg.block_m, cfg.block_n)
+    same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(host, devt))
+    res = dict(tables_equal_host=same)
+    why = _gluon_unavailable() if dev.type == "cuda" else "no CUDA device"
+    if not why:
+        with torch.no_grad():
+            s = check_qkv(q, k, v)
+            out, lse = gluon_interval_forward(q.detach(), k.detach(), v.detach(), iv, s, 1.0 / q.shape[-1] ** 0.5)
+            ref = bsfa.reference_attention(q.detach(), k.detach(), v.detach(), mask=mask)
+            tri = bsfa.attention(q.detach(), k.detach(), v.detach(), mask=mask)
+        res.update(out=_rel(out, ref), triton_interval_out=_rel(tri, ref))
+    else:
+        res["skipped"] = why
+    report["gluon_device_tables"] = res
+    print(f"  gluon interval forward, device tables: {res}", flush=True)
+
+
+class Block(torch.nn.Module):
+    """A decoder block's attention: projections, GQA, attention under this step's packing."""
+
+    def __init__(self, E: int, H: int, Hkv: int, D: int):
+        super().__init__()
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.qkv = torch.nn.Linear(E, (H + 2 * Hkv) * D, bias=False)
+        self.out = torch.nn.Linear(H * D, E, bias=False)
+
+    def forward(self, x, ids):
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
+        q = q.view(B, L, self.H, self.D).transpose(1, 2)
+        k = k.view(B, L, self.Hkv, self.D).transpose(1, 2)
+        v = v.view(B, L, self.Hkv, self.D).transpose(1, 2)
+        o = bsfa.attention(q, k, v, mask=bsfa.causal() & bsfa.document(ids))
+        return x + self.out(o.transpose(1, 2).reshape(B, L, self.H * self.D))
+
+
+def compiled_steps(dev, dtype, L: int, H: int, Hkv: int, D: int, steps: int, report: dict) -> None:
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(1)
+    block = Block(H * D, H, Hkv, D).to(dev, dtype)
+    x = torch.randn(1, L, H * D, device=dev, dtype=dtype, requires_grad=True)
+    packings = [_packing(L, min(2048, L // 4), min(16384, L // 2), g).to(dev) for _ in range(steps + 1)]
+    torch._dynamo.reset()
+    cblock = torch.compile(block, fullgraph=True, backend="inductor" if dev.type == "cuda" else "aot_eager")
+    t0 = time.perf_counter()
+    y = cblock(x, packings[0])
+    y.sum().backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    graphs0 = counters["stats"]["unique_graphs"]
+    errors = {"compiled": [], "eager": []}
+    for kind, fn, todo in (("compiled", cblock, packings[1:]), ("eager", block, packings[1:3])):
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
+        try:
+            for ids in todo:
+                fn(x, ids).sum().backward()
+        except RuntimeError as e:
+            errors[kind].append(str(e).splitlines()[0])
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    recompiles = counters["stats"]["unique_graphs"] - graphs0
+    ndocs = [int(ids[-1]) + 1 for ids in packings[1:]]
+    with torch.no_grad():
+        check = _rel(cblock(x, packings[-1]), block(x, packings[-1]))
+    res = dict(L=L, steps=steps, compile_s=compile_s, recompiles=recompiles, sync_free=not errors["compiled"],
+               eager_sync_free=not errors["eager"], errors=errors, documents_per_step=ndocs,
+               compiled_vs_eager=check)
+    report["compiled"] = res
+    print(f"  {steps} compiled steps at L={L}: recompiles {recompiles}, no syncs: compiled {res['sync_free']}, "
+          f"eager {res['eager_sync_free']}; compiled vs eager {check:.2e}; documents per step "
+          f"{min(ndocs)}-{max(ndocs)}; compile {compile_s:.1f} s {errors if any(errors.values()) else ''}", flush=True)
+
+
+def cuda_graph(dev, dtype, L: int, H: int, Hkv: int, D: int, report: dict) -> None:
+    g = torch.Generator().manual_seed(2)
+    torch.manual_seed(0)
+    q = torch.randn(1, H, L, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+    ids = _packing(L, L // 8, L // 2, g).to(dev)
+    static_ids = ids.clone()
+
+    def step():
+        out = bsfa.attention(q, k, v, mask=bsfa.causal() & bsfa.document(static_ids))
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator pools made
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    errs = []
+    for _ in range(3):
+        new = _packing(L, L // 16, L // 3, g).to(dev)
+        static_ids.copy_(new)
+        graph.replay()
+        want = _grads(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal() & bsfa.document(new)), q, k, v, do)
+        errs.append(max(_rel(a, b) for a, b in zip(static, want)))
+    report["cuda_graph"] = dict(L=L, replays=len(errs), max_rel_vs_eager=max(errs))
+    print(f"  CUDA graph: {len(errs)} replays with new ids, max rel. diff vs eager {max(errs):.2e}", flush=True)
+
+
+def timing(dev, dtype, L: int, H: int, Hkv: int, D: int, report: dict) -> None:
+    from triton.testing import do_bench
+
+    g = torch.Generator().manual_seed(3)
+    ids = _packing(L, min(2048, L // 4), min(16384, L // 2), g).to(dev)
+    torch.manual_seed(0)
+    q = torch.randn(1, H, L, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+
+    def device_path(q, k, v, ids):
+        return bsfa.attention(q, k, v, mask=bsfa.causal() & bsfa.document(ids))
+
+    compiled = torch.compile(device_path, fullgraph=True)
+    layout = bsfa.compile_mask(bsfa.causal() & bsfa.document(ids), L, L, 128, device=dev)
+
+    def host_path(q, k, v, ids):
+        bsfa.compiler.clear_cache()  # a new packing every step: the layout is compiled on the host
+        return bsfa.attention(q, k, v, mask=bsfa.compile_mask(bsfa.causal() & bsfa.document(ids), L, L, 128,
+                                                              device=dev))
+
+    variants = {"device path, eager": device_path, "device path, compiled": compiled,
+                "layout path, precompiled layout": lambda q, k, v, ids: bsfa.attention(q, k, v, mask=layout),
+                "layout path, layout per call": host_path}
+    rows = report.setdefault("timing", [])
+    for name, fn in variants.items():
+        def fwd():
+            return fn(q, k, v, ids)
+
+        def fb():
+            torch.autograd.grad(fn(q, k, v, ids), (q, k, v), do)
+
+        fb()  # compile / warm up
+        row = dict(variant=name, L=L, fwd_ms=do_bench(fwd, return_mode="median"),
+                   fwd_bwd_ms=do_bench(fb, return_mode="median"))
+        rows.append(row)
+        print(f"  L={L:6d} {name:34s} fwd {row['fwd_ms']:8.3f} ms   fwd+bwd {row['fwd_bwd_ms']:8.3f} ms", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--lens", type=int, nargs="+", default=[16384, 65536])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--check-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; on CPU only the accuracy and compile parts")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    H, Hkv, D = args.heads, args.kv_heads, args.dim
+    if args.smoke:
+        args.lens, args.check_len, args.steps, H, Hkv, D = [512], 256, 3, 2, 1, 32
+    report = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
+                  dtype=str(dtype), H=H, Hkv=Hkv, D=D)
+    print(f"device: {report['device']}  torch {torch.__version__}  {dtype} H={H} Hkv={Hkv} D={D}", flush=True)
+    print("accuracy (relative error vs float64):", flush=True)
+    accuracy(dev, dtype, args.check_len, min(H, 4), min(Hkv, 2), D, report)
+    print("compiled steps:", flush=True)
+    compiled_steps(dev, dtype, max(args.lens), H, Hkv, D, args.steps, report)
+    if dev.type == "cuda":
+        print("CUDA graph:", flush=True)
+        cuda_graph(dev, dtype, min(args.lens), H, Hkv, D, report)
+        print("timing (median ms):", flush=True)
+        for L in args.lens:
+            timing(dev, dtype, L, H, Hkv, D, report)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "documents_gpu.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    ok = all(r["ratio_to_eager"] < 2.0 and r["out_finite"] for r in report["accuracy"])
+    ok = ok and report["compiled"]["recompiles"] == 0 and report["compiled"]["sync_free"]
+    ok = ok and report["compiled"]["eager_sync_free"]
+    ok = ok and report.get("cuda_graph", {}).get("max_rel_vs_eager", 0.0) < 1e-2
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
