@@ -1050,6 +1050,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                               gmode == "gluon" and not deterministic)
             return grads
     kind = _kind(score_mod, score_grads)
+    dslopes = None if score_grads is None else score_grads[0]
+    if dslopes is not None:  # the dQ programs write per-row sums (kernels/backward._attn_bwd): _slopes_grad
+        _grad_args(score_grads, dev)  # checks the buffers
+        score_grads = (torch.zeros((s.B * s.H * s.Lq, 3), dtype=torch.float32, device=dev), score_grads[1])
     sargs = (*_score_args(score_mod, s.H, dev), *_grad_args(score_grads, dev))
     bdt = _bias_dtype(score_mod)
     if not deterministic and getattr(layout, "positions", None) is None and gdt is None and not kind:
@@ -1061,6 +1065,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         if cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(("bwd_fused_fits", *plan.cfg), True):
             try:
                 _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed, sargs)
+                if dslopes is not None:
+                    _slopes_grad(dslopes, score_grads[0], lse, dlse, s, layout)
                 return grads
             except OutOfResources:
                 _FALLBACK[("bwd_fused_fits", *plan.cfg)] = False  # the two programs do not fit one kernel
@@ -1078,7 +1084,25 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                 cfgs = (smaller, plan.cfg[1]) if i == 0 else (plan.cfg[0], smaller)
                 plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, run, cfgs=cfgs, grad_dtype=gdt,
                                  smod_kind=kind, bias_dtype=bdt)
+    if dslopes is not None:
+        _slopes_grad(dslopes, score_grads[0], lse, dlse, s, layout)
     return grads
+
+
+def _slopes_grad(dslopes, rows, lse, dlse, s: Shapes, layout) -> None:
+    """Add the slopes' gradient ``Σ_{b,i} Σ_j dS_ij·(j - qp_i)`` per head to ``dslopes`` from the dQ
+    programs' per-row sums ``rows`` ``(B·H·Lq, 3)``: ``X = Σ dS·(j - qp)``, ``M = Σ P·g·(j - qp)``,
+    ``E = Σ P·(dP - delta)``. ``dS`` used ``delta = rowsum(dO ∘ O) - dlse`` from the stored output;
+    the row's exact delta ``Σ P·dP - dlse`` exceeds it by ``E - dlse``, which moves the sum by
+    ``-(E - dlse)·M``. In bfloat16 the output's rounding is ~2⁻⁹ of delta while ``M`` grows with
+    the distances (up to the row length), so the correction matters; it is exact only for whole
+    rows, so a shard (rows may be split between ranks) keeps ``X``."""
+    x, m, e = rows.view(s.B, s.H, s.Lq, 3).unbind(-1)
+    if getattr(layout, "positions", None) is None:
+        if dlse is not None:
+            e = e - torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float())
+        x = x - e * m
+    dslopes += x.sum((0, 2))
 
 
 _FUSED_BWD = {"on": True, "head_major": None}
