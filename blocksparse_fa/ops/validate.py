@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..compiler.layout import BlockLayout
+from ..mask.expr import Mask
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -110,6 +111,9 @@ def check_layout(layout: BlockLayout, s: Shapes) -> None:
     if layout.q_len != s.Lq or layout.kv_len != s.Lk:
         raise ValueError(f"mask layout was compiled for (q_len, kv_len) = ({layout.q_len}, {layout.kv_len}), "
                          f"but q/k have lengths ({s.Lq}, {s.Lk})")
+    mask = getattr(layout, "mask", None)
+    if isinstance(mask, Mask):  # per-batch/per-head parameters, named (also those of equal values)
+        mask.check_batch(s.B, s.H)
     if layout.batch_shape:
         bm, hm = layout.batch_shape
         if bm not in (1, s.B) or hm not in (1, s.H):
