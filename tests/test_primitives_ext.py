@@ -522,6 +522,31 @@ def test_dense_mask_is_bit_packed_and_takes_views():
     assert torch.equal(bsfa.dense_mask(sparse).to_dense(257, 97), sparse)
 
 
+def test_dense_mask_of_a_broadcast_view_costs_at_most_one_bit_per_element():
+    """A stride-0 ``(L, L)`` view (64 MB as bools) packed, hashed and compiled: the memory it adds
+    stays at the packed bits (``L² / 8`` bytes) plus the classification's fixed-size chunks. Hashing
+    used to copy the packed bits (two bits per element; 4.1 GB at 128K tokens)."""
+    import tracemalloc
+
+    L = 8192
+    row = torch.rand(L, generator=torch.Generator().manual_seed(0)) < 0.5
+    view = row.view(1, L).expand(L, L)
+    packed = L * L // 8
+    tracemalloc.start()
+    try:
+        m = bsfa.dense_mask(view)
+        hash(m)
+        lay = compile_mask(m, L, L, 128, cache=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert m.tensor.nbytes == packed
+    assert peak <= packed + (4 << 20), (peak, packed)
+    kept = row.view(-1, 128)  # every row block sees the same key blocks: full, empty or partial
+    want = torch.where(kept.all(1), 2, torch.where(kept.any(1), 1, 0)).to(torch.int8)
+    assert torch.equal(lay.block_states(), want.expand(L // 128, -1).to(lay.block_states().dtype))
+
+
 @pytest.mark.parametrize("bs,block", [(16, 16), (16, 32), (32, 16), (24, 16)])
 def test_block_mask_per_head_all_block_sizes(bs, block):
     t = torch.rand(1, 3, -(-97 // bs), -(-257 // bs)) < 0.4

@@ -42,10 +42,11 @@ def check_int(prim: str, arg: str, value, minimum: int, maximum: int = INT32_MAX
 
 def tensor_fingerprint(t: torch.Tensor) -> tuple:
     """Content hash of a (small or large) tensor, used for equality and layout caching."""
-    data = t.detach().to("cpu").contiguous()
-    if data.dtype == torch.bool:
-        data = data.to(torch.uint8)
-    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
+    data = t.detach().to("cpu").contiguous().numpy().reshape(-1)
+    if data.dtype == np.bool_:
+        data = data.view(np.uint8)
+    # hashed in place (a bytes copy would double the memory of a large bit-packed mask)
+    digest = hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
     return (str(t.dtype), tuple(t.shape), digest)
 
 
