@@ -123,7 +123,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                    ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                   SCORE_MOD: tl.constexpr, LIST_BM: tl.constexpr):
+                   SCORE_MOD: tl.constexpr, LIST_BM: tl.constexpr, PART_LUT: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group; ``LIST_BM`` queries per column-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -175,7 +175,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                              BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn,
-                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, MASKED_STAGES, "load",
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, MASKED_STAGES, PART_LUT,
                              EVEN, FLAT, HAS_POS, SCORE_MOD)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
@@ -263,7 +263,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                  ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                 SCORE_MOD: tl.constexpr, LIST_BN: tl.constexpr):
+                 SCORE_MOD: tl.constexpr, LIST_BN: tl.constexpr, PART_LUT: tl.constexpr):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``; ``LIST_BN`` keys
     per row-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -314,7 +314,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
         dq, x_sum, m_sum, e_sum, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn,
         stride_vn, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi,
         drop_thresh, drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, True, HAS_DROPOUT,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, LIST_BN, DOT_PRECISION, MASKED_STAGES, "load", EVEN, FLAT,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, LIST_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT, EVEN, FLAT,
         HAS_POS, SCORE_MOD)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
@@ -357,7 +357,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr,
               EVEN: tl.constexpr = False, KV_FLAT: tl.constexpr = False, Q_FLAT: tl.constexpr = False,
               HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-              KV_LIST_BM: tl.constexpr = 0, Q_LIST_BN: tl.constexpr = 0):
+              KV_LIST_BM: tl.constexpr = 0, Q_LIST_BN: tl.constexpr = 0,
+              ROW_PART_LUT: tl.constexpr = "load", COL_PART_LUT: tl.constexpr = "load"):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -387,7 +388,9 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     bit-reproducible).
     ``KV_LIST_BM`` (queries per column-LUT entry) and ``Q_LIST_BN`` (keys per row-LUT entry): 0 for
     the layout block, or a divisor of it when the tables list a finer classification
-    (``compiler/finer.py``); with the kernel tile's step, each loop iteration is one tile."""
+    (``compiler/finer.py``); with the kernel tile's step, each loop iteration is one tile.
+    ``ROW_PART_LUT``/``COL_PART_LUT``: how the dQ/dK/dV loops read the masked lists (``"load"``, or
+    ``"step"`` for tables whose masked lists are arithmetic progressions, ``kernels/common.lut_first``)."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     KV_STEP: tl.constexpr = KV_LIST_BM if KV_LIST_BM > 0 else LAYOUT_BM
     Q_STEP: tl.constexpr = Q_LIST_BN if Q_LIST_BN > 0 else LAYOUT_BN
@@ -423,7 +426,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       stride_dbh, stride_dbm, stride_dbn, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM,
                       HEAD_DIM_PAD, KV_BLOCK_M,
                       KV_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE,
-                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD, KV_STEP)
+                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD, KV_STEP, COL_PART_LUT)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -434,7 +437,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DSLOPES, PREDICATE,
                     HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M,
                     Q_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN,
-                    Q_FLAT, HAS_POS, SCORE_MOD, Q_STEP)
+                    Q_FLAT, HAS_POS, SCORE_MOD, Q_STEP, ROW_PART_LUT)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

@@ -79,10 +79,15 @@ def lut_first(LUT_IDX, line, start, end, MODE: tl.constexpr):
     ``"prefetch"``: read it one iteration ahead, so the tile loads use an index already in registers;
     ``"arith"``: every line's list is one run of consecutive blocks (dense, causal, sliding windows,
     documents) and ``LUT_IDX[line]`` holds ``first block - first entry`` of the line
-    (``compiler/luts.py``), so the index is ``LUT_IDX[line] + e`` and the loop reads no index at all.
+    (``compiler/luts.py``), so the index is ``LUT_IDX[line] + e`` and the loop reads no index at all;
+    ``"step"``: every line's list is an arithmetic progression with one step for all lines
+    (strided masks' partial blocks): ``LUT_IDX[0]`` holds the step and ``LUT_IDX[1 + line]`` the
+    line's ``first block - first entry · step``, so the index is ``LUT_IDX[1 + line] + e · step``.
     """
     if MODE == "arith":
         carry = tl.load(LUT_IDX + line)
+    elif MODE == "step":
+        carry = tl.load(LUT_IDX + 1 + line)
     elif MODE == "prefetch":
         carry = tl.load(LUT_IDX + start, mask=start < end, other=0)
     else:
@@ -95,6 +100,9 @@ def lut_next(LUT_IDX, e, end, carry, MODE: tl.constexpr):
     """``(block index of entry e, carry for entry e + 1)``; see :func:`lut_first`."""
     if MODE == "arith":
         blk = carry + e
+        nxt = carry
+    elif MODE == "step":
+        blk = carry + e * tl.load(LUT_IDX)
         nxt = carry
     elif MODE == "prefetch":
         blk = carry

@@ -86,8 +86,9 @@ def _device_state(layout: BlockLayout, device: torch.device, row_list: int | Non
             return t if t.numel() else torch.zeros(1, dtype=torch.int32, device=device)
 
         other = _LUT_POLICY["fwd_other"]
-        modes = dict(FULL_LUT="arith" if rows.runs else other, PART_LUT=other,
-                     ROW_LUT="arith" if rows.runs else "load", COL_LUT="arith" if cols.runs else "load")
+        modes = dict(FULL_LUT="arith" if rows.runs else other, PART_LUT="step" if rows.part_step else other,
+                     ROW_LUT="arith" if rows.runs else "load", COL_LUT="arith" if cols.runs else "load",
+                     ROW_PART_LUT="step" if rows.part_step else "load", COL_PART_LUT="step" if cols.part_step else "load")
         st = (tuple(prep(a) for a in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx)),
               tuple(prep(a) for a in (cols.full_ptr, cols.full_idx, cols.part_ptr, cols.part_idx)),
               _payload(layout, device), modes, _positions(layout, device))
@@ -424,7 +425,7 @@ def _tile_class(layout: BlockLayout) -> tuple[bool, bool, bool, bool]:
     cls = layout.cache.get("tile_class")
     if cls is None:  # a shard takes its source's class: the same kernels as the unsharded run
         src = _source(layout)
-        mean_row = src.n_nonempty / max(1, src._segs.n_rows)
+        mean_row = src.n_nonempty / max(1, src.n_rows)
         pf = src.partial_fraction
         cls = (short_rows(mean_row, pf), short_partial_rows(mean_row, pf),
                src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf))
@@ -973,6 +974,9 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
         consts["HAS_POS"] = True
     if smod_kind:
         consts["SCORE_MOD"] = smod_kind
+    for side in ("ROW_PART_LUT", "COL_PART_LUT"):  # masked lists as arithmetic progressions (strided masks)
+        if modes[side] != "load":
+            consts[side] = modes[side]
     if kv_unit is not None:
         consts["KV_LIST_BM"] = kv_unit
     if q_unit is not None:
@@ -1175,6 +1179,8 @@ def _bwd_atomic_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumu
                   MASKED_STAGES=_masked_stages(pay, cfg), COL_LUT=modes["COL_LUT"], ACCUMULATE=accumulate,
                   EVEN=_even(layout), DQ_DESC=bool(_KERNEL_OPTS["dq_desc"]),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if modes["COL_PART_LUT"] != "load":
+        consts["COL_PART_LUT"] = modes["COL_PART_LUT"]
     bufs = (*cols, pay.params, pay.aux, wl.work if wl is not None else _placeholder(torch.int32, device))
     ints = (nslot, n_items, s.B * s.H, s.H, s.G, lzb, lzh, _cdiv(s.Lk, lbn), s.Lq, s.Lk, layout.q_offset)
     n_kv = s.B * s.Hkv * nslot * cfg.block_n
