@@ -322,6 +322,22 @@ def test_nan_in_v_never_reaches_fully_masked_rows(cpu_path):
     assert bool((ts[0].grad[:, :, [5, 40]] == 0).all())
 
 
+def test_inputs_finite_from_one_sum():
+    """The dense path's guard: any NaN or infinity (also +inf beside -inf) is caught; finite inputs
+    whose float32 sum overflows only send the call to the walk."""
+    x = torch.randn(2, 3, 40, 8)
+    assert dense_mod.inputs_finite(x, x.bfloat16(), x.half())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            y = x.to(dt)
+            y[1, 2, 7, 3] = bad
+            assert not dense_mod.inputs_finite(x, y)
+    y = x.clone()
+    y[0, 0, 0, 0], y[1, 1, 1, 1] = float("inf"), float("-inf")
+    assert not dense_mod.inputs_finite(y)
+    assert not dense_mod.inputs_finite(torch.full((4,), 3e38))  # finite, but the sum overflows: walk
+
+
 # ------------------------------------------------------------------------------------------------
 # import without Triton, lazily
 # ------------------------------------------------------------------------------------------------
