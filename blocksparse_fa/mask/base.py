@@ -283,11 +283,11 @@ class Primitive(Mask):
         shapes = getattr(self, "_shapes", None) or (None,) * len(self._params)
         return tuple(tuple(v.t.shape) if isinstance(v, ParamTensor) else sh for v, sh in zip(self._params, shapes))
 
-    def _check_batch(self, B: int, H: int) -> None:
+    def _batch_params(self) -> list:
         if getattr(self, "_shapes", None) is None and not self.has_tensor_params:
-            return
-        for (pname, _, _), shape in zip(self.PARAMS, self._param_shapes()):
-            check_param_batch(self.name, pname, shape, B, H)
+            return []
+        return [(self.name, pname, shape) for (pname, _, _), shape in zip(self.PARAMS, self._param_shapes())
+                if shape is not None]
 
     def _with_params(self, params: tuple) -> "Primitive":
         new = object.__new__(type(self))

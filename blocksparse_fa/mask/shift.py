@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ParamTensor, _check_param, check_param_batch, declared_shape
+from .base import ParamTensor, _check_param, declared_shape
 from .expr import EvalContext, Mask, _as_mask, _check_depth, broadcast_batch_shapes
 
 __all__ = ["Shift", "shift"]
@@ -56,9 +56,10 @@ class Shift(Mask):
     def _key(self):
         return ("Shift", self._offset, self._child._ckey()) + ((self._shape,) if self._shape else ())
 
-    def _check_batch(self, B: int, H: int) -> None:
+    def _batch_params(self) -> list:
         d = self._offset
-        check_param_batch("shift", "offset", tuple(d.t.shape) if isinstance(d, ParamTensor) else self._shape, B, H)
+        shape = tuple(d.t.shape) if isinstance(d, ParamTensor) else self._shape
+        return [] if shape is None else [("shift", "offset", shape)]
 
     def _tensor_items(self):
         d = self._offset
