@@ -63,9 +63,10 @@ always picking the faster one; the earlier weights (dense 0.65, step 150 K, no t
 slower in total and up to 8.4x slower on one run (Longformer at 2048 on two threads)."""
 
 
-def _keep(layout: BlockLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _keep(layout: BlockLayout, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(attend, has_key)``: the layout's mask ``(Bm, Hm, Lq, Lk)`` with fully masked rows set to
-    attend everything, and which rows keep any key ``(Bm, Hm, Lq, 1)``; cached on the layout."""
+    attend everything, and which rows keep any key ``(Bm, Hm, Lq, 1)`` (None when every row does);
+    cached on the layout."""
     key = ("dense_keep", str(device))
     hit = layout.cache.get(key)
     if hit is None:
@@ -73,7 +74,7 @@ def _keep(layout: BlockLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
         if keep.dim() == 2:
             keep = keep[None, None]
         has_key = keep.any(-1, keepdim=True)
-        hit = layout.cache[key] = (keep | ~has_key, has_key)
+        hit = layout.cache[key] = (keep, None) if bool(has_key.all()) else (keep | ~has_key, has_key)
     return hit
 
 
@@ -117,5 +118,7 @@ def dense_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float) -> torc
     if s.G > 1:
         k, v = k.repeat_interleave(s.G, dim=1), v.repeat_interleave(s.G, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=scale)
+    if has_key is None:  # no fully masked row: nothing to zero
+        return out
     return torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
