@@ -83,10 +83,11 @@ def patterns(n: int):
 
 
 def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=128, op=False, score_mod=None,
-              bias_shape=None, bias_pad=0, Dv=None, opts=None):
+              bias_shape=None, bias_pad=0, Dv=None, opts=None, learn_slopes=False, align=None):
     """Output and dQ, dK, dV (and dBias with ``bias_shape``: a learned bias of that shape in the
     inputs' dtype, added to ``score_mod``; ``bias_pad`` keys at the end of sequence 0 get -inf) vs
-    float64; ``Dv``: v's head dim when it differs from ``D``."""
+    float64; ``Dv``: v's head dim when it differs from ``D``; ``learn_slopes``: float32 ALiBi slopes
+    that require grad, added to ``score_mod`` (dSlopes checked last); ``align``: the query alignment."""
     torch.manual_seed(seed)
     Dv = D if Dv is None else Dv
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, requires_grad=True)
@@ -101,13 +102,18 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
         b = b.to(dtype).requires_grad_()
         ins.append(b)
         score_mod = bsfa.bias(b) if score_mod is None else score_mod + bsfa.bias(b)
-    lay = bsfa.compile_mask(mask, Lq, Lk, block, device="cuda")
+    if learn_slopes:  # mixed signs: rows' key distances up to Lk weigh the slopes' gradient
+        sl = (torch.linspace(-0.3, 0.3, H, device="cuda") * 0.1).requires_grad_()
+        ins.append(sl)
+        score_mod = bsfa.alibi(sl) if score_mod is None else score_mod + bsfa.alibi(sl)
+    al = {} if align is None else dict(align=align)
+    lay = bsfa.compile_mask(mask, Lq, Lk, block, device="cuda", **al)
     poison()
     t0 = time.perf_counter()
     fn = bsfa.attention_op if op else bsfa.attention  # the custom op (nn modules, transformers hook)
     sm = {} if score_mod is None else dict(score_mod=score_mod)
     out = fn(q, k, v, mask, dropout_p=dropout_p, dropout_seed=1234, kernel_options=dict(OPTIONS, **(opts or {})),
-             **sm)  # rewrites apply
+             **sm, **al)  # rewrites apply
     g = torch.autograd.grad(out, ins, do)
     torch.cuda.synchronize()
     t_first = time.perf_counter() - t0
@@ -115,11 +121,11 @@ def check_one(mask, B, H, Hkv, Lq, Lk, D, dtype, dropout_p=0.0, seed=0, block=12
     keep = bsfa.dropout_keep_mask(B, H, Lq, Lk, dropout_p, 1234, device="cuda") if dropout_p else None
     mask_dense = lay.to_dense().to("cuda") if Lq * Lk <= 1 << 28 else None
     mk = mask_dense if mask_dense is not None else mask
-    ref = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, **sm)
+    ref = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, **sm, **al)
     gr = torch.autograd.grad(ref, ins, do.double())
     ref_out = ref.detach()
     del ref
-    eager = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, upcast=False, **sm)
+    eager = bsfa.reference_attention(q, k, v, mk, dropout_p=dropout_p, dropout_mask=keep, upcast=False, **sm, **al)
     ge = torch.autograd.grad(eager, ins, do)
     ours = [rel(out, ref_out)] + [rel(a, b) for a, b in zip(g, gr)]
     eag = [rel(eager, ref_out)] + [rel(a, b) for a, b in zip(ge, gr)]
@@ -216,6 +222,20 @@ def main():
            Lq=8192, Lk=8192)
     record("strided rewrite, MQA class-major", 8192, 64, torch.bfloat16, "H=3 Hkv=1", mask=st, B=1, H=3, Hkv=1,
            Lq=8192, Lk=8192)
+    # strided masks' masked lists as arithmetic progressions (the "step" LUT mode, used beyond
+    # PART_LIST_LIMIT entries, e.g. 256K tokens; forced here): dropout keeps the unrewritten layout
+    import blocksparse_fa.compiler.layout as layout_mod
+
+    limit = layout_mod.PART_LIST_LIMIT
+    layout_mod.PART_LIST_LIMIT = 0
+    bsfa.compiler.clear_cache()
+    record("strided step tables dropout", 8192, 128, torch.bfloat16, "p=0.1 GQA", mask=st, B=1, H=4, Hkv=2,
+           Lq=8192, Lk=8192, dropout_p=0.1)
+    record("strided step tables fp16", 4096, 64, torch.float16, "no rewrite", mask=bsfa.parse(
+        "causal & (sliding_window(256) | strided(256))"), B=1, H=2, Hkv=2, Lq=4096, Lk=4096, dropout_p=0.05)
+    assert bsfa.compile_mask(st, 8192, 8192, 128, device="cuda").kernel_tables()[0].part_step == 1
+    layout_mod.PART_LIST_LIMIT = limit
+    bsfa.compiler.clear_cache()
     dm = torch.rand(1, 2, 1500, 1500) > 0.6
     record("dense_mask per head", 1500, 64, torch.bfloat16, "B1H2", mask=bsfa.dense_mask(dm), B=1, H=2, Hkv=2, Lq=1500, Lk=1500)
 
@@ -266,6 +286,16 @@ def main():
            bias_shape=(2, N, 1))
     record("bias (1,H,1,Lk) custom op", N, 128, torch.bfloat16, "attention_op", mask=bsfa.load_pattern("bigbird"), B=1,
            H=4, Hkv=2, Lq=N, Lk=N, bias_shape=(1, 4, 1, N), op=True)
+    # learned ALiBi slopes (dSlopes from the dQ programs' per-row sums with each row's exact delta):
+    # top-left rows whose keys lie up to Lk away, bfloat16
+    record("learned slopes top-left dense", 130, 32, torch.bfloat16, "Lq=7,Lk=130", mask=bsfa.full(), B=1, H=4, Hkv=2,
+           Lq=7, Lk=130, learn_slopes=True, align="top_left")
+    record("learned slopes top-left GQA", 4099, 128, torch.bfloat16, "Lq=1000,Lk=4099", mask=bsfa.full(), B=2, H=8,
+           Hkv=2, Lq=1000, Lk=4099, learn_slopes=True, align="top_left")
+    record("learned slopes+softcap longformer", N, 64, torch.bfloat16, "dSlopes", mask=bsfa.load_pattern("longformer"),
+           B=1, H=4, Hkv=4, Lq=N, Lk=N, learn_slopes=True, score_mod=bsfa.softcap(20.0))
+    record("learned slopes custom op causal", N, 128, torch.bfloat16, "attention_op", mask=bsfa.causal(), B=1, H=4,
+           Hkv=2, Lq=N, Lk=N, learn_slopes=True, op=True)
     # v with its own head dim (zero-padded to one head dim at the entry points)
     record("Dv<D causal GQA", N, 128, torch.bfloat16, "Dv=64", mask=bsfa.causal(), B=2, H=8, Hkv=2, Lq=N, Lk=N, Dv=64)
     record("Dv>D longformer Lq<Lk", 777, 64, torch.bfloat16, "Dv=128", mask=bsfa.load_pattern("longformer"), B=1,

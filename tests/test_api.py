@@ -257,19 +257,29 @@ def test_meta_module_and_errors():
 # ------------------------------------------------------------------------------------------------
 # backend="auto" on CPU: block walking or dense SDPA
 # ------------------------------------------------------------------------------------------------
-def test_cost_model_choices():
-    def choice(mask, L, H=8, D=64, B=1, dropout=0.0):
+def test_cost_model_choices(monkeypatch):
+    """The measured crossovers (``benchmarks/cpu_crossover.py``, ``ops/dense.COST``): on one thread
+    the walk wins from about half the blocks down; the fused SDPA uses every thread and the walk
+    does not, so on two threads dense wins also Longformer at 2048 (measured 0.3x with the walk)
+    and a sliding window at 8192 tokens (0.05 of the blocks)."""
+    def choice(mask, L, threads=1, H=8, D=64, B=1, dropout=0.0):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         lay = bsfa.compile_mask(mask, L, L)
         return "dense" if dense_mod.prefer_dense(lay, Shapes(B, H, H, L, L, D), dropout) else "walk"
 
+    longformer = "window(256) | global_tokens(64)"
     assert choice("full()", 256) == "dense"
     assert choice("full()", 2048) == "dense"
-    assert choice("causal()", 2048) == "walk"
+    assert choice("causal()", 2048) == "walk" and choice("causal()", 2048, threads=2) == "dense"
+    assert choice(longformer, 1024) == "dense"
+    assert choice(longformer, 2048) == "walk" and choice(longformer, 2048, threads=2) == "dense"
+    assert choice(longformer, 4096) == "walk"
+    assert choice("causal() & sliding_window(256)", 8192, threads=2, H=4) == "dense"
+    assert choice("causal() & sliding_window(256)", 16384, threads=2) == "walk"  # past MAX_DENSE_ELEMENTS
     assert choice("causal() & sliding_window(256)", 4096) == "walk"
-    assert choice("window(256) | global_tokens(64)", 1024) == "dense"
-    assert choice("window(256) | global_tokens(64)", 2048) == "walk"
     assert choice("full()", 256, dropout=0.1) == "walk"  # our dropout pattern needs our backends
-    assert choice("full()", 8192) == "walk"  # the mask would exceed MAX_DENSE_ELEMENTS
+    assert choice("full()", 8192) == "dense"
+    assert choice("full()", 16384) == "walk"  # the mask would exceed MAX_DENSE_ELEMENTS
 
 
 def test_auto_reports_and_keeps_guarantees(cpu_path):
@@ -310,6 +320,22 @@ def test_nan_in_v_never_reaches_fully_masked_rows(cpu_path):
     out.backward(torch.ones_like(out))
     assert bool((out[:, :, [5, 40]] == 0).all())
     assert bool((ts[0].grad[:, :, [5, 40]] == 0).all())
+
+
+def test_inputs_finite_from_one_sum():
+    """The dense path's guard: any NaN or infinity (also +inf beside -inf) is caught; finite inputs
+    whose float32 sum overflows only send the call to the walk."""
+    x = torch.randn(2, 3, 40, 8)
+    assert dense_mod.inputs_finite(x, x.bfloat16(), x.half())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            y = x.to(dt)
+            y[1, 2, 7, 3] = bad
+            assert not dense_mod.inputs_finite(x, y)
+    y = x.clone()
+    y[0, 0, 0, 0], y[1, 1, 1, 1] = float("inf"), float("-inf")
+    assert not dense_mod.inputs_finite(y)
+    assert not dense_mod.inputs_finite(torch.full((4,), 3e38))  # finite, but the sum overflows: walk
 
 
 # ------------------------------------------------------------------------------------------------

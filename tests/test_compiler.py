@@ -168,13 +168,16 @@ def test_random_compositions_sound_without_refinement(problem):
 
 
 def test_refinement_settles_combined_blocks():
-    # partial | partial: the state algebra alone leaves every block uncertain
+    # partial | partial: the state algebra alone leaves every block uncertain (non-square blocks:
+    # not the block-Toeplitz path, which settles distance masks exactly without refinement)
     m = bsfa.strided(3) | ~bsfa.strided(3)  # == full
-    lay = compile_mask(m, 256, 256, 32, cache=False)
-    assert lay.n_partial == 0 and lay.n_full == 64 and lay.n_refined > 0
-    lay0 = compile_mask(m, 256, 256, 32, cache=False, refine_budget=0)
+    lay = compile_mask(m, 256, 256, (32, 16), cache=False)
+    assert lay.n_partial == 0 and lay.n_full == 128 and lay.n_refined > 0
+    lay0 = compile_mask(m, 256, 256, (32, 16), cache=False, refine_budget=0)
     assert lay0.n_partial > 0 and lay0.n_refined == 0  # conservative, still sound
     assert torch.equal(lay0.to_dense(), lay.to_dense())
+    toeplitz = compile_mask(m, 256, 256, 32, cache=False, refine_budget=0)
+    assert toeplitz.diagonals is not None and toeplitz.n_partial == 0 and toeplitz.n_full == 64
 
 
 # ------------------------------------------------------------------------------------------------
@@ -523,3 +526,71 @@ def test_compile_memory_stays_small_at_one_million_tokens():
         tracemalloc.stop()
     assert lay.density < 0.01
     assert peak < 512 * 2**20, peak
+
+
+# ------------------------------------------------------------------------------------------------
+# strided masks on square blocks: block-Toeplitz layouts, tables from the block diagonals
+# ------------------------------------------------------------------------------------------------
+def _entries(t, n_lines):
+    """Every line's ``(unmasked, masked)`` block lists of kernel tables, whatever their form."""
+    out = []
+    for line in range(n_lines):
+        f0, f1, p0, p1 = t.full_ptr[line], t.full_ptr[line + 1], t.part_ptr[line], t.part_ptr[line + 1]
+        full = [t.full_idx[line] + e for e in range(f0, f1)] if t.runs else list(t.full_idx[f0:f1])
+        part = ([t.part_idx[1 + line] + e * t.part_step for e in range(p0, p1)] if t.part_step
+                else list(t.part_idx[p0:p1]))
+        out.append((full, part))
+    return out
+
+
+TOEPLITZ_CASES = [  # mask, lengths, block, align, whether the masked lists are arithmetic progressions
+    ("causal & (sliding_window(64) | strided(64))", 512, 512, 16, "bottom_right", True),
+    ("causal & (window(40) | strided(64))", 384, 640, 32, "bottom_right", False),  # band blocks off the step
+    ("strided(48) & ~causal", 640, 384, 16, "top_left", True),
+    ("~strided(32) | window(5)", 256, 512, 16, "top_left", False),
+]
+
+
+@pytest.mark.parametrize("text,lq,lk,b,align,progressions", TOEPLITZ_CASES)
+@pytest.mark.parametrize("limit", [0, None], ids=["progressions", "listed"])
+def test_strided_layouts_follow_their_block_diagonals(monkeypatch, text, lq, lk, b, align, progressions, limit):
+    """A strided mask on square blocks keeps block (r, c) by r - c alone: its exact states and the
+    kernels' tables come from one vector of diagonals. The tables equal those built from the
+    general classification, entry for entry, with the masked lists stored as arithmetic
+    progressions (limit 0) or listed."""
+    import blocksparse_fa.compiler.layout as layout_mod
+    from blocksparse_fa.compiler.classify import Grid, classify, refine
+    from blocksparse_fa.compiler.luts import build_side
+
+    if limit is not None:
+        monkeypatch.setattr(layout_mod, "PART_LIST_LIMIT", limit)
+    m = bsfa.parse(text)
+    lay = compile_mask(m, lq, lk, b, cache=False, align=align)
+    assert lay.diagonals is not None
+    assert torch.equal(lay.block_states(), exact_states(m.to_dense(lq, lk, align=align), b, b))
+    g = Grid(lq, lk, b, b, align)
+    segs, _ = refine(classify(m, g), m, g, 1 << 40)
+    rows, cols = lay.kernel_tables()
+    assert (rows.part_step > 0) == (cols.part_step > 0) == (limit == 0 and progressions)
+    want_rows, want_cols = build_side(segs, False), build_side(segs, True, max_listed=layout_mod.COL_LIST_LIMIT)
+    assert _entries(rows, lq // b) == _entries(want_rows, lq // b)
+    assert _entries(cols, lk // b) == _entries(want_cols, lk // b)
+    assert (lay.n_full, lay.n_partial) == (int((segs.to_dense() == 2).sum()), int((segs.to_dense() == 1).sum()))
+
+
+def test_strided_tables_grow_linearly_with_the_length():
+    """Sparse Transformer's strided pattern: its ~N²/(2·s·b) partial blocks made the tables
+    quadratic (134 MB and 32 s of CPU at 1M tokens); from the diagonals they grow with the number
+    of lines, and take well under a second at 1M tokens."""
+    import time
+
+    m = bsfa.load_pattern("sparse_transformer_strided")
+    size = {}
+    for n in (2**18, 2**20):
+        lay = compile_mask(m, n, cache=False)
+        t0 = time.process_time()
+        size[n] = lay.lut_bytes
+        cpu = time.process_time() - t0
+    assert lay.n_partial > 16 * 10**6 and lay.kernel_tables()[0].part_step == 2
+    assert size[2**20] <= 4.5 * size[2**18] and size[2**20] < 1 << 20, size
+    assert cpu < 1.0, cpu

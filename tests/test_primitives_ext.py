@@ -342,8 +342,74 @@ def test_per_value_parameters_validate_and_collapse():
         bsfa.sliding_window(ph([0, 3]))
     with pytest.raises(ValueError, match="no per-head"):
         bsfa.random_blocks(ph([1, 2]))
-    assert bsfa.window(ph([4, 4, 4])) == bsfa.window(4)  # equal values are one value
+    m = bsfa.window(ph([4, 4, 4]))  # equal values are one value (no batch dims), written for 3 heads
+    assert m.w == 4 and m.batch_shape == () and m != bsfa.window(4)
+    assert bsfa.parse(str(m), **m.tensors()) == m
+    assert torch.equal(compile_mask(m, 40, 40, 16).block_states(), compile_mask(bsfa.window(4), 40, 40, 16).block_states())
     assert bsfa.window(ph([4, 5])).batch_shape == (1, 2)
+
+
+WRONG_LENGTHS = {  # name: (mask, message) for q of B = 2 sequences and H = 4 heads
+    "equal per-head values, 5 of them": (lambda: bsfa.causal() & bsfa.key_range(0, ph([5] * 5)),
+                                         r"key_range\(\): argument 'end' holds 5 per-head values but q has H=4"),
+    "equal per-batch values, 3 of them": (lambda: bsfa.query_range(0, pb([7, 7, 7])),
+                                          r"query_range\(\): argument 'end' holds 3 per-batch values .* B=2"),
+    "distinct per-head values, 3 of them": (lambda: bsfa.window(ph([1, 2, 3])),
+                                            r"window\(\): argument 'w' holds 3 per-head values but q has H=4"),
+    "equal per-batch shift, 3 of them": (lambda: bsfa.shift(bsfa.causal(), pb([0, 0, 0])),
+                                         r"shift\(\): argument 'offset' holds 3 per-batch values .* B=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_LENGTHS))
+@pytest.mark.parametrize("via", ["mask", "layout", "second call"])
+def test_per_value_parameters_of_the_wrong_length_are_refused(case, via):
+    """A per-head or per-batch parameter must hold H (or B) values, or one: also when all its
+    values are equal (they were collapsed into one int before the length was checked). Refused
+    as a mask, as a compiled layout, and on a second call whose (B, H) differ from the first."""
+    make, msg = WRONG_LENGTHS[case]
+    m = make()
+    q, k = torch.randn(2, 4, 32, 8), torch.randn(2, 2, 32, 8)
+    mask = compile_mask(m, 32, 32, 16) if via == "layout" else m
+    if via == "second call":  # a first call whose (B, H) fit the mask runs and caches its layout
+        shapes = [t.shape for t in m.tensors().values()]
+        b1, h1 = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
+        k1 = torch.randn(b1, 1, 32, 8)
+        assert bsfa.attention(torch.randn(b1, h1, 32, 8), k1, k1, mask, block_size=16).shape == (b1, h1, 32, 8)
+    with pytest.raises(ValueError, match=msg):
+        bsfa.attention(q, k, k, mask, block_size=16)
+
+
+NON_INTEGER_VALUES = {  # integer parameters given non-integer values: refused, never rounded
+    "per_head floats": lambda: bsfa.window(ph([1.5, 2.5, 3.9, 4.2])),
+    "per_head whole floats": lambda: bsfa.sliding_window(ph([2.0, 4.0])),
+    "per_batch floats": lambda: bsfa.key_range(0, pb([3.5, 4.0])),
+    "per_batch bools": lambda: bsfa.global_tokens(pb([True, False])),
+    "per_head numpy floats": lambda: bsfa.strided(ph(np.array([2.0, 3.5]))),
+    "shift per_batch floats": lambda: bsfa.shift(bsfa.causal(), pb([2.5, 1.0])),
+    "window float": lambda: bsfa.window(1.5),
+    "window 0-d float tensor": lambda: bsfa.window(torch.tensor(2.5)),
+    "window (B, H) float tensor": lambda: bsfa.window(torch.tensor([[2.5, 3.0]])),
+    "chunked float": lambda: bsfa.chunked(4.5),
+    "chunk_band float": lambda: bsfa.chunk_band(3, 4.5),
+    "prefix_lm float": lambda: bsfa.prefix_lm(2.5),
+    "query_range float": lambda: bsfa.query_range(0.5, 4),
+    "periodic_window float": lambda: bsfa.periodic_window(10.5, 2),
+    "summary float": lambda: bsfa.summary(8, 2.5),
+    "random_blocks float": lambda: bsfa.random_blocks(2.5),
+    "random_blocks float seed": lambda: bsfa.random_blocks(2, seed=1.5),
+    "neighborhood float kernel": lambda: bsfa.neighborhood((8, 8), 3.5),
+    "sliding_tiles float tile": lambda: bsfa.sliding_tiles((8, 8), (2, 2.5), 3),
+    "key_set float positions": lambda: bsfa.key_set(torch.tensor([1.5, 2.0])),
+    "document float ids": lambda: bsfa.document(torch.tensor([0.0, 0.5, 1.0])),
+    "mask_mod float B": lambda: bsfa.mask_mod(lambda b, h, i, j: i >= j, B=2.5),
+}
+
+
+@pytest.mark.parametrize("case", list(NON_INTEGER_VALUES))
+def test_non_integer_values_of_integer_parameters_are_refused(case):
+    with pytest.raises(ValueError, match=r"int|integer"):
+        NON_INTEGER_VALUES[case]()
 
 
 def test_new_values_reuse_the_generated_predicate():
@@ -454,6 +520,31 @@ def test_dense_mask_is_bit_packed_and_takes_views():
     assert torch.equal(lay.block_states(), exact_states(t.contiguous(), 16, 32))
     sparse = torch.rand(257, 97) < 0.01
     assert torch.equal(bsfa.dense_mask(sparse).to_dense(257, 97), sparse)
+
+
+def test_dense_mask_of_a_broadcast_view_costs_at_most_one_bit_per_element():
+    """A stride-0 ``(L, L)`` view (64 MB as bools) packed, hashed and compiled: the memory it adds
+    stays at the packed bits (``L² / 8`` bytes) plus the classification's fixed-size chunks. Hashing
+    used to copy the packed bits (two bits per element; 4.1 GB at 128K tokens)."""
+    import tracemalloc
+
+    L = 8192
+    row = torch.rand(L, generator=torch.Generator().manual_seed(0)) < 0.5
+    view = row.view(1, L).expand(L, L)
+    packed = L * L // 8
+    tracemalloc.start()
+    try:
+        m = bsfa.dense_mask(view)
+        hash(m)
+        lay = compile_mask(m, L, L, 128, cache=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert m.tensor.nbytes == packed
+    assert peak <= packed + (4 << 20), (peak, packed)
+    kept = row.view(-1, 128)  # every row block sees the same key blocks: full, empty or partial
+    want = torch.where(kept.all(1), 2, torch.where(kept.any(1), 1, 0)).to(torch.int8)
+    assert torch.equal(lay.block_states(), want.expand(L // 128, -1).to(lay.block_states().dtype))
 
 
 @pytest.mark.parametrize("bs,block", [(16, 16), (16, 32), (32, 16), (24, 16)])

@@ -819,7 +819,7 @@ def _dense_mask(m: P.DenseMask, g: Grid) -> Segments:
     W = words.shape[-1]
     nr = (np.minimum(g.ilo + g.bm, g.q_len) - g.ilo)[:, None]
     nc = (g.chi - g.clo + 1)[None, :]
-    step = max(1, (1 << 24) // max(1, g.bm * W * 32))
+    step = max(1, (1 << 22) // max(1, g.bm * W * 32))
     parts = []
     for z in range(B * H):
         wz = words[z // H, z % H]

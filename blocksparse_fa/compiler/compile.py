@@ -13,6 +13,7 @@ from .cache import LRUCache
 from .classify import Grid, classify, refine
 from .layout import BlockLayout
 from .rewrite import build_rewrite
+from .toeplitz import diagonal_states
 
 __all__ = ["compile_mask", "clear_cache", "cache_info", "block_pair", "generation"]
 
@@ -88,15 +89,19 @@ def compile_mask(mask, q_len: int, kv_len: int | None = None, block_size=128, *,
             return hit
     t0 = time.perf_counter()
     grid = Grid(q_len, kv_len, bm, bn, align)
+    diag = diagonal_states(mask, grid)  # strided masks on square blocks: exact, O(q_len + kv_len)
 
     def states():
+        if diag is not None:
+            return diag.segments(), 0
         segs = classify(mask, grid).broadcast_to(mask.batch_shape or (1, 1))
         return refine(segs, mask, grid, refine_budget)
 
     rw = build_rewrite(mask, q_len, kv_len, (bm, bn), dev, functools.partial(compile_mask, cache=cache)) if rewrite else None
     # A rewritten mask runs as its parts: its own block states are classified only when asked for
     # (statistics, pictures, the CPU backend), since the rewrite exists because they are costly.
-    layout = BlockLayout(mask, grid, states if rw is not None else states(), dev, rewrite=rw)
+    layout = BlockLayout(mask, grid, states if rw is not None or diag is not None else states(), dev, rewrite=rw,
+                         diagonals=diag)
     layout.compile_seconds = time.perf_counter() - t0
     if cache:
         _cache.put(key, layout)

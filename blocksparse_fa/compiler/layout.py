@@ -13,12 +13,18 @@ from .classify import Grid, block_context
 from .luts import LUT, SideTables, build_luts, build_side
 from .segments import EMPTY, FULL, PARTIAL, Segments
 
-__all__ = ["BlockLayout", "LayoutInstance", "COL_LIST_LIMIT"]
+__all__ = ["BlockLayout", "LayoutInstance", "COL_LIST_LIMIT", "PART_LIST_LIMIT"]
 
 COL_LIST_LIMIT = 1 << 22
 """Column-side unmasked lists longer than this (in entries) are stored as runs when they are runs.
 Below it the dK/dV loop reads listed indices, which measured faster on the H100 (fewer live
 registers than index arithmetic there, ``benchmarks/NOTES.md``)."""
+
+PART_LIST_LIMIT = 1 << 20
+"""Masked lists longer than this (in entries, per side) are stored as arithmetic progressions
+where they are (strided masks, ``compiler/toeplitz.py``): their tables then grow with the number
+of lines, not with the square of the length. Below it they stay listed (the kernels' measured
+index modes)."""
 
 
 class _BlockCounts:
@@ -62,9 +68,11 @@ class BlockLayout(_BlockCounts):
     """
 
     def __init__(self, mask: Mask, grid: Grid, segs, device, n_refined: int = 0, compile_seconds: float = 0.0,
-                 rewrite=None):
+                 rewrite=None, diagonals=None):
         """``segs``: the block states, ``(Segments, n_refined)``, or a function returning that pair
-        (called on first use)."""
+        (called on first use). ``diagonals``: the states of a block-Toeplitz layout
+        (:class:`~blocksparse_fa.compiler.toeplitz.Diagonals`), from which counts and the kernels'
+        tables follow without the segments."""
         self.mask = mask
         self._grid = grid
         if isinstance(segs, tuple):
@@ -77,6 +85,7 @@ class BlockLayout(_BlockCounts):
         self._n_refined = n_refined
         self.compile_seconds = compile_seconds
         self.rewrite = rewrite
+        self.diagonals = diagonals
         self.cache: dict = {}
 
     @property
@@ -100,7 +109,7 @@ class BlockLayout(_BlockCounts):
         if device == self.device:
             return self
         segs = self._states if not isinstance(self._states, Segments) else (self._states, self._n_refined)
-        return BlockLayout(self.mask, self._grid, segs, device, 0, self.compile_seconds, self.rewrite)
+        return BlockLayout(self.mask, self._grid, segs, device, 0, self.compile_seconds, self.rewrite, self.diagonals)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -119,11 +128,19 @@ class BlockLayout(_BlockCounts):
         return self._grid.align
 
     @property
+    def n_rows(self) -> int:
+        """Layout rows: ``Tr`` per (batch, head) instance of the mask."""
+        bm, hm = self.batch_shape or (1, 1)
+        return bm * hm * self._grid.tr
+
+    @property
     def n_blocks(self) -> int:
-        return self._segs.n_rows * self._grid.tc
+        return self.n_rows * self._grid.tc
 
     @functools.cached_property
     def _counts(self):
+        if self.diagonals is not None:
+            return self.diagonals.counts()
         return {s: self._segs.count(s) for s in (EMPTY, PARTIAL, FULL)}
 
 
@@ -178,6 +195,12 @@ class BlockLayout(_BlockCounts):
 
         rkey, ckey = ("row_table", bool(row_runs), row_list), ("col_table", col_runs, col_list)
         rows, cols = self.cache.get(rkey), self.cache.get(ckey)
+        diag = self.diagonals
+        if diag is not None and rows is None and row_list == g.bn:
+            rows = self.cache[rkey] = diag.side(False, runs=bool(row_runs), part_steps=PART_LIST_LIMIT)
+        if diag is not None and cols is None and col_list == g.bm:
+            cols = self.cache[ckey] = diag.side(True, runs=col_runs, max_listed=COL_LIST_LIMIT,
+                                                part_steps=PART_LIST_LIMIT)
         if rows is None:
             rows = self.cache[rkey] = build_side(list_states(self, g.bm, row_list), False,
                                                  edge=g.kv_len % row_list != 0, runs=bool(row_runs))

@@ -12,7 +12,9 @@ Two forms:
   consecutive blocks (dense, causal, sliding windows, documents, Longformer), the unmasked list is
   stored as that run: ``first[line] - ptr[line]`` in one int32 per line, and the kernels compute
   block indices. Its size then scales with the number of lines, not with the visited area: causal
-  attention at 1M tokens needs kilobytes instead of 256 MB. Other layouts store the list.
+  attention at 1M tokens needs kilobytes instead of 256 MB. Other layouts store the list. The
+  masked lists of strided masks (every ``s/b``-th block) are stored as arithmetic progressions
+  (``compiler/toeplitz.py``).
 
 Both are built from :class:`~blocksparse_fa.compiler.segments.Segments` in time proportional to
 the segments plus the blocks actually listed; the transpose goes through run boundaries, never
@@ -66,8 +68,11 @@ class SideTables:
             ``[full_ptr[l], full_ptr[l + 1])``).
         full_idx: with ``runs``: ``(n,)``, ``first_block[l] - full_ptr[l]`` (the block of entry ``e``
             is ``full_idx[l] + e``); otherwise the listed block indices.
-        part_ptr, part_idx: the masked lists (always listed).
+        part_ptr, part_idx: the masked lists: listed, or with ``part_step`` arithmetic
+            progressions: ``part_idx[0]`` is the step and ``part_idx[1 + l]`` is ``first_block[l] -
+            part_ptr[l] · step`` (``compiler/toeplitz.py``, strided masks).
         runs: whether ``full_idx`` holds runs.
+        part_step: the masked lists' step, or 0 where they are listed.
     """
 
     full_ptr: np.ndarray
@@ -75,6 +80,7 @@ class SideTables:
     part_ptr: np.ndarray
     part_idx: np.ndarray
     runs: bool
+    part_step: int = 0
 
     @property
     def nbytes(self) -> int:

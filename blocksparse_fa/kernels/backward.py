@@ -44,7 +44,7 @@ def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
 def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                 stride_qm, stride_dom, LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale,
                 PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
-                BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPE,
+                BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn,
                 PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, LIST_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
@@ -100,9 +100,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
             ds_t = p_t * (dp_t - delta[None, :])
             if SCORE_MOD & 2:
                 ds_t = ds_t * (1.0 - t_t * t_t)
-            if SCORE_MOD & 48:  # gradients of the bias / the slopes: ds itself (each (i, j) is visited once here)
-                score_grads(ds_t, (offs_m + (Q_OFF + q_shift))[None, :], (offs_n + k_shift)[:, None], DBIAS_base,
-                            offs_n, stride_dbn, kv_len, offs_m, stride_dbm, q_len, DSLOPE, not EVEN,
+            if SCORE_MOD & 16:  # gradient of the bias: ds itself (each (i, j) is visited once here)
+                score_grads(ds_t, DBIAS_base, offs_n, stride_dbn, kv_len, offs_m, stride_dbm, q_len, not EVEN,
                             MASKED and not EVEN, SCORE_MOD)
             dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
@@ -117,14 +116,14 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
                    seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, SOFTCAP,
                    BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DBIAS, stride_dbb, stride_dbh, stride_dbm,
-                   stride_dbn, DSLOPES,
+                   stride_dbn,
                    PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                    ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                   SCORE_MOD: tl.constexpr, LIST_BM: tl.constexpr):
+                   SCORE_MOD: tl.constexpr, LIST_BM: tl.constexpr, PART_LUT: tl.constexpr):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group; ``LIST_BM`` queries per column-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -169,14 +168,14 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
-                             BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPES + h,
+                             BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, STAGES, FULL_LUT,
                              False, FLAT, HAS_POS, SCORE_MOD)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
-                             BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn, DSLOPES + h,
-                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, MASKED_STAGES, "load",
+                             BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn,
+                             PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, MASKED_STAGES, PART_LUT,
                              EVEN, FLAT, HAS_POS, SCORE_MOD)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
@@ -191,7 +190,7 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
+def _dq_inner(dq, x_sum, m_sum, e_sum, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
               LUT_IDX, line, start, end, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh, drop_scale,
               slope, softcap, BIAS_base, stride_bm, stride_bn,
               PREDICATE: tl.constexpr, MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -234,11 +233,19 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, 
             if HAS_DROPOUT:
                 drop = dropout_keep((offs_m + q_shift)[:, None], (offs_n + k_shift)[None, :], b * H + h, seed_lo, seed_hi, drop_thresh)
                 dp = tl.where(drop, dp * drop_scale, 0.0)
-            ds = p * (dp - delta[:, None])
+            e = p * (dp - delta[:, None])
+            ds = e
+            pg = p
             if SCORE_MOD & 2:
                 ds = ds * (1.0 - t * t)
+                pg = p * (1.0 - t * t)
+            if SCORE_MOD & 32:  # the slopes' gradient: per-row sums (see _dq_program)
+                r = ((offs_n + k_shift)[None, :] - qp[:, None]).to(tl.float32)
+                x_sum += tl.sum(ds * r, 1)
+                m_sum += tl.sum(pg * r, 1)
+                e_sum += tl.sum(e, 1)
             dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
-    return dq
+    return dq, x_sum, m_sum, e_sum
 
 
 @triton.jit
@@ -249,14 +256,14 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  FULL_PTR, FULL_IDX, PART_PTR, PART_IDX, PARAMS, AUX, QPOS, KPOS, WORK, DQPART, NSLOT,
                  H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale,
                  seed_lo, seed_hi, drop_thresh, drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm,
-                 stride_bn,
+                 stride_bn, DSLOPES,
                  PREDICATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_WORK: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                  ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                 SCORE_MOD: tl.constexpr, LIST_BN: tl.constexpr):
+                 SCORE_MOD: tl.constexpr, LIST_BN: tl.constexpr, PART_LUT: tl.constexpr):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``; ``LIST_BN`` keys
     per row-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -290,18 +297,33 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
         softcap = tl.load(SOFTCAP)
     BIAS_base = BIAS + b64 * stride_bb + h64 * stride_bh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, False, HAS_DROPOUT, HEAD_DIM,
-                   HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
-                   LIST_BN, DOT_PRECISION, STAGES, FULL_LUT, False, FLAT, HAS_POS, SCORE_MOD)
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn, stride_vn,
-                   PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi, drop_thresh,
-                   drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, True, HAS_DROPOUT, HEAD_DIM,
-                   HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN,
-                   LIST_BN, DOT_PRECISION, MASKED_STAGES, "load", EVEN, FLAT, HAS_POS, SCORE_MOD)
+    x_sum = 0.0
+    m_sum = 0.0
+    e_sum = 0.0
+    if SCORE_MOD & 32:
+        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, x_sum, m_sum, e_sum = _dq_inner(
+        dq, x_sum, m_sum, e_sum, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn,
+        stride_vn, FULL_IDX, line, f0, f1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi,
+        drop_thresh, drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, False, HAS_DROPOUT,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, LIST_BN, DOT_PRECISION, STAGES, FULL_LUT, False, FLAT,
+        HAS_POS, SCORE_MOD)
+    dq, x_sum, m_sum, e_sum = _dq_inner(
+        dq, x_sum, m_sum, e_sum, q, do, lse2, delta, offs_m, q_shift, offs_d, b, h, H, K_base, V_base, stride_kn,
+        stride_vn, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale, PARAMS, AUX, KPOS, seed_lo, seed_hi,
+        drop_thresh, drop_scale, slope, softcap, BIAS_base, stride_bm, stride_bn, PREDICATE, True, HAS_DROPOUT,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BN, LIST_BN, DOT_PRECISION, MASKED_STAGES, PART_LUT, EVEN, FLAT,
+        HAS_POS, SCORE_MOD)
     # rows with nothing to attend get exactly 0 (their P is 0, but 0 * NaN from V would leak through dP)
     dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * sm_scale)
+    if SCORE_MOD & 32:  # per row Σ dS·(j - qp), Σ P·g·(j - qp), Σ P·(dP - delta): see ops/triton_backend.py
+        empty = lse2 == float("inf")
+        ptrs = DSLOPES + (pid_bh.to(tl.int64) * q_len + offs_m) * 3
+        tl.atomic_add(ptrs, tl.where(empty, 0.0, x_sum), mask=offs_m < q_len)
+        tl.atomic_add(ptrs + 1, tl.where(empty, 0.0, m_sum), mask=offs_m < q_len)
+        tl.atomic_add(ptrs + 2, tl.where(empty, 0.0, e_sum), mask=offs_m < q_len)
     if slot < 0:
         store_grad_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
                         dq, offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
@@ -335,7 +357,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               ROW_LUT: tl.constexpr, COL_LUT: tl.constexpr, ACCUMULATE: tl.constexpr,
               EVEN: tl.constexpr = False, KV_FLAT: tl.constexpr = False, Q_FLAT: tl.constexpr = False,
               HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-              KV_LIST_BM: tl.constexpr = 0, Q_LIST_BN: tl.constexpr = 0):
+              KV_LIST_BM: tl.constexpr = 0, Q_LIST_BN: tl.constexpr = 0,
+              ROW_PART_LUT: tl.constexpr = "load", COL_PART_LUT: tl.constexpr = "load"):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -355,13 +378,19 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     ``HAS_POS``: the layout is a shard with block position tables ``QPOS``/``KPOS`` (see
     ``_attn_fwd``). ``SCORE_MOD``, ``SLOPES``, ``SOFTCAP``, ``BIAS``: the score modifier (see
     ``_attn_fwd``); the soft-cap's derivative ``1 - tanh²`` enters dS, ALiBi and the bias add none.
-    ``SCORE_MOD`` bits 16 and 32 (``kernels/common.score_grads``) add, in the dK/dV programs, dS to
-    the float32 bias gradient ``DBIAS`` (strides 0 on broadcast dims) and ``Σ dS · (j - i)`` to the
-    slopes' gradient ``DSLOPES`` with atomic adds: bit-reproducible only where no two programs add
-    to one element (a bias broadcast over batch or heads, the slopes are not).
+    ``SCORE_MOD`` bit 16 (``kernels/common.score_grads``) adds, in the dK/dV programs, dS to the
+    float32 bias gradient ``DBIAS`` (strides 0 on broadcast dims) with atomic adds: bit-reproducible
+    only where no two programs add to one element (a bias broadcast over batch or heads). With bit
+    32 the dQ programs add, per query row, ``Σ dS·(j - qp)``, ``Σ P·g·(j - qp)`` (``g`` the
+    soft-cap's derivative, else 1) and ``Σ P·(dP - delta)`` to the float32 ``(B·H·Lq, 3)`` buffer
+    ``DSLOPES``; ``ops/triton_backend.py`` forms the slopes' gradient from them with the row's exact
+    ``delta`` (one program per row unless a work list splits it: then atomics make it not
+    bit-reproducible).
     ``KV_LIST_BM`` (queries per column-LUT entry) and ``Q_LIST_BN`` (keys per row-LUT entry): 0 for
     the layout block, or a divisor of it when the tables list a finer classification
-    (``compiler/finer.py``); with the kernel tile's step, each loop iteration is one tile."""
+    (``compiler/finer.py``); with the kernel tile's step, each loop iteration is one tile.
+    ``ROW_PART_LUT``/``COL_PART_LUT``: how the dQ/dK/dV loops read the masked lists (``"load"``, or
+    ``"step"`` for tables whose masked lists are arithmetic progressions, ``kernels/common.lut_first``)."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     KV_STEP: tl.constexpr = KV_LIST_BM if KV_LIST_BM > 0 else LAYOUT_BM
     Q_STEP: tl.constexpr = Q_LIST_BN if Q_LIST_BN > 0 else LAYOUT_BN
@@ -394,10 +423,10 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       KV_NSLOT,
                       H, G, LZB, LZH, TC, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
                       drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DBIAS, stride_dbb,
-                      stride_dbh, stride_dbm, stride_dbn, DSLOPES, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM,
+                      stride_dbh, stride_dbm, stride_dbn, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM,
                       HEAD_DIM_PAD, KV_BLOCK_M,
                       KV_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE,
-                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD, KV_STEP)
+                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD, KV_STEP, COL_PART_LUT)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -405,10 +434,10 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     stride_dqb, stride_dqh, stride_dqm,
                     RFULL_PTR, RFULL_IDX, RPART_PTR, RPART_IDX, PARAMS, AUX, QPOS, KPOS, Q_WORK, DQPART, Q_NSLOT,
                     H, G, LZB, LZH, TR, q_len, kv_len, Q_OFF, qk_scale, sm_scale, seed_lo, seed_hi, drop_thresh,
-                    drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, PREDICATE,
+                    drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DSLOPES, PREDICATE,
                     HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M,
                     Q_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN,
-                    Q_FLAT, HAS_POS, SCORE_MOD, Q_STEP)
+                    Q_FLAT, HAS_POS, SCORE_MOD, Q_STEP, ROW_PART_LUT)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

@@ -88,7 +88,8 @@ def _attn_bwd_atomic(Q, K, V, DO, DQA, DK, DV, LSE, DELTA,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, COL_LUT: tl.constexpr,
-                     ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, DQ_DESC: tl.constexpr):
+                     ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, DQ_DESC: tl.constexpr,
+                     COL_PART_LUT: tl.constexpr = "load"):
     """dK/dV of one key tile (or work item) and batch·kv-head, and its share of dQ (atomic adds
     into ``DQA``, fp32 ``(B·H, q_len, HEAD_DIM_PAD)``, zeroed by the launcher; with ``DQ_DESC``
     through a tensor descriptor, i.e. TMA reduce-adds on Hopper). A 1-D grid of ``N_ITEMS``
@@ -142,7 +143,7 @@ def _attn_bwd_atomic(Q, K, V, DO, DQA, DK, DV, LSE, DELTA,
                                 stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                                 PARAMS, AUX, seed_lo, seed_hi, drop_thresh, drop_scale,
                                 PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM,
-                                DOT_PRECISION, MASKED_STAGES, "load", EVEN, DQ_DESC)
+                                DOT_PRECISION, MASKED_STAGES, COL_PART_LUT, EVEN, DQ_DESC)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
                         + offs_d[None, :], dk * sm_scale, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)

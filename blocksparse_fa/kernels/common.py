@@ -79,10 +79,15 @@ def lut_first(LUT_IDX, line, start, end, MODE: tl.constexpr):
     ``"prefetch"``: read it one iteration ahead, so the tile loads use an index already in registers;
     ``"arith"``: every line's list is one run of consecutive blocks (dense, causal, sliding windows,
     documents) and ``LUT_IDX[line]`` holds ``first block - first entry`` of the line
-    (``compiler/luts.py``), so the index is ``LUT_IDX[line] + e`` and the loop reads no index at all.
+    (``compiler/luts.py``), so the index is ``LUT_IDX[line] + e`` and the loop reads no index at all;
+    ``"step"``: every line's list is an arithmetic progression with one step for all lines
+    (strided masks' partial blocks): ``LUT_IDX[0]`` holds the step and ``LUT_IDX[1 + line]`` the
+    line's ``first block - first entry · step``, so the index is ``LUT_IDX[1 + line] + e · step``.
     """
     if MODE == "arith":
         carry = tl.load(LUT_IDX + line)
+    elif MODE == "step":
+        carry = tl.load(LUT_IDX + 1 + line)
     elif MODE == "prefetch":
         carry = tl.load(LUT_IDX + start, mask=start < end, other=0)
     else:
@@ -95,6 +100,9 @@ def lut_next(LUT_IDX, e, end, carry, MODE: tl.constexpr):
     """``(block index of entry e, carry for entry e + 1)``; see :func:`lut_first`."""
     if MODE == "arith":
         blk = carry + e
+        nxt = carry
+    elif MODE == "step":
+        blk = carry + e * tl.load(LUT_IDX)
         nxt = carry
     elif MODE == "prefetch":
         blk = carry
@@ -219,21 +227,19 @@ def load_bias(BIAS, offs_a, stride_a, n_a, offs_b, stride_b, n_b, CHECK_A: tl.co
 
 
 @triton.jit
-def score_grads(ds_t, qpos, kpos, DBIAS, offs_n, stride_n, kv_len, offs_m, stride_m, q_len, DSLOPE,
-                CHECK_N: tl.constexpr, CHECK_M: tl.constexpr, SCORE_MOD: tl.constexpr):
-    """Add the gradients of the score modifier's tensors from ``ds_t`` (``∂loss/∂x`` of a transposed
-    tile: keys ``offs_n`` by query rows ``offs_m``, as in the dK/dV loop): to the float32 bias
-    gradient ``DBIAS[offs_m, offs_n]`` (bit 16) and to the head's slope gradient
-    ``DSLOPE[0] += Σ ds · (kpos - qpos)`` (bit 32), with atomic adds. Bits 64/128 say that the bias
-    broadcasts over the query rows / the keys (stride 0): the tile is summed over them first, one
-    atomic add per distinct element. ``CHECK_N``/``CHECK_M``: keys past ``kv_len`` / rows past
-    ``q_len`` may be in the tile (their ``ds`` is not meaningful): they are left out."""
+def score_grads(ds_t, DBIAS, offs_n, stride_n, kv_len, offs_m, stride_m, q_len, CHECK_N: tl.constexpr,
+                CHECK_M: tl.constexpr, SCORE_MOD: tl.constexpr):
+    """Add the bias' gradient from ``ds_t`` (``∂loss/∂x`` of a transposed tile: keys ``offs_n`` by
+    query rows ``offs_m``, as in the dK/dV loop) to the float32 buffer ``DBIAS[offs_m, offs_n]``
+    (bit 16), with atomic adds. Bits 64/128 say that the bias broadcasts over the query rows / the
+    keys (stride 0): the tile is summed over them first, one atomic add per distinct element.
+    ``CHECK_N``/``CHECK_M``: keys past ``kv_len`` / rows past ``q_len`` may be in the tile (their
+    ``ds`` is not meaningful): they are left out. (The slopes' gradient comes from the dQ programs,
+    see ``kernels/backward._attn_bwd``.)"""
     if CHECK_N:
         ds_t = tl.where(offs_n[:, None] < kv_len, ds_t, 0.0)
     if CHECK_M:
         ds_t = tl.where(offs_m[None, :] < q_len, ds_t, 0.0)
-    if SCORE_MOD & 32:
-        tl.atomic_add(DSLOPE, tl.sum(tl.sum(ds_t * (kpos - qpos).to(tl.float32), 1), 0))
     if SCORE_MOD & 16:
         if (SCORE_MOD & 64) and (SCORE_MOD & 128):
             tl.atomic_add(DBIAS, tl.sum(tl.sum(ds_t, 1), 0))

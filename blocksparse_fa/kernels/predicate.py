@@ -400,7 +400,10 @@ def build_payload(layout: BlockLayout, device, document_runs: bool = True) -> Pa
     (:func:`blocksparse_fa.compiler.simplify.predicate_mask`): primitives constant on every masked
     block (e.g. BigBird's block-aligned random and global terms) cost nothing per element.
     """
-    pmask = predicate_mask(layout.mask, layout._segs, layout._grid)
+    if getattr(layout, "diagonals", None) is not None:  # distance masks: nothing to drop, no segments to expand
+        pmask = layout.mask
+    else:
+        pmask = predicate_mask(layout.mask, layout._segs, layout._grid)
     params: list[int] = []
     aux: list[np.ndarray] = []
     aux_len = [0]

@@ -19,7 +19,7 @@ from .expr import EvalContext, Mask
 
 __all__ = [
     "INT32_MAX", "BIG", "check_int", "tensor_fingerprint", "ParamTensor", "per_head", "per_batch", "Primitive",
-    "IntervalPrimitive", "RowPrimitive", "pack_bits", "bit_at",
+    "IntervalPrimitive", "RowPrimitive", "pack_bits", "bit_at", "declared_shape", "check_param_batch",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -42,10 +42,11 @@ def check_int(prim: str, arg: str, value, minimum: int, maximum: int = INT32_MAX
 
 def tensor_fingerprint(t: torch.Tensor) -> tuple:
     """Content hash of a (small or large) tensor, used for equality and layout caching."""
-    data = t.detach().to("cpu").contiguous()
-    if data.dtype == torch.bool:
-        data = data.to(torch.uint8)
-    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
+    data = t.detach().to("cpu").contiguous().numpy().reshape(-1)
+    if data.dtype == np.bool_:
+        data = data.view(np.uint8)
+    # hashed in place (a bytes copy would double the memory of a large bit-packed mask)
+    digest = hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
     return (str(t.dtype), tuple(t.shape), digest)
 
 
@@ -76,24 +77,53 @@ class ParamTensor:
         return t[bi, hi]
 
 
-def per_head(values) -> torch.Tensor:
-    """A per-head parameter: ``values`` ``(H,)`` as a ``(1, H)`` int64 tensor (e.g. a window per head)."""
+def _int_values(fn: str, values) -> torch.Tensor:
     t = torch.as_tensor(values)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{fn}(): values must be integers (the parameters they feed are ints), got {t.dtype} "
+                         f"values {t.reshape(-1)[:8].tolist()}")
     if t.dim() != 1:
-        raise ValueError(f"per_head(): expected a 1-D sequence of H values, got shape {tuple(t.shape)}")
-    return t.reshape(1, -1).to(torch.int64)
+        raise ValueError(f"{fn}(): expected a 1-D sequence of {'H' if fn == 'per_head' else 'B'} values, "
+                         f"got shape {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def per_head(values) -> torch.Tensor:
+    """A per-head parameter: integer ``values`` ``(H,)`` as a ``(1, H)`` int64 tensor (e.g. a window
+    per head). Non-integer values (floats, bools) raise ``ValueError``: nothing is rounded."""
+    return _int_values("per_head", values).reshape(1, -1)
 
 
 def per_batch(values) -> torch.Tensor:
-    """A per-batch parameter: ``values`` ``(B,)`` as a ``(B, 1)`` int64 tensor (e.g. valid lengths)."""
-    t = torch.as_tensor(values)
-    if t.dim() != 1:
-        raise ValueError(f"per_batch(): expected a 1-D sequence of B values, got shape {tuple(t.shape)}")
-    return t.reshape(-1, 1).to(torch.int64)
+    """A per-batch parameter: integer ``values`` ``(B,)`` as a ``(B, 1)`` int64 tensor (e.g. valid
+    lengths). Non-integer values (floats, bools) raise ``ValueError``: nothing is rounded."""
+    return _int_values("per_batch", values).reshape(-1, 1)
+
+
+def declared_shape(value, checked) -> tuple | None:
+    """The ``(Bp, Hp)`` shape of a tensor parameter that :func:`_check_param` turned into an int
+    (equal values), else None: it still says how many batches and heads the mask was written for."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and not isinstance(checked, ParamTensor):
+        return tuple(value.shape)
+    return None
+
+
+def check_param_batch(prim: str, arg: str, shape, B: int, H: int) -> None:
+    """``ValueError`` unless a ``(Bp, Hp)`` parameter fits ``B`` sequences and ``H`` query heads."""
+    if shape is None:
+        return
+    bp, hp = shape
+    if bp not in (1, B):
+        raise ValueError(f"{prim}(): argument '{arg}' holds {bp} per-batch values but the inputs have B={B} "
+                         f"sequences: per_batch() needs exactly B values (or one for all)")
+    if hp not in (1, H):
+        raise ValueError(f"{prim}(): argument '{arg}' holds {hp} per-head values but q has H={H} heads: "
+                         f"per_head() needs exactly H values (or one for all)")
 
 
 def _check_param(prim: str, arg: str, value, minimum: int, tensor_ok: bool):
-    """An int, or (``tensor_ok``) a ParamTensor of shape ``(Bp, Hp)``; uniform tensors become ints."""
+    """An int, or (``tensor_ok``) a ParamTensor of shape ``(Bp, Hp)``; uniform tensors become ints
+    (:func:`declared_shape` keeps their shape for the batch check)."""
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         if not tensor_ok:
             raise ValueError(f"{prim}(): argument '{arg}' must be an int (this primitive takes no per-head or "
@@ -167,7 +197,7 @@ class Primitive(Mask):
     ``"col"`` (only the key position) or ``"general"``.
     """
 
-    __slots__ = ("_params", "_fp")
+    __slots__ = ("_params", "_fp", "_shapes")
     name: ClassVar[str] = ""
     PARAMS: ClassVar[tuple] = ()
     TENSOR: ClassVar[str | None] = None
@@ -188,14 +218,16 @@ class Primitive(Mask):
             if k in values:
                 raise ValueError(f"{self.name}(): argument '{k}' given twice")
             values[k] = a
-        params = []
+        params, shapes = [], []
         for pname, default, minimum in spec:
             if pname not in values:
                 if default is None:
                     raise ValueError(f"{self.name}(): missing required argument '{pname}'")
                 values[pname] = default
             params.append(_check_param(self.name, pname, values[pname], minimum, self.TENSOR_PARAMS))
+            shapes.append(declared_shape(values[pname], params[-1]))
         self._params = tuple(params)
+        self._shapes = tuple(shapes) if any(shapes) else None
         self._fp = None
 
     # parameters by name
@@ -242,7 +274,20 @@ class Primitive(Mask):
                 vals.append(int(t[b if t.shape[0] > 1 else 0, h if t.shape[1] > 1 else 0]))
             else:
                 vals.append(v)
-        return self._with_params(tuple(vals))
+        new = self._with_params(tuple(vals))
+        object.__setattr__(new, "_shapes", None)
+        return new
+
+    def _param_shapes(self) -> tuple:
+        """Per parameter: the ``(Bp, Hp)`` shape it was given with (a tensor), else None."""
+        shapes = getattr(self, "_shapes", None) or (None,) * len(self._params)
+        return tuple(tuple(v.t.shape) if isinstance(v, ParamTensor) else sh for v, sh in zip(self._params, shapes))
+
+    def _batch_params(self) -> list:
+        if getattr(self, "_shapes", None) is None and not self.has_tensor_params:
+            return []
+        return [(self.name, pname, shape) for (pname, _, _), shape in zip(self.PARAMS, self._param_shapes())
+                if shape is not None]
 
     def _with_params(self, params: tuple) -> "Primitive":
         new = object.__new__(type(self))
@@ -258,24 +303,34 @@ class Primitive(Mask):
         return ()
 
     def _key(self):
-        return (self.name, self._params, self._tensor_key())
+        shapes = getattr(self, "_shapes", None)  # equal values given per head/batch: not a plain int
+        return (self.name, self._params, self._tensor_key()) + ((shapes,) if shapes else ())
 
     def _tensor_items(self) -> list:
-        return [(f"{self.name}_{p[0]}", ("param", v.fp), v.t)
-                for p, v in zip(self.PARAMS, self._params) if isinstance(v, ParamTensor)]
+        shapes = getattr(self, "_shapes", None) or (None,) * len(self._params)
+        items = []
+        for p, v, sh in zip(self.PARAMS, self._params, shapes):
+            if isinstance(v, ParamTensor):
+                items.append((f"{self.name}_{p[0]}", ("param", v.fp), v.t))
+            elif sh is not None:
+                items.append((f"{self.name}_{p[0]}", ("uniform", v, sh), torch.full(sh, v, dtype=torch.int64)))
+        return items
 
-    def _fmt(self, v, names) -> str:
+    def _fmt(self, v, names, shape=None) -> str:
         if isinstance(v, ParamTensor):
             return names[("param", v.fp)]
+        if shape is not None:
+            return names[("uniform", v, shape)]
         return str(v)
 
     def _text(self, names) -> str:
         parts, kw_only = [], False
-        for (pname, default, _), v in zip(self.PARAMS, self._params):
+        shapes = getattr(self, "_shapes", None) or (None,) * len(self._params)
+        for (pname, default, _), v, sh in zip(self.PARAMS, self._params, shapes):
             if default is None and not kw_only:
-                parts.append(self._fmt(v, names))
-            elif v != default:
-                parts.append(f"{pname}={self._fmt(v, names)}")
+                parts.append(self._fmt(v, names, sh))
+            elif v != default or sh is not None:
+                parts.append(f"{pname}={self._fmt(v, names, sh)}")
                 kw_only = True
             else:
                 kw_only = True

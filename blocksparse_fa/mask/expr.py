@@ -224,6 +224,22 @@ class Mask:
     def _check_lengths(self, q_len: int, kv_len: int) -> None:
         pass
 
+    def check_batch(self, B: int, H: int) -> None:
+        """Raise ``ValueError`` naming the primitive and the argument when a per-batch or per-head
+        parameter does not hold ``B`` (or one) batch values and ``H`` (or one) head values, also
+        where all its values are equal (the mask then keeps one value, but not the length)."""
+        from .base import check_param_batch
+
+        for prim, arg, shape in self.batch_params():
+            check_param_batch(prim, arg, shape, B, H)
+
+    def batch_params(self) -> tuple:
+        """``(primitive, argument, (Bp, Hp))`` of every parameter given per batch or per head."""
+        return tuple(p for node in self.nodes() for p in node._batch_params())
+
+    def _batch_params(self) -> list:
+        return []
+
     def context(self, q_len: int, kv_len: int, device=None, align: str = "bottom_right") -> EvalContext:
         """The full ``(q_len, kv_len)`` evaluation grid (with ``(B, H)`` dims if the mask has them)."""
         dev = torch.device("cpu") if device is None else torch.device(device)

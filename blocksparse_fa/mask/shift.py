@@ -11,7 +11,9 @@ positions move: primitives indexed by the query row (``block_mask``, ``dense_mas
 
 from __future__ import annotations
 
-from .base import ParamTensor, _check_param
+import torch
+
+from .base import ParamTensor, _check_param, declared_shape
 from .expr import EvalContext, Mask, _as_mask, _check_depth, broadcast_batch_shapes
 
 __all__ = ["Shift", "shift"]
@@ -20,12 +22,13 @@ __all__ = ["Shift", "shift"]
 class Shift(Mask):
     """Its operand with every query position moved by ``offset`` (an int or a ``(B, H)`` tensor)."""
 
-    __slots__ = ("_child", "_offset", "_depth")
+    __slots__ = ("_child", "_offset", "_depth", "_shape")
     _PREC = 3
 
     def __init__(self, child: Mask, offset):
         self._child = _as_mask(child, "shift")
         self._offset = _check_param("shift", "offset", offset, -2**31 + 1, True)
+        self._shape = declared_shape(offset, self._offset)  # equal values given per batch/head
         self._depth = _check_depth((self._child,))
 
     @property
@@ -51,15 +54,23 @@ class Shift(Mask):
         return broadcast_batch_shapes([tuple(self._offset.t.shape)]) if isinstance(self._offset, ParamTensor) else ()
 
     def _key(self):
-        return ("Shift", self._offset, self._child._ckey())
+        return ("Shift", self._offset, self._child._ckey()) + ((self._shape,) if self._shape else ())
+
+    def _batch_params(self) -> list:
+        d = self._offset
+        shape = tuple(d.t.shape) if isinstance(d, ParamTensor) else self._shape
+        return [] if shape is None else [("shift", "offset", shape)]
 
     def _tensor_items(self):
         d = self._offset
+        if self._shape is not None:
+            return [("shift_offset", ("uniform", d, self._shape), torch.full(self._shape, d, dtype=torch.int64))]
         return [("shift_offset", ("param", d.fp), d.t)] if isinstance(d, ParamTensor) else []
 
     def _text(self, names) -> str:
         d = self._offset
-        dt = names[("param", d.fp)] if isinstance(d, ParamTensor) else str(d)
+        dt = names[("param", d.fp)] if isinstance(d, ParamTensor) else (
+            names[("uniform", d, self._shape)] if self._shape is not None else str(d))
         return f"shift({self._child._text(names)}, {dt})"
 
     def _eval(self, ctx: EvalContext):

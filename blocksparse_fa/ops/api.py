@@ -107,6 +107,7 @@ def layout_for(mask, s: Shapes, device, block_size=None, rewrite: bool = True, a
     key = (id(mask), s.Lq, s.Lk, block_size, device, rewrite, align)
     hit = _BY_ID.get(key)
     if hit is not None and hit[0] is mask and hit[2] == generation():
+        check_layout(hit[1], s)  # the key holds no (B, H)
         return hit[1]
     m = as_mask(mask)
     layout = compile_mask(m, s.Lq, s.Lk, block_pair(block_size), device=device, rewrite=rewrite, align=align)
@@ -144,6 +145,7 @@ def check_mask_for(mask, s: Shapes, block_size=None, align=None) -> None:
     m = as_mask(mask)
     block_pair(block_size)
     m.check_lengths(s.Lq, s.Lk)
+    m.check_batch(s.B, s.H)
     if m.batch_shape:
         bm, hm = m.batch_shape
         if bm not in (1, s.B) or hm not in (1, s.H):

@@ -145,7 +145,7 @@ def layout_class(layout) -> LayoutClass:
     else:
         kind = "blocks"
     src = getattr(layout, "source", None) or layout  # a shard takes its source's tile class
-    mean_row, pf = src.n_nonempty / max(1, src._segs.n_rows), src.partial_fraction
+    mean_row, pf = src.n_nonempty / max(1, src.n_rows), src.partial_fraction
     band, short_partial = short_rows(mean_row, pf), short_partial_rows(mean_row, pf)
     partial_heavy, band_bwd = src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf)
     cls = LayoutClass(kind, layout.q_len, layout.kv_len, tuple(layout.block_size), batched, shard, band,

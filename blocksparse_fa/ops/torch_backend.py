@@ -115,10 +115,26 @@ def _bias_at(bias: torch.Tensor, bsel, hsel, rows: slice) -> tuple:
             rows if bias.shape[2] > 1 else slice(None))
 
 
-def _add_score_grads(st: _Step, ds: torch.Tensor, h_idx, dslopes, dbias) -> None:
-    """Accumulate a row block's ``ds`` into the slopes' and the bias' gradient buffers."""
+def _slopes_ds(p, dp, t, dlse_rows):
+    """``dS`` of a row block with each row's delta taken exactly from its probabilities,
+    ``Σ_j P·dP - dlse``, for the slopes' gradient ``Σ dS·(j - qp)``: the distances reach the row
+    length, so ``delta = rowsum(dO ∘ O)`` from a rounded (bfloat16) output would move it by the
+    rounding error times the row's mean distance. The row block holds every key of its rows (a
+    layout with a score modifier is never rewritten; a shard, whose rows may be split, keeps
+    ``delta``)."""
+    delta = (p * dp).sum(-1, keepdim=True)
+    if dlse_rows is not None:
+        delta = delta - dlse_rows.unsqueeze(-1)
+    ds = p * (dp - delta)
+    return ds if t is None else ds * (1 - t * t)
+
+
+def _add_score_grads(st: _Step, ds: torch.Tensor, ds_slopes, h_idx, dslopes, dbias) -> None:
+    """Accumulate a row block's ``ds`` into the bias' gradient buffer and ``ds_slopes`` (``ds`` with
+    the rows' exact delta) times the distances into the slopes'."""
     if dslopes is not None:
-        dslopes.index_add_(0, torch.from_numpy(h_idx).to(ds.device), (ds * st.rel).sum((0, 2, 3)).to(dslopes.dtype))
+        dslopes.index_add_(0, torch.from_numpy(h_idx).to(ds.device),
+                           (ds_slopes * st.rel).sum((0, 2, 3)).to(dslopes.dtype))
     if dbias is not None:
         g = ds
         for dim in range(4):  # sum over the dims the bias broadcasts
@@ -162,8 +178,10 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
               score_grads=(None, None)):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = (dout * out).sum(-1)
+    dl = None
     if dlse is not None:  # d lse / d s = p, so the lse gradient enters as delta - dlse
-        delta = delta - torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.to(delta.dtype))
+        dl = torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.to(delta.dtype))
+        delta = delta - dl
     lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
     for item in _walk(layout, s):
         st = _Step(q, k, v, item, s, scale, dropout_p, seed, *_pos(layout, smod))
@@ -187,7 +205,11 @@ def _backward(q, k, v, out, lse, dout, layout, s: Shapes, scale, dropout_p, seed
         empty = torch.isinf(lse_safe[st.bsel, st.hsel, st.rows]).unsqueeze(-1)
         ds = torch.where(empty, torch.zeros_like(ds), ds)
         if score_grads[0] is not None or score_grads[1] is not None:
-            _add_score_grads(st, ds, item[3], *score_grads)
+            ds_slopes = None
+            if score_grads[0] is not None and getattr(layout, "positions", None) is None:  # see _slopes_ds
+                ds_slopes = torch.where(empty, 0.0, _slopes_ds(p, dp, st.t, None if dl is None else
+                                                               dl[st.bsel, st.hsel, st.rows]))
+            _add_score_grads(st, ds, ds if ds_slopes is None else ds_slopes, item[3], *score_grads)
         dq[st.bsel, st.hsel, st.rows] += torch.where(empty, 0.0, torch.matmul(ds, st.ks) * scale)
         qs = torch.where(empty, 0.0, st.qs)
         dk[st.bsel, st.hsel].index_add_(2, st.kidx, torch.matmul(ds.transpose(-1, -2), qs) * scale)

@@ -85,8 +85,9 @@ def _device_state(layout: BlockLayout, device: torch.device, opts: KernelOptions
             return t if t.numel() else torch.zeros(1, dtype=torch.int32, device=device)
 
         other = opts.fwd_other
-        modes = dict(FULL_LUT="arith" if rows.runs else other, PART_LUT=other,
-                     ROW_LUT="arith" if rows.runs else "load", COL_LUT="arith" if cols.runs else "load")
+        modes = dict(FULL_LUT="arith" if rows.runs else other, PART_LUT="step" if rows.part_step else other,
+                     ROW_LUT="arith" if rows.runs else "load", COL_LUT="arith" if cols.runs else "load",
+                     ROW_PART_LUT="step" if rows.part_step else "load", COL_PART_LUT="step" if cols.part_step else "load")
         st = (tuple(prep(a) for a in (rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx)),
               tuple(prep(a) for a in (cols.full_ptr, cols.full_idx, cols.part_ptr, cols.part_idx)),
               _payload(layout, device, opts), modes, _positions(layout, device))
@@ -680,6 +681,9 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
         consts["HAS_POS"] = True
     if smod_kind:
         consts["SCORE_MOD"] = smod_kind
+    for side in ("ROW_PART_LUT", "COL_PART_LUT"):  # masked lists as arithmetic progressions (strided masks)
+        if modes[side] != "load":
+            consts[side] = modes[side]
     if kv_unit is not None:
         consts["KV_LIST_BM"] = kv_unit
     if q_unit is not None:
@@ -769,6 +773,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc, opts)
         return grads
     kind = _kind(score_mod, score_grads)
+    dslopes = None if score_grads is None else score_grads[0]
+    if dslopes is not None:  # the dQ programs write per-row sums (kernels/backward._attn_bwd): _slopes_grad
+        _grad_args(score_grads, dev)  # checks the buffers
+        score_grads = (torch.zeros((s.B * s.H * s.Lq, 3), dtype=torch.float32, device=dev), score_grads[1])
     sargs = (*_score_args(score_mod, s.H, dev), *_grad_args(score_grads, dev))
     bdt = _bias_dtype(score_mod)
     if opts.fused_backward:
@@ -777,6 +785,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         if cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(("bwd_fused_fits", *plan.cfg), True):
             try:
                 _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed, sargs)
+                if dslopes is not None:
+                    _slopes_grad(dslopes, score_grads[0], lse, dlse, s, layout)
                 return grads
             except OutOfResources:
                 _FALLBACK[("bwd_fused_fits", *plan.cfg)] = False  # the two programs do not fit one kernel
@@ -795,7 +805,25 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                 cfgs = (smaller, plan.cfg[1]) if i == 0 else (plan.cfg[0], smaller)
                 plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, opts, run, cfgs=cfgs, grad_dtype=gdt,
                                  smod_kind=kind, bias_dtype=bdt)
+    if dslopes is not None:
+        _slopes_grad(dslopes, score_grads[0], lse, dlse, s, layout)
     return grads
+
+
+def _slopes_grad(dslopes, rows, lse, dlse, s: Shapes, layout) -> None:
+    """Add the slopes' gradient ``Σ_{b,i} Σ_j dS_ij·(j - qp_i)`` per head to ``dslopes`` from the dQ
+    programs' per-row sums ``rows`` ``(B·H·Lq, 3)``: ``X = Σ dS·(j - qp)``, ``M = Σ P·g·(j - qp)``,
+    ``E = Σ P·(dP - delta)``. ``dS`` used ``delta = rowsum(dO ∘ O) - dlse`` from the stored output;
+    the row's exact delta ``Σ P·dP - dlse`` exceeds it by ``E - dlse``, which moves the sum by
+    ``-(E - dlse)·M``. In bfloat16 the output's rounding is ~2⁻⁹ of delta while ``M`` grows with
+    the distances (up to the row length), so the correction matters; it is exact only for whole
+    rows, so a shard (rows may be split between ranks) keeps ``X``."""
+    x, m, e = rows.view(s.B, s.H, s.Lq, 3).unbind(-1)
+    if getattr(layout, "positions", None) is None:
+        if dlse is not None:
+            e = e - torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float())
+        x = x - e * m
+    dslopes += x.sum((0, 2))
 
 
 def _bwd_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dropout_p, seed, sargs=None):
@@ -854,6 +882,8 @@ def _bwd_atomic_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumu
                   MASKED_STAGES=_masked_stages(pay, cfg), COL_LUT=modes["COL_LUT"], ACCUMULATE=accumulate,
                   EVEN=_even(layout, opts), DQ_DESC=opts.dq_desc,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if modes["COL_PART_LUT"] != "load":
+        consts["COL_PART_LUT"] = modes["COL_PART_LUT"]
     bufs = (*cols, pay.params, pay.aux, wl.work if wl is not None else _placeholder(torch.int32, device))
     ints = (nslot, n_items, s.B * s.H, s.H, s.G, lzb, lzh, _cdiv(s.Lk, lbn), s.Lq, s.Lk, layout.q_offset)
     n_kv = s.B * s.Hkv * nslot * cfg.block_n

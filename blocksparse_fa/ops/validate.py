@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from ..compiler.layout import BlockLayout
+from ..mask.base import check_param_batch
+from ..mask.expr import Mask
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -110,6 +112,12 @@ def check_layout(layout: BlockLayout, s: Shapes) -> None:
     if layout.q_len != s.Lq or layout.kv_len != s.Lk:
         raise ValueError(f"mask layout was compiled for (q_len, kv_len) = ({layout.q_len}, {layout.kv_len}), "
                          f"but q/k have lengths ({s.Lq}, {s.Lk})")
+    decl = layout.cache.get("batch_params")
+    if decl is None:  # per-batch/per-head parameters, named (also those of equal values)
+        mask = getattr(layout, "mask", None)
+        decl = layout.cache["batch_params"] = mask.batch_params() if isinstance(mask, Mask) else ()
+    for prim, arg, shape in decl:
+        check_param_batch(prim, arg, shape, s.B, s.H)
     if layout.batch_shape:
         bm, hm = layout.batch_shape
         if bm not in (1, s.B) or hm not in (1, s.H):
