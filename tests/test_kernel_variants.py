@@ -227,21 +227,21 @@ def test_tma_allocator_set_in_every_thread():
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_masked_lists_as_arithmetic_progressions(options, monkeypatch, deterministic):
+def test_masked_lists_as_arithmetic_progressions(monkeypatch, deterministic):
     """Strided masks' masked lists stored as arithmetic progressions (the ``"step"`` LUT mode, used
     beyond ``PART_LIST_LIMIT`` entries; forced here): forward, the fused backward and the five-GEMM
     backward match the reference, with dropout and GQA (and without dropout)."""
     import blocksparse_fa.compiler.layout as layout_mod
     from blocksparse_fa.compiler import clear_cache
 
-    options(deterministic=deterministic)
+    opts = {"deterministic": deterministic}
     monkeypatch.setattr(layout_mod, "PART_LIST_LIMIT", 0)
     clear_cache()
     mask = bsfa.causal() & (bsfa.sliding_window(32) | bsfa.strided(32))
     lay = bsfa.compile_mask(mask, 128, 128, 16)
     rows, cols = lay.kernel_tables()
     assert rows.part_step == cols.part_step == 2
-    _check(mask, H=4, Hkv=2, Lq=128, Lk=128, dropout_p=0.25, seed=3)
+    _check(mask, H=4, Hkv=2, Lq=128, Lk=128, dropout_p=0.25, seed=3, opts=opts)
     if deterministic:
-        _check(mask, Lq=128, Lk=128)
+        _check(mask, Lq=128, Lk=128, opts=opts)
     clear_cache()
