@@ -93,7 +93,8 @@ def gluon(dev, mask, q, k, v, L: int, report: dict) -> None:
     """The Gluon interval forward on device-built tables (where it runs) and those tables against the
     host ones of the same mask."""
     from blocksparse_fa.ops.interval_backend import gluon_interval_forward
-    from blocksparse_fa.ops.triton_backend import GluonConfig, _gluon_interval_tables, _gluon_unavailable
+    from blocksparse_fa.ops import select
+    from blocksparse_fa.ops.triton_backend import GluonConfig, _gluon_interval_tables
     from blocksparse_fa.ops.validate import check_qkv
 
     spec = interval_spec(mask, L, L)
@@ -104,7 +105,7 @@ def gluon(dev, mask, q, k, v, L: int, report: dict) -> None:
     devt = gluon_interval_tables(iv.lo.view(1, L), iv.hi.view(1, L), cfg.block_m, cfg.block_n)
     same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(host, devt))
     res = dict(tables_equal_host=same)
-    why = _gluon_unavailable() if dev.type == "cuda" else "no CUDA device"
+    why = select.hardware(dev).gluon if dev.type == "cuda" else "no CUDA device"
     if not why:
         with torch.no_grad():
             s = check_qkv(q, k, v)

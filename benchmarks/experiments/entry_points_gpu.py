@@ -127,9 +127,10 @@ def run_case(name, mask, N, H, Hkv, D, rows, log):
         except Exception as e:  # recorded, the run goes on
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
-    eager = next(r for r in rows if r["mask"] == name and r["N"] == N and r["Hkv"] == Hkv and r["path"] == "eager")
-    for r in rows:
-        if r["mask"] == name and r["N"] == N and r["Hkv"] == Hkv and "fwd_ms" in r and "fwd_ms" in eager:
+    mine = [r for r in rows if r.get("mask") == name and r.get("N") == N and r.get("Hkv") == Hkv]
+    eager = next(r for r in mine if r["path"] == "eager")
+    for r in mine:
+        if "fwd_ms" in r and "fwd_ms" in eager:
             r["fwd_vs_eager"] = eager["fwd_ms"] / r["fwd_ms"]
             r["fwdbwd_vs_eager"] = eager["fwdbwd_ms"] / r["fwdbwd_ms"]
     for r in rows[-len(paths):]:
@@ -140,7 +141,7 @@ def run_case(name, mask, N, H, Hkv, D, rows, log):
     log(f"  explain: {ex.forward} / {ex.backward}")
 
 
-def host_time(rows, log, n_calls: int = 20):
+def host_time(rows, log, n_calls: int = 20, profile_dir=None):
     """Wall time of issuing one forward+backward call while the GPU is busy (the host's share)."""
     torch.manual_seed(0)
     q = torch.randn(1, 8, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -173,6 +174,23 @@ def host_time(rows, log, n_calls: int = 20):
         del busy
         rows.append(dict(host=name, us_per_call=host_us))
         log(f"host {name:34s} {host_us:8.1f} us per fwd+bwd call")
+    if profile_dir:
+        import cProfile
+        import pstats
+
+        for name in ("ours eager", "ours compiled", "nn module"):
+            fn = paths[name]
+            pr = cProfile.Profile()
+            torch.cuda._sleep(int(2e9 * 0.2))
+            pr.enable()
+            for _ in range(50):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            with open(os.path.join(profile_dir, "host_profile.txt"), "a") as f:
+                f.write(f"==== {name}: 50 fwd+bwd calls\n")
+                pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(30)
+                pstats.Stats(pr, stream=f).sort_stats("cumtime").print_stats(30)
 
 
 def main():
@@ -182,6 +200,7 @@ def main():
     ap.add_argument("--heads", default="8/8,8/2", help="H/Hkv pairs")
     ap.add_argument("--masks", nargs="+", default=None)
     ap.add_argument("--no-host", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the host path into OUT/host_profile.txt")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop starting cases after this many seconds")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -199,7 +218,7 @@ def main():
     torch._dynamo.config.cache_size_limit = 64
     rows = []
     if not args.no_host:
-        host_time(rows, log)
+        host_time(rows, log, profile_dir=args.out if args.profile else None)
     for N in args.sizes:
         for hh in args.heads.split(","):
             H, Hkv = map(int, hh.split("/"))
