@@ -253,5 +253,10 @@ def fa4_op(q, k, v, *, causal: bool, window: int | None = None, cu_seqlens=None,
     ``(B, L, H, D)``, or packed ``(T, H, D)`` with ``cu_seqlens`` (int32 on the device) and
     ``max_seqlen`` (a 0-d CPU int tensor, so that a new value recompiles nothing)."""
     wl, wr = fa4_window(window)
-    fwd, _ = _fa4_ops()
+    # the ops are registered when this module is imported (below): Dynamo traces the attribute
+    # lookup, not the registration
+    fwd = torch.ops.bsfa_bench.fa4_fwd
     return fwd(q, k, v, cu_seqlens, max_seqlen, causal, -1 if wl is None else wl, -1 if wr is None else wr)[0]
+
+
+_fa4_ops()  # register the FA4 custom ops at import (FA4 itself is imported only when they run)

@@ -90,10 +90,21 @@ class BlockSparseAttention(nn.Module):
         self.dropout = float(dropout)
         self.backend = backend
         self.context_parallel = context_parallel
-        self.kernel_options = as_options(kernel_options)
+        self.kernel_options = kernel_options
         self._score_mod = _register_score_mod(self, score_mod)
         if self._score_mod is not None and context_parallel is not None:
             raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
+
+    @property
+    def kernel_options(self):
+        """The module's :class:`~blocksparse_fa.KernelOptions` (assign a KernelOptions, a dict or
+        None to change them)."""
+        return as_options(self._kernel_options)
+
+    @kernel_options.setter
+    def kernel_options(self, value) -> None:
+        # kept as the encoded string: a constant that torch.compile passes to the op as it is
+        self.__dict__["_kernel_options"] = as_options(value).encode()
 
     @property
     def score_mod(self) -> ScoreMod | None:
@@ -117,7 +128,7 @@ class BlockSparseAttention(nn.Module):
     def __setstate__(self, state):  # copy.deepcopy / unpickling: the copy registers and pins its own handle
         super().__setstate__(state)
         self.__dict__.setdefault("align", "bottom_right")  # modules pickled before align existed
-        self.__dict__.setdefault("kernel_options", as_options(None))
+        self.__dict__.setdefault("_kernel_options", "")
         self.handle = register_mask(self.mask, self.block_size, owner=self)
 
     def layout(self, q_len: int, kv_len: int | None = None, device=None) -> BlockLayout:
@@ -133,7 +144,7 @@ class BlockSparseAttention(nn.Module):
         ``torch.compile`` new ids never recompile."""
         p = self.dropout if self.training else 0.0
         mod = self._call_score_mod(score_mod)
-        opts = self.kernel_options if kernel_options is None else kernel_options
+        opts = self._kernel_options if kernel_options is None else kernel_options
         if getattr(self, "context_parallel", None) is not None:
             if mod is not None:
                 raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
@@ -450,7 +461,7 @@ class BlockSparseMultiheadAttention(nn.Module):
         else:
             m = m if mask is None else m & as_mask(mask)
             p = self.attn.dropout if self.training else 0.0
-            opts = self.attn.kernel_options if kernel_options is None else kernel_options
+            opts = self.attn._kernel_options if kernel_options is None else kernel_options
             o = attention_op(q, k, v, m, scale=self.attn.scale, dropout_p=p, backend=self.attn.backend, block_size=bs,
                              align=self.attn.align, score_mod=self.attn._call_score_mod(score_mod), kernel_options=opts)
         out = self.out_proj(o.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))

@@ -145,6 +145,14 @@ def hopper(monkeypatch):
     monkeypatch.setattr(tb, "_gluon_launch", fwd)
     monkeypatch.setattr(tb, "_gluon_bwd_launch", bwd)
 
+    from blocksparse_fa.ops import interval_backend as ib
+
+    def gluon_intervals(q, k, v, iv, s, scale, cfg=None):
+        o, l = ib.torch_interval_forward(q, k, v, iv, s, scale)
+        return o.to(q.dtype), l
+
+    monkeypatch.setattr(ib, "gluon_interval_forward", gluon_intervals)
+
 
 L = 256
 IDS = torch.tensor([0] * 70 + [1] * 130 + [2] * 56)
@@ -152,9 +160,11 @@ MASKS = {
     "dense": (lambda: None, "gluon:dense", "gluon:dense"),
     "causal": (bsfa.causal, "gluon:causal", "gluon:causal"),
     "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "triton:blocks"),
-    # the expression holds this call's ids: intervals built on the device, no layout; a precompiled
-    # layout of it takes the layout's kernels
-    "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "triton:interval", "triton:interval"),
+    # the expression holds this call's ids: intervals built on the device, no layout (contiguous
+    # documents: the Gluon forward on device tables); a precompiled layout takes the layout's kernels
+    "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "gluon:interval", "triton:interval"),
+    "documents, ids compared": (lambda: bsfa.causal() & bsfa.document(IDS, contiguous=False), "triton:interval",
+                                "triton:interval"),
     "longformer": (lambda: bsfa.window(16) | bsfa.global_tokens(8), "triton:blocks", "triton:blocks"),
 }
 
@@ -197,7 +207,7 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
     for path, fn in paths.items():
         ran, out, grads = _run(fn, q, k, v)
         expect = [("forward", "gluon:interval"), ("backward", "triton:blocks")] if (
-            name == "documents" and path == "layout") else want
+            name.startswith("documents") and path == "layout") else want
         assert ran == expect, (path, ran)
         results[path] = (out, *grads)
     for path in ("compiled", "layout", "module"):

@@ -407,7 +407,8 @@ class BsfaDocCore(nn.Module):
         if self.island:
             return _island(self._island_call, q, k, v)
         fn = bsfa.attention_op if self.api == "attention_op" else bsfa.attention
-        return fn(q, k, v, mask=bsfa.causal() & bsfa.document(doc), block_size=self.block_size)
+        # the window's files are contiguous runs of tokens: promised, so no id compare is needed
+        return fn(q, k, v, mask=bsfa.causal() & bsfa.document(doc, contiguous=True), block_size=self.block_size)
 
 
 # ------------------------------------------------------------------------------------------------

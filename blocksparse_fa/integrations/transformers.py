@@ -183,7 +183,7 @@ def make_attention_function(mask, *, block_size=None, backend: str = "auto", sco
     """The ``AttentionInterface`` function running ``mask`` combined with the model's mask (and
     ``score_mod`` plus the model's ``softcap``, see *Score modifiers* above), with
     ``kernel_options`` (:class:`~blocksparse_fa.KernelOptions`) on every call."""
-    opts = as_options(kernel_options)
+    opts = as_options(kernel_options).encode()  # a string: a constant under torch.compile
     pattern = _as_mask(mask)
     pattern_causal = pattern & causal()
     cache = _LastMask()
@@ -408,7 +408,7 @@ def register(mask=None, name: str = "blocksparse", *, block_size=None, backend: 
         if score_mod is not None:
             raise NotImplementedError("score_mod: score modifiers are not supported with context parallelism")
         fn = make_cp_attention_function(mask, context_parallel=context_parallel, plan=plan, block_size=block_size,
-                                        backend=backend, kernel_options=as_options(kernel_options))
+                                        backend=backend, kernel_options=as_options(kernel_options).encode())
         mask_fn = make_cp_mask_function()
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, mask_fn)

@@ -309,6 +309,15 @@ class _TensorPrimitive(Primitive):
         return b, h
 
 
+def _one_run_each(ids2d: torch.Tensor) -> bool:
+    """Whether every id of every row of ``ids2d`` ``(B, L)`` (CPU) forms one contiguous run."""
+    for row in ids2d:
+        runs = 1 + int((row[1:] != row[:-1]).sum())
+        if runs != int(torch.unique(row).numel()):
+            return False
+    return True
+
+
 class Document(_TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
     with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
@@ -317,10 +326,12 @@ class Document(_TensorPrimitive):
     name = "document"
     TENSOR = "document"
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, contiguous: bool | None = None):
         super().__init__()
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"document(): ids must be a torch.Tensor, got {type(ids).__name__}")
+        if contiguous is not None and not isinstance(contiguous, bool):
+            raise TypeError(f"document(): contiguous must be True, False or None, got {contiguous!r}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError(f"document(): ids must be an integer tensor, got {ids.dtype}")
         if ids.dim() not in (1, 2) or ids.shape[-1] < 1:
@@ -333,14 +344,20 @@ class Document(_TensorPrimitive):
         ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
         self._runs_cache = None
-        self._contiguous = False
+        readable = ids.device.type == "cpu" and not torch.compiler.is_compiling()
+        runs = _one_run_each(self.tensor) if readable and contiguous is not False else None
+        if contiguous and runs is False:
+            raise ValueError("document(): contiguous=True, but some document's ids form more than one run")
+        self._contiguous = bool(contiguous) if runs is None else runs
 
     @property
     def contiguous(self) -> bool:
-        """Whether each document is known to be one contiguous run of ids (set by
-        :func:`~blocksparse_fa.mask.documents.document_from_cu_seqlens` and
-        :func:`~blocksparse_fa.mask.documents.document_from_positions`, which build such ids); the
-        device path then needs no id compare. False says nothing about the ids."""
+        """Whether each document is known to be one contiguous run of ids: found when the ids are on
+        the CPU (outside ``torch.compile``), promised with ``document(ids, contiguous=True)``, or
+        set by :func:`~blocksparse_fa.mask.documents.document_from_cu_seqlens` and
+        :func:`~blocksparse_fa.mask.documents.document_from_positions`, which build such ids. The
+        device path then needs no id compare (and the Gluon forward applies on Hopper). False says
+        nothing about the ids."""
         return getattr(self, "_contiguous", False)
 
     def host_ids(self) -> np.ndarray:
@@ -374,7 +391,7 @@ class Document(_TensorPrimitive):
         """The ids of batch row ``b``."""
         if self.tensor.shape[0] == 1:
             return self
-        return Document(self.tensor[b])
+        return Document(self.tensor[b], contiguous=True if self._contiguous else None)
 
     def _bounds(self, qp, p=None):
         """Run-structured ids as an interval per row (numpy; the compiler's form): ``[start, end)``
@@ -677,9 +694,14 @@ def periodic_window(period, w) -> Mask:
     return PeriodicWindow(period, w)
 
 
-def document(ids: torch.Tensor) -> Mask:
-    """Packed documents: keep pairs in the same document; ids ``(L,)`` or ``(B, L)``, L = kv_len."""
-    return Document(ids)
+def document(ids: torch.Tensor, contiguous: bool | None = None) -> Mask:
+    """Packed documents: keep pairs in the same document; ids ``(L,)`` or ``(B, L)``, L = kv_len.
+
+    ``contiguous=True`` promises that every document is one contiguous run of tokens (the usual
+    packing, as in FlashAttention's varlen form): the kernels then compare positions, not ids
+    (faster; ids on the CPU are checked, ids on a GPU are trusted). None: found from ids on the CPU,
+    else not assumed; False: never assumed."""
+    return Document(ids, contiguous)
 
 
 def random_blocks(r: int, block_size: int = 128, seed: int = 0) -> Mask:

@@ -520,6 +520,8 @@ def _encoded(kernel_options) -> str:
     # Trace-time constant under torch.compile: the options' canonical string, an argument of the ops.
     # Dynamo hands a KernelOptions built inside the traced function over without its fields (an
     # empty instance dict): refuse it rather than run the defaults.
+    if isinstance(kernel_options, str):
+        return as_options(kernel_options).encode()  # validated, canonical
     if isinstance(kernel_options, KernelOptions) and not kernel_options.__dict__:
         raise ValueError("kernel_options: a KernelOptions built inside a torch.compile'd function cannot be read "
                          "while it is traced; build it outside the function (e.g. as a module attribute) or pass "

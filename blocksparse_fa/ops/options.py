@@ -1,7 +1,9 @@
 """Per-call kernel options: one immutable :class:`KernelOptions` instead of module-level setters.
 
-Every entry point takes ``kernel_options=`` (a :class:`KernelOptions`, a ``dict`` of its fields, or
-``None`` for the defaults), as FlexAttention does. The options are validated where they enter, are
+Every entry point takes ``kernel_options=`` (a :class:`KernelOptions`, a ``dict`` of its fields, the
+string of :meth:`KernelOptions.encode`, or ``None`` for the defaults), as FlexAttention does. Inside
+a ``torch.compile``d function pass a dict or the encoded string: Dynamo cannot hand every dataclass
+instance to the constant function that encodes the options. The options are validated where they enter, are
 hashable (launch plans are cached per options value), and cross the ``torch.library`` custom op as
 a constant string (:meth:`KernelOptions.encode` / :func:`decode_options`), so they are the same in
 eager and compiled calls, and per call rather than per process: two threads, or two modules of one
@@ -258,20 +260,27 @@ def decode_options(text: str) -> KernelOptions:
 
 
 def as_options(kernel_options) -> KernelOptions:
-    """``kernel_options`` (a :class:`KernelOptions`, a ``dict`` of its fields, or None) validated.
+    """``kernel_options`` (a :class:`KernelOptions`, a ``dict`` of its fields, the string of
+    :meth:`KernelOptions.encode`, or None) validated.
 
     Raises:
         ValueError: an unknown field (the message lists the known ones) or a bad value.
-        TypeError: anything else than the three forms.
+        TypeError: anything else than these forms.
     """
     if kernel_options is None:
         return DEFAULT_OPTIONS
     if isinstance(kernel_options, KernelOptions):
         return kernel_options
+    if isinstance(kernel_options, str):
+        try:
+            return decode_options(kernel_options)
+        except json.JSONDecodeError:
+            raise ValueError(f"kernel_options: a string must come from KernelOptions.encode(), got "
+                             f"{kernel_options!r}") from None
     if isinstance(kernel_options, dict):
         unknown = sorted(set(kernel_options) - _FIELDS)
         if unknown:
             raise ValueError(f"kernel_options: unknown option(s) {unknown}; expected some of {sorted(_FIELDS)}")
         return KernelOptions(**kernel_options)
-    raise TypeError(f"kernel_options must be a KernelOptions, a dict of its fields or None, "
+    raise TypeError(f"kernel_options must be a KernelOptions, a dict of its fields, an encoded string or None, "
                     f"got {type(kernel_options).__name__}")

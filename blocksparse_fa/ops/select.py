@@ -120,8 +120,11 @@ def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool) -> 
 
 
 # The Gluon forward on device-built interval tables (``ops/interval_backend.gluon_interval_forward``)
-# runs only when asked for (``forward="gluon"``) until the GPU check makes it the default.
-GLUON_DEVICE_INTERVALS = False
+# where no id compare is needed: on the H100 its tables equal the host ones and its output matches
+# float64 like the Triton interval kernel's (benchmarks/experiments/documents_gpu.py); the layout
+# path's same kernel ran the 16K document forward in 0.84 ms against the Triton interval kernel's
+# 1.57 ms (compiled; NOTES.md "Packed documents").
+GLUON_DEVICE_INTERVALS = True
 
 
 def layout_class(layout) -> LayoutClass:
