@@ -24,7 +24,7 @@ import torch
 
 from ..compiler.compile import block_pair, compile_mask
 from ..compiler.layout import BlockLayout
-from ..compiler.segments import EMPTY
+from ..compiler.segments import EMPTY, FULL
 from ..mask.dsl import parse
 from ..mask.expr import Mask
 from .balance import STRATEGIES, assign, halo_counter, row_costs, row_counts, split_rows, unit_costs
@@ -42,8 +42,11 @@ class CostModel:
         block_seconds: forward time of one full 128 x 128 block of one head at head dim 128
             (17.3 ns, same fit); other block sizes and head dims scale it by their volume.
         backward_factor: backward time over forward time.
-        bandwidth: bytes per second one rank sends in an all-to-all.
-        latency: seconds per collective.
+        bandwidth: bytes per second one rank sends to its peers (NVLink, all peers at once).
+        latency: seconds per step of messages (a collective or a group of sends and receives).
+        memory_bandwidth: bytes per second of the GPU's memory (the passes that merge partial
+            results and convert float32 sums).
+        launch_seconds: fixed cost of one kernel launch (host and tail).
     """
 
     kappa: float = 2.6
@@ -51,6 +54,8 @@ class CostModel:
     backward_factor: float = 2.5
     bandwidth: float = 150e9
     latency: float = 30e-6
+    memory_bandwidth: float = 2.5e12
+    launch_seconds: float = 10e-6
 
 
 @dataclass
@@ -65,6 +70,7 @@ class _Rank:
     own_split: np.ndarray
     guest_rows: np.ndarray
     cost: float
+    local_cost: float = 0.0  # the part of ``cost`` over the rank's own keys (hides a fetch when overlapped)
     kv_from: list = field(default_factory=list)  # per peer: remote key blocks owned by it
     guests_from: list = field(default_factory=list)  # per peer: its split rows this rank computes a part of
 
@@ -177,7 +183,12 @@ class ContextParallelPlan:
         guest = touched[~row_own[touched]]
         own_split = self.split[row_own[self.split]]
         cost = float(self._unit_cost[units].sum())
-        return _Rank(units, length, np.nonzero(row_own)[0], np.nonzero(col_own)[0], remote, own_split, guest, cost)
+        # own rows' blocks in own columns (split rows excepted): what runs while the fetch is in flight
+        sel = row_own[rrow] & ~is_split[rrow] & nonempty
+        w = np.where(self.layout._segs.state[sel] == FULL, 1.0, self.cost_model.kappa)
+        local = float((w * (pref[ends[sel]] - pref[starts[sel]])).sum())
+        return _Rank(units, length, np.nonzero(row_own)[0], np.nonzero(col_own)[0], remote, own_split, guest, cost,
+                     local)
 
     def _fingerprint(self) -> int:
         h = hashlib.sha256()
@@ -288,23 +299,59 @@ class ContextParallelPlan:
         D = self.shape[3]
         return self.cost_model.block_seconds * (bm * bn * D) / (128 * 128 * 128)
 
+    def _launches(self, overlap: bool) -> int:
+        """Kernel launches of a fwd+bwd step on the busiest rank (forward, backward with its
+        preprocess, the split rows' launch, and with ``overlap`` the second key part's)."""
+        per_pass = (2 if overlap else 1) + (1 if len(self.split) else 0)
+        return per_pass * 3  # forward; backward: preprocess + main kernel
+
     def estimate(self) -> dict:
-        """Estimated fwd+bwd step: ``compute`` (slowest rank), ``comm`` (its bytes over the
-        bandwidth plus latencies), ``time`` = the two added (no overlap assumed), ``imbalance``
-        (max / mean compute), ``bytes`` (max sent per rank, fwd+bwd), ``ring_bytes``."""
+        """Estimated fwd+bwd step of the slowest rank, ``time``: its compute (``full + kappa ·
+        partial`` blocks), plus its messages (bytes over the bandwidth, latency per step), plus
+        launches; with ``overlap`` the messages of the fetched keys hide behind the launch over the
+        own keys, at the cost of a second launch and a float32 merge of the outputs. Also
+        ``compute`` (slowest rank), ``comm`` (its bytes over the bandwidth plus latencies),
+        ``overlap`` (whether it pays), ``imbalance`` (max / mean compute), ``bytes`` (max sent per
+        rank, fwd+bwd), ``ring_bytes``, ``launches``."""
         cm = self.cost_model
-        B, H = self.shape[:2]
+        B, H, Hkv, D = self.shape
         per = self.bytes_per_rank()
         costs = np.array([rk.cost for rk in self._ranks])
         t_unit = self._block_seconds() * B * H * (1 + cm.backward_factor)
-        compute = float(costs.max()) * t_unit
+        n_steps = 2 + (4 if len(self.split) else 0)  # message steps per fwd+bwd
+        best = None
+        for overlap in (False, True):
+            launch = self._launches(overlap) * cm.launch_seconds
+            worst = (0.0, 0.0, 0.0)
+            for rk, p in zip(self._ranks, per):
+                compute = rk.cost * t_unit
+                comm = (p["fwd"] + p["bwd"]) / cm.bandwidth + n_steps * cm.latency
+                glue = launch
+                if overlap and len(rk.remote_cols):
+                    comm = max(0.0, comm - rk.local_cost * t_unit)
+                    # merge of two outputs (read both, write one) and the sum of two dQ parts, float32
+                    glue += B * H * rk.length * D * (12 + 16) / cm.memory_bandwidth
+                t = compute + comm + glue
+                if t > sum(worst):
+                    worst = (compute, comm, glue)
+            if best is None or sum(worst) < sum(best[1]):
+                best = (overlap, worst)
+        overlap, (compute, comm, glue) = best
         sent = max(p["fwd"] + p["bwd"] for p in per)
-        n_coll = 2 + 2 * (len(self.split) > 0) * 2
-        comm = sent / cm.bandwidth + n_coll * cm.latency
-        return dict(strategy=self.strategy, compute=compute, comm=comm, time=compute + comm,
+        return dict(strategy=self.strategy, compute=float(costs.max()) * t_unit, comm=comm, glue=glue,
+                    time=compute + comm + glue, overlap=overlap, launches=self._launches(overlap),
                     imbalance=float(costs.max() / max(costs.mean(), 1e-30)), bytes=sent,
                     ring_bytes=max(p["ring_fwd"] + p["ring_bwd"] for p in per),
                     tokens_max=max(p["tokens"] for p in per), tokens_min=min(p["tokens"] for p in per))
+
+    @property
+    def overlap_auto(self) -> bool:
+        """What ``overlap="auto"`` does: overlap the fetch with the own-key launch where the estimate
+        says it pays (:meth:`estimate`; the same on every rank)."""
+        hit = self.__dict__.get("_overlap_auto")
+        if hit is None:
+            hit = self.__dict__["_overlap_auto"] = bool(self.estimate()["overlap"])
+        return hit
 
     def describe(self) -> str:
         """A short text report: the chosen strategy, per-rank tokens/cost/bytes, and the
@@ -321,8 +368,10 @@ class ContextParallelPlan:
             for name, e in self.candidates.items():
                 mark = "*" if name == self.strategy else " "
                 lines.append(f"   {mark}{name:10s} time {e['time'] * 1e3:9.3f} ms = compute {e['compute'] * 1e3:9.3f} + "
-                             f"comm {e['comm'] * 1e3:7.3f}; imbalance {e['imbalance']:.3f}; "
-                             f"sent {e['bytes'] / 1e6:9.2f} MB/rank (dense ring {e['ring_bytes'] / 1e6:.2f})")
+                             f"comm {e['comm'] * 1e3:7.3f} + glue {e.get('glue', 0.0) * 1e3:6.3f}"
+                             f"{' (overlapped)' if e.get('overlap') else ''}; imbalance {e['imbalance']:.3f}; "
+                             f"{e.get('launches', 0)} launches; sent {e['bytes'] / 1e6:9.2f} MB/rank "
+                             f"(dense ring {e['ring_bytes'] / 1e6:.2f})")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -367,8 +416,12 @@ def ulysses_estimate(plan: ContextParallelPlan, dropout: bool = False) -> dict |
         bwd = B * D * es * (H * L * (P - 1) // P + ((H + 2 * Hkv) // P) * (n - L))
         sent = max(sent, fwd + bwd)
     per = plan.bytes_per_rank()
-    return dict(strategy="ulysses", compute=compute, comm=sent / cm.bandwidth + 8 * cm.latency,
-                time=compute + sent / cm.bandwidth + 8 * cm.latency, imbalance=1.0, bytes=sent,
+    comm = sent / cm.bandwidth + 8 * cm.latency
+    # every all-to-all's tensor is packed before and unpacked after it (two passes of its bytes), and
+    # each of the 8 exchanges is a few launches besides the attention's 3
+    glue = 2 * sent / cm.memory_bandwidth + (3 + 3 * 8) * cm.launch_seconds
+    return dict(strategy="ulysses", compute=compute, comm=comm, glue=glue, time=compute + comm + glue, overlap=False,
+                launches=3 + 3 * 8, imbalance=1.0, bytes=sent,
                 ring_bytes=max(p["ring_fwd"] + p["ring_bwd"] for p in per),
                 tokens_max=max(p["tokens"] for p in per), tokens_min=min(p["tokens"] for p in per))
 
