@@ -74,6 +74,26 @@ def make_mask(name: str, n: int, small: bool = False):
     raise ValueError(name)
 
 
+LEAD = ("causal", "sliding_window", "longformer", "bigbird", "documents")
+
+
+def lead_masks(n: int, small: bool = False, names_only: bool = False):
+    """The scaling targets' masks at ``n`` tokens: causal, sliding window 4096, causal Longformer
+    (window 512, 256 global tokens), causal BigBird (window 384, 128 global tokens, 3 random blocks
+    of 128) and packed documents of 2K-32K tokens (``small``: the same shapes scaled down for CPU
+    checks)."""
+    if names_only:
+        return LEAD
+    c = bsfa.causal()
+    s = (lambda x: max(16, x // 64)) if small else (lambda x: x)  # noqa: E731
+    return {"causal": c,
+            "sliding_window": bsfa.sliding_window(s(4096)),
+            "longformer": c & (bsfa.window(s(512)) | bsfa.global_tokens(s(256))),
+            "bigbird": c & (bsfa.window(s(384)) | bsfa.global_tokens(s(128))
+                            | bsfa.random_blocks(3, block_size=64 if small else 128, seed=0)),
+            "documents": c & bsfa.document(doc_ids(n, lo=s(2048), hi=s(32768)))}
+
+
 # ------------------------------------------------------------------------------------------------
 # run
 # ------------------------------------------------------------------------------------------------

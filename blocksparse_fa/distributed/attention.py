@@ -109,7 +109,8 @@ class _Fetch:
         else:  # one buffer of own and fetched keys: sends read it, receives land in it
             dst = self.buf = k.new_empty((ex.buf_len, 2, B, Hkv, D))
             for b0, l0, n in ex.own_runs:
-                dst[b0:b0 + n].copy_(_tokens_first(k[:, :, l0:l0 + n], v[:, :, l0:l0 + n]))
+                dst[b0:b0 + n, 0].copy_(k[:, :, l0:l0 + n].permute(2, 0, 1, 3))
+                dst[b0:b0 + n, 1].copy_(v[:, :, l0:l0 + n].permute(2, 0, 1, 3))
             sends = _slices(dst, f.send_direct)
             if f.n_send_packed:
                 sends += _slices(dst.index_select(0, f.send_idx_buf), f.send_packed)
@@ -278,27 +279,65 @@ def fetch(ex: Exchange, q, k, v, group, overlap=False) -> Saved:
 
 
 class _Grads:
-    """Gradients of one key tensor (or of the rows) summed over launches: the first launch that
-    covers all of it is taken as written, later ones are added in ``dtype`` (float32)."""
+    """Gradients of one tensor (the rows, or one key tensor) summed over launches along dim 2: a
+    launch that covers all of it first is taken as written; otherwise a buffer in ``dtype``
+    (float32) where each range is copied where nothing was written yet and added where it was."""
 
     def __init__(self, shape, dtype, device):
         self.shape, self.dtype, self.device, self.t = shape, dtype, device, None
+        self.done = []  # written ranges, disjoint, sorted
 
     def add(self, g, span):
-        full = span is None or (span[0] == 0 and span[1] == self.shape[2])
-        if self.t is None and full:
+        n = self.shape[2]
+        a, b = (0, n) if span is None else span
+        if self.t is None and (a, b) == (0, n):
             self.t = g
+            self.done = [(0, n)]
             return
         if self.t is None:
-            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif self.t.dtype != self.dtype:
             self.t = self.t.to(self.dtype)
-        (self.t if full else self.t[:, :, span[0]:span[1]]).add_(g)
+        pos = a
+        for s, e in self.done + [(n, n)]:  # walk [a, b): copy into gaps, add where written
+            s, e = max(s, a), min(e, b)
+            if s > pos:
+                self.t[:, :, pos:min(s, b)].copy_(g[:, :, pos - a:min(s, b) - a])
+            if e > s:
+                self.t[:, :, s:e].add_(g[:, :, s - a:e - a])
+            pos = max(pos, e)
+            if pos >= b:
+                break
+        self.done = _union(self.done + [(a, b)])
 
     def get(self):
         if self.t is None:
             self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        gaps = [(s, e) for s, e in _gaps(self.done, self.shape[2])]
+        for s, e in gaps:  # ranges no launch wrote (keys no row visits)
+            self.t[:, :, s:e].zero_()
+        self.done = [(0, self.shape[2])]
         return self.t
+
+
+def _union(ranges):
+    out = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        elif e > s:
+            out.append((s, e))
+    return out
+
+
+def _gaps(done, n):
+    pos = 0
+    for s, e in done:
+        if s > pos:
+            yield pos, s
+        pos = max(pos, e)
+    if pos < n:
+        yield pos, n
 
 
 def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale: float, dropout_p: float,
