@@ -31,6 +31,8 @@ from .balance import STRATEGIES, assign, halo_counter, row_costs, row_counts, sp
 
 __all__ = ["CostModel", "ContextParallelPlan", "plan_context_parallel"]
 
+TIE = 0.02  # estimates closer than this are ties, settled by the bytes moved
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -47,6 +49,7 @@ class CostModel:
         memory_bandwidth: bytes per second of the GPU's memory (the passes that merge partial
             results and convert float32 sums).
         launch_seconds: fixed cost of one kernel launch (host and tail).
+        message_seconds: fixed cost of one point-to-point message within a step.
     """
 
     kappa: float = 2.6
@@ -56,6 +59,7 @@ class CostModel:
     latency: float = 30e-6
     memory_bandwidth: float = 2.5e12
     launch_seconds: float = 10e-6
+    message_seconds: float = 5e-6
 
 
 @dataclass
@@ -299,11 +303,31 @@ class ContextParallelPlan:
         D = self.shape[3]
         return self.cost_model.block_seconds * (bm * bn * D) / (128 * 128 * 128)
 
-    def _launches(self, overlap: bool) -> int:
-        """Kernel launches of a fwd+bwd step on the busiest rank (forward, backward with its
-        preprocess, the split rows' launch, and with ``overlap`` the second key part's)."""
-        per_pass = (2 if overlap else 1) + (1 if len(self.split) else 0)
-        return per_pass * 3  # forward; backward: preprocess + main kernel
+    def _launches(self, rk: _Rank, overlap: bool) -> int:
+        """Kernel launches of a fwd+bwd step on rank ``rk`` (a backward launch is two: its
+        preprocess and its kernel). ``causal()`` and dense masks run their backward as a dense and
+        a causal rectangle per contiguous piece of the rank's tokens (``exchange._rectangles``),
+        cut again at the own pieces when overlapped; other masks one launch per key part."""
+        from ..mask.primitives import Causal, Full
+
+        parts = 2 if overlap and len(rk.remote_cols) else 1
+        pieces = 1 + int(np.count_nonzero(np.diff(rk.units) != 1)) if len(rk.units) else 0
+        rect = isinstance(self.layout.mask, (Causal, Full)) and not self.layout.batch_shape and not len(self.split)
+        bwd = (2 * pieces + (pieces if parts == 2 else 0)) if rect and isinstance(self.layout.mask, Causal) else parts
+        return parts + 2 * bwd + (3 if len(self.split) else 0)
+
+    def _messages(self, rk: _Rank) -> int:
+        """Messages a rank sends and receives per fwd+bwd (runs of consecutive tokens, a packed
+        message where a pair has more than ``exchange.MAX_RUNS``; gradients return packed)."""
+        from .exchange import MAX_RUNS
+
+        def runs(blocks):
+            return 0 if not len(blocks) else 1 + int(np.count_nonzero(np.diff(blocks) != 1))
+        n = 0
+        for p, blocks in enumerate(rk.kv_from):
+            r = runs(blocks)
+            n += (r if r <= MAX_RUNS else 1) + (1 if r else 0)
+        return 2 * n  # both directions, about as many as it receives
 
     def estimate(self) -> dict:
         """Estimated fwd+bwd step of the slowest rank, ``time``: its compute (``full + kappa ·
@@ -321,12 +345,12 @@ class ContextParallelPlan:
         n_steps = 2 + (4 if len(self.split) else 0)  # message steps per fwd+bwd
         best = None
         for overlap in (False, True):
-            launch = self._launches(overlap) * cm.launch_seconds
             worst = (0.0, 0.0, 0.0)
             for rk, p in zip(self._ranks, per):
                 compute = rk.cost * t_unit
                 comm = (p["fwd"] + p["bwd"]) / cm.bandwidth + n_steps * cm.latency
-                glue = launch
+                comm += self._messages(rk) * cm.message_seconds
+                glue = self._launches(rk, overlap) * cm.launch_seconds
                 if overlap and len(rk.remote_cols):
                     comm = max(0.0, comm - rk.local_cost * t_unit)
                     # merge of two outputs (read both, write one) and the sum of two dQ parts, float32
@@ -339,7 +363,8 @@ class ContextParallelPlan:
         overlap, (compute, comm, glue) = best
         sent = max(p["fwd"] + p["bwd"] for p in per)
         return dict(strategy=self.strategy, compute=float(costs.max()) * t_unit, comm=comm, glue=glue,
-                    time=compute + comm + glue, overlap=overlap, launches=self._launches(overlap),
+                    time=compute + comm + glue, overlap=overlap,
+                    launches=max(self._launches(rk, overlap) for rk in self._ranks),
                     imbalance=float(costs.max() / max(costs.mean(), 1e-30)), bytes=sent,
                     ring_bytes=max(p["ring_fwd"] + p["ring_bwd"] for p in per),
                     tokens_max=max(p["tokens"] for p in per), tokens_min=min(p["tokens"] for p in per))
@@ -460,7 +485,8 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         block_size: layout block (default 128); ``(bm, bn)`` pairs are allowed.
         strategy: ``"contiguous"``, ``"zigzag"``, ``"greedy"`` (sparse context parallelism with
             that assignment), ``"ulysses"`` (head-sharded all-to-all) or ``"auto"``: the one with
-            the least estimated time (see :meth:`ContextParallelPlan.describe`).
+            the least estimated time (see :meth:`ContextParallelPlan.describe`; estimates within
+            2 % of the least count as ties, and of those the one that moves the fewest bytes wins).
         heads: ``(H, Hkv)`` query and key/value heads (estimates; Ulysses needs ``H`` divisible by
             ``world_size`` and ``Hkv`` divisible by it or dividing it).
         head_dim, batch, dtype: the attention inputs' (estimates only).
@@ -530,7 +556,9 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         ok = ok or cands
         if dropout:
             ok.pop("ulysses", None)
-        best = min(ok, key=lambda k: ok[k]["time"])
+        # within the estimate's error (TIE) of the fastest, the one that moves the fewest bytes
+        fastest = min(v["time"] for v in ok.values())
+        best = min((k for k in ok if ok[k]["time"] <= (1 + TIE) * fastest), key=lambda k: (ok[k]["bytes"], ok[k]["time"]))
         chosen = uly_plan if best == "ulysses" else plans[best]
     else:
         chosen = plans[strategy]
