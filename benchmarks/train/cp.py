@@ -42,7 +42,7 @@ import blocksparse_fa as bsfa
 from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
 
 from .data import VOCAB
-from .model import Decoder, rope_tables
+from .model import Decoder, mlp_hidden, rope_tables
 from .runner import RunConfig, lr_at
 from .variants import Patterns
 
@@ -123,10 +123,17 @@ def train_cp(cfg: RunConfig, pats: Patterns, family: str, stream, group=None, *,
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     plan_dtype = torch.bfloat16 if dev.type == "cuda" else dtype
 
+    # the rest of the layer per token (projections and MLP: 6 FLOPs per parameter, fwd+bwd) in units of
+    # one full attention block of all heads, fwd+bwd, so that the plan balances the whole model
+    per_layer = cfg.d_model * (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.heads * cfg.head_dim * cfg.d_model \
+        + 3 * cfg.d_model * mlp_hidden(cfg.d_model)
+    block = 4 * pats.block_size ** 2 * cfg.head_dim * cfg.heads * 3.5
+    token_cost = 6 * per_layer / block
+
     def make_plan(m):
         return plan_context_parallel(m, L, world, block_size=pats.block_size, strategy=strategy,
                                      heads=(cfg.heads, cfg.kv_heads), head_dim=cfg.head_dim, batch=cfg.batch,
-                                     dtype=plan_dtype)
+                                     dtype=plan_dtype, token_cost=token_cost)
 
     plan = make_plan(mask) if group is not None and not per_batch else None
     torch.manual_seed(cfg.seed)

@@ -133,6 +133,7 @@ class ContextParallelPlan:
         self.shape = shape  # (B, H, Hkv, D) assumed by the estimates
         self.dtype = dtype
         self.candidates: dict = {}
+        self.token_cost = 0.0  # set by plan_context_parallel (it is already in unit_cost)
         self._ranks = [self._rank(r) for r in range(world_size)]
         for r, rk in enumerate(self._ranks):
             rk.kv_from = [np.zeros(0, np.int64) if p == r else rk.remote_cols[self._col_owner[rk.remote_cols] == p]
@@ -430,7 +431,7 @@ def ulysses_estimate(plan: ContextParallelPlan, dropout: bool = False) -> dict |
     Hkv = max(Hkv, P)  # fewer key/value heads than ranks: replicated to the ranks of their query heads
     cm = plan.cost_model
     es = plan._esize()
-    total = _layout_cost(plan.layout, cm.kappa, not dropout)
+    total = _layout_cost(plan.layout, cm.kappa, not dropout) + plan.token_cost * plan.seq_len
     compute = total / P * plan._block_seconds() * B * H * (1 + cm.backward_factor)
     n = plan.seq_len
     sent = 0
@@ -474,7 +475,8 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
                           heads: tuple = (8, 8), head_dim: int = 128, batch: int = 1,
                           dtype: torch.dtype = torch.bfloat16, cost_model: CostModel | None = None,
                           split_factor: float = 4.0, unit: int | None = None, dropout: bool = False,
-                          max_token_imbalance: float = 1.5, shard_lengths=None) -> ContextParallelPlan:
+                          max_token_imbalance: float = 1.5, token_cost: float = 0.0,
+                          shard_lengths=None) -> ContextParallelPlan:
     """Plan context parallelism of self-attention with ``mask`` over ``seq_len`` tokens.
 
     Args:
@@ -497,6 +499,11 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         dropout: whether attention dropout will be used (Ulysses does not support it).
         max_token_imbalance: ``"auto"`` skips assignments whose largest shard exceeds this
             multiple of the mean (the rest of the model's work follows the tokens).
+        token_cost: work per token outside attention (projections, MLP, their backward), in
+            units of one full attention block of all heads forward and backward; added to every
+            unit's cost, so that balanced ranks are balanced for the whole model, not only for
+            its attention (e.g. a decoder layer's ``6 · params_per_layer`` FLOPs per token over
+            ``4 · bm · bn · D · H · (1 + backward_factor)``).
         shard_lengths: the inputs are already split into contiguous shards of these lengths (rank
             order; every boundary on a multiple of the unit): plan for that split (strategy
             ``"given"``) instead of choosing one.
@@ -517,10 +524,15 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
     shape = (batch, H, Hkv, head_dim)
     costs = row_costs(layout, cm.kappa)
     split = split_rows(costs, row_counts(layout), split_factor, world_size)
+    if not token_cost >= 0:
+        raise ValueError(f"token_cost must be >= 0, got {token_cost!r}")
     ucost = unit_costs(layout, unit, cm.kappa, split)
+    if token_cost:
+        starts = np.arange(len(ucost)) * unit
+        ucost = ucost + token_cost * (np.minimum(starts + unit, seq_len) - starts)
     if shard_lengths is not None:
         owner = _owner_from_lengths(shard_lengths, seq_len, world_size, unit)
-        plan = _make(layout, world_size, "given", unit, owner, split, cm, shape, dtype, ucost)
+        plan = _make(layout, world_size, "given", unit, owner, split, cm, shape, dtype, ucost, token_cost)
         plan.candidates = {"given": plan.estimate()}
         plan._compiled_here = not isinstance(mask, BlockLayout)
         return plan
@@ -536,11 +548,12 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
     halo = halo_counter(layout, unit)
     for name in names:
         owner = assign(ucost, world_size, name, cap=max_token_imbalance, halo=halo, halo_weight=halo_w)
-        p = _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
+        p = _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost, token_cost)
         plans[name] = p
         cands[name] = p.estimate()
     even = assign(np.ones(len(ucost)), world_size, "contiguous")  # Ulysses: equal contiguous shards
-    uly_plan = _make(layout, world_size, "ulysses", unit, even, np.zeros(0, np.int64), cm, shape, dtype, ucost)
+    uly_plan = _make(layout, world_size, "ulysses", unit, even, np.zeros(0, np.int64), cm, shape, dtype, ucost,
+                     token_cost)
     uly = ulysses_estimate(uly_plan, dropout)
     if uly is not None:
         cands["ulysses"] = uly
@@ -579,5 +592,7 @@ def _owner_from_lengths(lengths, seq_len: int, world_size: int, unit: int) -> np
     return np.searchsorted(bounds, starts, side="right").astype(np.int64)
 
 
-def _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost) -> ContextParallelPlan:
-    return ContextParallelPlan(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
+def _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost, token_cost=0.0):
+    plan = ContextParallelPlan(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
+    plan.token_cost = token_cost
+    return plan
