@@ -304,19 +304,25 @@ def section_scaling(run: Run, n: int, names, small: bool, reserve: float = 0.0):
         est = 6 if run.cpu else 15 + (45 if name == "causal" else 5) * (n / 262144) ** 2
         if not run.fits(f"scaling {name} {_tokens(n)}", est + reserve):
             continue
-        try:
-            _scaling_row(run, n, name, masks[name], dtype, backend, iters, block, small)
-        except Exception as e:  # noqa: BLE001
-            run.error(f"scaling {name} {n}", e)
-        if not run.cpu:
-            torch.cuda.empty_cache()
+        for opts in (None, dict(forward="triton", backward="triton")):  # then without the Gluon kernels
+            try:
+                _scaling_row(run, n, name, masks[name], dtype, backend, iters, block, small, opts)
+                break
+            except Exception as e:  # noqa: BLE001
+                run.error(f"scaling {name} {_tokens(n)}" + (f" kernel_options={opts}" if opts else ""), e)
+            finally:
+                if not run.cpu:
+                    torch.cuda.empty_cache()
+            if run.cpu or not run.fits(f"scaling {name} {_tokens(n)} on the Triton kernels", est):
+                break
 
 
-def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small):
+def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small, opts=None):
     plan = plan_context_parallel(mask, n, run.world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM, block_size=block,
                                  cost_model=_cost_model(run))
     est = plan.candidates[plan.strategy]
     row = dict(pattern=name, N=n, mask=str(mask), strategy=plan.strategy, overlap=bool(est.get("overlap", False)),
+               kernel_options=opts,
                density=plan.layout.density, imbalance=est["imbalance"],
                candidates={k: dict(time_ms=v["time"] * 1e3, bytes=v["bytes"], imbalance=v["imbalance"])
                            for k, v in plan.candidates.items()})
@@ -346,20 +352,36 @@ def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small):
 
     def cp_fwd():
         with torch.no_grad():
-            context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, check=False)
+            context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, check=False, kernel_options=opts)
 
     def cp_fb():
         for t in (qg, kg, vg):
             t.grad = None
-        context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False).backward(dl)
+        context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False,
+                                   kernel_options=opts).backward(dl)
 
-    context_parallel_attention(ql, kl, vl, plan=plan, backend=backend)  # checked once
+    context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, kernel_options=opts)  # checked once
     t_f = run.time(cp_fwd, iters)
     run.reset_peak()
     t_fb = run.time(cp_fb, iters)
     peak = run.peak()
     row.update(TP_fwd_ms=t_f * 1e3, TP_fb_ms=t_fb * 1e3, eff_fwd=row["T1_fwd_ms"] / (run.world * t_f * 1e3),
                eff_fb=row["T1_fb_ms"] / (run.world * t_fb * 1e3))
+    if any(len(r.remote_cols) for r in plan._ranks) and run.agree(run.left() > 60 + 8 * t_fb):
+        other = not row["overlap"]  # the choice the plan did not make, to check it
+
+        def cp_fwd_other():
+            with torch.no_grad():
+                context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, check=False, overlap=other,
+                                           kernel_options=opts)
+
+        def cp_fb_other():
+            for t in (qg, kg, vg):
+                t.grad = None
+            context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False, overlap=other,
+                                       kernel_options=opts).backward(dl)
+        row["TP_fwd_ms_other_overlap"] = run.time(cp_fwd_other, iters) * 1e3
+        row["TP_fb_ms_other_overlap"] = run.time(cp_fb_other, iters) * 1e3
     if peak is not None:
         t = torch.tensor([peak], device=run.dev)
         parts = [torch.empty_like(t) for _ in range(run.world)]
@@ -371,7 +393,7 @@ def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small):
                                                                                    for x in per),
                    tokens=[plan.local_len(r) for r in range(run.world)])
     # errors: context parallel against one GPU (relative L2 over the whole sequence)
-    out = context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False)
+    out = context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False, kernel_options=opts)
     for t in (qg, kg, vg):
         t.grad = None
     out.backward(dl)
@@ -551,14 +573,17 @@ def report(res: dict) -> str:
         lines += ["", f"**Strong scaling** (times in ms, slowest rank; `eff` = T1 / ({P} · T{P}); `ovl`: fetch "
                   "overlapped with the own-key launch; MB = most any rank sends per fwd+bwd):", "",
                   f"| pattern | N | strategy | ovl | imbalance | T1 fwd | T{P} fwd | eff fwd | T1 fwd+bwd | "
-                  f"T{P} fwd+bwd | eff fwd+bwd | MB sent | peak GiB 1 GPU / per rank (max) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"T{P} fwd+bwd | eff fwd+bwd | T{P} fwd / fwd+bwd, other ovl | MB sent | "
+                  "peak GiB 1 GPU / per rank (max) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sc:
             peaks = r.get("peak_GiB_per_rank")
             lines.append(
-                f"| {r['pattern']} | {_tokens(r['N'])} | {r['strategy']} | {'yes' if r.get('overlap') else 'no'} | "
+                f"| {r['pattern']} | {_tokens(r['N'])} | {r['strategy']}{' (Triton)' if r.get('kernel_options') else ''} | "
+                f"{'yes' if r.get('overlap') else 'no'} | "
                 f"{r.get('imbalance', 0):.3f} | {_f(r.get('T1_fwd_ms'))} | {_f(r.get('TP_fwd_ms'))} | "
                 f"{_f(r.get('eff_fwd'))} | {_f(r.get('T1_fb_ms'))} | {_f(r.get('TP_fb_ms'))} | {_f(r.get('eff_fb'))} | "
+                f"{_f(r.get('TP_fwd_ms_other_overlap'))} / {_f(r.get('TP_fb_ms_other_overlap'))} | "
                 f"{_f(r['bytes_fb_max'] / 1e6 if r.get('bytes_fb_max') else None, '{:.1f}')} | "
                 f"{_f(r.get('peak_GiB_single'))} / {_f(max(peaks) if peaks else None)} |")
         lines += ["", "**Errors** (relative L2; `vs 1 GPU`: context parallel against the one-GPU run on the same "

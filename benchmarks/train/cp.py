@@ -40,6 +40,7 @@ from torch import nn
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
+from blocksparse_fa.distributed.exchange import exchange_for
 
 from .data import VOCAB
 from .model import Decoder, mlp_hidden, rope_tables
@@ -168,8 +169,10 @@ def train_cp(cfg: RunConfig, pats: Patterns, family: str, stream, group=None, *,
             doc = b.doc.cpu()
             m = pats.mask("documents", doc[0] if doc.shape[0] == 1 else doc)
             arg = make_plan(m) if group is not None else bsfa.compile_mask(m, L, L, pats.block_size, device=dev)
-            if step == 0 and group is not None:
-                res.plan = arg.describe()
+            if group is not None:
+                exchange_for(arg, rank, dev)  # the rank's tables, as the one-process layout above
+                if step == 0:
+                    res.plan = arg.describe()
         res.plan_s.append(time.perf_counter() - t_plan)
         idx = arg.indices(rank, dev) if group is not None else None
         cos, sin = (cos_all[idx], sin_all[idx]) if idx is not None else (cos_all, sin_all)  # global positions
