@@ -170,6 +170,11 @@ def test_kernels_float32_outputs_for_merges():
         assert a.dtype == torch.float32 and b.dtype == torch.bfloat16
         assert torch.allclose(a, b.float(), rtol=2 ** -7, atol=1e-5)
         assert not torch.equal(a, a.bfloat16().float())
+    # per tensor: dQ in the inputs' dtype, dK/dV in float32 (the sums over ranks)
+    mixed = dispatch.backward(q, k, v, o16, lse, do, layout, s, 0.25, 0.0, 0, "triton",
+                              grad_dtype=(None, torch.float32, torch.float32))
+    assert [t.dtype for t in mixed] == [torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(mixed[0], ref[0]) and torch.equal(mixed[1], grads[1]) and torch.equal(mixed[2], grads[2])
 
 
 # ------------------------------------------------------------------------------------------------
