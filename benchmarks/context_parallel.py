@@ -1,28 +1,31 @@
-"""Context parallelism on several GPUs: correctness, strong scaling, bytes moved, torch's CP beside ours.
+"""Context parallelism on several GPUs: strong scaling, errors, memory, torch's CP beside ours, training.
 
-``run`` (under torchrun, one process per GPU) measures, within a time budget (the most important
-first; sections that would not fit are skipped and say so; results are written after every step):
+``run`` (under torchrun, one process per GPU; ``--device cpu`` runs the same on CPU processes with
+gloo) measures, most important first, within ``--deadline`` seconds (what would not fit is
+skipped and recorded; results are written after every row):
 
-1. ``nvidia-smi topo -m`` and the bandwidth of all-gather and all-to-all;
-2. correctness: our context-parallel bf16 outputs and gradients against the single-GPU bf16 run on
-   the same inputs and both against a float64 reference (8K tokens, every pattern; dropout last);
-3. strong scaling at 128K and 256K tokens: single-GPU time ``T1`` and context-parallel time ``TP``
-   (slowest rank), efficiency ``T1 / (P * TP)``, forward and forward+backward, per pattern, for the
-   planner's choice and for Ulysses around our kernel; bytes sent per rank against a dense ring;
-   exposed communication (``TP`` minus the same rank's kernels alone on prefetched buffers);
-4. torch's own ``context_parallel`` (SDPA, causal) with the allgather and alltoall rotate methods,
-   and SDPA on one GPU;
-5. one layer's forward+backward at 1M tokens (8 query / 2 KV heads, d 128) per pattern: time and
-   peak memory per GPU.
+1. the links: all-gather and all-to-all bandwidth;
+2. per mask (default the five targets at 256K: causal, sliding window 4096, causal Longformer,
+   causal BigBird, packed documents), on one GPU and on ``P`` GPUs with the planner's plan: forward
+   and forward+backward time (``T1``, ``TP``, slowest rank), efficiency ``T1 / (P · TP)``, the
+   error of the context-parallel output and gradients against the one-GPU run (relative L2 over
+   the whole sequence), both runs' error against float64 on a slice (the last key block's queries
+   and keys), per-rank peak memory, bytes sent, the strategy and whether the fetch is overlapped;
+3. torch's ``context_parallel`` (SDPA, causal, cuDNN or flash, K/V expanded to the query heads) on
+   the same shapes, beside our causal row;
+4. training (``benchmarks/train/cp.py``): tokens/s of the decoder on one GPU and on ``P`` GPUs for
+   causal, documents and Longformer at ``--train-len`` (strong) and ``--train-len / P`` per GPU
+   (weak), per-rank memory, losses against one GPU.
 
-``report`` prints the Markdown tables of ``docs/distributed.md`` from the JSON; ``plans`` prints
-bytes per rank from the plans alone (CPU, any length and world size).
+Writes ``context_parallel.json`` and ``context_parallel.md`` to ``--out``; ``--update-docs``
+regenerates the results section of ``docs/distributed.md`` (and ``docs/data/context_parallel.json``)
+from them. ``report`` does the same from a saved JSON, ``summary`` prints the short table, ``plans``
+prints the plans' balance and bytes (CPU, any length and world size).
 
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py run --out $OUT [--budget 330]
-    python benchmarks/context_parallel.py report $OUT/context_parallel.json \
-        --docs docs/distributed.md --data docs/data/context_parallel.json
-    python benchmarks/context_parallel.py plans --lengths 131072 262144 1048576 --world 2 4 8
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py run --device cpu --smoke   # CPU check (gloo)
+    export NCCL_NVLS_ENABLE=0 PYTHONPATH=.
+    torchrun --nproc-per-node 4 benchmarks/context_parallel.py run --out $OUT --deadline 480
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py run --device cpu --smoke --out /tmp/cp
+    python benchmarks/context_parallel.py plans --lengths 262144 --world 4 8
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -38,13 +42,19 @@ from datetime import timedelta
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.join(_HERE, "..")):  # benchmarks/ (train/), then the repository root
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import blocksparse_fa as bsfa  # noqa: E402
 from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel  # noqa: E402
 
-PATTERNS = ["causal", "sliding_window", "longformer", "bigbird", "documents", "strided"]
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
+ROOT = os.path.abspath(os.path.join(_HERE, ".."))
+DOCS = os.path.join(ROOT, "docs", "distributed.md")
+DOCS_DATA = os.path.join(ROOT, "docs", "data", "context_parallel.json")
+RESULTS_MARK, RESULTS_END = "<!-- results -->", "## Testing"
 
 
 def doc_ids(n: int, seed: int = 0, lo: int = 1024, hi: int = 16384) -> torch.Tensor:
@@ -56,46 +66,55 @@ def doc_ids(n: int, seed: int = 0, lo: int = 1024, hi: int = 16384) -> torch.Ten
     return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[:n]
 
 
+LEAD = ("causal", "sliding_window", "longformer", "bigbird", "documents")
+PATTERNS = LEAD + ("strided",)
+
+
+def lead_masks(n: int, small: bool = False, names_only: bool = False):
+    """The scaling targets' masks at ``n`` tokens: causal, sliding window 4096, causal Longformer
+    (window 512, 256 global tokens), causal BigBird (window 384, 128 global tokens, 3 random blocks
+    of 128) and packed documents of 2K-32K tokens (``small``: the same shapes scaled down for CPU
+    checks), and the Sparse Transformer's strided pattern (stride 256)."""
+    if names_only:
+        return PATTERNS
+    c = bsfa.causal()
+    s = (lambda x: max(16, x // 64)) if small else (lambda x: x)  # noqa: E731
+    return {"causal": c,
+            "sliding_window": bsfa.sliding_window(s(4096)),
+            "longformer": c & (bsfa.window(s(512)) | bsfa.global_tokens(s(256))),
+            "bigbird": c & (bsfa.window(s(384)) | bsfa.global_tokens(s(128))
+                            | bsfa.random_blocks(3, block_size=64 if small else 128, seed=0)),
+            "documents": c & bsfa.document(doc_ids(n, lo=s(2048), hi=s(32768))),
+            "strided": bsfa.load_pattern("sparse_transformer_strided", stride=32 if small else 256)}
+
+
 def make_mask(name: str, n: int, small: bool = False):
-    if name == "causal":
-        return bsfa.causal()
-    if name == "sliding_window":
-        return bsfa.load_pattern("sliding_window", window=256 if small else 4096)
-    if name == "longformer":
-        return bsfa.load_pattern("longformer", window=64 if small else 256, n_global=16 if small else 64)
-    if name == "bigbird":
-        return bsfa.load_pattern("bigbird", window=64 if small else 192, n_global=32 if small else 128,
-                                 block=64 if small else 128)
-    if name == "documents":
-        return bsfa.load_pattern("document_causal", document=doc_ids(n, lo=64 if small else 1024,
-                                                                     hi=512 if small else 16384))
-    if name == "strided":
-        return bsfa.load_pattern("sparse_transformer_strided", stride=32 if small else 256)
-    raise ValueError(name)
+    return lead_masks(n, small)[name]
 
 
 # ------------------------------------------------------------------------------------------------
 # run
 # ------------------------------------------------------------------------------------------------
 class Run:
-    """Distributed state, the time budget and the incremental JSON."""
+    """Distributed state, the deadline and the incremental results."""
 
     def __init__(self, args):
         import torch.distributed as dist
 
-        self.dist = dist
-        self.args = args
+        self.dist, self.args = dist, args
         self.cpu = args.device == "cpu"
-        backend = "gloo" if self.cpu else "nccl"
-        if not self.cpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.dev = torch.device("cpu") if self.cpu else torch.device("cuda", torch.cuda.current_device())
         self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.deadline
+        if not self.cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL: it binds the device
+        self.dev = torch.device("cpu") if self.cpu else torch.device("cuda", torch.cuda.current_device())
+        kw = {} if self.cpu else {"device_id": self.dev}
+        dist.init_process_group("gloo" if self.cpu else "nccl", timeout=timedelta(seconds=args.timeout), **kw)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.out = os.path.join(args.out, "context_parallel.json")
         self.res = dict(world_size=self.world, torch=torch.__version__, device=self._device_name(), sections={},
-                        skipped=[], errors=[], args=vars(args))
+                        skipped=[], errors=[], args={k: v for k, v in vars(args).items() if k != "fn"},
+                        command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]))
         try:
             import triton
 
@@ -108,18 +127,18 @@ class Run:
         return "cpu" if self.cpu else torch.cuda.get_device_name(self.dev)
 
     def left(self) -> float:
-        return self.args.budget - (time.monotonic() - self.t0)
+        return self.deadline - time.monotonic()
 
     def agree(self, flag: bool) -> bool:
-        """Rank 0's decision, on every rank (sections must run on all ranks or none)."""
-        t = torch.tensor([1 if flag else 0], device=self.dev)
-        self.dist.broadcast(t, 0)
+        """True on every rank only if it is true on every rank (sections run on all ranks or none)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.dev)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
         return bool(t.item())
 
     def fits(self, name: str, seconds: float) -> bool:
         ok = self.agree(self.left() > seconds)
         if not ok and self.rank == 0:
-            self.res["skipped"].append(f"{name} (needed ~{seconds:.0f} s, {self.left():.0f} s left)")
+            self.res["skipped"].append(f"{name} (needs ~{seconds:.0f} s, {max(0.0, self.left()):.0f} s left)")
             self.save()
         return ok
 
@@ -127,13 +146,15 @@ class Run:
         if self.rank == 0:
             self.res["sections"].setdefault(section, []).append(row)
             self.save()
-            print(f"[{time.monotonic() - self.t0:6.1f}s] {section}: {json.dumps(row, default=str)[:300]}", flush=True)
+            brief = {k: v for k, v in row.items() if not isinstance(v, (list, dict))}
+            print(f"[{time.monotonic() - self.t0:6.1f}s] {section}: {json.dumps(brief, default=str)[:400]}",
+                  flush=True)
 
     def error(self, what: str, e: BaseException) -> None:
         if self.rank == 0:
             self.res["errors"].append(f"{what}: {type(e).__name__}: {e}"[:2000])
             self.save()
-            print(f"ERROR {what}: {e}", flush=True)
+            print(f"ERROR {what}: {type(e).__name__}: {e}", flush=True)
 
     def save(self) -> None:
         os.makedirs(self.args.out, exist_ok=True)
@@ -142,6 +163,8 @@ class Run:
         with open(tmp, "w") as f:
             json.dump(self.res, f, indent=1, default=str)
         os.replace(tmp, self.out)
+        with open(os.path.join(self.args.out, "context_parallel.md"), "w") as f:
+            f.write(report(self.res) + "\n")
 
     def sync(self):
         if not self.cpu:
@@ -153,8 +176,13 @@ class Run:
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return t.item()
 
+    def sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64, device=self.dev)
+        self.dist.all_reduce(t)
+        return t.item()
+
     def time(self, fn, iters: int, warmup: int = 1) -> float:
-        """Seconds per call on this rank (after a barrier), the slowest rank's."""
+        """Seconds per call (after a barrier), the slowest rank's."""
         for _ in range(warmup):
             fn()
         self.sync()
@@ -164,6 +192,14 @@ class Run:
         if not self.cpu:
             torch.cuda.synchronize()
         return self.max((time.perf_counter() - t) / iters)
+
+    def peak(self) -> float | None:
+        return None if self.cpu else torch.cuda.max_memory_allocated(self.dev) / 2**30
+
+    def reset_peak(self):
+        if not self.cpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.dev)
 
 
 def _qkv(n, dev, dtype, seed=0, heads=HEADS, kv_heads=KV_HEADS, d=HEAD_DIM):
@@ -179,239 +215,246 @@ def section_links(run: Run):
         except Exception as e:  # noqa: BLE001
             topo = f"nvidia-smi failed: {e}"
         run.res["topology"] = topo
-        print(topo, flush=True)
     dist = run.dist
     mb = 8 if run.cpu else 256
     n = mb * (1 << 20) // 2
     x = torch.randn(n // run.world, device=run.dev, dtype=torch.bfloat16)
-    y = torch.empty(n, device=run.dev, dtype=torch.bfloat16)
-    t = run.time(lambda: dist.all_gather_into_tensor(y, x), iters=5 if not run.cpu else 2)
+    y = torch.empty(n // run.world * run.world, device=run.dev, dtype=torch.bfloat16)
+    t = run.time(lambda: dist.all_gather_into_tensor(y, x), iters=2 if run.cpu else 5)
     run.record("links", dict(op="all_gather", MB_total=mb, seconds=t,
                              bus_GBps=mb * 1e6 * (run.world - 1) / run.world / t / 1e9))
-    a = torch.randn(n // run.world, device=run.dev, dtype=torch.bfloat16)
+    a = torch.randn(n // run.world // run.world * run.world, device=run.dev, dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    t = run.time(lambda: dist.all_to_all_single(b, a), iters=5 if not run.cpu else 2)
+    t = run.time(lambda: dist.all_to_all_single(b, a), iters=2 if run.cpu else 5)
     sent = a.numel() * 2 * (run.world - 1) / run.world
     run.record("links", dict(op="all_to_all", MB_per_rank=a.numel() * 2 / 1e6, seconds=t, send_GBps=sent / t / 1e9))
     run.res["link_GBps"] = sent / t / 1e9
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def section_correctness(run: Run, n: int, patterns, small: bool, dropouts=(0.0,)):
-    dtype = torch.float32 if run.cpu else torch.bfloat16
-    backend = "torch" if run.cpu else "auto"
-    for name in patterns:
-        for dropout in dropouts:
-            if not run.fits(f"correctness {name}", 20):
-                return
-            try:
-                mask = make_mask(name, n, small)
-                plan = plan_context_parallel(mask, n, run.world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
-                                             dropout=dropout > 0, block_size=64 if small else 128)
-                q, k, v, do = _qkv(n, run.dev, dtype)
-                idx = plan.indices(run.rank, run.dev)
-                # single GPU, same inputs
-                qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
-                ref = bsfa.attention(qa, ka, va, mask=plan.device_layout(run.dev), dropout_p=dropout,
-                                     dropout_seed=3, backend=backend)
-                ref.backward(do)
-                ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-                out = context_parallel_attention(ql, kl, vl, plan=plan, dropout_p=dropout, dropout_seed=3,
-                                                 backend=backend)
-                out.backward(do[:, :, idx])
-                row = dict(pattern=name, N=n, strategy=plan.strategy, dropout=dropout)
-                pairs = dict(out=(out, ref[:, :, idx]), dq=(ql.grad, qa.grad[:, :, idx]),
-                             dk=(kl.grad, ka.grad[:, :, idx]), dv=(vl.grad, va.grad[:, :, idx]))
-                for key, (a, b) in pairs.items():
-                    row[f"{key}_vs_single"] = run.max(_rel(a, b))
-                row["out_bit_identical"] = run.max(0.0 if torch.equal(out, ref[:, :, idx]) else 1.0) == 0.0
-                if dropout == 0.0:  # float64 reference on every GPU (dense)
-                    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-                    r64 = bsfa.reference_attention(qd, kd, vd, mask)
-                    g64 = torch.autograd.grad(r64, (qd, kd, vd), do.double())
-                    full = dict(out=(out, ref, r64), dq=(ql.grad, qa.grad, g64[0]), dk=(kl.grad, ka.grad, g64[1]),
-                                dv=(vl.grad, va.grad, g64[2]))
-                    for key, (mine, single, exact) in full.items():
-                        row[f"{key}_err_cp"] = run.max(_rel(mine, exact[:, :, idx]))
-                        row[f"{key}_err_single"] = run.max(_rel(single[:, :, idx], exact[:, :, idx]))
-                    del qd, kd, vd, r64, g64
-                run.record("correctness", row)
-            except Exception as e:  # noqa: BLE001
-                run.error(f"correctness {name}", e)
-            if not run.cpu:
-                torch.cuda.empty_cache()
-
-
-def _local_only(plan, run, q, k, v, do, fwd_only, backend):
-    """This rank's kernel launches alone, on buffers prefetched once (what ``TP`` adds to is
-    communication and glue)."""
-    from blocksparse_fa.distributed.attention import _bwd, _fwd, fetch
-    from blocksparse_fa.distributed.exchange import exchange_for
-
-    from blocksparse_fa.ops.api import resolve_backend
-
-    backend = resolve_backend(backend, q.device, q.dtype)  # as context_parallel_attention does
-    ex = exchange_for(plan, run.rank, q.device)
-    saved = fetch(ex, q, k, v, run.dist.group.WORLD)
-    kb, vb = (saved.kvbuf[0], saved.kvbuf[1]) if saved.kvbuf is not None else (k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    acc = torch.float32
-
-    def go():
-        out, lse = _fwd(q, kb, vb, ex.main, scale, 0.0, 0, backend, acc if ex.n_split else None)
-        if ex.guest is not None:
-            og, lg = _fwd(saved.gq, k, v, ex.guest, scale, 0.0, 0, backend, acc)
-        if not fwd_only:
-            _bwd(q, kb, vb, out.to(q.dtype), lse, do, ex.main, scale, 0.0, 0, backend, None, acc)
-            if ex.guest is not None:
-                _bwd(saved.gq, k, v, og.to(q.dtype), lg, torch.zeros_like(og, dtype=q.dtype), ex.guest, scale, 0.0,
-                     0, backend, None, acc)
-    return go
-
-
-def section_scaling(run: Run, lengths, patterns, small: bool):
-    dtype = torch.float32 if run.cpu else torch.bfloat16
-    backend = "torch" if run.cpu else "auto"
-    iters = 1 if run.cpu else 3
-    for n in lengths:
-        for name in patterns:
-            est = 10 + (40 if name in ("causal",) else 8) * (n / 262144) ** 2 * (0 if run.cpu else 1)
-            if not run.fits(f"scaling {name} {n}", est):
-                continue
-            try:
-                mask = make_mask(name, n, small)
-                plan = plan_context_parallel(mask, n, run.world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
-                                             block_size=64 if small else 128,
-                                             cost_model=_cost_model(run))
-                q, k, v, do = _qkv(n, run.dev, dtype)
-                lay = plan.device_layout(run.dev)
-                row = dict(pattern=name, N=n, density=plan.layout.density, strategy=plan.strategy,
-                           candidates={kk: dict(time_ms=vv["time"] * 1e3, bytes=vv["bytes"])
-                                       for kk, vv in plan.candidates.items()})
-                qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
-
-                def single_fwd():
-                    with torch.no_grad():
-                        bsfa.attention(q, k, v, mask=lay, backend=backend)
-
-                def single_fb():
-                    o = bsfa.attention(qa, ka, va, mask=lay, backend=backend)
-                    o.backward(do)
-
-                row["T1_fwd_ms"] = run.time(single_fwd, iters) * 1e3
-                row["T1_fb_ms"] = run.time(single_fb, iters) * 1e3
-                del qa, ka, va
-                strategies = [plan.strategy] + (["ulysses"] if plan.strategy != "ulysses" and
-                                                "ulysses" in plan.candidates else [])
-                for strat in strategies:
-                    p = plan if strat == plan.strategy else plan_context_parallel(
-                        mask, n, run.world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM, strategy=strat,
-                        block_size=64 if small else 128, cost_model=_cost_model(run))
-                    idx = p.indices(run.rank, run.dev)
-                    ql, kl, vl, dl = (t[:, :, idx].contiguous() for t in (q, k, v, do))
-                    qg, kg, vg = (t.clone().requires_grad_() for t in (ql, kl, vl))
-
-                    def cp_fwd():
-                        with torch.no_grad():
-                            context_parallel_attention(ql, kl, vl, plan=p, backend=backend, check=False)
-
-                    def cp_fb():
-                        o = context_parallel_attention(qg, kg, vg, plan=p, backend=backend, check=False)
-                        o.backward(dl)
-
-                    tag = "" if strat == plan.strategy else f"_{strat}"
-                    t_f = run.time(cp_fwd, iters)
-                    t_fb = run.time(cp_fb, iters)
-                    row[f"TP_fwd_ms{tag}"] = t_f * 1e3
-                    row[f"TP_fb_ms{tag}"] = t_fb * 1e3
-                    row[f"eff_fwd{tag}"] = row["T1_fwd_ms"] / (run.world * t_f * 1e3)
-                    row[f"eff_fb{tag}"] = row["T1_fb_ms"] / (run.world * t_fb * 1e3)
-                    if strat != "ulysses":
-                        per = p.bytes_per_rank()
-                        row["bytes_fwd_max"] = max(x["fwd"] for x in per)
-                        row["bytes_fb_max"] = max(x["fwd"] + x["bwd"] for x in per)
-                        row["ring_fwd"] = max(x["ring_fwd"] for x in per)
-                        row["ring_fb"] = max(x["ring_fwd"] + x["ring_bwd"] for x in per)
-                        row["split_rows"] = len(p.split)
-                        row["tokens"] = [p.local_len(r) for r in range(run.world)]
-                        with torch.no_grad():
-                            lf = _local_only(p, run, ql, kl, vl, dl, True, backend)
-                            t_lf = run.time(lf, iters)
-                        lfb = _local_only(p, run, ql, kl, vl, dl, False, backend)
-                        t_lfb = run.time(lfb, iters)
-                        row["local_fwd_ms"], row["local_fb_ms"] = t_lf * 1e3, t_lfb * 1e3
-                        row["exposed_comm_fwd_ms"] = (t_f - t_lf) * 1e3
-                        row["exposed_comm_fb_ms"] = (t_fb - t_lfb) * 1e3
-                        if name == "causal" and not run.cpu:  # the two-launch overlap variant
-                            def cp_fb_overlap():
-                                o = context_parallel_attention(qg, kg, vg, plan=p, backend=backend, check=False,
-                                                               overlap=True)
-                                o.backward(dl)
-                            row["TP_fb_ms_overlap"] = run.time(cp_fb_overlap, iters) * 1e3
-                    del qg, kg, vg
-                run.record("scaling", row)
-            except Exception as e:  # noqa: BLE001
-                run.error(f"scaling {name} {n}", e)
-            if not run.cpu:
-                torch.cuda.empty_cache()
 
 
 def _cost_model(run: Run):
     from blocksparse_fa.distributed import CostModel
 
     bw = run.res.get("link_GBps")
-    return CostModel(bandwidth=bw * 1e9) if bw else CostModel()
+    return CostModel(bandwidth=bw * 1e9) if bw and not run.cpu else CostModel()
 
 
-def section_torch_cp(run: Run, lengths):
-    """torch.distributed.tensor.experimental.context_parallel around SDPA (causal)."""
+def _sq(a, b=None) -> float:
+    """``Σ a²`` or ``Σ (a − b)²`` in float64."""
+    a = a.double()
+    return float(((a - b.double()) if b is not None else a).square().sum())
+
+
+def _exact_slice(layout, q, k, v, do, max_rows: int):
+    """Float64 output and dQ of the query rows that attend the last key block, and dK/dV of that
+    block, from the full inputs (None when more than ``max_rows`` rows attend it)."""
+    from blocksparse_fa.mask.expr import EvalContext
+
+    n, (bm, bn) = layout.q_len, layout.block_size
+    keys = torch.arange((layout.shape[-1] - 1) * bn, n)
+    st = layout.block_states().cpu()
+    st = st.reshape(-1, *st.shape[-2:]).amax(0)
+    row_blocks = torch.nonzero(st[:, -1] != 0).flatten().tolist()
+    if not row_blocks or len(row_blocks) * bm > max_rows:
+        return None
+    rows = torch.cat([torch.arange(r * bm, min((r + 1) * bm, n)) for r in row_blocks])
+    mask = layout.mask
+    G = q.shape[1] // k.shape[1]
+    dev = q.device
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    kd, vd = (t[0].double().repeat_interleave(G, 0) for t in (k, v))  # (H, n, D)
+    outs, dqs = [], []
+    dks = torch.zeros((q.shape[1], len(keys), q.shape[-1]), dtype=torch.float64, device=dev)
+    dvs = torch.zeros_like(dks)
+    kk = keys.to(dev)
+    allk = torch.arange(n).view(1, -1)
+    for c in range(0, len(rows), 256):
+        r = rows[c:c + 256]
+        keep = mask._eval(EvalContext(n, n, r.view(-1, 1), r.view(-1, 1), allk, None, None))
+        keep = keep.expand(len(r), n).to(dev)
+        qd, dod = q[0, :, r.to(dev)].double(), do[0, :, r.to(dev)].double()  # (H, r, D)
+        s = (torch.einsum("hrd,hnd->hrn", qd, kd) * scale).masked_fill(~keep, float("-inf"))
+        m = s.amax(-1, keepdim=True).clamp_min(-1e300)
+        p = torch.exp(s - m)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+        o = torch.einsum("hrn,hnd->hrd", p, vd)
+        ds = p * (torch.einsum("hrd,hnd->hrn", dod, vd) - (dod * o).sum(-1, keepdim=True))
+        outs.append(o)
+        dqs.append(torch.einsum("hrn,hnd->hrd", ds, kd) * scale)
+        dks += torch.einsum("hrn,hrd->hnd", ds[:, :, kk], qd) * scale
+        dvs += torch.einsum("hrn,hrd->hnd", p[:, :, kk], dod)
+    Hkv = k.shape[1]  # GQA: a key/value head's gradient sums its query heads'
+    return (rows, keys, torch.cat(outs, 1), torch.cat(dqs, 1), dks.view(Hkv, G, len(keys), -1).sum(1),
+            dvs.view(Hkv, G, len(keys), -1).sum(1))
+
+
+def _rel_slice(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def section_scaling(run: Run, n: int, names, small: bool, reserve: float = 0.0):
+    """One GPU against P GPUs per mask: times, errors, memory, bytes (see the module docstring); a
+    mask starts only if its estimate and ``reserve`` seconds (the later sections) fit."""
+    dtype = torch.float32 if run.cpu else torch.bfloat16
+    backend = "torch" if run.cpu else "auto"
+    iters = 1 if run.cpu else 3
+    block = 64 if small else 128
+    masks = lead_masks(n, small)
+    for name in names:
+        est = 6 if run.cpu else 15 + (45 if name == "causal" else 5) * (n / 262144) ** 2
+        if not run.fits(f"scaling {name} {_tokens(n)}", est + reserve):
+            continue
+        for opts in (None, dict(forward="triton", backward="triton")):  # then without the Gluon kernels
+            try:
+                _scaling_row(run, n, name, masks[name], dtype, backend, iters, block, small, opts)
+                break
+            except Exception as e:  # noqa: BLE001
+                run.error(f"scaling {name} {_tokens(n)}" + (f" kernel_options={opts}" if opts else ""), e)
+            finally:
+                if not run.cpu:
+                    torch.cuda.empty_cache()
+            if run.cpu or not run.fits(f"scaling {name} {_tokens(n)} on the Triton kernels", est):
+                break
+
+
+def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small, opts=None):
+    plan = plan_context_parallel(mask, n, run.world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM, block_size=block,
+                                 cost_model=_cost_model(run))
+    est = plan.candidates[plan.strategy]
+    row = dict(pattern=name, N=n, mask=str(mask), strategy=plan.strategy, overlap=bool(est.get("overlap", False)),
+               kernel_options=opts,
+               density=plan.layout.density, imbalance=est["imbalance"],
+               candidates={k: dict(time_ms=v["time"] * 1e3, bytes=v["bytes"], imbalance=v["imbalance"])
+                           for k, v in plan.candidates.items()})
+    q, k, v, do = _qkv(n, run.dev, dtype)
+    lay = plan.device_layout(run.dev)
+    # one GPU (every rank alone on its own device)
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def single_fwd():
+        with torch.no_grad():
+            bsfa.attention(q, k, v, mask=lay, backend=backend)
+
+    def single_fb():
+        for t in (qa, ka, va):
+            t.grad = None
+        bsfa.attention(qa, ka, va, mask=lay, backend=backend).backward(do)
+
+    row["T1_fwd_ms"] = run.time(single_fwd, iters) * 1e3
+    run.reset_peak()
+    row["T1_fb_ms"] = run.time(single_fb, iters) * 1e3
+    row["peak_GiB_single"] = run.peak()
+    ref = bsfa.attention(q, k, v, mask=lay, backend=backend).detach()
+    # P GPUs
+    idx = plan.indices(run.rank, run.dev)
+    ql, kl, vl, dl = (t[:, :, idx].contiguous() for t in (q, k, v, do))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (ql, kl, vl))
+
+    def cp_fwd():
+        with torch.no_grad():
+            context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, check=False, kernel_options=opts)
+
+    def cp_fb():
+        for t in (qg, kg, vg):
+            t.grad = None
+        context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False,
+                                   kernel_options=opts).backward(dl)
+
+    context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, kernel_options=opts)  # checked once
+    t_f = run.time(cp_fwd, iters)
+    run.reset_peak()
+    t_fb = run.time(cp_fb, iters)
+    peak = run.peak()
+    row.update(TP_fwd_ms=t_f * 1e3, TP_fb_ms=t_fb * 1e3, eff_fwd=row["T1_fwd_ms"] / (run.world * t_f * 1e3),
+               eff_fb=row["T1_fb_ms"] / (run.world * t_fb * 1e3))
+    if any(len(r.remote_cols) for r in plan._ranks) and run.agree(run.left() > 60 + 8 * t_fb):
+        other = not row["overlap"]  # the choice the plan did not make, to check it
+
+        def cp_fwd_other():
+            with torch.no_grad():
+                context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, check=False, overlap=other,
+                                           kernel_options=opts)
+
+        def cp_fb_other():
+            for t in (qg, kg, vg):
+                t.grad = None
+            context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False, overlap=other,
+                                       kernel_options=opts).backward(dl)
+        row["TP_fwd_ms_other_overlap"] = run.time(cp_fwd_other, iters) * 1e3
+        row["TP_fb_ms_other_overlap"] = run.time(cp_fb_other, iters) * 1e3
+    if peak is not None:
+        t = torch.tensor([peak], device=run.dev)
+        parts = [torch.empty_like(t) for _ in range(run.world)]
+        run.dist.all_gather(parts, t)
+        row["peak_GiB_per_rank"] = [float(p) for p in parts]
+    per = plan.bytes_per_rank() if plan.strategy != "ulysses" else None
+    if per is not None:
+        row.update(bytes_fb_max=max(x["fwd"] + x["bwd"] for x in per), ring_fb=max(x["ring_fwd"] + x["ring_bwd"]
+                                                                                   for x in per),
+                   tokens=[plan.local_len(r) for r in range(run.world)])
+    # errors: context parallel against one GPU (relative L2 over the whole sequence)
+    out = context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False, kernel_options=opts)
+    for t in (qg, kg, vg):
+        t.grad = None
+    out.backward(dl)
+    for t in (qa, ka, va):
+        t.grad = None
+    bsfa.attention(qa, ka, va, mask=lay, backend=backend).backward(do)
+    mine = dict(out=out.detach(), dq=qg.grad, dk=kg.grad, dv=vg.grad)
+    single = dict(out=ref, dq=qa.grad, dk=ka.grad, dv=va.grad)
+    for key in mine:
+        d2 = run.sum(_sq(mine[key], single[key][:, :, idx]))
+        r2 = run.sum(_sq(single[key][:, :, idx]))
+        row[f"{key}_vs_single"] = math.sqrt(d2 / max(r2, 1e-300))
+    # both against float64 on a slice: the queries of the last key block, and that block's keys
+    ex = _exact_slice(plan.layout, q, k, v, do, 4096 if not run.cpu else 512)
+    if ex is not None:
+        rows, keys, o64, dq64, dk64, dv64 = ex
+        full = {key: plan.gather(t, 2) for key, t in mine.items()}
+        rd, kd = rows.to(run.dev), keys.to(run.dev)
+        for key, ref64, sel in (("out", o64, rd), ("dq", dq64, rd), ("dk", dk64, kd), ("dv", dv64, kd)):
+            row[f"{key}_err_cp"] = _rel_slice(full[key][0][:, sel], ref64)
+            row[f"{key}_err_single"] = _rel_slice(single[key][0][:, sel], ref64)
+        row["slice_rows"] = len(rows)
+        row["within_2x"] = all(row[f"{key}_err_cp"] <= 2 * row[f"{key}_err_single"] for key in mine)
+    run.record("scaling", row)
+
+
+def section_torch_cp(run: Run, n: int):
+    """torch.distributed.tensor.experimental.context_parallel around SDPA (causal), beside ours."""
     import torch.nn.functional as F
 
     if run.cpu:
-        run.record("torch_cp", dict(note="skipped on CPU (flash SDPA needs CUDA)"))
+        run.record("torch_cp", dict(N=n, note="skipped on CPU (SDPA's flash and cuDNN kernels need CUDA)"))
+        return
+    if not run.fits(f"torch cp {_tokens(n)}", 30 * (n / 262144) ** 2 + 5 + (120 if "train" in run.args.sections
+                                                                                  else 0)):
         return
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
-        try:
-            from torch.distributed.tensor.experimental._attention import set_rotate_method
-        except ImportError:
-            set_rotate_method = None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as e:
-        run.record("torch_cp", dict(note=f"not available in torch {torch.__version__}: {e}"))
+        run.record("torch_cp", dict(N=n, note=f"not available in torch {torch.__version__}: {e}"))
         return
     mesh = init_device_mesh("cuda", (run.world,))
-    iters = 3
-    for n in lengths:
-        if not run.fits(f"torch cp {n}", 30 * (n / 262144) ** 2 + 5):
-            continue
-        q, k, v, do = _qkv(n, run.dev, torch.bfloat16)
-        k, v = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))  # SDPA flash: equal heads
-        row = dict(N=n, heads=HEADS, kv_heads_expanded=HEADS)
+    q, k, v, do = _qkv(n, run.dev, torch.bfloat16)
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))  # SDPA's fused kernels: equal heads
+    row = dict(N=n, heads=HEADS, kv_heads_expanded=HEADS)
+    for label, backends in (("cudnn", [SDPBackend.CUDNN_ATTENTION]), ("flash", [SDPBackend.FLASH_ATTENTION])):
         try:
-            qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(backends):
+                qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
 
-            def single_fb():
-                F.scaled_dot_product_attention(qa, ka, va, is_causal=True).backward(do)
+                def single_fb():
+                    F.scaled_dot_product_attention(qa, ka, va, is_causal=True).backward(do)
 
-            def single_fwd():
-                with torch.no_grad():
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            row["T1_fwd_ms"] = run.time(single_fwd, iters) * 1e3
-            row["T1_fb_ms"] = run.time(single_fb, iters) * 1e3
-            del qa, ka, va
-        except Exception as e:  # noqa: BLE001
-            run.error(f"sdpa single {n}", e)
-        for method in ("allgather", "alltoall"):
-            try:
-                if set_rotate_method is not None:
-                    set_rotate_method(method)
-                elif method != "allgather":
-                    continue
+                def single_fwd():
+                    with torch.no_grad():
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                row["T1_fwd_ms"] = run.time(single_fwd, 3) * 1e3
+                row["T1_fb_ms"] = run.time(single_fb, 3) * 1e3
+                del qa, ka, va
                 bufs = [t.clone() for t in (q, k, v, do)]
                 with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
                     ql, kl, vl, dl = bufs
@@ -423,94 +466,84 @@ def section_torch_cp(run: Run, lengths):
 
                     def cp_fb():
                         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dl)
-                    row[f"TP_fwd_ms_{method}"] = run.time(cp_fwd, iters) * 1e3
-                    row[f"TP_fb_ms_{method}"] = run.time(cp_fb, iters) * 1e3
-                if "T1_fwd_ms" in row:
-                    row[f"eff_fwd_{method}"] = row["T1_fwd_ms"] / (run.world * row[f"TP_fwd_ms_{method}"])
-                    row[f"eff_fb_{method}"] = row["T1_fb_ms"] / (run.world * row[f"TP_fb_ms_{method}"])
-            except Exception as e:  # noqa: BLE001
-                run.error(f"torch cp {method} {n}", e)
-        run.record("torch_cp", row)
-        torch.cuda.empty_cache()
+                    row["TP_fwd_ms"] = run.time(cp_fwd, 3) * 1e3
+                    run.reset_peak()
+                    row["TP_fb_ms"] = run.time(cp_fb, 3) * 1e3
+                    row["peak_GiB"] = run.max(run.peak() or 0.0)
+            row["backend"] = label
+            row["eff_fwd"] = row["T1_fwd_ms"] / (run.world * row["TP_fwd_ms"])
+            row["eff_fb"] = row["T1_fb_ms"] / (run.world * row["TP_fb_ms"])
+            break
+        except Exception as e:  # noqa: BLE001 - try the next SDPA backend
+            row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+    ours = [r for r in run.res["sections"].get("scaling", []) if r["pattern"] == "causal" and r["N"] == n]
+    if run.rank == 0 and ours and "TP_fb_ms" in row:
+        row["ours_TP_fb_ms"] = ours[0]["TP_fb_ms"]
+        row["ours_speedup_fb"] = row["TP_fb_ms"] / ours[0]["TP_fb_ms"]
+        row["ours_speedup_fwd"] = row["TP_fwd_ms"] / ours[0]["TP_fwd_ms"]
+    run.record("torch_cp", row)
+    torch.cuda.empty_cache()
 
 
-def section_million(run: Run, n: int, patterns, small: bool):
-    dtype = torch.float32 if run.cpu else torch.bfloat16
-    backend = "torch" if run.cpu else "auto"
-    for name in patterns:
-        est = 60 if name == "causal" else 15
-        if not run.fits(f"1M layer {name}", est):
-            continue
-        try:
-            mask = make_mask(name, n, small)
-            plan = plan_context_parallel(mask, n, run.world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
-                                         block_size=64 if small else 128, cost_model=_cost_model(run))
-            idx = plan.indices(run.rank, run.dev)
-            L = len(idx)
-            g = torch.Generator(device=run.dev).manual_seed(run.rank)
-            mk = lambda h: torch.randn(1, h, L, HEAD_DIM, device=run.dev, dtype=dtype, generator=g)  # noqa: E731
-            ql, kl, vl, dl = mk(HEADS).requires_grad_(), mk(KV_HEADS).requires_grad_(), mk(KV_HEADS).requires_grad_(), mk(HEADS)
-            if not run.cpu:
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
+def section_train(run: Run, args):
+    """Training throughput against one GPU (``benchmarks/train/cp.py``, :func:`cp_suite`)."""
+    from train.cp import cp_suite
+    from train.variants import Patterns
 
-            def fb():
-                o = context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, check=False)
-                o.backward(dl)
-            t = run.time(fb, iters=1, warmup=1)
-            row = dict(pattern=name, N=n, strategy=plan.strategy, fb_ms=t * 1e3, tokens_per_rank=L)
-            if not run.cpu:
-                row["peak_GiB"] = run.max(torch.cuda.max_memory_allocated() / 2**30)
-                row["peak_extra_GiB"] = run.max((torch.cuda.max_memory_allocated() - base) / 2**30)
-            run.record("million", row)
-            del ql, kl, vl, dl
-        except Exception as e:  # noqa: BLE001
-            run.error(f"1M {name}", e)
-        if not run.cpu:
-            torch.cuda.empty_cache()
+    factory = None
+    if args.smoke or run.cpu:
+        from train.cp import synthetic_stream
+
+        pats = Patterns(block_size=32, sliding_window=64, longformer_window=32, longformer_global=32,
+                        bigbird_window=32, bigbird_global=32, bigbird_random=1)
+        config = dict(layers=1, d_model=32, heads=4, kv_heads=2, head_dim=8, probe_pairs=4)
+        strong, weak, steps = 256 * run.world, 256, 3
+        factory = synthetic_stream
+    else:
+        pats, config = Patterns(), {}
+        strong, weak, steps = args.train_len, args.train_len // run.world, args.train_steps
+    if not run.fits("training", 20 if run.cpu else 60):
+        return
+    rows = cp_suite(run.dist.group.WORLD, run.dev, args.train_patterns, strong_len=strong, weak_len=weak,
+                    steps=steps, deadline=run.deadline - (5 if run.cpu else 30), config=config, pats=pats,
+                    stream_factory=factory, log=lambda s: print(s, flush=True))
+    for r in rows:
+        run.record("train", r)
 
 
-SECTIONS = ("links", "correctness", "scaling", "torch_cp", "million", "dropout")
+SECTIONS = ("links", "scaling", "torch_cp", "train")
 
 
 def cmd_run(args):
     run = Run(args)
     small = args.smoke
-    if small:
-        lengths, corr_n, million = [1024, 2048], 1024, 4096
-    else:
-        lengths, corr_n, million = args.lengths, args.correctness_len, args.million
-    patterns = args.patterns
+    n = args.n if not small else 512 * run.world
     want = set(args.sections)
-    if "links" in want:
-        try:
-            section_links(run)
-        except Exception as e:  # noqa: BLE001
-            run.error("links", e)
-    # most important first: what does not fit the budget is skipped from the end
-    if "dropout" in want and "causal" in patterns and "correctness" not in want:
-        section_correctness(run, corr_n, ["causal"], small, dropouts=(0.1,))
-    if "correctness" in want:
-        section_correctness(run, corr_n, patterns, small)
-    longest, rest = lengths[-1:], lengths[:-1]
-    if "scaling" in want:
-        section_scaling(run, longest, patterns, small)
-    if "torch_cp" in want:
-        section_torch_cp(run, longest)
-    if "million" in want:
-        section_million(run, million, [p for p in ("sliding_window", "longformer", "documents", "bigbird", "causal")
-                                       if p in patterns], small)
-    if "scaling" in want:
-        section_scaling(run, rest, patterns, small)
-    if "torch_cp" in want:
-        section_torch_cp(run, rest)
-    if "dropout" in want and "causal" in patterns and "correctness" in want:
-        section_correctness(run, corr_n, ["causal"], small, dropouts=(0.1,))
-    run.sync()
-    if run.rank == 0:
-        run.save()
-        print(report(run.res), flush=True)
-        print(f"results: {run.out}  ({time.monotonic() - run.t0:.0f} s)", flush=True)
+    try:
+        if "links" in want:
+            try:
+                section_links(run)
+            except Exception as e:  # noqa: BLE001
+                run.error("links", e)
+        if "scaling" in want:
+            reserve = 0.0 if run.cpu else (150.0 if "train" in want else 0.0) + (40.0 if "torch_cp" in want else 0.0)
+            section_scaling(run, n, args.patterns, small, reserve)
+        if "torch_cp" in want:
+            section_torch_cp(run, n)
+        if "train" in want:
+            try:
+                section_train(run, args)
+            except Exception as e:  # noqa: BLE001
+                run.error("train", e)
+        run.sync()
+    finally:
+        if run.rank == 0:
+            run.save()
+            print(report(run.res), flush=True)
+            print(summary(run.res), flush=True)
+            print(f"results: {run.out}  ({time.monotonic() - run.t0:.0f} s)", flush=True)
+            if args.update_docs:
+                update_docs(run.res, args.docs, args.docs_data)
     run.dist.destroy_process_group()
 
 
@@ -522,128 +555,147 @@ def _f(x, fmt="{:.2f}"):
 
 
 def report(res: dict) -> str:
-    """Markdown tables of a run."""
+    """Markdown tables of a run: what the run measured, which machine and versions, the command."""
     P = res.get("world_size", 2)
-    dt = "float32" if res.get("device") == "cpu" else "bf16"
-    lines = [f"Device: {P}x {res.get('device')}, torch {res.get('torch')}, triton {res.get('triton')}; "
-             f"{dt}, 1 sequence, {HEADS} query / {KV_HEADS} key-value heads, head dim {HEAD_DIM}.", ""]
-    links = res.get("sections", {}).get("links", [])
-    for r in links:
+    cpu = res.get("device") == "cpu"
+    dt = "float32 (CPU, PyTorch backend)" if cpu else "bf16"
+    lines = [f"Device: {P}x {res.get('device')}, torch {res.get('torch')}, triton {res.get('triton')}; {dt}, one "
+             f"sequence, {HEADS} query / {KV_HEADS} key-value heads, head dim {HEAD_DIM}. NCCL_NVLS_ENABLE="
+             f"{res.get('env', {}).get('NCCL_NVLS_ENABLE')}.", "",
+             f"Command: `torchrun --nproc-per-node {P} {res.get('command', '')}`", ""]
+    for r in res.get("sections", {}).get("links", []):
         if r["op"] == "all_gather":
             lines.append(f"- all-gather of {r['MB_total']} MB: {r['bus_GBps']:.0f} GB/s bus bandwidth")
         else:
             lines.append(f"- all-to-all of {r['MB_per_rank']:.0f} MB per rank: {r['send_GBps']:.0f} GB/s sent per rank")
-    corr = res.get("sections", {}).get("correctness", [])
-    if corr:
-        lines += ["", "**Correctness** (relative L2 error; `cp` = context parallel, `single` = one GPU, against a "
-                  "float64 reference; `vs single` = cp against one GPU on the same inputs):", "",
-                  "| pattern | strategy | dropout | out cp / single | dq cp / single | dk cp / single | dv cp / single "
-                  "| out vs single | dk vs single | out bit-identical |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in corr:
-            pair = lambda k: (f"{r[f'{k}_err_cp']:.2e} / {r[f'{k}_err_single']:.2e}"  # noqa: E731
-                              if f"{k}_err_cp" in r else "")
-            lines.append(f"| {r['pattern']} | {r['strategy']} | {r['dropout']} | {pair('out')} | {pair('dq')} | "
-                         f"{pair('dk')} | {pair('dv')} | {r['out_vs_single']:.1e} | {r['dk_vs_single']:.1e} | "
-                         f"{'yes' if r['out_bit_identical'] else 'no'} |")
     sc = res.get("sections", {}).get("scaling", [])
     if sc:
-        lines += ["", f"**Strong scaling** (`eff` = T1 / ({P} · T{P}); times in ms, slowest rank; bytes = most any "
-                  "rank sends per step, fwd+bwd, vs a dense ring):", "",
-                  f"| pattern | N | strategy | T1 fwd | T{P} fwd | eff fwd | T1 fwd+bwd | T{P} fwd+bwd | eff fwd+bwd "
-                  "| exposed comm fwd / fb | MB sent (ring) | % of ring | Ulysses eff fwd / fb |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"**Strong scaling** (times in ms, slowest rank; `eff` = T1 / ({P} · T{P}); `ovl`: fetch "
+                  "overlapped with the own-key launch; MB = most any rank sends per fwd+bwd):", "",
+                  f"| pattern | N | strategy | ovl | imbalance | T1 fwd | T{P} fwd | eff fwd | T1 fwd+bwd | "
+                  f"T{P} fwd+bwd | eff fwd+bwd | T{P} fwd / fwd+bwd, other ovl | MB sent | "
+                  "peak GiB 1 GPU / per rank (max) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sc:
-            mb = r.get("bytes_fb_max")
-            ring = r.get("ring_fb")
-            uly = (f"{r['eff_fwd_ulysses']:.2f} / {r['eff_fb_ulysses']:.2f}" if "eff_fwd_ulysses" in r else "")
+            peaks = r.get("peak_GiB_per_rank")
             lines.append(
-                f"| {r['pattern']} | {r['N'] // 1024}K | {r['strategy']} | {_f(r.get('T1_fwd_ms'))} | "
-                f"{_f(r.get('TP_fwd_ms'))} | {_f(r.get('eff_fwd'))} | {_f(r.get('T1_fb_ms'))} | {_f(r.get('TP_fb_ms'))} | "
-                f"{_f(r.get('eff_fb'))} | {_f(r.get('exposed_comm_fwd_ms'))} / {_f(r.get('exposed_comm_fb_ms'))} | "
-                f"{_f(mb / 1e6 if mb else None, '{:.1f}')} ({_f(ring / 1e6 if ring else None, '{:.0f}')}) | "
-                f"{_f(100 * mb / ring if mb and ring else None, '{:.1f}')} | {uly} |")
-    tcp = res.get("sections", {}).get("torch_cp", [])
-    rows = [r for r in tcp if "N" in r]
-    if rows:
-        lines += ["", "**torch `context_parallel` (SDPA flash, causal, k/v expanded to 8 heads)** beside ours "
-                  "(causal, GQA 8/2), ms:", "",
-                  "| N | SDPA 1 GPU fwd / fb | allgather fwd / fb | alltoall fwd / fb | torch eff fb (allgather) "
-                  "| ours fwd / fb | ours eff fb |", "|---|---|---|---|---|---|---|"]
-        ours = {r["N"]: r for r in sc if r["pattern"] == "causal"}
-        for r in rows:
-            o = ours.get(r["N"], {})
-            lines.append(f"| {r['N'] // 1024}K | {_f(r.get('T1_fwd_ms'))} / {_f(r.get('T1_fb_ms'))} | "
-                         f"{_f(r.get('TP_fwd_ms_allgather'))} / {_f(r.get('TP_fb_ms_allgather'))} | "
-                         f"{_f(r.get('TP_fwd_ms_alltoall'))} / {_f(r.get('TP_fb_ms_alltoall'))} | "
-                         f"{_f(r.get('eff_fb_allgather'))} | {_f(o.get('TP_fwd_ms'))} / {_f(o.get('TP_fb_ms'))} | "
-                         f"{_f(o.get('eff_fb'))} |")
-    mil = res.get("sections", {}).get("million", [])
-    if mil:
-        lines += ["", f"**One layer at {mil[0]['N'] // 1024}K tokens on {P} GPUs** (fwd+bwd):", "",
-                  "| pattern | strategy | fwd+bwd ms | tokens per GPU | peak GiB per GPU |", "|---|---|---|---|---|"]
-        for r in mil:
-            lines.append(f"| {r['pattern']} | {r['strategy']} | {r['fb_ms']:.1f} | {r['tokens_per_rank']} | "
-                         f"{_f(r.get('peak_GiB'))} |")
+                f"| {r['pattern']} | {_tokens(r['N'])} | {r['strategy']}{' (Triton)' if r.get('kernel_options') else ''} | "
+                f"{'yes' if r.get('overlap') else 'no'} | "
+                f"{r.get('imbalance', 0):.3f} | {_f(r.get('T1_fwd_ms'))} | {_f(r.get('TP_fwd_ms'))} | "
+                f"{_f(r.get('eff_fwd'))} | {_f(r.get('T1_fb_ms'))} | {_f(r.get('TP_fb_ms'))} | {_f(r.get('eff_fb'))} | "
+                f"{_f(r.get('TP_fwd_ms_other_overlap'))} / {_f(r.get('TP_fb_ms_other_overlap'))} | "
+                f"{_f(r['bytes_fb_max'] / 1e6 if r.get('bytes_fb_max') else None, '{:.1f}')} | "
+                f"{_f(r.get('peak_GiB_single'))} / {_f(max(peaks) if peaks else None)} |")
+        lines += ["", "**Errors** (relative L2; `vs 1 GPU`: context parallel against the one-GPU run on the same "
+                  "inputs, whole sequence; `cp / 1 GPU vs fp64`: each against float64 on the queries of the last "
+                  "key block and that block's keys):", "",
+                  "| pattern | out vs 1 GPU | dq | dk | dv | out cp / 1 GPU vs fp64 | dq | dk | dv | within 2x |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sc:
+            pair = lambda key: (f"{r[key + '_err_cp']:.1e} / {r[key + '_err_single']:.1e}"  # noqa: E731
+                                if key + "_err_cp" in r else "")
+            lines.append(f"| {r['pattern']} | {_f(r.get('out_vs_single'), '{:.1e}')} | "
+                         f"{_f(r.get('dq_vs_single'), '{:.1e}')} | {_f(r.get('dk_vs_single'), '{:.1e}')} | "
+                         f"{_f(r.get('dv_vs_single'), '{:.1e}')} | {pair('out')} | {pair('dq')} | {pair('dk')} | "
+                         f"{pair('dv')} | {'' if 'within_2x' not in r else 'yes' if r['within_2x'] else 'no'} |")
+    tcp = [r for r in res.get("sections", {}).get("torch_cp", []) if "TP_fb_ms" in r or "note" in r]
+    if tcp:
+        lines += ["", f"**torch `context_parallel`** (SDPA, causal, K/V expanded to {HEADS} heads; all-gather "
+                  "rotation) beside ours (causal, GQA 8/2), ms:", "",
+                  f"| N | SDPA backend | SDPA 1 GPU fwd / fwd+bwd | torch CP fwd / fwd+bwd | torch eff fwd+bwd | "
+                  f"ours T{P} fwd+bwd | ours faster by |", "|---|---|---|---|---|---|---|"]
+        for r in tcp:
+            if "note" in r:
+                lines.append(f"| {_tokens(r['N'])} | {r['note']} | | | | | |")
+                continue
+            lines.append(f"| {_tokens(r['N'])} | {r.get('backend')} | {_f(r.get('T1_fwd_ms'))} / "
+                         f"{_f(r.get('T1_fb_ms'))} | {_f(r.get('TP_fwd_ms'))} / {_f(r.get('TP_fb_ms'))} | "
+                         f"{_f(r.get('eff_fb'))} | {_f(r.get('ours_TP_fb_ms'))} | "
+                         f"{_f(r.get('ours_speedup_fb'), '{:.2f}x')} |")
+    tr = res.get("sections", {}).get("train", [])
+    if tr:
+        lines += ["", "**Training** (`benchmarks/train/cp.py`: the decoder, eager, bf16 autocast; tokens/s of the "
+                  "slowest rank; strong: the same length on one GPU; weak: the length / P on one GPU):", "",
+                  "| pattern | length | 1 GPU tok/s | 1 GPU tok/s at length / P | "
+                  f"{P} GPUs tok/s | strong eff | weak eff | peak GiB 1 GPU / per rank (max) | "
+                  "max rel. loss diff |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in tr:
+            if "cp" not in r:
+                lines.append(f"| {r['pattern']} | {_tokens(r['strong_len'])} | {r.get('skipped') or r.get('error')} "
+                             "| | | | | | |")
+                continue
+            sw = r.get("single_weak") or {}
+            lines.append(f"| {r['pattern']} | {_tokens(r['strong_len'])} | {r['single_strong']['tokens_per_s']:,.0f} | "
+                         f"{_f(sw.get('tokens_per_s'), '{:,.0f}')} | {r['cp']['tokens_per_s']:,.0f} | "
+                         f"{r['strong_efficiency']:.2f} | {_f(r.get('weak_efficiency'))} | "
+                         f"{max(r['single_strong']['peak_gb']):.1f} / {max(r['cp']['peak_gb']):.1f} | "
+                         f"{r['max_rel_loss_diff']:.1e} |")
     if res.get("skipped"):
-        lines += ["", "Skipped (time budget): " + "; ".join(res["skipped"])]
+        lines += ["", "Skipped (deadline): " + "; ".join(res["skipped"])]
     if res.get("errors"):
         lines += ["", "Errors: " + "; ".join(res["errors"])]
     return "\n".join(lines)
 
 
-RESULTS_MARK, RESULTS_END = "<!-- results -->", "## Testing"
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def summary(res: dict) -> str:
+    """One short table: the targets and where the run stands."""
+    P = res.get("world_size", 2)
+    lines = [f"SUMMARY ({P}x {res.get('device')}, {res.get('elapsed_s', 0):.0f} s)",
+             f"{'pattern':15s} {'strategy':10s} {'eff fwd':>8s} {'eff fb':>8s} {'TP fb ms':>10s} {'err vs 1':>9s} "
+             f"{'<=2x':>5s}"]
+    for r in res.get("sections", {}).get("scaling", []):
+        err = max(r.get(f"{k}_vs_single", 0.0) for k in ("out", "dq", "dk", "dv"))
+        lines.append(f"{r['pattern']:15s} {r['strategy']:10s} {_f(r.get('eff_fwd')):>8s} {_f(r.get('eff_fb')):>8s} "
+                     f"{_f(r.get('TP_fb_ms')):>10s} {err:9.1e} {str(r.get('within_2x', '')):>5s}")
+    for r in res.get("sections", {}).get("torch_cp", []):
+        if "ours_speedup_fb" in r:
+            lines.append(f"torch CP causal fwd+bwd {r['TP_fb_ms']:.1f} ms ({r.get('backend')}); ours "
+                         f"{r['ours_TP_fb_ms']:.1f} ms: {r['ours_speedup_fb']:.2f}x")
+    for r in res.get("sections", {}).get("train", []):
+        if "cp" in r:
+            lines.append(f"train {r['pattern']:11s} strong eff {r['strong_efficiency']:.2f}  weak eff "
+                         f"{_f(r.get('weak_efficiency'))}  {r['cp']['tokens_per_s']:,.0f} tok/s on {P}  "
+                         f"loss diff {r['max_rel_loss_diff']:.1e}")
+        else:
+            lines.append(f"train {r['pattern']:11s} {r.get('skipped') or r.get('error')}")
+    if res.get("skipped"):
+        lines.append("skipped: " + "; ".join(res["skipped"]))
+    if res.get("errors"):
+        lines.append("errors: " + "; ".join(e[:200] for e in res["errors"]))
+    return "\n".join(lines)
+
+
+def update_docs(res: dict, docs: str = DOCS, data: str | None = DOCS_DATA) -> None:
+    """Rewrite the results section of ``docs`` (between its results mark and the testing section)
+    from a run, and keep the run's JSON in ``data``."""
+    with open(docs) as f:
+        doc = f.read()
+    if RESULTS_MARK not in doc or RESULTS_END not in doc:
+        raise ValueError(f"{docs}: no results section (between {RESULTS_MARK!r} and {RESULTS_END!r})")
+    a, b = doc.index(RESULTS_MARK) + len(RESULTS_MARK), doc.index(RESULTS_END)
+    with open(docs, "w") as f:
+        f.write(doc[:a] + "\n" + report(res) + "\n\n" + doc[b:])
+    if data:
+        os.makedirs(os.path.dirname(data), exist_ok=True)
+        with open(data, "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
 
 def cmd_report(args):
     with open(args.json) as f:
         res = json.load(f)
-    text = report(res)
-    print(text)
-    if args.docs:  # replace the results section of docs/distributed.md
-        with open(args.docs) as f:
-            doc = f.read()
-        a, b = doc.index(RESULTS_MARK) + len(RESULTS_MARK), doc.index(RESULTS_END)
-        with open(args.docs, "w") as f:
-            f.write(doc[:a] + "\n" + text + "\n\n" + doc[b:])
-    if args.data:
-        with open(args.data, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    if args.plot:
-        plot(res, args.plot)
+    print(report(res))
+    if args.update_docs:
+        update_docs(res, args.docs, args.docs_data)
 
 
-def plot(res: dict, path: str) -> None:
-    """Strong-scaling efficiency (fwd+bwd) per pattern and length, and the bytes each rank sends
-    as a share of a dense ring, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = res.get("sections", {}).get("scaling", [])
-    P = res.get("world_size", 2)
-    lengths = sorted({r["N"] for r in rows})
-    names = list(dict.fromkeys(r["pattern"] for r in rows))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    w = 0.8 / max(1, len(lengths))
-    for j, n in enumerate(lengths):
-        by = {r["pattern"]: r for r in rows if r["N"] == n}
-        xs = [i + j * w for i in range(len(names))]
-        a1.bar(xs, [by[m].get("eff_fb", 0) if m in by else 0 for m in names], w, label=f"{n // 1024}K")
-        pc = [100 * by[m]["bytes_fb_max"] / by[m]["ring_fb"] if m in by and by[m].get("ring_fb") else 0
-              for m in names]
-        a2.bar(xs, pc, w, label=f"{n // 1024}K")
-    for ax in (a1, a2):
-        ax.set_xticks([i + w * (len(lengths) - 1) / 2 for i in range(len(names))], names, rotation=20)
-        ax.legend()
-    a1.axhline(0.9, color="k", lw=0.8, ls="--")
-    a1.set_ylabel(f"efficiency T1 / ({P} T{P}), fwd+bwd")
-    a2.set_ylabel("bytes sent, % of a dense ring (fwd+bwd)")
-    a2.set_yscale("log")
-    fig.suptitle(f"Context parallelism on {P}x {res.get('device')} (strided: Ulysses, no block bytes)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def cmd_summary(args):
+    with open(args.json) as f:
+        print(summary(json.load(f)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -651,32 +703,29 @@ def plot(res: dict, path: str) -> None:
 # ------------------------------------------------------------------------------------------------
 def cmd_plans(args):
     rows = []
-    print("| pattern | N | ranks | strategy | split rows | MB sent fwd / fwd+bwd (max rank) | dense ring fwd / fwd+bwd "
-          "| % of ring fwd / fwd+bwd | est. imbalance |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| pattern | N | ranks | strategy | overlap | split rows | imbalance (max / mean cost) | tokens min-max "
+          "| MB sent fwd+bwd (max rank) | % of ring | est. ms (compute + comm + glue) | candidates (est. ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.lengths:
+        masks = lead_masks(n)
         for name in args.patterns:
-            mask = make_mask(name, n)
             for P in args.world:
                 t = time.perf_counter()
-                plan = plan_context_parallel(mask, n, P, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM)
-                per = plan.bytes_per_rank()
-                fwd = max(x["fwd"] for x in per)
-                fb = max(x["fwd"] + x["bwd"] for x in per)
-                rf = max(x["ring_fwd"] for x in per)
-                rfb = max(x["ring_fwd"] + x["ring_bwd"] for x in per)
-                if plan.strategy == "ulysses":  # the all-to-alls' bytes (fwd+bwd) from the estimate
-                    fb = plan.candidates["ulysses"]["bytes"]
-                    fwd = None
+                plan = plan_context_parallel(masks[name], n, P, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM)
                 est = plan.candidates[plan.strategy]
-                rows.append(dict(pattern=name, N=n, world=P, strategy=plan.strategy, split=len(plan.split), fwd=fwd,
-                                 fb=fb, ring_fwd=rf, ring_fb=rfb, imbalance=est["imbalance"],
+                fb = est["bytes"]
+                cands = ", ".join(f"{k} {v['time'] * 1e3:.1f}" for k, v in plan.candidates.items())
+                rows.append(dict(pattern=name, N=n, world=P, strategy=plan.strategy, overlap=est.get("overlap"),
+                                 split=len(plan.split), imbalance=est["imbalance"], bytes_fb=fb,
+                                 ring_fb=est["ring_bytes"], tokens=(est["tokens_min"], est["tokens_max"]),
+                                 time_ms=est["time"] * 1e3, candidates={k: v["time"] * 1e3 for k, v in
+                                                                        plan.candidates.items()},
                                  plan_s=time.perf_counter() - t))
-                fwd_mb = "" if fwd is None else f"{fwd / 1e6:.1f}"
-                fwd_pc = "" if fwd is None else f"{100 * fwd / rf:.2f}"
-                print(f"| {name} | {n // 1024}K | {P} | {plan.strategy} | {len(plan.split)} | {fwd_mb} / "
-                      f"{fb / 1e6:.1f} | {rf / 1e6:.0f} / {rfb / 1e6:.0f} | {fwd_pc} / {100 * fb / rfb:.2f} "
-                      f"| {est['imbalance']:.3f} |", flush=True)
+                print(f"| {name} | {n // 1024}K | {P} | {plan.strategy} | {'yes' if est.get('overlap') else 'no'} | "
+                      f"{len(plan.split)} | {est['imbalance']:.3f} | {est['tokens_min']}-{est['tokens_max']} | "
+                      f"{fb / 1e6:.1f} | {100 * fb / est['ring_bytes']:.1f} | {est['time'] * 1e3:.1f} "
+                      f"({est['compute'] * 1e3:.1f} + {est['comm'] * 1e3:.2f} + {est.get('glue', 0) * 1e3:.2f}) | "
+                      f"{cands} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -685,29 +734,38 @@ def cmd_plans(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="measure (under torchrun)")
+    r = sub.add_parser("run", help="measure (under torchrun; --device cpu for gloo on CPU processes)")
     r.add_argument("--out", default=os.environ.get("OUT", "."))
-    r.add_argument("--budget", type=float, default=330.0, help="seconds; sections that would not fit are skipped")
-    r.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
-    r.add_argument("--correctness-len", type=int, default=8192)
-    r.add_argument("--million", type=int, default=1 << 20)
-    r.add_argument("--patterns", nargs="+", default=PATTERNS, choices=PATTERNS)
+    r.add_argument("--deadline", type=float, default=480.0,
+                   help="seconds for the whole run: what would not fit is skipped (recorded in the results)")
+    r.add_argument("--n", type=int, default=262144, help="tokens of the scaling runs")
+    r.add_argument("--patterns", nargs="+", default=list(LEAD), choices=PATTERNS)
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     r.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
                    help="which measurements (default: all, most important first)")
-    r.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check of the script)")
+    r.add_argument("--train-len", type=int, default=262144, help="training: tokens per sequence (strong scaling)")
+    r.add_argument("--train-steps", type=int, default=5, help="training steps per run (2 untimed)")
+    r.add_argument("--train-patterns", nargs="+", default=["causal", "documents", "longformer"])
+    r.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check of the whole script)")
     r.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    r.add_argument("--update-docs", action="store_true",
+                   help="rewrite the results section of docs/distributed.md and docs/data/context_parallel.json")
+    r.add_argument("--docs", default=DOCS, help=argparse.SUPPRESS)
+    r.add_argument("--docs-data", default=DOCS_DATA, help=argparse.SUPPRESS)
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="Markdown tables from a run's JSON")
     p.add_argument("json")
-    p.add_argument("--docs", default=None, help="write the tables into this page's results section")
-    p.add_argument("--data", default=None, help="copy the raw results here (docs/data/context_parallel.json)")
-    p.add_argument("--plot", default=None, help="write a PNG of efficiency and bytes (docs/context_parallel.png)")
+    p.add_argument("--update-docs", action="store_true", help="rewrite the results section of docs/distributed.md")
+    p.add_argument("--docs", default=DOCS, help=argparse.SUPPRESS)
+    p.add_argument("--docs-data", default=DOCS_DATA, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_report)
-    q = sub.add_parser("plans", help="bytes per rank from the plans (CPU)")
-    q.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 1048576])
-    q.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
-    q.add_argument("--patterns", nargs="+", default=PATTERNS, choices=PATTERNS)
+    s = sub.add_parser("summary", help="the short table of a run's JSON")
+    s.add_argument("json")
+    s.set_defaults(fn=cmd_summary)
+    q = sub.add_parser("plans", help="balance and bytes per rank from the plans (CPU)")
+    q.add_argument("--lengths", type=int, nargs="+", default=[262144])
+    q.add_argument("--world", type=int, nargs="+", default=[4, 8])
+    q.add_argument("--patterns", nargs="+", default=list(LEAD), choices=PATTERNS)
     q.add_argument("--json", default=None)
     q.set_defaults(fn=cmd_plans)
     args = ap.parse_args(argv)

@@ -38,7 +38,8 @@ class SyntheticStream:
             tok = self.rng.integers(0, 300, self.L + 1)
             kind = np.where(self.rng.random(self.L) < 0.1, d.ANSWER, d.TEXT).astype(np.int8)
             kind[:3] = d.IGNORE
-            seqs.append((tok[:-1], tok[1:], np.zeros(self.L, np.int32), kind))
+            doc = np.repeat(np.arange(self.L), self.rng.integers(5, 60, self.L))[:self.L].astype(np.int32)
+            seqs.append((tok[:-1], tok[1:], doc, kind))
         return d.collate(seqs, 0.5)
 
 
@@ -225,6 +226,24 @@ def _plain(x):
 
 
 RUNNERS = {"train": run_train, "hf": run_hf, "fsdp": run_fsdp}
+
+
+def bench_worker(rank, world, store_path, case, queue):
+    """``benchmarks/context_parallel.py run`` on this rank, as under torchrun (env:// rendezvous on
+    ``case["port"]``)."""
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(case["port"]), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        import context_parallel
+
+        context_parallel.main(case["argv"])
+        queue.put((rank, "bench", True, None))
+    except BaseException:  # noqa: BLE001  (reported; the test fails with the traceback)
+        queue.put((rank, "bench", False, traceback.format_exc(limit=8)))
+    queue.put((rank, "<done>", True, None))
 
 
 def worker(rank, world, store_path, cases, queue):

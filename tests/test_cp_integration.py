@@ -1,8 +1,11 @@
 """Context parallelism in the integrations, on 2 gloo processes (CPU, float64): the training
-benchmark's ``cp`` mode (``benchmarks/train/cp.py``) and the transformers hook with
-``context_parallel=``. Each equals the single-process run of the same model on the same data: the
-training run's per-step losses and first-step parameter gradients, the hooked model's logits and
-parameter gradients. Every process and collective runs under a timeout."""
+benchmark's ``cp`` mode (``benchmarks/train/cp.py``, packed documents with a plan per batch
+included) and the transformers hook with ``context_parallel=``. Each equals the single-process run
+of the same model on the same data: the training run's per-step losses and first-step parameter
+gradients, the hooked model's logits and parameter gradients. The scaling benchmark
+(``benchmarks/context_parallel.py run --device cpu --smoke``) runs end to end and writes its
+results and the documentation's results section. Every process and collective runs under a
+timeout."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 TRAIN_CASES = [
     dict(kind="train", name="train longformer greedy", pattern="longformer", strategy="greedy", L=128),
     dict(kind="train", name="train causal zigzag", pattern="causal", strategy="zigzag", L=96),
+    dict(kind="train", name="train documents (a plan per batch)", pattern="documents", strategy="contiguous", L=128),
 ]
 HF_CASES = [dict(kind="hf", name="hf llama zigzag", L=96, strategy="zigzag"),
             dict(kind="hf", name="hf llama contiguous", L=128, strategy="contiguous")]
@@ -108,3 +112,41 @@ def test_fsdp2_on_dp_with_cp_equals_single_process(tmp_path):
         assert ref["grads"][n].abs().max() > 0
         assert _rel(got["grads"][n], ref["grads"][n]) < 1e-9, n
         assert _rel(got["params"][n], ref["params"][n]) < 1e-9, n
+
+
+def test_benchmark_runs_end_to_end_on_two_cpu_ranks(tmp_path):
+    """``context_parallel.py run --device cpu --smoke`` under a torchrun-like rendezvous: scaling rows
+    with errors against one process and float64, a training row whose losses equal one process's,
+    the JSON and Markdown, and the results section of a copy of docs/distributed.md regenerated."""
+    import json
+    import pathlib
+    import socket
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    docs = tmp_path / "distributed.md"
+    docs.write_text((root / "docs" / "distributed.md").read_text())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["run", "--device", "cpu", "--smoke", "--patterns", "causal", "documents", "--sections", "scaling",
+            "train", "--train-patterns", "documents", "--out", str(tmp_path / "out"), "--deadline", "100",
+            "--timeout", "60", "--update-docs", "--docs", str(docs), "--docs-data", str(tmp_path / "data.json")]
+    for rank, name, ok, res in run_ranks(cases_mod.bench_worker, 2, dict(port=port, argv=argv),
+                                         str(tmp_path / "store"), PROCESS_TIMEOUT):
+        assert ok, f"rank {rank}:\n{res}"
+    res = json.loads((tmp_path / "out" / "context_parallel.json").read_text())
+    assert not res["errors"] and not res["skipped"], (res["errors"], res["skipped"])
+    rows = {r["pattern"]: r for r in res["sections"]["scaling"]}
+    assert set(rows) == {"causal", "documents"}
+    for r in rows.values():
+        assert r["TP_fb_ms"] > 0 and r["eff_fb"] > 0
+        assert max(r[f"{k}_vs_single"] for k in ("out", "dq", "dk", "dv")) < 1e-5  # float32 on CPU
+        assert r["within_2x"] and r["out_err_single"] < 1e-5
+    (train,) = res["sections"]["train"]
+    assert train["pattern"] == "documents" and train["max_rel_loss_diff"] < 1e-5
+    assert (tmp_path / "out" / "context_parallel.md").read_text().startswith("Device: 2x cpu")
+    text = docs.read_text()
+    head, _, tail = text.partition("<!-- results -->")
+    assert "**Strong scaling**" in tail and "**Training**" in tail and "## Testing" in tail
+    assert head == (root / "docs" / "distributed.md").read_text().partition("<!-- results -->")[0]
+    assert json.loads((tmp_path / "data.json").read_text())["world_size"] == 2

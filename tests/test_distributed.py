@@ -170,6 +170,11 @@ def test_kernels_float32_outputs_for_merges():
         assert a.dtype == torch.float32 and b.dtype == torch.bfloat16
         assert torch.allclose(a, b.float(), rtol=2 ** -7, atol=1e-5)
         assert not torch.equal(a, a.bfloat16().float())
+    # per tensor: dQ in the inputs' dtype, dK/dV in float32 (the sums over ranks)
+    mixed = dispatch.backward(q, k, v, o16, lse, do, layout, s, 0.25, 0.0, 0, "triton",
+                              grad_dtype=(None, torch.float32, torch.float32))
+    assert [t.dtype for t in mixed] == [torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(mixed[0], ref[0]) and torch.equal(mixed[1], grads[1]) and torch.equal(mixed[2], grads[2])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,6 +231,122 @@ def test_plan_ulysses_for_strided():
 
 
 # ------------------------------------------------------------------------------------------------
+# a rank's launches and messages (single process)
+# ------------------------------------------------------------------------------------------------
+def _exchanges(mask, n, world, **kw):
+    from blocksparse_fa.distributed.exchange import Exchange
+
+    plan = plan_context_parallel(mask, n, world, block_size=16, heads=(4, 2), head_dim=8, **kw)
+    return plan, [Exchange(plan, r, "cpu") for r in range(world)]
+
+
+def _interval_dense(shard):
+    from blocksparse_fa.compiler.intervals import row_interval
+
+    lo, hi = row_interval(shard)
+    j = torch.arange(shard.kv_len)
+    return (j >= torch.from_numpy(lo).long()[..., None]) & (j < torch.from_numpy(hi).long()[..., None])
+
+
+@pytest.mark.parametrize("name,mask,strategy", [
+    ("causal", "causal", "zigzag"), ("window", "causal & sliding_window(40)", "contiguous"),
+    ("documents", bsfa.causal() & bsfa.document(_ids(300, [37, 90, 3, 61, 109])), "greedy"),
+    ("documents per batch", bsfa.causal() & bsfa.document(torch.stack([_ids(300, [100, 200]), _ids(300, [30, 270])])),
+     "zigzag")])
+def test_interval_tables_of_shards_are_their_masks(name, mask, strategy):
+    """Every part of a one-interval-per-row mask gets its rows' key intervals in its own key
+    coordinates (the interval kernels' tables): exactly the shard's kept elements."""
+    from blocksparse_fa.ops.select import layout_class
+
+    plan, exs = _exchanges(mask, 300, 3, strategy=strategy)
+    for ex in exs:
+        for shard in (ex.main, ex.local, ex.remote):
+            if shard is None:
+                continue
+            assert layout_class(shard).kind == "interval"
+            dense = shard.to_dense().reshape(-1, shard.q_len, shard.kv_len)
+            got = _interval_dense(shard)
+            assert torch.equal(got.expand_as(dense), dense), (name, ex.rank)
+
+
+@pytest.mark.parametrize("mask,strategy,world", [("causal", "zigzag", 4), ("causal", "greedy", 3),
+                                                 ("causal", "contiguous", 2), ("full", "zigzag", 3)])
+def test_rectangles_tile_the_shard(mask, strategy, world):
+    """The dense and causal rectangles of ``causal()`` and the dense mask cover every kept element of
+    the rank's rows exactly once, over the one buffer and over own plus fetched keys."""
+    m = bsfa.causal() if mask == "causal" else bsfa.full()
+    plan, exs = _exchanges(m, 200, world, strategy=strategy)
+    for ex in exs:
+        assert ex.rectangles
+        dense = ex.main.to_dense().int()  # (L, Lbuf)
+        own_tok = plan.indices(ex.rank).numpy()
+        buf = np.union1d(own_tok, np.concatenate([np.arange(c * 16, min(c * 16 + 16, 200))
+                                                  for c in plan._ranks[ex.rank].remote_cols] or [np.zeros(0, int)]))
+        rem = np.setdiff1d(buf, own_tok)
+        to_buf = {"buf": np.arange(len(buf)), "own": np.searchsorted(buf, own_tok), "rem": np.searchsorted(buf, rem)}
+        for key in ("main", "overlap"):
+            cover = torch.zeros_like(dense)
+            for part in ex.bwd_parts[key]:
+                r0, r1 = part.rows or (0, ex.length)
+                a, b = part.span or (0, {"buf": len(buf), "own": len(own_tok), "rem": len(rem)}[part.keys])
+                cols = torch.from_numpy(to_buf[part.keys][a:b])
+                cover[r0:r1, cols] += part.layout.to_dense().int()
+            assert torch.equal(cover, dense), (mask, strategy, ex.rank, key)
+        if mask == "causal":
+            assert {p.layout.mask.__class__.__name__ for p in ex.bwd_parts["main"]} <= {"Causal", "Full"}
+
+
+def test_messages_pair_up_and_pack_many_runs():
+    """Both sides of every pair list the same messages (sizes and tags, in order); pairs with more
+    than MAX_RUNS runs travel packed; the gradients' return mirrors the fetch."""
+    from blocksparse_fa.distributed.exchange import MAX_RUNS
+
+    mask = bsfa.causal() & (bsfa.window(12) | bsfa.random_blocks(3, block_size=16, seed=1))
+    plan, exs = _exchanges(mask, 600, 4, strategy="greedy")
+    packed = 0
+    for ex in exs:
+        f = ex.fetch
+        packed += len(f.send_packed)
+        for p, other in enumerate(exs):
+            if p == ex.rank:
+                continue
+            sent = [(b - a, tag) for q, a, b, tag in f.send_all_own if q == p]
+            got = [(b - a, tag) for q, a, b, tag in other.fetch.recv_buf + other.fetch.recv_packed if q == ex.rank]
+            assert sent == got, (ex.rank, p)
+            assert len(sent) <= MAX_RUNS
+        assert ex.ret_send_n == [len(np.concatenate(
+            [np.arange(c * 16, c * 16 + 16) for c in plan._ranks[ex.rank].kv_from[p]] or [np.zeros(0)]))
+            for p in range(4)]
+        assert [e.ret_recv_n[ex.rank] for e in exs] == ex.ret_send_n
+    assert packed > 0
+
+
+def test_plan_targets_balance_and_overlap():
+    """The planner at 256K tokens on 4 and 8 ranks: zigzag balances causal exactly; sliding window,
+    Longformer and documents stay contiguous and move little; the fetch is overlapped where it is
+    large (causal, BigBird) and not where it is a halo."""
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import context_parallel as cpb
+
+    n = 262144
+    masks = cpb.lead_masks(n)
+    for world in (4, 8):
+        plans = {k: plan_context_parallel(masks[k], n, world, heads=(8, 2), head_dim=128) for k in cpb.LEAD}
+        assert plans["causal"].candidates["zigzag"]["imbalance"] < 1.0001
+        for k in ("sliding_window", "longformer", "documents"):
+            assert plans[k].strategy == "contiguous", (k, world)
+            assert plans[k].candidates["contiguous"]["imbalance"] < 1.02
+            assert not plans[k].overlap_auto
+        if world == 4:
+            assert plans["causal"].strategy == "zigzag" and plans["causal"].overlap_auto
+            assert plans["bigbird"].overlap_auto
+
+
+# ------------------------------------------------------------------------------------------------
 # several processes (gloo)
 # ------------------------------------------------------------------------------------------------
 def _run(world, cases, tmp_path):
@@ -240,9 +361,14 @@ LONGFORMER = "window(12) | global_tokens(10)"
 BIGBIRD = bsfa.load_pattern("bigbird", window=12, n_global=16, n_random=2, block=16)
 STRIDED = "causal & (sliding_window(16) | strided(16))"
 
+RANDOM = bsfa.causal() & (bsfa.window(12) | bsfa.random_blocks(3, block_size=16, seed=1))
+
 CASES_2 = [
     dict(name="causal", mask="causal", N=200, exact_forward=True, float64_reference=True),
     dict(name="causal overlap", mask="causal", N=200, overlap=True),
+    dict(name="causal greedy (many rectangles), overlap", mask="causal", N=232, strategy="greedy", overlap=True),
+    dict(name="dense mask (rectangles)", mask=bsfa.full(), N=200, float64_reference=True),
+    dict(name="dense mask overlap", mask=bsfa.full(), N=200, overlap=True, H=4, Hkv=1),
     dict(name="sliding window", mask="causal & sliding_window(20)", N=200, exact_forward=True),
     dict(name="longformer split rows", mask=LONGFORMER, N=200, split=1.5, H=4, Hkv=2, float64_reference=True),
     dict(name="longformer split overlap", mask=LONGFORMER, N=200, split=1.5, overlap=True, lse_grad=True),
@@ -262,12 +388,6 @@ CASES_2 = [
     dict(name="Dv > D (v zero-padded q/k)", mask=LONGFORMER, N=200, split=1.5, H=4, Hkv=2, Dv=12,
          float64_reference=True),
     dict(name="Dv < D, overlap", mask="causal & window(30)", N=200, overlap=True, D=12, Dv=5),
-    dict(name="triton kernels (interpreter)", mask=LONGFORMER, N=72, split=1.2, dtype=torch.float32, tol=1e-5,
-         backend="triton", H=2, Hkv=1),
-    dict(name="triton kernels, finer lists", mask=LONGFORMER, N=96, block=32, split=1.2, dtype=torch.float32,
-         tol=1e-5, backend="triton", H=2, Hkv=1, fine_lists=True),
-    dict(name="torch.compile", compiled=True, mask=LONGFORMER, N=200, split=1.2),
-    dict(name="nn module with rotary", module=True, mask="causal & window(40)", N=96, strategy="zigzag"),
     dict(name="mismatched shard", error=True, mask="causal", N=200, cut={1: 1},
          expect=["rank 1 passed", "tokens"]),
     dict(name="k/v shorter than q on one rank", error=True, mask="causal", N=200, k_cut={1: 2},
@@ -280,9 +400,24 @@ CASES_2 = [
          expect=["multiple of 16"]),
 ]
 
+CASES_2_KERNELS = [  # the Triton kernels in the interpreter (the slow part of the suite)
+    dict(name="triton kernels (interpreter)", mask=LONGFORMER, N=72, split=1.2, dtype=torch.float32, tol=1e-5,
+         backend="triton", H=2, Hkv=1),
+    dict(name="triton kernels, finer lists", mask=LONGFORMER, N=96, block=32, split=1.2, dtype=torch.float32,
+         tol=1e-5, backend="triton", H=2, Hkv=1, fine_lists=True),
+]
+
+CASES_2_COMPILE = [
+    dict(name="torch.compile", compiled=True, mask=LONGFORMER, N=200, split=1.2),
+    dict(name="nn module with rotary", module=True, mask="causal & window(40)", N=96, strategy="zigzag"),
+]
+
 CASES_4 = [
     dict(name="documents", mask=_doc_mask(200, [37, 50, 3, 61, 49]), N=200, strategy="contiguous"),
     dict(name="bigbird dropout split overlap", mask=BIGBIRD, N=200, split=1.2, p=0.2, overlap=True, H=4, Hkv=2),
+    dict(name="packed messages (many runs per pair)", mask=RANDOM, N=600, strategy="greedy"),
+    dict(name="packed messages, overlap", mask=RANDOM, N=600, strategy="greedy", overlap=True, lse_grad=True),
+    dict(name="causal zigzag overlap, 4 pieces", mask="causal", N=256, strategy="zigzag", overlap=True),
     dict(name="strided ulysses, 2 kv heads on 4 ranks", mask=STRIDED, N=256, strategy="ulysses", H=4, Hkv=2),
     dict(name="mismatched shard", error=True, mask="causal", N=200, cut={2: 3}, expect=["rank 2 passed"]),
 ]
@@ -304,6 +439,15 @@ def _check_results(results, cases, world):
 
 def test_two_ranks(tmp_path):
     _check_results(_run(2, CASES_2, tmp_path), CASES_2, 2)
+
+
+@pytest.mark.interpreter
+def test_two_ranks_triton_kernels(tmp_path):
+    _check_results(_run(2, CASES_2_KERNELS, tmp_path), CASES_2_KERNELS, 2)
+
+
+def test_two_ranks_compile_and_modules(tmp_path):
+    _check_results(_run(2, CASES_2_COMPILE, tmp_path), CASES_2_COMPILE, 2)
 
 
 def test_four_ranks(tmp_path):

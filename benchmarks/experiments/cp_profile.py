@@ -1,38 +1,245 @@
-"""Where a context-parallel fwd+bwd spends its time: torch.profiler on every rank, one table per rank.
+"""Where a context-parallel fwd+bwd spends its time, and what it moves besides attention.
 
-    torchrun --nproc-per-node 2 benchmarks/experiments/cp_profile.py [--pattern longformer] [--n 262144]
+Two modes:
 
-Prints, per rank, the step time and the operators sorted by GPU time (kernels, NCCL, copies), so
-that the part of ``T2 - T1 / P`` that is glue (L-sized copies and conversions) can be told apart
-from communication and waiting.
+``gpu`` (torchrun, NCCL): torch.profiler on every rank, one table per rank (kernels, NCCL, copies),
+so that the part of ``TP - T1 / P`` that is glue can be told apart from communication and waiting::
+
+    torchrun --nproc-per-node 4 benchmarks/experiments/cp_profile.py gpu --pattern longformer --n 262144
+
+``glue`` (CPU, gloo, no GPU): every rank's operators other than the attention kernels (which are
+replaced by stubs returning empty outputs of the right shapes), counted per call with a
+``TorchDispatchMode``: copies, gathers, concatenations, conversions, adds and the bytes each writes,
+plus the messages (collectives, point-to-point) and their bytes. Shapes are the real ones (bf16, 8
+query / 2 key-value heads, head dim 128); the counts do not depend on the kernels' speed::
+
+    PYTHONPATH=. python benchmarks/experiments/cp_profile.py glue --world 4 --n 65536 --json /tmp/glue.json
+
+Run it with ``PYTHONPATH`` pointing at another checkout to count that version's glue (the script
+uses the public API and ``ops.dispatch`` only).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from context_parallel import HEAD_DIM, HEADS, KV_HEADS, _qkv, make_mask  # noqa: E402
+from context_parallel import HEAD_DIM, HEADS, KV_HEADS, _qkv, lead_masks, make_mask  # noqa: E402
 
 from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel  # noqa: E402
 
+# operators that move no data (views, metadata) or only allocate
+_FREE = {"view", "_unsafe_view", "permute", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "expand",
+         "as_strided", "alias", "detach", "empty", "empty_like", "new_empty", "empty_strided", "movedim", "reshape",
+         "split", "split_with_sizes", "unbind", "narrow", "lift_fresh", "_to_copy_noop", "is_nonzero", "item",
+         "_local_scalar_dense", "resolve_conj", "resolve_neg", "set_", "result_type", "size", "stride",
+         "sym_size", "sym_stride", "sym_numel", "dim", "equal"}
+# in-place operators whose written bytes are their source operand's (argument index), not the whole target
+_SRC_ARG = {"copy_": 1, "index_add_": 3, "index_copy_": 3, "index_put_": 2}
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pattern", default="longformer")
-    ap.add_argument("--n", type=int, default=262144)
-    ap.add_argument("--rows", type=int, default=22)
-    args = ap.parse_args()
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+class GlueCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts operators and the bytes they write (outputs, or the source of an in-place copy/add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = defaultdict(lambda: [0, 0])
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        name = func.__name__.split(".")[0]
+        if name in _FREE:
+            return out
+        if name in _SRC_ARG and len(args) > _SRC_ARG[name]:
+            b = _nbytes(args[_SRC_ARG[name]])
+        else:
+            b = _nbytes(out)
+        rec = self.ops[name]
+        rec[0] += 1
+        rec[1] += b
+        return out
+
+
+class Messages:
+    """Wraps the collectives and point-to-point calls: count and bytes sent per call."""
+
+    NAMES = ("all_to_all_single", "all_gather", "all_reduce", "batch_isend_irecv", "all_gather_into_tensor",
+             "broadcast")
+
+    def __init__(self):
+        self.calls = defaultdict(lambda: [0, 0])
+        self.saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self.saved[name] = fn
+
+            def wrap(*a, _fn=fn, _name=name, **kw):
+                if _name == "batch_isend_irecv":
+                    sent = sum(_nbytes(op.tensor) for op in a[0] if op.op in (dist.isend,))
+                elif _name == "all_to_all_single":
+                    sent = _nbytes(a[1])
+                else:
+                    sent = _nbytes(a[1] if _name in ("all_gather",) else a[0])
+                rec = self.calls[_name]
+                rec[0] += 1
+                rec[1] += sent
+                return _fn(*a, **kw)
+            setattr(dist, name, wrap)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _stub_kernels(counter: GlueCounter):
+    """Replace the attention launches by empty outputs of the right shapes and dtypes (not counted)."""
+    from blocksparse_fa.ops import dispatch
+
+    def fwd(q, k, v, layout, s, *a, out_dtype=None, **kw):
+        counter.paused = True
+        try:
+            out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=out_dtype or q.dtype)
+            lse = torch.zeros(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+            return out, lse
+        finally:
+            counter.paused = False
+
+    def bwd(q, k, v, out, lse, dout, layout, s, *a, grad_dtype=None, **kw):
+        counter.paused = True
+        try:
+            gd = tuple(grad_dtype) if isinstance(grad_dtype, (tuple, list)) else (grad_dtype,) * 3
+            return tuple(torch.zeros(t.shape, dtype=d or t.dtype) for t, d in zip((q, k, v), gd))
+        finally:
+            counter.paused = False
+
+    dispatch.forward, dispatch.backward = fwd, bwd
+    try:  # the fused merge of the GPU path counts as one pass (read both parts, write one)
+        from blocksparse_fa.distributed import attention as att
+
+        if hasattr(att, "_merge"):
+            def merge(o1, l1, o2, l2, backend):
+                rec = counter.ops["fused_merge(gpu)"]
+                rec[0] += 1
+                rec[1] += _nbytes(o1) + _nbytes(l1)
+                return o1, l1
+            att._merge = merge
+    except ImportError:
+        pass
+
+
+def _glue_worker(rank, world, args, store_path, q):
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    counter = GlueCounter()
+    _stub_kernels(counter)
+    rows = []
+    masks = lead_masks(args.n)
+    for name in args.patterns:
+        plan = plan_context_parallel(masks[name], args.n, world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
+                                     strategy=args.strategy.get(name, "auto"))
+        idx = plan.indices(rank)
+        L = len(idx)
+        g = torch.Generator().manual_seed(rank)
+        mk = lambda h: torch.randn(1, h, L, HEAD_DIM, generator=g).to(torch.bfloat16)  # noqa: E731
+        ql, kl, vl, dl = mk(HEADS), mk(KV_HEADS), mk(KV_HEADS), mk(HEADS)
+        for phase in ("fwd", "fwd+bwd"):
+            qg, kg, vg = (t.clone().requires_grad_(phase != "fwd") for t in (ql, kl, vl))
+
+            def call():
+                if phase == "fwd":
+                    with torch.no_grad():
+                        context_parallel_attention(qg, kg, vg, plan=plan, check=False)
+                else:
+                    context_parallel_attention(qg, kg, vg, plan=plan, check=False).backward(dl)
+            call()  # the first call builds the plan's tables
+            for t in (qg, kg, vg):
+                t.grad = None
+            counter.ops.clear()
+            msgs = Messages()
+            dist.barrier()
+            t0 = time.perf_counter()
+            with msgs, counter:
+                call()
+            host = time.perf_counter() - t0
+            ops = {k: tuple(v) for k, v in sorted(counter.ops.items())}
+            rows.append(dict(rank=rank, pattern=name, phase=phase, strategy=plan.strategy, tokens=L,
+                             n_ops=sum(v[0] for v in ops.values()), bytes=sum(v[1] for v in ops.values()),
+                             ops=ops, messages={k: tuple(v) for k, v in msgs.calls.items()},
+                             n_messages_calls=sum(v[0] for v in msgs.calls.values()),
+                             message_bytes=sum(v[1] for v in msgs.calls.values()), host_s=host))
+    q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def cmd_glue(args):
+    import multiprocessing
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    procs = [ctx.Process(target=_glue_worker, args=(r, args.world, args, store, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    rows = []
+    for _ in procs:
+        rows += q.get(timeout=args.timeout)
+    for p in procs:
+        p.join(timeout=30)
+    print(f"| pattern | phase | strategy | ops (max rank) | MB written by glue (max rank) | message calls | MB sent "
+          f"(max rank) |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.patterns:
+        for phase in ("fwd", "fwd+bwd"):
+            rs = [r for r in rows if r["pattern"] == name and r["phase"] == phase]
+            top = max(rs, key=lambda r: r["bytes"])
+            print(f"| {name} | {phase} | {top['strategy']} | {max(r['n_ops'] for r in rs)} | "
+                  f"{max(r['bytes'] for r in rs) / 1e6:.1f} | {max(r['n_messages_calls'] for r in rs)} | "
+                  f"{max(r['message_bytes'] for r in rs) / 1e6:.1f} |")
+    if args.verbose:
+        for r in sorted(rows, key=lambda r: (r["pattern"], r["phase"], r["rank"])):
+            print(r["pattern"], r["phase"], "rank", r["rank"], {k: (v[0], round(v[1] / 1e6, 2)) for k, v in
+                                                               r["ops"].items()}, r["messages"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(world=args.world, n=args.n, rows=rows), f, indent=1)
+
+
+def cmd_gpu(args):
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    mask = make_mask(args.pattern, args.n, False)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    mask = lead_masks(args.n)[args.pattern] if args.pattern in lead_masks(0, names_only=True) \
+        else make_mask(args.pattern, args.n, False)
     plan = plan_context_parallel(mask, args.n, world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM, block_size=128)
     q, k, v, do = _qkv(args.n, dev, torch.bfloat16)
     idx = plan.indices(rank, dev)
@@ -62,9 +269,36 @@ def main():
     for r in range(world):
         dist.barrier()
         if r == rank:
-            print(f"=== rank {rank}: {args.pattern} N={args.n} strategy={plan.strategy} fwd+bwd {ms:.2f} ms "
-                  f"(profile over 3 steps)\n{table}", flush=True)
+            print(f"=== rank {rank}: {args.pattern} N={args.n} strategy={plan.strategy} "
+                  f"overlap={plan.overlap_auto} fwd+bwd {ms:.2f} ms (profile over 3 steps)\n{table}", flush=True)
     dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gpu", help="torch.profiler tables per rank (torchrun, NCCL)")
+    g.add_argument("--pattern", default="longformer")
+    g.add_argument("--n", type=int, default=262144)
+    g.add_argument("--rows", type=int, default=22)
+    g.set_defaults(fn=cmd_gpu)
+    c = sub.add_parser("glue", help="operators and bytes besides the kernels, per rank (CPU, gloo)")
+    c.add_argument("--world", type=int, default=4)
+    c.add_argument("--n", type=int, default=65536)
+    c.add_argument("--patterns", nargs="+", default=["causal", "sliding_window", "longformer", "bigbird",
+                                                     "documents"])
+    c.add_argument("--strategy", nargs="*", default=["causal=zigzag", "sliding_window=contiguous",
+                                                     "longformer=contiguous", "bigbird=zigzag", "documents=contiguous"],
+                   help="pattern=strategy pairs (default: the planner's choices at 256K on 4 ranks, so that two "
+                        "versions of the code are counted on the same plans); others 'auto'")
+    c.add_argument("--json", default=None)
+    c.add_argument("--verbose", action="store_true")
+    c.add_argument("--timeout", type=float, default=900)
+    c.set_defaults(fn=cmd_glue)
+    args = ap.parse_args()
+    if args.cmd == "glue":
+        args.strategy = dict(x.split("=", 1) for x in args.strategy)
+    args.fn(args)
 
 
 if __name__ == "__main__":

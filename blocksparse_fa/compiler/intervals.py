@@ -168,8 +168,9 @@ def mask_row_interval(mask: Mask, q_len: int, kv_len: int, q_offset: int | None 
 
 def row_interval(layout):
     """:func:`mask_row_interval` of a compiled :class:`~blocksparse_fa.compiler.layout.BlockLayout`
-    (its mask, lengths and query offset), cached on the layout; None for shards of a larger layout
-    (their rows sit at listed positions) and where the mask is not one interval per row."""
+    (its mask, lengths and query offset), cached on the layout; None where the mask is not one
+    interval per row, and for shards of a larger layout (their rows sit at listed positions) unless
+    their intervals in local key coordinates were put in the cache (``distributed/exchange.py``)."""
     key = "row_interval"
     if key not in layout.cache:
         res = None

@@ -15,7 +15,7 @@ from ..ops.dispatch import pad_head_dims, slice_head_dim
 from ..ops.options import as_options
 from ..ops.validate import MAX_HEAD_DIM, check_qkv, check_scalars
 from .attention import cp_backward, cp_forward
-from .comm import check_call, resolve_group
+from .comm import check_call, init_group, resolve_group
 from .exchange import exchange_for
 from .plan import ContextParallelPlan, plan_context_parallel
 from .ulysses import UlyssesExchange, ulysses_check, ulysses_forward
@@ -68,7 +68,7 @@ def _default_plan(mask, block_size, group, world: int, length: int, device) -> C
 
 def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan | None = None, group=None,
                                scale=None, dropout_p: float = 0.0, dropout_seed=None, return_lse: bool = False,
-                               backend: str = "auto", block_size=None, overlap: bool = False, check: bool = True,
+                               backend: str = "auto", block_size=None, overlap="auto", check: bool = True,
                                kernel_options=None):
     """Block-sparse self-attention over a sequence sharded across the ranks of ``group``.
 
@@ -89,7 +89,9 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
             :func:`blocksparse_fa.attention`. Dropout drops exactly the elements the
             single-process run drops (the seed is rank 0's when drawn).
         overlap: compute the blocks whose keys are local while the remote ones arrive (two kernel
-            launches merged in float32) instead of one launch after the fetch.
+            launches merged in float32; in the backward the remote keys' gradients travel during
+            the local launch) instead of one launch after the fetch. ``"auto"`` (default): where
+            the plan's estimate says it pays (:attr:`ContextParallelPlan.overlap_auto`).
         check: exchange a description of the call first, so that inconsistent calls (different
             plans, shard lengths, shapes) raise the same error on every rank instead of hanging.
         kernel_options: as in :func:`blocksparse_fa.attention`, for every local launch.
@@ -108,6 +110,8 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
                                          block_size=block_size, overlap=overlap, check=check,
                                          kernel_options=kernel_options)
         return (slice_head_dim(res[0], dv), res[1]) if return_lse else slice_head_dim(res, dv)
+    if overlap != "auto" and not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
     if torch.compiler.is_compiling():
         return _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap,
                          check, kernel_options)
@@ -146,10 +150,12 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
     if check:
         seed = check_call(pg, plan, rank, world, q, k, v, scale, dropout_p, seed, local_error,
                           q.device if isinstance(q, torch.Tensor) else "cpu")
-    elif plan.world_size != world or plan.local_len(rank) != q.shape[2]:
-        raise ValueError(f"rank {rank}: the plan is for {plan.world_size} ranks and gives this rank "
-                         f"{plan.local_len(rank) if plan.world_size == world else '?'} tokens; got a group of {world} "
-                         f"and {q.shape[2]} tokens")
+    else:
+        if plan.world_size != world or plan.local_len(rank) != q.shape[2]:
+            raise ValueError(f"rank {rank}: the plan is for {plan.world_size} ranks and gives this rank "
+                             f"{plan.local_len(rank) if plan.world_size == world else '?'} tokens; got a group of "
+                             f"{world} and {q.shape[2]} tokens")
+        init_group(pg, q.device)
     if plan.strategy == "ulysses":
         key = ("ulysses", rank, str(q.device))
         ex = plan._exchanges.get(key)
@@ -159,9 +165,9 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
     else:
         ex = exchange_for(plan, rank, q.device)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _CPAttention.apply(q, k, v, ex, scale, dropout_p, seed, be, pg, bool(overlap), opts)
+            out, lse = _CPAttention.apply(q, k, v, ex, scale, dropout_p, seed, be, pg, overlap, opts)
         else:
-            out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, seed, be, pg, bool(overlap), opts)
+            out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, seed, be, pg, overlap, opts)
     return (out, lse) if return_lse else out
 
 
@@ -178,6 +184,7 @@ def _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return
                          "with a sparse strategy or call it outside torch.compile")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
+    overlap = plan.overlap_auto if overlap == "auto" else bool(overlap)
     out, lse = cp_attention_op(q, k, v, plan, group, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed),
-                               backend, bool(overlap), bool(check), opts)
+                               backend, overlap, bool(check), opts)
     return (out, lse) if return_lse else out

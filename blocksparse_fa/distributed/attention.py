@@ -2,35 +2,41 @@
 
 Each rank holds the q, k, v of its tokens (:meth:`ContextParallelPlan.indices`). Forward:
 
-1. the key/value blocks its queries visit that other ranks own arrive in one all-to-all (only
-   those: the traffic follows the layout's density, not the sequence length);
-2. the split rows' queries (global tokens, :mod:`.balance`) go to the ranks that compute a part;
-3. one kernel launch over the rank's shard layout (own rows against own + fetched blocks; the
-   kernels see global positions through the layout's position tables, so masks and dropout are
-   those of the unsharded run), or two launches with ``overlap=True``: own blocks while the fetch is
-   in flight, then the fetched ones, merged exactly in float32;
-4. split rows: each rank's part (float32 output and logsumexp) returns to the row's owner, which
-   merges them exactly in float32.
+1. the key/value blocks its queries visit that other ranks own arrive as point-to-point messages,
+   straight into a token-major key buffer (:mod:`.exchange`: runs of consecutive tokens; only
+   those blocks move, so the traffic follows the layout's density, not the sequence length);
+2. split rows (global tokens, :mod:`.balance`): their queries go to the ranks that hold their keys,
+   and one launch per rank computes every split row's part over its own keys in float32;
+3. the rank's own rows: one launch over its own and fetched keys, or (``overlap``) one over its
+   own keys while the fetch is in flight, then one over the fetched keys, merged exactly in
+   float32 through the logsumexps. The kernels see global positions (the shard layouts' position
+   tables) or, for one-interval-per-row masks, each row's keys as one range of the buffer;
+4. split rows: the parts return to their owner, which merges them in float32.
 
-Backward (recompute, FlashAttention-2 style): the split rows' ``dO``, output and logsumexp go to
-the ranks that computed a part; each rank runs the backward of its launches with the *merged*
-output and logsumexp (for disjoint key sets each part then yields its share of dQ and all of
-dK/dV for its keys); dK/dV of fetched blocks (float32) return to their owners and are added there
-(``index_add_``, one peer at a time: deterministic); split rows' dQ parts return to the owner.
+Backward (recompute, FlashAttention-2 style): the split rows' ``dO``, output and logsumexp go to the
+ranks that computed a part; every launch runs its backward with the *merged* output and logsumexp
+(for disjoint key sets each part then yields its share of dQ and all of dK/dV for its keys), the
+fetched keys' parts first so that their float32 dK/dV travel back to the owners while the own
+keys' parts run (``overlap``); owners add them one peer at a time (deterministic); split rows' dQ
+parts return to their owner. Only the gradients that are sums over ranks or launches are kept in
+float32; everything else is written once, in the inputs' dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops import dispatch
+from ..ops import dispatch, select
 from ..ops.merge import merge_attention
 from ..ops.options import DEFAULT_OPTIONS
 from ..ops.validate import Shapes
-from .comm import Pending, all_to_all
-from .exchange import Exchange
+from .comm import exchange
+from .exchange import Exchange, Part
 
 __all__ = ["cp_forward", "cp_backward", "fetch", "Saved"]
+
+# message tags of the steps that can be in flight together (gloo matches messages by tag)
+_TAG_GQ, _TAG_KV, _TAG_GBACK, _TAG_GPACK, _TAG_GDQ, _TAG_DKV = 100, 0, 101, 102, 103, 104
 
 
 def _acc(dtype) -> torch.dtype:
@@ -39,13 +45,6 @@ def _acc(dtype) -> torch.dtype:
 
 def _shapes(q, k, lq, lk) -> Shapes:
     return Shapes(q.shape[0], q.shape[1], k.shape[1], lq, lk, q.shape[3])
-
-
-def _tok_first(x: torch.Tensor, idx: torch.Tensor | None, dim: int) -> torch.Tensor:
-    """``x`` with dim ``dim`` (tokens) selected by ``idx`` and moved first (a message)."""
-    if idx is not None:
-        x = x.index_select(dim, idx)
-    return x.movedim(dim, 0).contiguous()
 
 
 def _fwd(q, k, v, layout, scale, p, seed, backend, out_dtype, opts):
@@ -60,8 +59,33 @@ def _bwd(q, k, v, out, lse, do, layout, scale, p, seed, backend, dlse, grad_dtyp
                              grad_dtype=grad_dtype, opts=opts)
 
 
+def _kv_views(buf: torch.Tensor):
+    """K and V ``(B, Hkv, T, D)`` of a token-major ``(T, 2, B, Hkv, D)`` buffer (strided views)."""
+    return buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)
+
+
+def _tokens_first(*xs: torch.Tensor, idx=None) -> torch.Tensor:
+    """``(T, len(xs), B, H, D)``: the tokens ``idx`` (dim 2) of each ``(B, H, L, D)`` tensor, token-major."""
+    sel = [x if idx is None else x.index_select(2, idx) for x in xs]
+    return torch.stack([x.permute(2, 0, 1, 3) for x in sel], 1)
+
+
+def _slices(t: torch.Tensor, msgs, counts=None):
+    """``[(peer, slice, tag)]``: messages as slices of ``t`` (``msgs``: ``(peer, start, end, tag)``, or
+    with ``counts``: consecutive per-peer blocks, tag ``msgs``)."""
+    if counts is None:
+        return [(p, t[a:b], tag) for p, a, b, tag in msgs]
+    out, off = [], 0
+    for p, c in enumerate(counts):
+        if c:
+            out.append((p, t[off:off + c], msgs))
+        off += c
+    return out
+
+
 class Saved:
-    """What the backward needs besides q, k, v, out, lse."""
+    """What the backward needs besides q, k, v, out, lse: the token-major key buffer (``buf`` or
+    ``rem``) and the split rows' queries (own and received, token-major)."""
 
     __slots__ = ("kvbuf", "kvrem", "gq")
 
@@ -69,197 +93,390 @@ class Saved:
         self.kvbuf, self.kvrem, self.gq = kvbuf, kvrem, gq
 
 
-def _send_kv(ex: Exchange, k, v, group, async_op) -> Pending | None:
-    if not ex.has_kv:
-        return None
-    kv = torch.stack([k, v])  # (2, B, Hkv, L, D)
-    return all_to_all(_tok_first(kv, ex.kv_send_idx, 3), ex.kv_send_splits, ex.kv_recv_splits, group, async_op)
+class _Fetch:
+    """The K/V messages of one call in flight; ``wait()`` fills the destination buffer."""
+
+    def __init__(self, ex: Exchange, k, v, group, ranks, overlap: bool):
+        f = ex.fetch
+        B, Hkv, _, D = k.shape
+        self.buf = self.rem = self.stage = None
+        sends = []
+        if overlap or not ex.fetches:  # sends gathered from k, v; received into the fetched-only buffer
+            if f.n_send_all:
+                sends = _slices(_tokens_first(k, v, idx=f.send_idx_own), f.send_all_own)
+            dst = self.rem = k.new_empty((ex.rem_len, 2, B, Hkv, D)) if ex.fetches else None
+            direct, self.pos = f.recv_rem, f.recv_pos_rem
+        else:  # one buffer of own and fetched keys: sends read it, receives land in it
+            dst = self.buf = k.new_empty((ex.buf_len, 2, B, Hkv, D))
+            for b0, l0, n in ex.own_runs:
+                dst[b0:b0 + n, 0].copy_(k[:, :, l0:l0 + n].permute(2, 0, 1, 3))
+                dst[b0:b0 + n, 1].copy_(v[:, :, l0:l0 + n].permute(2, 0, 1, 3))
+            sends = _slices(dst, f.send_direct)
+            if f.n_send_packed:
+                sends += _slices(dst.index_select(0, f.send_idx_buf), f.send_packed)
+            direct, self.pos = f.recv_buf, f.recv_pos_buf
+        recvs = _slices(dst, direct) if dst is not None else []
+        if f.n_recv_packed:
+            self.stage = k.new_empty((f.n_recv_packed, 2, B, Hkv, D))
+            recvs += _slices(self.stage, f.recv_packed)
+        sends = [(p, t, tag + _TAG_KV) for p, t, tag in sends]
+        recvs = [(p, t, tag + _TAG_KV) for p, t, tag in recvs]
+        self.dst = dst
+        self.pending = exchange(sends, recvs, group, ranks, async_op=True)
+
+    def wait(self):
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            if self.stage is not None:
+                self.dst.index_copy_(0, self.pos, self.stage)
+                self.stage = None
+        return self
 
 
-def _send_guest_q(ex: Exchange, q, group, async_op) -> Pending | None:
+def _start_guest_q(ex: Exchange, q, group, ranks):
+    """Split rows' queries to the ranks that compute a part; returns ``(pending, gq)`` with ``gq``
+    ``(G, B, H, D)`` token-major: own split rows first, then the received ones (peer-major)."""
     if not ex.has_split:
-        return None
-    return all_to_all(_tok_first(q, ex.gq_send_idx, 2), ex.gq_send_splits, ex.gq_recv_splits, group, async_op)
+        return None, None
+    B, H, _, D = q.shape
+    gq = q.new_empty((ex.n_split + ex.guest_len, B, H, D))
+    if ex.n_split:
+        gq[:ex.n_split].copy_(q.index_select(2, ex.split_idx).permute(2, 0, 1, 3))
+    sends = _slices(q.index_select(2, ex.gq_send_idx).permute(2, 0, 1, 3).contiguous(), _TAG_GQ, ex.gq_send_n) \
+        if sum(ex.gq_send_n) else []
+    recvs = _slices(gq[ex.n_split:], _TAG_GQ, ex.gq_recv_n)
+    return exchange(sends, recvs, group, ranks, async_op=True), gq
 
 
-def _merge_split(ex: Exchange, out, lse, parts_back: torch.Tensor, acc) -> tuple:
-    """Merge the own split rows' part (in ``out``/``lse``) with the parts other ranks return
-    (``parts_back``: ``(T, B, H, D + 1)`` float32, peer-major, last column the logsumexp)."""
-    if ex.n_split == 0:
-        return out, lse
-    idx = ex.split_idx
-    B, H, _, D = out.shape
-    parts = [(out.index_select(2, idx).to(acc), lse.index_select(2, idx).to(acc))]
-    off = 0
-    for p, where in enumerate(ex.split_from):
-        n = len(where)
-        if n == 0:
-            continue
-        got = parts_back[off:off + n].movedim(0, 2)  # (B, H, n, D + 1)
-        off += n
-        o = torch.zeros((B, H, ex.n_split, D), dtype=acc, device=out.device)
-        lp = torch.full((B, H, ex.n_split), float("-inf"), dtype=acc, device=out.device)
-        o[:, :, where] = got[..., :D].to(acc)
-        lp[:, :, where] = got[..., D].to(acc)
-        parts.append((o, lp))
-    mo, ml = merge_attention(parts)
-    # in place: ``out``/``lse`` are this call's own buffers (a copy would be an L-sized pass)
-    out.index_copy_(2, idx, mo.to(out.dtype))
-    lse.index_copy_(2, idx, ml.to(lse.dtype))
-    return out, lse
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, ...)`` view of a token-major ``(T, B, H, ...)`` tensor."""
+    return t.permute(1, 2, 0, *range(3, t.dim()))
+
+
+def _keys(part: Part, k, v, fetch: _Fetch | None, saved: Saved):
+    """The K, V a part reads (waiting for the fetch where they arrive through it)."""
+    if part.keys == "own" or (part.keys == "buf" and saved.kvbuf is None and saved.kvrem is None
+                              and (fetch is None or fetch.buf is None)):
+        K, V = k, v
+    else:
+        if fetch is not None:
+            fetch.wait()
+            saved.kvbuf, saved.kvrem = fetch.buf, fetch.rem
+        K, V = _kv_views(saved.kvbuf if part.keys == "buf" else saved.kvrem)
+    if part.span is not None:
+        a, b = part.span
+        K, V = K[:, :, a:b], V[:, :, a:b]
+    return K, V
+
+
+def _rows(x, part: Part):
+    return x if part.rows is None else x[:, :, part.rows[0]:part.rows[1]]
+
+
+def _fast(layout, phase: str = "forward") -> bool:
+    """Whether a launch may run the Gluon kernels, which write in the inputs' dtype only: forward
+    of dense, causal and one-interval-per-row layouts, backward of dense and causal ones."""
+    kind = select.layout_class(layout).kind
+    return kind in (("dense", "causal", "interval") if phase == "forward" else ("dense", "causal"))
+
+
+def _merge(o1, l1, o2, l2, backend):
+    """``(o, lse)`` of two parts over disjoint keys, in ``o1``'s dtype (float32 arithmetic; on the
+    GPU one pass in place of ``o1``)."""
+    if backend == "triton" and o1.is_cuda:
+        from ..ops.triton_backend import merge_residue
+
+        o1, l1, o2, l2 = (t.contiguous() for t in (o1, l1, o2, l2))
+        merge_residue(o1, l1, o2, l2, 1)
+        return o1, l1
+    return merge_attention([(o1, l1), (o2, l2)])
 
 
 def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int, backend: str, group,
-               overlap: bool = False, opts=DEFAULT_OPTIONS):
+               overlap=False, opts=DEFAULT_OPTIONS):
     """``(out (B, H, L, D) in q's dtype, lse (B, H, L) float32, Saved)`` of this rank's tokens
-    (``opts``: the call's kernel options, for every local launch)."""
+    (``opts``: the call's kernel options, for every local launch; ``overlap``: bool or ``"auto"``)."""
     acc = _acc(q.dtype)
-    kv_in = _send_kv(ex, k, v, group, async_op=overlap)
-    gq_in = _send_guest_q(ex, q, group, async_op=overlap)
-    split_out = acc if ex.n_split else None
+    ranks = ex.peers(group)
+    over = ex.overlap(overlap) and ex.fetches
     saved = Saved()
-    if overlap:
-        out, lse = _fwd(q, k, v, ex.part_local, scale, dropout_p, seed, backend, acc, opts)
-        if kv_in is not None:
-            recv = kv_in.wait()  # (T, 2, B, Hkv, D)
-            if ex.part_remote is not None:
-                rem = recv.index_select(0, ex.remote_idx).movedim(0, 3)  # (2, B, Hkv, Tr, D)
-                o2, l2 = _fwd(q, rem[0], rem[1], ex.part_remote, scale, dropout_p, seed, backend, acc, opts)
-                out, lse = merge_attention([(out, lse), (o2, l2)])
-                saved.kvrem = rem
-        out = out.to(split_out or q.dtype)
-    else:
-        if kv_in is not None and ex.fetches:
-            recv = kv_in.wait().movedim(0, 3)  # (2, B, Hkv, T, D)
-            kvbuf = torch.cat([torch.stack([k, v]), recv], dim=3).index_select(3, ex.buf_idx)
-            saved.kvbuf = kvbuf
-            kb, vb = kvbuf[0], kvbuf[1]
-        else:
-            if kv_in is not None:
-                kv_in.wait()  # nothing arrives here; others' blocks went out
-            kb, vb = k, v
-        out, lse = _fwd(q, kb, vb, ex.main, scale, dropout_p, seed, backend, split_out, opts)
-    if gq_in is not None:
-        gq = None
-        back = torch.zeros((0, *q.shape[:2], q.shape[3] + 1), dtype=acc, device=q.device)
-        if ex.guest is not None:
-            gq = gq_in.wait().index_select(0, ex.gq_order).movedim(0, 2)  # (B, H, G, D)
-            og, lg = _fwd(gq, k, v, ex.guest, scale, dropout_p, seed, backend, acc, opts)
-            back = torch.cat([og, lg.to(acc).unsqueeze(-1)], -1)
-            back = _tok_first(back, ex.gback_idx, 2)
-        else:
-            gq_in.wait()
+    gpend, gq = _start_guest_q(ex, q, group, ranks)
+    fetch = _Fetch(ex, k, v, group, ranks, over) if ex.has_kv else None
+    back = None
+    if gpend is not None:  # split rows first: their partial results travel while the own rows run
+        gpend.wait()
         saved.gq = gq
-        parts_back = all_to_all(back, ex.gq_recv_splits, ex.gq_send_splits, group).wait()
-        out, lse = _merge_split(ex, out, lse, parts_back, acc)
-    return out.to(q.dtype), lse.float() if lse.dtype != torch.float64 else lse, saved
+        back = _guest_forward(ex, q, k, v, gq, scale, dropout_p, seed, backend, group, ranks, opts, acc)
+    out = lse = None
+    for part in ex.fwd_parts["overlap" if over else "main"]:
+        K, V = _keys(part, k, v, fetch, saved)
+        odt = None if out is None or _fast(part.layout) else acc
+        o, lp = _fwd(q, K, V, part.layout, scale, dropout_p, seed, backend, odt, opts)
+        out, lse = (o, lp) if out is None else _merge(out, lse, o, lp, backend)
+    if fetch is not None:
+        fetch.wait()  # every message completes before the call returns
+        saved.kvbuf, saved.kvrem = fetch.buf, fetch.rem
+    if back is not None:
+        out, lse = _merge_split(ex, out, lse, back, acc)
+    return out if out.dtype == q.dtype else out.to(q.dtype), lse, saved
 
 
-def fetch(ex: Exchange, q, k, v, group, overlap: bool = False) -> Saved:
+def _guest_forward(ex: Exchange, q, k, v, gq, scale, dropout_p, seed, backend, group, ranks, opts, acc):
+    """Every split row's part over the own keys (float32): the received ones go back to their
+    owners (in flight when this returns), the own ones are kept. Returns ``(pending, own part)``."""
+    B, H, _, D = q.shape
+    og, lg = _fwd(_heads_view(gq), k, v, ex.guest, scale, dropout_p, seed, backend, acc, opts)
+    part = torch.cat([og, lg.to(acc).unsqueeze(-1)], -1).permute(2, 0, 1, 3).contiguous()  # (G, B, H, D + 1)
+    n = ex.n_split
+    recv = part.new_empty((sum(ex.gq_send_n), B, H, D + 1))
+    pend = exchange(_slices(part[n:], _TAG_GBACK, ex.gq_recv_n), _slices(recv, _TAG_GBACK, ex.gq_send_n), group,
+                    ranks, async_op=True, result=recv)
+    return pend, part[:n]
+
+
+def _merge_split(ex: Exchange, out, lse, back, acc):
+    """Own split rows: the own part and the parts other ranks returned, merged in float32 and
+    written into ``out``/``lse`` (whose rows of them the main launches left empty)."""
+    pend, own = back
+    got = pend.wait()  # (sum, B, H, D + 1), peer-major
+    n = ex.n_split
+    if n == 0:
+        return out, lse
+    B, H, _, D = out.shape
+    slots = len(ex.gq_send_n) + 1
+    allp = own.new_zeros((slots * n, B, H, D + 1))
+    allp[..., D] = float("-inf")
+    allp[:n] = own
+    allp.index_copy_(0, ex.split_slot, got)
+    allp = allp.view(slots, n, B, H, D + 1)
+    lses = allp[..., D]
+    m = lses.amax(0)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lses - m)
+    tot = w.sum(0)
+    o = (allp[..., :D] * (w / tot.clamp_min(torch.finfo(acc).tiny)).unsqueeze(-1)).sum(0)  # (n, B, H, D)
+    lm = torch.where(tot > 0, m + torch.log(tot.clamp_min(torch.finfo(acc).tiny)), torch.full_like(m, float("-inf")))
+    out.index_copy_(2, ex.split_idx, o.permute(1, 2, 0, 3).to(out.dtype))
+    lse.index_copy_(2, ex.split_idx, lm.permute(1, 2, 0).to(lse.dtype))
+    return out, lse
+
+
+def fetch(ex: Exchange, q, k, v, group, overlap=False) -> Saved:
     """The exchanges of :func:`cp_forward` without the attention: the buffers its backward needs
     (the custom op's backward fetches them again)."""
-    kv_in = _send_kv(ex, k, v, group, async_op=False)
-    gq_in = _send_guest_q(ex, q, group, async_op=False)
+    ranks = ex.peers(group)
+    over = ex.overlap(overlap) and ex.fetches
     saved = Saved()
-    if kv_in is not None:
-        recv = kv_in.wait()
-        if overlap and ex.part_remote is not None:
-            saved.kvrem = recv.index_select(0, ex.remote_idx).movedim(0, 3)
-        elif not overlap and ex.fetches:
-            saved.kvbuf = torch.cat([torch.stack([k, v]), recv.movedim(0, 3)], dim=3).index_select(3, ex.buf_idx)
-    if gq_in is not None:
-        got = gq_in.wait()
-        if ex.guest is not None:
-            saved.gq = got.index_select(0, ex.gq_order).movedim(0, 2)
+    gpend, gq = _start_guest_q(ex, q, group, ranks)
+    if ex.has_kv:
+        f = _Fetch(ex, k, v, group, ranks, over).wait()
+        saved.kvbuf, saved.kvrem = f.buf, f.rem
+    if gpend is not None:
+        gpend.wait()
+        saved.gq = gq
     return saved
 
 
-def _add_by_peer(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, splits) -> None:
-    """``dst[:, :, idx] += src`` along dim 2, one peer's rows at a time (indices are distinct within
-    a peer, so the sums are deterministic)."""
-    off = 0
-    for n in splits:
-        if n:
-            dst.index_add_(2, idx[off:off + n], src[:, :, off:off + n])
-        off += n
+class _Grads:
+    """Gradients of one tensor (the rows, or one key tensor) summed over launches along dim 2: a
+    launch that covers all of it first is taken as written; otherwise a buffer in ``dtype``
+    (float32) where each range is copied where nothing was written yet and added where it was."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device, self.t = shape, dtype, device, None
+        self.done = []  # written ranges, disjoint, sorted
+
+    def add(self, g, span):
+        n = self.shape[2]
+        a, b = (0, n) if span is None else span
+        if self.t is None and (a, b) == (0, n):
+            self.t = g
+            self.done = [(0, n)]
+            return
+        if self.t is None:
+            self.t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        elif self.t.dtype != self.dtype:
+            self.t = self.t.to(self.dtype)
+        pos = a
+        for s, e in self.done + [(n, n)]:  # walk [a, b): copy into gaps, add where written
+            s, e = max(s, a), min(e, b)
+            if s > pos:
+                self.t[:, :, pos:min(s, b)].copy_(g[:, :, pos - a:min(s, b) - a])
+            if e > s:
+                self.t[:, :, s:e].add_(g[:, :, s - a:e - a])
+            pos = max(pos, e)
+            if pos >= b:
+                break
+        self.done = _union(self.done + [(a, b)])
+
+    def get(self):
+        if self.t is None:
+            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        gaps = [(s, e) for s, e in _gaps(self.done, self.shape[2])]
+        for s, e in gaps:  # ranges no launch wrote (keys no row visits)
+            self.t[:, :, s:e].zero_()
+        self.done = [(0, self.shape[2])]
+        return self.t
+
+
+def _union(ranges):
+    out = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        elif e > s:
+            out.append((s, e))
+    return out
+
+
+def _gaps(done, n):
+    pos = 0
+    for s, e in done:
+        if s > pos:
+            yield pos, s
+        pos = max(pos, e)
+    if pos < n:
+        yield pos, n
 
 
 def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale: float, dropout_p: float,
-                seed: int, backend: str, group, overlap: bool = False, opts=DEFAULT_OPTIONS):
+                seed: int, backend: str, group, overlap=False, opts=DEFAULT_OPTIONS):
     """``(dq, dk, dv)`` of this rank's tokens, in the inputs' dtypes."""
     acc = _acc(q.dtype)
+    ranks = ex.peers(group)
+    over = ex.overlap(overlap) and ex.fetches
     B, H, L, D = q.shape
-    # split rows: send dO, out, lse (and dlse) to the ranks that computed a part
-    g_in = None
-    if ex.has_split:
-        # only the split rows travel: select them before any conversion (L-sized passes cost
-        # more than the whole exchange)
-        sel = (lambda t: t.index_select(2, ex.gq_send_idx)) if ex.gq_send_idx is not None else (lambda t: t)
-        dl = sel(dlse).to(acc) if dlse is not None else torch.zeros_like(sel(lse), dtype=acc)
-        pack = torch.cat([sel(dout).to(acc), sel(out).to(acc), sel(lse).to(acc).unsqueeze(-1), dl.unsqueeze(-1)], -1)
-        g_in = all_to_all(_tok_first(pack, None, 2), ex.gq_send_splits, ex.gq_recv_splits, group,
-                          async_op=overlap)
-    dkv_back = None
-    if overlap:
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv_own = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        if saved.kvrem is not None:  # fetched blocks first, so their dK/dV can travel during the rest
-            g = _bwd(q, saved.kvrem[0], saved.kvrem[1], out, lse, dout, ex.part_remote, scale, dropout_p, seed,
-                     backend, dlse, acc, opts)
-            dq += g[0]
-            dkv_rem = torch.stack([g[1], g[2]]).index_select(3, ex.remote_to_recv)
-            dkv_back = all_to_all(dkv_rem.movedim(3, 0), ex.kv_recv_splits, ex.kv_send_splits, group, async_op=True)
-        elif ex.has_kv:
-            dkv_back = all_to_all(torch.zeros((0, 2, *k.shape[:2], D), dtype=acc, device=k.device),
-                                  ex.kv_recv_splits, ex.kv_send_splits, group, async_op=True)
-        g = _bwd(q, k, v, out, lse, dout, ex.part_local, scale, dropout_p, seed, backend, dlse, acc, opts)
-        dq += g[0]
-        dkv_own[0] += g[1]
-        dkv_own[1] += g[2]
+    Hkv, dev = k.shape[1], k.device
+    guest = None
+    if ex.has_split:  # split rows first, as in the forward: their dQ parts travel while the rest runs
+        gpack = _start_split_packs(ex, dout, out, lse, dlse, group, ranks, acc)
+        guest = _guest_backward(ex, q, k, v, lse, saved, gpack, scale, dropout_p, seed, backend, group, ranks, opts,
+                                acc)
+    returned = sum(ex.ret_recv_n) > 0  # other ranks send gradients of own keys: own dK/dV are sums
+    parts = ex.bwd_parts["overlap" if over else "main"]
+    several = len(parts) > 1
+    dq = _Grads((B, H, L, D), acc, dev)
+    grads = {}  # key tensor -> (dK, dV) sums
+    send = None
+    for i, part in enumerate(parts):
+        src = "own" if part.keys == "buf" and not ex.fetches else part.keys
+        n = {"own": L, "buf": ex.buf_len, "rem": ex.rem_len}[src]
+        K, V = _keys(part, k, v, None, saved)
+        gluon = _fast(part.layout, "backward")  # kernels that write the inputs' dtype only
+        qdt = acc if several and not gluon else None
+        kdt = acc if (several or returned or src != "own") and not gluon else None
+        g = _bwd(_rows(q, part), K, V, _rows(out, part), _rows(lse, part), _rows(dout, part), part.layout, scale,
+                 dropout_p, seed, backend, None if dlse is None else _rows(dlse, part), (qdt, kdt, kdt), opts)
+        dq.add(g[0], part.rows)
+        gk, gv = grads.setdefault(src, (_Grads((B, Hkv, n, D), acc, dev), _Grads((B, Hkv, n, D), acc, dev)))
+        gk.add(g[1], part.span)
+        gv.add(g[2], part.span)
+        last_remote = part.keys == "rem" and (i + 1 == len(parts) or parts[i + 1].keys != "rem")
+        if over and last_remote:  # the fetched keys are done: their dK/dV go back while the rest runs
+            send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_rem, group, ranks, acc)
+    if not over and ex.has_kv:
+        gk, gv = grads.get("buf", grads.get("own"))
+        send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_buf, group, ranks, acc)
+    if "buf" in grads:  # own keys' gradients: their rows of the buffer's
+        dk, dv = _own_of_buf(ex, grads["buf"][0].get(), grads["buf"][1].get())
+    elif "own" in grads:
+        dk, dv = grads["own"][0].get(), grads["own"][1].get()
     else:
-        kb, vb = (saved.kvbuf[0], saved.kvbuf[1]) if saved.kvbuf is not None else (k, v)
-        dq, dkb, dvb = _bwd(q, kb, vb, out, lse, dout, ex.main, scale, dropout_p, seed, backend, dlse, acc, opts)
-        dkvb = torch.stack([dkb, dvb])
-        if saved.kvbuf is not None:
-            dkv_own = dkvb.index_select(3, ex.own_in_buf)
-            send = _tok_first(dkvb, ex.recv_in_buf, 3)
-        else:
-            dkv_own = dkvb
-            send = dkvb.new_zeros((0, 2, *k.shape[:2], D))
-        if ex.has_kv:
-            dkv_back = all_to_all(send, ex.kv_recv_splits, ex.kv_send_splits, group)
-    # split rows computed here for other ranks
-    if g_in is not None:
-        got = g_in.wait()
-        back = torch.zeros((0, B, H, D), dtype=acc, device=q.device)
-        if ex.guest is not None:
-            got = got.index_select(0, ex.gq_order).movedim(0, 2)  # (B, H, G, 2D + 2)
-            gdo, gout = got[..., :D], got[..., D:2 * D]
-            glse, gdlse = got[..., 2 * D].contiguous(), got[..., 2 * D + 1].contiguous()
-            gdo, gout = gdo.to(q.dtype), gout.to(q.dtype)
-            glse = glse.to(lse.dtype)
-            gq = saved.gq
-            gdq, gdk, gdv = _bwd(gq, k, v, gout, glse, gdo, ex.guest, scale, dropout_p, seed, backend, gdlse, acc,
-                                 opts)
-            dkv_own[0] += gdk
-            dkv_own[1] += gdv
-            back = _tok_first(gdq, ex.gback_idx, 2)
-        dq_parts = all_to_all(back, ex.gq_recv_splits, ex.gq_send_splits, group).wait()  # (T, B, H, D)
-        _add_by_peer(dq, ex.split_idx[_split_order(ex)], dq_parts.movedim(0, 2), ex.gq_send_splits)
-    if dkv_back is not None:
-        recv = dkv_back.wait()  # (T, 2, B, Hkv, D) float32, peer-major
-        flat = recv.movedim(0, 3)  # (2, B, Hkv, T, D)
+        dk = dv = torch.zeros((B, Hkv, L, D), dtype=acc, device=dev)
+    dq = dq.get()
+    if guest is not None:
+        dq, dk, dv = _finish_guest(ex, guest, dq, dk, dv, acc)
+    if send is not None:
+        got = send.wait()
+        if returned:
+            dk, dv = (t if t.dtype == acc else t.to(acc) for t in (dk, dv))
+            off = 0
+            for c in ex.ret_recv_n:  # one peer at a time: indices distinct within a peer, sums deterministic
+                if c:
+                    idx = ex.ret_recv_pos[off:off + c]
+                    dk.index_add_(2, idx, _heads_view(got[off:off + c, 0]))
+                    dv.index_add_(2, idx, _heads_view(got[off:off + c, 1]))
+                off += c
+    # separate, contiguous tensors (never views of one buffer): the custom op may not return aliases
+    cf = torch.contiguous_format
+    dq = dq if dq.dtype == q.dtype and dq.is_contiguous() else dq.to(q.dtype, memory_format=cf)
+    return dq, dk.to(k.dtype, copy=True, memory_format=cf), dv.to(v.dtype, copy=True, memory_format=cf)
+
+
+def _own_of_buf(ex: Exchange, dkb, dvb):
+    """The own tokens' rows of the buffer's gradients (a view when they are one run)."""
+    if len(ex.own_runs) == 1:
+        b0, _, n = ex.own_runs[0]
+        return dkb[:, :, b0:b0 + n], dvb[:, :, b0:b0 + n]
+    idx = torch.cat([torch.arange(b0, b0 + n, device=dkb.device) for b0, _, n in ex.own_runs])
+    return dkb.index_select(2, idx), dvb.index_select(2, idx)
+
+
+def _start_return(ex: Exchange, dk, dv, pos, group, ranks, acc):
+    """dK/dV of fetched keys (float32, token-major, one message per owner) back to their owners;
+    receive those of own keys other ranks fetched. Returns the pending receive ``(T, 2, B, Hkv, D)``."""
+    B, Hkv, _, D = dk.shape
+    sends = []
+    if sum(ex.ret_send_n):
+        st = _tokens_first(dk.to(acc), dv.to(acc), idx=pos)
+        sends = _slices(st, _TAG_DKV, ex.ret_send_n)
+    recv = dk.new_empty((sum(ex.ret_recv_n), 2, B, Hkv, D), dtype=acc)
+    return exchange(sends, _slices(recv, _TAG_DKV, ex.ret_recv_n), group, ranks, async_op=True, result=recv)
+
+
+def _start_split_packs(ex: Exchange, dout, out, lse, dlse, group, ranks, acc):
+    """Own split rows' ``(dO, O, lse, dlse)`` (float32, token-major ``(n, B, H, 2D + 2)``) to the ranks
+    that computed a part; the received ones for the guest rows. Returns ``(pending, own pack)``."""
+    B, H, _, D = dout.shape
+
+    def pack(idx):
+        sel = lambda t: t.index_select(2, idx).to(acc)  # noqa: E731
+        dl = sel(dlse) if dlse is not None else torch.zeros(sel(lse).shape, dtype=acc, device=lse.device)
+        return torch.cat([sel(dout), sel(out), sel(lse).unsqueeze(-1), dl.unsqueeze(-1)], -1).permute(2, 0, 1, 3)
+
+    own = pack(ex.split_idx) if ex.n_split else None
+    sends = _slices(pack(ex.gq_send_idx).contiguous(), _TAG_GPACK, ex.gq_send_n) if sum(ex.gq_send_n) else []
+    recv = dout.new_empty((ex.guest_len, B, H, 2 * D + 2), dtype=acc)
+    pend = exchange(sends, _slices(recv, _TAG_GPACK, ex.gq_recv_n), group, ranks, async_op=True, result=recv)
+    return pend, own
+
+
+def _guest_backward(ex: Exchange, q, k, v, lse, saved: Saved, gpack, scale, dropout_p, seed, backend, group, ranks,
+                    opts, acc):
+    """Backward of every split row's part over the own keys: dQ of received rows back to their
+    owners (in flight), of own rows kept; dK/dV of the own keys (float32)."""
+    pend, own = gpack
+    got = pend.wait()
+    allp = got if own is None else torch.cat([own, got])  # (G, B, H, 2D + 2), own rows first
+    D = q.shape[3]
+    hv = _heads_view(allp)
+    gdo, gout = hv[..., :D].to(q.dtype), hv[..., D:2 * D].to(q.dtype)
+    glse, gdlse = hv[..., 2 * D].to(lse.dtype).contiguous(), hv[..., 2 * D + 1].contiguous()
+    gdq, gdk, gdv = _bwd(_heads_view(saved.gq), k, v, gout, glse, gdo, ex.guest, scale, dropout_p, seed, backend,
+                         gdlse, acc, opts)
+    n = ex.n_split
+    back = gdq[:, :, n:].permute(2, 0, 1, 3).contiguous()
+    recv = back.new_empty((sum(ex.gq_send_n), *back.shape[1:]))
+    dq_pend = exchange(_slices(back, _TAG_GDQ, ex.gq_recv_n), _slices(recv, _TAG_GDQ, ex.gq_send_n), group, ranks,
+                       async_op=True, result=recv)
+    return dq_pend, gdq[:, :, :n], gdk, gdv
+
+
+def _finish_guest(ex: Exchange, guest, dq, dk, dv, acc):
+    """Add the split rows' gradients: own rows' dQ (own part and the parts other ranks return, summed
+    in float32; the other launches left these rows empty) and the own keys' dK/dV of every split row."""
+    dq_pend, own_dq, gdk, gdv = guest
+    dk, dv = (t if t.dtype == acc else t.to(acc) for t in (dk, dv))
+    dk.add_(gdk)
+    dv.add_(gdv)
+    got = dq_pend.wait()  # (sum, B, H, D), peer-major
+    if ex.n_split:
+        rows = own_dq.permute(2, 0, 1, 3).to(acc).clone()  # (n, B, H, D)
         off = 0
-        for n in ex.kv_send_splits:
-            if n:
-                dkv_own.index_add_(3, ex.kv_send_idx[off:off + n], flat[:, :, :, off:off + n])
-            off += n
-    # separate tensors (never views of one buffer): the custom op may not return aliases
-    return dq.to(q.dtype), dkv_own[0].to(k.dtype, copy=True), dkv_own[1].to(v.dtype, copy=True)
-
-
-def _split_order(ex: Exchange) -> torch.Tensor:
-    """Positions (among the own split tokens) of the rows returned by each peer, peer-major."""
-    if not ex.split_from:
-        return torch.zeros(0, dtype=torch.int64, device=ex.device)
-    return torch.cat(ex.split_from)
+        for p, c in enumerate(ex.gq_send_n):  # one peer at a time (deterministic)
+            if c:
+                rows.index_add_(0, ex.split_slot[off:off + c] - (p + 1) * ex.n_split, got[off:off + c])
+            off += c
+        dq.index_copy_(2, ex.split_idx, rows.permute(1, 2, 0, 3).to(dq.dtype))
+    return dq, dk, dv

@@ -9,7 +9,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_group", "all_to_all", "check_call", "Pending"]
+__all__ = ["resolve_group", "init_group", "all_to_all", "exchange", "check_call", "Pending"]
 
 
 def resolve_group(group):
@@ -35,18 +35,30 @@ def resolve_group(group):
     return group
 
 
+_READY: set = set()
+
+
+def init_group(pg, device) -> None:
+    """One collective on a group before its first point-to-point messages: NCCL creates the
+    communicator in a collective that every rank joins (the call checks, ``check=True``, are one)."""
+    key = (getattr(pg, "group_name", id(pg)), str(device))
+    if key not in _READY:
+        dist.all_reduce(torch.zeros(1, device=device), group=pg)
+        _READY.add(key)
+
+
 class Pending:
-    """A received tensor whose collective may still be in flight (``wait()`` returns it)."""
+    """A received tensor whose messages may still be in flight (``wait()`` returns it)."""
 
-    __slots__ = ("tensor", "work")
+    __slots__ = ("tensor", "works")
 
-    def __init__(self, tensor, work):
-        self.tensor, self.work = tensor, work
+    def __init__(self, tensor, works=()):
+        self.tensor, self.works = tensor, list(works) if works else []
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        for w in self.works:
+            w.wait()
+        self.works = []
         return self.tensor
 
 
@@ -56,7 +68,27 @@ def all_to_all(x: torch.Tensor, send_splits, recv_splits, group, async_op: bool 
     x = x.contiguous()
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group, async_op=async_op)
-    return Pending(out, work if async_op else None)
+    return Pending(out, [work] if async_op else ())
+
+
+def exchange(sends, recvs, group, ranks, async_op: bool = False, result=None) -> Pending:
+    """Point-to-point messages of one step in one batch (NCCL: one group of sends and receives).
+
+    Args:
+        sends, recvs: ``[(peer, tensor, tag)]``: contiguous tensors to send to / receive into, ``peer``
+            the rank in ``group``. Both sides list the messages of a pair in the same order; ``tag``
+            tells concurrent steps apart where the transport matches by tag (gloo).
+        ranks: global rank of each group member (what the messages address).
+        async_op: return before the messages complete (``wait()`` on the result).
+        result: what ``wait()`` returns.
+    """
+    ops = [dist.P2POp(dist.isend, t, ranks[p], group, tag) for p, t, tag in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, ranks[p], group, tag) for p, t, tag in recvs if t.numel()]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    pending = Pending(result, works)
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from ..ops.api import resolve_backend
 from ..ops.options import decode_options
 from .attention import cp_backward, cp_forward, fetch
-from .comm import check_call, resolve_group
+from .comm import check_call, init_group, resolve_group
 from .exchange import exchange_for
 from .plan import ContextParallelPlan
 
@@ -65,6 +65,8 @@ def cp_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: in
     s = 0 if seed is None else int(seed.item())  # no seed tensor without dropout
     if check:
         s = check_call(pg, p, rank, world, q, k, v, scale, dropout_p, s, None, q.device)
+    else:
+        init_group(pg, q.device)
     ex = exchange_for(p, rank, q.device)
     be = resolve_backend(backend, q.device, q.dtype)
     out, lse, _ = cp_forward(ex, q, k, v, scale, dropout_p, s, be, pg, overlap, decode_options(kernel_options))

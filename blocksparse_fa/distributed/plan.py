@@ -24,12 +24,14 @@ import torch
 
 from ..compiler.compile import block_pair, compile_mask
 from ..compiler.layout import BlockLayout
-from ..compiler.segments import EMPTY
+from ..compiler.segments import EMPTY, FULL
 from ..mask.dsl import parse
 from ..mask.expr import Mask
 from .balance import STRATEGIES, assign, halo_counter, row_costs, row_counts, split_rows, unit_costs
 
 __all__ = ["CostModel", "ContextParallelPlan", "plan_context_parallel"]
+
+TIE = 0.02  # estimates closer than this are ties, settled by the bytes moved
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,12 @@ class CostModel:
         block_seconds: forward time of one full 128 x 128 block of one head at head dim 128
             (17.3 ns, same fit); other block sizes and head dims scale it by their volume.
         backward_factor: backward time over forward time.
-        bandwidth: bytes per second one rank sends in an all-to-all.
-        latency: seconds per collective.
+        bandwidth: bytes per second one rank sends to its peers (NVLink, all peers at once).
+        latency: seconds per step of messages (a collective or a group of sends and receives).
+        memory_bandwidth: bytes per second of the GPU's memory (the passes that merge partial
+            results and convert float32 sums).
+        launch_seconds: fixed cost of one kernel launch (host and tail).
+        message_seconds: fixed cost of one point-to-point message within a step.
     """
 
     kappa: float = 2.6
@@ -51,6 +57,9 @@ class CostModel:
     backward_factor: float = 2.5
     bandwidth: float = 150e9
     latency: float = 30e-6
+    memory_bandwidth: float = 2.5e12
+    launch_seconds: float = 10e-6
+    message_seconds: float = 5e-6
 
 
 @dataclass
@@ -65,6 +74,7 @@ class _Rank:
     own_split: np.ndarray
     guest_rows: np.ndarray
     cost: float
+    local_cost: float = 0.0  # the part of ``cost`` over the rank's own keys (hides a fetch when overlapped)
     kv_from: list = field(default_factory=list)  # per peer: remote key blocks owned by it
     guests_from: list = field(default_factory=list)  # per peer: its split rows this rank computes a part of
 
@@ -123,6 +133,7 @@ class ContextParallelPlan:
         self.shape = shape  # (B, H, Hkv, D) assumed by the estimates
         self.dtype = dtype
         self.candidates: dict = {}
+        self.token_cost = 0.0  # set by plan_context_parallel (it is already in unit_cost)
         self._ranks = [self._rank(r) for r in range(world_size)]
         for r, rk in enumerate(self._ranks):
             rk.kv_from = [np.zeros(0, np.int64) if p == r else rk.remote_cols[self._col_owner[rk.remote_cols] == p]
@@ -177,7 +188,12 @@ class ContextParallelPlan:
         guest = touched[~row_own[touched]]
         own_split = self.split[row_own[self.split]]
         cost = float(self._unit_cost[units].sum())
-        return _Rank(units, length, np.nonzero(row_own)[0], np.nonzero(col_own)[0], remote, own_split, guest, cost)
+        # own rows' blocks in own columns (split rows excepted): what runs while the fetch is in flight
+        sel = row_own[rrow] & ~is_split[rrow] & nonempty
+        w = np.where(self.layout._segs.state[sel] == FULL, 1.0, self.cost_model.kappa)
+        local = float((w * (pref[ends[sel]] - pref[starts[sel]])).sum())
+        return _Rank(units, length, np.nonzero(row_own)[0], np.nonzero(col_own)[0], remote, own_split, guest, cost,
+                     local)
 
     def _fingerprint(self) -> int:
         h = hashlib.sha256()
@@ -288,23 +304,80 @@ class ContextParallelPlan:
         D = self.shape[3]
         return self.cost_model.block_seconds * (bm * bn * D) / (128 * 128 * 128)
 
+    def _launches(self, rk: _Rank, overlap: bool) -> int:
+        """Kernel launches of a fwd+bwd step on rank ``rk`` (a backward launch is two: its
+        preprocess and its kernel). ``causal()`` and dense masks run their backward as a dense and
+        a causal rectangle per contiguous piece of the rank's tokens (``exchange._rectangles``),
+        cut again at the own pieces when overlapped; other masks one launch per key part."""
+        from ..mask.primitives import Causal, Full
+
+        parts = 2 if overlap and len(rk.remote_cols) else 1
+        pieces = 1 + int(np.count_nonzero(np.diff(rk.units) != 1)) if len(rk.units) else 0
+        rect = isinstance(self.layout.mask, (Causal, Full)) and not self.layout.batch_shape and not len(self.split)
+        bwd = (2 * pieces + (pieces if parts == 2 else 0)) if rect and isinstance(self.layout.mask, Causal) else parts
+        return parts + 2 * bwd + (3 if len(self.split) else 0)
+
+    def _messages(self, rk: _Rank) -> int:
+        """Messages a rank sends and receives per fwd+bwd (runs of consecutive tokens, a packed
+        message where a pair has more than ``exchange.MAX_RUNS``; gradients return packed)."""
+        from .exchange import MAX_RUNS
+
+        def runs(blocks):
+            return 0 if not len(blocks) else 1 + int(np.count_nonzero(np.diff(blocks) != 1))
+        n = 0
+        for p, blocks in enumerate(rk.kv_from):
+            r = runs(blocks)
+            n += (r if r <= MAX_RUNS else 1) + (1 if r else 0)
+        return 2 * n  # both directions, about as many as it receives
+
     def estimate(self) -> dict:
-        """Estimated fwd+bwd step: ``compute`` (slowest rank), ``comm`` (its bytes over the
-        bandwidth plus latencies), ``time`` = the two added (no overlap assumed), ``imbalance``
-        (max / mean compute), ``bytes`` (max sent per rank, fwd+bwd), ``ring_bytes``."""
+        """Estimated fwd+bwd step of the slowest rank, ``time``: its compute (``full + kappa ·
+        partial`` blocks), plus its messages (bytes over the bandwidth, latency per step), plus
+        launches; with ``overlap`` the messages of the fetched keys hide behind the launch over the
+        own keys, at the cost of a second launch and a float32 merge of the outputs. Also
+        ``compute`` (slowest rank), ``comm`` (its bytes over the bandwidth plus latencies),
+        ``overlap`` (whether it pays), ``imbalance`` (max / mean compute), ``bytes`` (max sent per
+        rank, fwd+bwd), ``ring_bytes``, ``launches``."""
         cm = self.cost_model
-        B, H = self.shape[:2]
+        B, H, Hkv, D = self.shape
         per = self.bytes_per_rank()
         costs = np.array([rk.cost for rk in self._ranks])
         t_unit = self._block_seconds() * B * H * (1 + cm.backward_factor)
-        compute = float(costs.max()) * t_unit
+        n_steps = 2 + (4 if len(self.split) else 0)  # message steps per fwd+bwd
+        best = None
+        for overlap in (False, True):
+            worst = (0.0, 0.0, 0.0)
+            for rk, p in zip(self._ranks, per):
+                compute = rk.cost * t_unit
+                comm = (p["fwd"] + p["bwd"]) / cm.bandwidth + n_steps * cm.latency
+                comm += self._messages(rk) * cm.message_seconds
+                glue = self._launches(rk, overlap) * cm.launch_seconds
+                if overlap and len(rk.remote_cols):
+                    comm = max(0.0, comm - rk.local_cost * t_unit)
+                    # merge of two outputs (read both, write one) and the sum of two dQ parts, float32
+                    glue += B * H * rk.length * D * (12 + 16) / cm.memory_bandwidth
+                t = compute + comm + glue
+                if t > sum(worst):
+                    worst = (compute, comm, glue)
+            if best is None or sum(worst) < sum(best[1]):
+                best = (overlap, worst)
+        overlap, (compute, comm, glue) = best
         sent = max(p["fwd"] + p["bwd"] for p in per)
-        n_coll = 2 + 2 * (len(self.split) > 0) * 2
-        comm = sent / cm.bandwidth + n_coll * cm.latency
-        return dict(strategy=self.strategy, compute=compute, comm=comm, time=compute + comm,
+        return dict(strategy=self.strategy, compute=float(costs.max()) * t_unit, comm=comm, glue=glue,
+                    time=compute + comm + glue, overlap=overlap,
+                    launches=max(self._launches(rk, overlap) for rk in self._ranks),
                     imbalance=float(costs.max() / max(costs.mean(), 1e-30)), bytes=sent,
                     ring_bytes=max(p["ring_fwd"] + p["ring_bwd"] for p in per),
                     tokens_max=max(p["tokens"] for p in per), tokens_min=min(p["tokens"] for p in per))
+
+    @property
+    def overlap_auto(self) -> bool:
+        """What ``overlap="auto"`` does: overlap the fetch with the own-key launch where the estimate
+        says it pays (:meth:`estimate`; the same on every rank)."""
+        hit = self.__dict__.get("_overlap_auto")
+        if hit is None:
+            hit = self.__dict__["_overlap_auto"] = bool(self.estimate()["overlap"])
+        return hit
 
     def describe(self) -> str:
         """A short text report: the chosen strategy, per-rank tokens/cost/bytes, and the
@@ -321,8 +394,10 @@ class ContextParallelPlan:
             for name, e in self.candidates.items():
                 mark = "*" if name == self.strategy else " "
                 lines.append(f"   {mark}{name:10s} time {e['time'] * 1e3:9.3f} ms = compute {e['compute'] * 1e3:9.3f} + "
-                             f"comm {e['comm'] * 1e3:7.3f}; imbalance {e['imbalance']:.3f}; "
-                             f"sent {e['bytes'] / 1e6:9.2f} MB/rank (dense ring {e['ring_bytes'] / 1e6:.2f})")
+                             f"comm {e['comm'] * 1e3:7.3f} + glue {e.get('glue', 0.0) * 1e3:6.3f}"
+                             f"{' (overlapped)' if e.get('overlap') else ''}; imbalance {e['imbalance']:.3f}; "
+                             f"{e.get('launches', 0)} launches; sent {e['bytes'] / 1e6:9.2f} MB/rank "
+                             f"(dense ring {e['ring_bytes'] / 1e6:.2f})")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -356,7 +431,7 @@ def ulysses_estimate(plan: ContextParallelPlan, dropout: bool = False) -> dict |
     Hkv = max(Hkv, P)  # fewer key/value heads than ranks: replicated to the ranks of their query heads
     cm = plan.cost_model
     es = plan._esize()
-    total = _layout_cost(plan.layout, cm.kappa, not dropout)
+    total = _layout_cost(plan.layout, cm.kappa, not dropout) + plan.token_cost * plan.seq_len
     compute = total / P * plan._block_seconds() * B * H * (1 + cm.backward_factor)
     n = plan.seq_len
     sent = 0
@@ -367,8 +442,12 @@ def ulysses_estimate(plan: ContextParallelPlan, dropout: bool = False) -> dict |
         bwd = B * D * es * (H * L * (P - 1) // P + ((H + 2 * Hkv) // P) * (n - L))
         sent = max(sent, fwd + bwd)
     per = plan.bytes_per_rank()
-    return dict(strategy="ulysses", compute=compute, comm=sent / cm.bandwidth + 8 * cm.latency,
-                time=compute + sent / cm.bandwidth + 8 * cm.latency, imbalance=1.0, bytes=sent,
+    comm = sent / cm.bandwidth + 8 * cm.latency
+    # every all-to-all's tensor is packed before and unpacked after it (two passes of its bytes), and
+    # each of the 8 exchanges is a few launches besides the attention's 3
+    glue = 2 * sent / cm.memory_bandwidth + (3 + 3 * 8) * cm.launch_seconds
+    return dict(strategy="ulysses", compute=compute, comm=comm, glue=glue, time=compute + comm + glue, overlap=False,
+                launches=3 + 3 * 8, imbalance=1.0, bytes=sent,
                 ring_bytes=max(p["ring_fwd"] + p["ring_bwd"] for p in per),
                 tokens_max=max(p["tokens"] for p in per), tokens_min=min(p["tokens"] for p in per))
 
@@ -396,7 +475,8 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
                           heads: tuple = (8, 8), head_dim: int = 128, batch: int = 1,
                           dtype: torch.dtype = torch.bfloat16, cost_model: CostModel | None = None,
                           split_factor: float = 4.0, unit: int | None = None, dropout: bool = False,
-                          max_token_imbalance: float = 1.5, shard_lengths=None) -> ContextParallelPlan:
+                          max_token_imbalance: float = 1.5, token_cost: float = 0.0,
+                          shard_lengths=None) -> ContextParallelPlan:
     """Plan context parallelism of self-attention with ``mask`` over ``seq_len`` tokens.
 
     Args:
@@ -407,7 +487,8 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         block_size: layout block (default 128); ``(bm, bn)`` pairs are allowed.
         strategy: ``"contiguous"``, ``"zigzag"``, ``"greedy"`` (sparse context parallelism with
             that assignment), ``"ulysses"`` (head-sharded all-to-all) or ``"auto"``: the one with
-            the least estimated time (see :meth:`ContextParallelPlan.describe`).
+            the least estimated time (see :meth:`ContextParallelPlan.describe`; estimates within
+            2 % of the least count as ties, and of those the one that moves the fewest bytes wins).
         heads: ``(H, Hkv)`` query and key/value heads (estimates; Ulysses needs ``H`` divisible by
             ``world_size`` and ``Hkv`` divisible by it or dividing it).
         head_dim, batch, dtype: the attention inputs' (estimates only).
@@ -418,6 +499,11 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         dropout: whether attention dropout will be used (Ulysses does not support it).
         max_token_imbalance: ``"auto"`` skips assignments whose largest shard exceeds this
             multiple of the mean (the rest of the model's work follows the tokens).
+        token_cost: work per token outside attention (projections, MLP, their backward), in
+            units of one full attention block of all heads forward and backward; added to every
+            unit's cost, so that balanced ranks are balanced for the whole model, not only for
+            its attention (e.g. a decoder layer's ``6 · params_per_layer`` FLOPs per token over
+            ``4 · bm · bn · D · H · (1 + backward_factor)``).
         shard_lengths: the inputs are already split into contiguous shards of these lengths (rank
             order; every boundary on a multiple of the unit): plan for that split (strategy
             ``"given"``) instead of choosing one.
@@ -438,10 +524,15 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
     shape = (batch, H, Hkv, head_dim)
     costs = row_costs(layout, cm.kappa)
     split = split_rows(costs, row_counts(layout), split_factor, world_size)
+    if not token_cost >= 0:
+        raise ValueError(f"token_cost must be >= 0, got {token_cost!r}")
     ucost = unit_costs(layout, unit, cm.kappa, split)
+    if token_cost:
+        starts = np.arange(len(ucost)) * unit
+        ucost = ucost + token_cost * (np.minimum(starts + unit, seq_len) - starts)
     if shard_lengths is not None:
         owner = _owner_from_lengths(shard_lengths, seq_len, world_size, unit)
-        plan = _make(layout, world_size, "given", unit, owner, split, cm, shape, dtype, ucost)
+        plan = _make(layout, world_size, "given", unit, owner, split, cm, shape, dtype, ucost, token_cost)
         plan.candidates = {"given": plan.estimate()}
         plan._compiled_here = not isinstance(mask, BlockLayout)
         return plan
@@ -457,11 +548,12 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
     halo = halo_counter(layout, unit)
     for name in names:
         owner = assign(ucost, world_size, name, cap=max_token_imbalance, halo=halo, halo_weight=halo_w)
-        p = _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
+        p = _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost, token_cost)
         plans[name] = p
         cands[name] = p.estimate()
     even = assign(np.ones(len(ucost)), world_size, "contiguous")  # Ulysses: equal contiguous shards
-    uly_plan = _make(layout, world_size, "ulysses", unit, even, np.zeros(0, np.int64), cm, shape, dtype, ucost)
+    uly_plan = _make(layout, world_size, "ulysses", unit, even, np.zeros(0, np.int64), cm, shape, dtype, ucost,
+                     token_cost)
     uly = ulysses_estimate(uly_plan, dropout)
     if uly is not None:
         cands["ulysses"] = uly
@@ -477,7 +569,9 @@ def plan_context_parallel(mask, seq_len: int, world_size: int, *, block_size=Non
         ok = ok or cands
         if dropout:
             ok.pop("ulysses", None)
-        best = min(ok, key=lambda k: ok[k]["time"])
+        # within the estimate's error (TIE) of the fastest, the one that moves the fewest bytes
+        fastest = min(v["time"] for v in ok.values())
+        best = min((k for k in ok if ok[k]["time"] <= (1 + TIE) * fastest), key=lambda k: (ok[k]["bytes"], ok[k]["time"]))
         chosen = uly_plan if best == "ulysses" else plans[best]
     else:
         chosen = plans[strategy]
@@ -498,5 +592,7 @@ def _owner_from_lengths(lengths, seq_len: int, world_size: int, unit: int) -> np
     return np.searchsorted(bounds, starts, side="right").astype(np.int64)
 
 
-def _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost) -> ContextParallelPlan:
-    return ContextParallelPlan(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
+def _make(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost, token_cost=0.0):
+    plan = ContextParallelPlan(layout, world_size, name, unit, owner, split, cm, shape, dtype, ucost)
+    plan.token_cost = token_cost
+    return plan

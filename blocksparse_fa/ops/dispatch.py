@@ -203,7 +203,7 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
              backend: str, dlse=None, use_rewrite: bool = True, grad_dtype=None, score_mod=None, score_grads=None,
              opts: KernelOptions = DEFAULT_OPTIONS):
     """``(dq, dk, dv)`` shaped and typed like q, k, v (or in ``grad_dtype``: float32 keeps partial
-    gradients exact for a later sum). ``dlse``: gradient of the returned logsumexp (optional).
+    gradients exact for a later sum; a ``(dq, dk, dv)`` tuple gives each its own, None the input's). ``dlse``: gradient of the returned logsumexp (optional).
     ``score_mod``: as in :func:`forward`; ``score_grads``: ``(dslopes, dbias)`` buffers from
     :func:`score_grad_buffers` (None each) that the gradients of its slopes and bias are added to.
     ``opts``: the call's kernel options."""
@@ -218,8 +218,8 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
     else:
         dq, dk, dv = _bwd_one(q, k, v, out, lse, dout, layout, s, scale, dropout_p, seed, backend, dlse, grad_dtype,
                               score_mod, score_grads, opts)
-    return tuple(g if g.dtype == (grad_dtype or t.dtype) else g.to(grad_dtype or t.dtype)
-                 for g, t in ((dq, q), (dk, k), (dv, v)))
+    gds = tuple(grad_dtype) if isinstance(grad_dtype, (tuple, list)) else (grad_dtype,) * 3
+    return tuple(g if g.dtype == (d or t.dtype) else g.to(d or t.dtype) for g, t, d in zip((dq, dk, dv), (q, k, v), gds))
 
 
 def score_grad_buffers(score_mod, slopes_grad: bool, bias_grad: bool, dtype: torch.dtype, device):

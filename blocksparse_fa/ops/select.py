@@ -92,10 +92,11 @@ class LayoutClass:
 
     ``kind``: ``"dense"`` (every block full), ``"causal"`` (the ``causal()`` mask with top-left
     query positions and ``Lq == Lk``), ``"interval"`` (every query row keeps one key interval:
-    windows, contiguous documents, their combinations with ``causal()``), ``"blocks"``
-    (anything else), or ``"device_interval"``: no compiled layout, the rows' key intervals built
-    on the device from a mask holding this call's ``document(ids)`` (``compiler/device_intervals.py``;
-    ``ids``: the kernels also compare document ids, for ids not known to be contiguous runs).
+    windows, contiguous documents, their combinations with ``causal()``; a context-parallel shard
+    where its rows' intervals in its own key coordinates were given), ``"blocks"`` (anything else),
+    or ``"device_interval"``: no compiled layout, the rows' key intervals built on the device from a
+    mask holding this call's ``document(ids)`` (``compiler/device_intervals.py``; ``ids``: the
+    kernels also compare document ids, for ids not known to be contiguous runs).
     ``batched``: the layout differs per batch row or head. ``shard``: a context-parallel shard of a
     larger layout (its rows and keys sit at listed positions).
     ``band``/``short_partial``/``partial_heavy``/``band_bwd``: the tile class of
@@ -143,7 +144,7 @@ def layout_class(layout) -> LayoutClass:
     elif (not batched and not shard and isinstance(layout.mask, Causal) and layout.q_offset == 0
           and layout.q_len == layout.kv_len):
         kind = "causal"
-    elif not shard and row_interval(layout) is not None:
+    elif row_interval(layout) is not None:  # a shard only where its intervals were given (distributed)
         kind = "interval"
     else:
         kind = "blocks"

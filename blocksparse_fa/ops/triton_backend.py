@@ -706,6 +706,11 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
     return plan
 
 
+def _grad_dtypes(grad_dtype) -> tuple:
+    """``(dq, dk, dv)`` dtypes of a ``grad_dtype`` argument (one dtype, None, or a tuple of three)."""
+    return tuple(grad_dtype) if isinstance(grad_dtype, (tuple, list)) else (grad_dtype,) * 3
+
+
 def _even(layout: BlockLayout, opts: KernelOptions) -> bool:
     """Both lengths are multiples of the layout blocks and the ``even`` option is on."""
     lbm, lbn = layout.block_size
@@ -717,7 +722,7 @@ def backward_choice(q, k, v, dout, layout: BlockLayout, s: Shapes, dropout_p: fl
                     score_mod=None) -> select.Choice:
     """:func:`~blocksparse_fa.ops.select.choose_backward` for these tensors (what
     :func:`triton_backward` runs; new gradients are allocated like their inputs)."""
-    gdt = grad_dtype not in (None, q.dtype) and not accumulate
+    gdt = any(d not in (None, q.dtype) for d in _grad_dtypes(grad_dtype)) and not accumulate
     return select.choose_backward(select.layout_class(layout), s, q.dtype, select.hardware(q.device), opts,
                                   dropout=dropout_p > 0.0, score_mod=score_mod is not None, accumulate=accumulate,
                                   grad_dtype=gdt, deterministic=deterministic, tma=select.tma_ok(q, k, v, dout))
@@ -739,7 +744,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     ``deterministic`` kernel option (default True). Shards of a layout (``compiler/shard.py``)
     always run the deterministic kernels, which read block position tables.
     ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps partial gradients
-    exact for a later sum).
+    exact for a later sum), or a ``(dq, dk, dv)`` tuple of them (None: the input's).
     ``score_mod``: the forward's :class:`~blocksparse_fa.mask.score.ScoreMod` or None (it runs the
     deterministic kernels). ``score_grads``: ``(dslopes (H,), dbias)`` float32 buffers (or None
     each; dbias shaped like the bound 4-D bias) that the dK/dV programs add the gradients of the
@@ -752,9 +757,11 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     dev = q.device
     if delta is None:
         delta = backward_delta(out, dout, lse, s, dlse)
-    gdt = None if grad_dtype in (None, q.dtype) or accumulate is not None else grad_dtype
+    gdts = tuple(None if d in (None, t.dtype) or accumulate is not None else d
+                 for d, t in zip(_grad_dtypes(grad_dtype), (q, k, v)))
+    gdt = gdts if any(gdts) else None
     if accumulate is None:
-        dq, dk, dv = (torch.empty(t.shape, dtype=gdt or t.dtype, device=dev) for t in (q, k, v))
+        dq, dk, dv = (torch.empty(t.shape, dtype=d or t.dtype, device=dev) for d, t in zip(gdts, (q, k, v)))
     else:
         dq, dk, dv = accumulate
         for name, g, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
