@@ -173,3 +173,31 @@ def test_dtype_switch_same_head_dim():
         for name, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
             err = ((a.double() - b).norm() / b.norm()).item()
             assert err < tol, f"{dt} d{name}: relative error {err:.2e}"
+
+
+def _kernels_run(fn) -> list:
+    """The attention kernels one call of ``fn`` launches, as ``torch.profiler`` names them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    return sorted(n for n in names if n.startswith(("_attn", "_interval", "_dq_finish")))
+
+
+@pytest.mark.parametrize("name", ["causal", "longformer", "documents"])
+def test_eager_and_compiled_run_the_kernels_explain_names(name):
+    """The kernels that really run, eagerly and under ``torch.compile(fullgraph=True)`` (forward and
+    backward), are the same, and are those ``bsfa.explain`` names."""
+    mask = _masks()[name]
+    q, k, v = _qkv(H=4, Hkv=2, D=128)
+    do = torch.randn_like(q)
+    eager = lambda: torch.autograd.grad(bsfa.attention(q, k, v, mask=mask), (q, k, v), do)  # noqa: E731
+    f = torch.compile(lambda q, k, v: bsfa.attention(q, k, v, mask=mask), fullgraph=True)
+    compiled = lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)  # noqa: E731
+    eager(), compiled()  # warm up, compile
+    ran_eager, ran_compiled = _kernels_run(eager), _kernels_run(compiled)
+    assert ran_eager == ran_compiled
+    assert ran_eager == sorted(set(bsfa.explain(q, k, v, mask=mask).kernels))
