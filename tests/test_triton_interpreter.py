@@ -498,8 +498,13 @@ def test_kernel_options_reject_unknown_names_and_values():
         bsfa.attention(q, k, v, kernel_options={"lists": "finest"})
     with pytest.raises(ValueError, match="warp_specialize=True needs kv_desc=True"):
         bsfa.KernelOptions(warp_specialize=True)
-    with pytest.raises(TypeError, match="kernel_options must be a KernelOptions"):
+    with pytest.raises(ValueError, match="a string must come from KernelOptions.encode"):
         bsfa.attention(q, k, v, kernel_options="fast")
+    with pytest.raises(TypeError, match="kernel_options must be a KernelOptions"):
+        bsfa.attention(q, k, v, kernel_options=3)
+    enc = bsfa.KernelOptions(lists="fine").encode()
+    assert torch.equal(bsfa.attention(q, k, v, kernel_options=enc, backend="torch"),
+                       bsfa.attention(q, k, v, kernel_options={"lists": "fine"}, backend="torch"))
 
 
 def test_tile_classes_follow_the_layout_shape():
