@@ -12,7 +12,7 @@ from conftest import rel_err
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler.device_intervals import col_tables, gluon_interval_tables, interval_spec, row_tables
-from blocksparse_fa.ops import api, interval_backend
+from blocksparse_fa.ops import interval_backend, prepare
 
 
 @pytest.fixture(autouse=True)
@@ -165,7 +165,7 @@ class _RefuseHostLayouts:
 
         self.ctx = self.monkeypatch.context()
         m = self.ctx.__enter__()
-        m.setattr(api, "compile_mask", self.refuse)
+        m.setattr(prepare, "compile_mask", self.refuse)  # layout_for, on the attention() path
         m.setattr(custom_op, "compile_mask", self.refuse)
 
     def __exit__(self, *exc):

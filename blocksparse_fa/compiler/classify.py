@@ -31,7 +31,7 @@ from ..mask.expr import And, EvalContext, Mask, Not, Or, broadcast_batch_shapes,
 from ..mask.neighborhood import Geometry
 from ..mask.shift import Shift
 from . import rowsets
-from .segments import AND_TABLE, EMPTY, FULL, NOT_TABLE, OR_TABLE, PARTIAL, UNSURE, Segments
+from .segments import AND_TABLE, EMPTY, FULL, NOT_TABLE, OR_TABLE, PARTIAL, REPLACE_UNSURE, UNSURE, Segments
 
 __all__ = ["Grid", "classify", "refine", "block_context"]
 
@@ -1059,32 +1059,19 @@ def block_context(mask: Mask, g: Grid, rows: np.ndarray, cols: np.ndarray, devic
     return EvalContext(g.q_len, g.kv_len, ic, ic + g.off, jc, b, h), valid
 
 
-_REPLACE_UNSURE = np.array([[a if a != UNSURE else b for b in range(4)] for a in range(4)], dtype=np.int8)
-
-
-def _expand(segs: Segments, sel: np.ndarray):
-    """``(rows, cols)`` of every block of the selected segments."""
-    starts, ends, rows = segs.starts[sel], segs.ends[sel], segs.rows[sel]
-    lengths = ends - starts
-    seg = np.repeat(np.arange(len(starts)), lengths)
-    offs = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return rows[seg], starts[seg] + offs
-
-
 def refine(segs: Segments, mask: Mask, g: Grid, budget: int) -> tuple[Segments, int]:
     """Evaluate ``UNSURE`` blocks exactly while the element budget lasts; the rest become partial.
     Touches only the uncertain blocks (not every non-empty one).
 
     Returns the new segments and the number of blocks refined.
     """
-    unsure_seg = segs.state == UNSURE
-    if not unsure_seg.any():
+    if not (segs.state == UNSURE).any():
         return segs, 0
-    rows, cols = _expand(segs, unsure_seg)
+    rows, cols = segs.blocks_in(UNSURE)
     n_eval = min(len(rows), budget // (g.bm * g.bn))
     st = np.full(len(rows), PARTIAL, np.int8)
     if n_eval:
         st[:n_eval] = evaluate_blocks(mask, g, rows[:n_eval], cols[:n_eval], segs.batch_shape)
     # a patch holding the settled states (EMPTY where nothing else is), applied where UNSURE
     patch = Segments.from_blocks(g.tr, g.tc, rows, cols, st, segs.batch_shape)
-    return combine(segs, patch, _REPLACE_UNSURE), int(n_eval)
+    return combine(segs, patch, REPLACE_UNSURE), int(n_eval)

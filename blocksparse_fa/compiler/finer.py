@@ -30,7 +30,8 @@ from ..mask.primitives import MaskMod
 from .classify import Grid, classify, refine
 from .segments import EMPTY, FULL, PARTIAL, UNSURE, Segments
 
-__all__ = ["list_states", "upsample", "ListCost", "list_cost", "pick_list_block", "side_costs", "COST"]
+__all__ = ["list_states", "upsample", "limit_to", "classified_states", "ListCost", "list_cost", "pick_list_block",
+           "side_costs", "COST"]
 
 # REFINE[coarse, fine]: the finer state decides only inside a partial (or uncertain) layout block
 _REFINE = np.array([[EMPTY] * 4, [EMPTY, PARTIAL, FULL, UNSURE], [FULL] * 4, [EMPTY, PARTIAL, FULL, UNSURE]],
@@ -66,15 +67,20 @@ def upsample(segs: Segments, fr: int, fc: int, tr: int, tc: int) -> Segments:
     return Segments(segs.batch_shape, tr, tc, key, state)
 
 
-def _classified(mask, grid: Grid, coarse_up: Segments) -> Segments:
+def limit_to(coarse_up: Segments, fine: Segments) -> Segments:
+    """``fine`` limited to a layout's states ``coarse_up`` (upsampled to the same grid): the finer
+    state decides only inside the layout's partial (or uncertain) blocks."""
+    return coarse_up.combine(fine, _REFINE)
+
+
+def classified_states(mask, grid: Grid, coarse_up: Segments) -> Segments:
     """Finer states of ``mask`` on ``grid`` inside the partial blocks of ``coarse_up`` (the
     layout's states on the same grid); the layout's state elsewhere."""
     care = None  # where the result matters: only a mask_mod's evaluation asks
     if any(isinstance(leaf, MaskMod) for leaf in mask.leaves()):
         care = coarse_up.map_states(np.array([EMPTY, PARTIAL, EMPTY, PARTIAL], np.int8))
     fine = classify(mask, grid, care).broadcast_to(mask.batch_shape or (1, 1))
-    segs = coarse_up.combine(fine, _REFINE)
-    segs, _ = refine(segs, mask, grid, _REFINE_BUDGET)
+    segs, _ = refine(limit_to(coarse_up, fine), mask, grid, _REFINE_BUDGET)
     return segs
 
 
@@ -82,8 +88,11 @@ def list_states(layout, bm: int, bn: int) -> Segments:
     """Block states of ``layout`` at the finer block ``(bm, bn)`` (each dividing the layout's block on
     its side), limited to the layout's states (see the module docstring); cached on the layout.
 
-    A shard (``compiler/shard.py``) takes its source layout's finer states at its own local rows
-    and columns, limited to the shard's own states (so dropped blocks and split rows stay as cut)."""
+    The layout says how its finer states are found (``layout._finer_states(grid, coarse_up)``):
+    a :class:`~blocksparse_fa.compiler.layout.BlockLayout` classifies its mask again
+    (:func:`classified_states`); a shard (``compiler/shard.py``) takes its source layout's finer
+    states at its own local rows and columns, limited to the shard's own states (so dropped blocks
+    and split rows stay as cut)."""
     lbm, lbn = layout.block_size
     if (bm, bn) == (lbm, lbn):
         return layout._segs
@@ -96,33 +105,8 @@ def list_states(layout, bm: int, bn: int) -> Segments:
     g = layout._grid
     fine_grid = Grid(g.q_len, g.kv_len, bm, bn, g.align, g.shift)
     coarse_up = upsample(layout._segs, lbm // bm, lbn // bn, fine_grid.tr, fine_grid.tc)
-    source = getattr(layout, "source", None)
-    if source is None:
-        segs = _classified(layout.mask, fine_grid, coarse_up)
-    else:
-        segs = coarse_up.combine(_shard_states(layout, source, bm, bn), _REFINE)
-    layout.cache[key] = segs
+    segs = layout.cache[key] = layout._finer_states(fine_grid, coarse_up)
     return segs
-
-
-def _split_blocks(blocks: np.ndarray, f: int, n_fine: int) -> np.ndarray:
-    """Finer block indices of ``blocks`` in order, ``f`` per block (fewer for the ragged last one)."""
-    fine = (np.asarray(blocks, np.int64)[:, None] * f + np.arange(f)[None, :]).reshape(-1)
-    return fine[fine < n_fine]
-
-
-def _shard_states(shard, source, bm: int, bn: int) -> Segments:
-    """The source's finer states at the shard's local finer rows and columns (no limits)."""
-    from .layout import BlockLayout
-    from .shard import shard_layout
-
-    sg = source._grid
-    lbm, lbn = source.block_size
-    fine_grid = Grid(sg.q_len, sg.kv_len, bm, bn, sg.align, sg.shift)
-    fine_src = BlockLayout(source.mask, fine_grid, (list_states(source, bm, bn), 0), source.device)
-    rows = _split_blocks(shard.rows, lbm // bm, fine_grid.tr)
-    cols = _split_blocks(shard.cols, lbn // bn, fine_grid.tc)
-    return shard_layout(fine_src, rows, cols)._segs
 
 
 # ------------------------------------------------------------------------------------------------

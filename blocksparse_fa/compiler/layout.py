@@ -10,6 +10,7 @@ import torch
 
 from ..mask.expr import Mask
 from .classify import Grid, block_context
+from .finer import classified_states, list_states
 from .luts import LUT, SideTables, build_luts, build_side
 from .segments import EMPTY, FULL, PARTIAL, Segments
 
@@ -191,8 +192,6 @@ class BlockLayout(_BlockCounts):
         keys. Default: the layout block."""
         g = self._grid
         row_list, col_list = row_list or g.bn, col_list or g.bm
-        from .finer import list_states
-
         rkey, ckey = ("row_table", bool(row_runs), row_list), ("col_table", col_runs, col_list)
         rows, cols = self.cache.get(rkey), self.cache.get(ckey)
         diag = self.diagonals
@@ -209,6 +208,11 @@ class BlockLayout(_BlockCounts):
                                                  edge=g.q_len % col_list != 0, runs=col_runs,
                                                  max_listed=COL_LIST_LIMIT)
         return rows, cols
+
+    def _finer_states(self, grid: Grid, coarse_up: Segments) -> Segments:
+        """The mask's states on the finer ``grid``, limited to this layout's states ``coarse_up``
+        (upsampled to it): :func:`~blocksparse_fa.compiler.finer.list_states` asks."""
+        return classified_states(self.mask, grid, coarse_up)
 
     # -- views -----------------------------------------------------------------------------------
     def block_states(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..mask import primitives as P
 from ..mask.expr import And, Mask, Not, Or
-from .segments import EMPTY, FULL, PARTIAL, UNSURE, Segments
+from .segments import EMPTY, FULL, PARTIAL, REPLACE_UNSURE, UNSURE, Segments
 
 __all__ = ["applies", "settle"]
 
@@ -149,12 +149,9 @@ def settle(m: Mask, g, segs: Segments) -> Segments:
     """``segs`` (the state algebra's result for ``m``, requires :func:`applies`) with every
     ``UNSURE`` block replaced by its exact state, counted from the interval sets of the block's
     rows: O(bm · k) per block, nothing evaluated element by element."""
-    from .classify import _REPLACE_UNSURE, _expand
-
-    unsure = segs.state == UNSURE
-    if not unsure.any():
+    if not (segs.state == UNSURE).any():
         return segs
-    rows, cols = _expand(segs, unsure)
+    rows, cols = segs.blocks_in(UNSURE)
     tree, key_sets = _split_top(m)
     kv = g.kv_len
     rb, inv = np.unique(rows, return_inverse=True)
@@ -186,4 +183,4 @@ def settle(m: Mask, g, segs: Segments) -> Segments:
         size = n_rows * (b[:, 0, 0] - a[:, 0, 0] + 1)
         st[sel] = np.where(kept == 0, EMPTY, np.where(kept == size, FULL, PARTIAL))
     patch = Segments.from_blocks(g.tr, g.tc, rows, cols, st, segs.batch_shape)
-    return segs.combine(patch, _REPLACE_UNSURE)
+    return segs.combine(patch, REPLACE_UNSURE)

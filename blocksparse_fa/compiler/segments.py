@@ -31,6 +31,8 @@ OR_TABLE = np.array([
     [UNSURE, UNSURE, FULL, UNSURE],
 ], dtype=np.int8)
 NOT_TABLE = np.array([FULL, PARTIAL, EMPTY, UNSURE], dtype=np.int8)
+REPLACE_UNSURE = np.array([[a if a != UNSURE else b for b in range(4)] for a in range(4)], dtype=np.int8)
+"""``a.combine(patch, REPLACE_UNSURE)``: the patch's state where ``a`` is ``UNSURE``, ``a``'s elsewhere."""
 
 
 @dataclass
@@ -148,16 +150,23 @@ class Segments:
 
     def blocks(self, nonempty: bool = True):
         """Expanded ``(rows, cols, states)`` of every block (non-empty ones only by default)."""
-        starts, ends, st = self.starts, self.ends, self.state
-        rows = self.rows
-        if nonempty:
-            sel = st != EMPTY
-            starts, ends, st, rows = starts[sel], ends[sel], st[sel], rows[sel]
+        sel = self.state != EMPTY if nonempty else slice(None)
+        rows, cols, seg = self._expand(sel)
+        return rows, cols, self.state[sel][seg]
+
+    def blocks_in(self, state: int):
+        """Expanded ``(rows, cols)`` of every block in ``state``."""
+        rows, cols, _ = self._expand(self.state == state)
+        return rows, cols
+
+    def _expand(self, sel):
+        """``(rows, cols, segment)`` of every block of the selected segments (``segment`` indexes
+        the selection)."""
+        starts, ends, rows = self.starts[sel], self.ends[sel], self.rows[sel]
         lengths = ends - starts
-        total = int(lengths.sum())
         seg = np.repeat(np.arange(len(starts)), lengths)
-        offs = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        return rows[seg], starts[seg] + offs, st[seg]
+        offs = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return rows[seg], starts[seg] + offs, seg
 
     # -- algebra ------------------------------------------------------------------------------
     def broadcast_to(self, batch_shape) -> "Segments":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .classify import Grid
+from .finer import limit_to, list_states
 from .layout import BlockLayout
 from .segments import EMPTY, Segments
 
@@ -102,6 +103,17 @@ class ShardLayout(BlockLayout):
         keep = st.repeat_interleave(bm, -2)[..., : g.q_len, :].repeat_interleave(bn, -1)[..., : g.kv_len]
         return (sub & keep).to(self.device)
 
+    def _finer_states(self, grid: Grid, coarse_up: Segments) -> Segments:
+        """The source's finer states at this shard's local finer rows and columns, limited to the
+        shard's own states ``coarse_up``."""
+        src, sg = self.source, self.source._grid
+        lbm, lbn = src.block_size
+        fine_grid = Grid(sg.q_len, sg.kv_len, grid.bm, grid.bn, sg.align, sg.shift)
+        fine_src = BlockLayout(src.mask, fine_grid, (list_states(src, grid.bm, grid.bn), 0), src.device)
+        rows = _split_blocks(self.rows, lbm // grid.bm, fine_grid.tr)
+        cols = _split_blocks(self.cols, lbn // grid.bn, fine_grid.tc)
+        return limit_to(coarse_up, shard_layout(fine_src, rows, cols)._segs)
+
     def element_density(self, device="cpu") -> float:
         raise NotImplementedError("element_density of a shard: ask its source layout")
 
@@ -112,6 +124,12 @@ class ShardLayout(BlockLayout):
         return (f"Shard of {self.source.summary().splitlines()[0]}\n  local rows={len(self.rows)} "
                 f"cols={len(self.cols)} q_len={self.q_len} kv_len={self.kv_len} full={self.n_full} "
                 f"partial={self.n_partial}")
+
+
+def _split_blocks(blocks: np.ndarray, f: int, n_fine: int) -> np.ndarray:
+    """Finer block indices of ``blocks`` in order, ``f`` per block (fewer for the ragged last one)."""
+    fine = (np.asarray(blocks, np.int64)[:, None] * f + np.arange(f)[None, :]).reshape(-1)
+    return fine[fine < n_fine]
 
 
 def _block_lengths(blocks: np.ndarray, b: int, length: int) -> np.ndarray:

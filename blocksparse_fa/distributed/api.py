@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..compiler.cache import LRUCache
 from ..compiler.layout import BlockLayout
 from ..mask.dsl import parse
-from ..ops.api import draw_seed, resolve_backend
+from ..ops.prepare import draw_seed, resolve_backend, seed_tensor
 from ..ops.dispatch import pad_head_dims, slice_head_dim
 from ..ops.options import as_options
 from ..ops.validate import MAX_HEAD_DIM, check_qkv, check_scalars
@@ -173,7 +173,6 @@ def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan 
 
 def _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return_lse, backend, overlap, check, opts):
     """The ``torch.compile`` path: the custom ops of :mod:`.custom_op` (a plan is required)."""
-    from ..ops.custom_op import _seed_tensor
     from .custom_op import cp_attention_op
 
     if plan is None:
@@ -185,6 +184,6 @@ def _compiled(q, k, v, mask, plan, group, scale, dropout_p, dropout_seed, return
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
     overlap = plan.overlap_auto if overlap == "auto" else bool(overlap)
-    out, lse = cp_attention_op(q, k, v, plan, group, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed),
+    out, lse = cp_attention_op(q, k, v, plan, group, scale, dropout_p, seed_tensor(dropout_p, dropout_seed),
                                backend, overlap, bool(check), opts)
     return (out, lse) if return_lse else out

@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from ..ops.api import resolve_backend
+from ..ops.prepare import encoded_options, resolve_backend
 from ..ops.options import decode_options
 from .attention import cp_backward, cp_forward, fetch
 from .comm import check_call, init_group, resolve_group
@@ -135,9 +135,7 @@ def cp_attention_op(q, k, v, plan: ContextParallelPlan, group, scale: float, dro
                     backend: str, overlap: bool, check: bool, opts=None):
     """``(out, lse)`` through the custom op (the path :func:`context_parallel_attention` takes under
     ``torch.compile``; ``opts``: the call's kernel options)."""
-    from ..ops.custom_op import _encoded
-
     out, lse, _ = cp_attention_fwd(q, k, v, _handle(plan), _group_name(group), scale, dropout_p, seed, backend,
-                                   overlap, check, _encoded(opts))
+                                   overlap, check, encoded_options(opts))
     return out, lse
 

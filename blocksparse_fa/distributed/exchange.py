@@ -34,11 +34,9 @@ from ..compiler.compile import compile_mask
 from ..compiler.intervals import row_interval
 from ..compiler.shard import shard_layout
 from ..mask.primitives import Causal, Full, causal, full
-from .plan import ContextParallelPlan, _tokens
+from .plan import MAX_RUNS, ContextParallelPlan, _tokens
 
 __all__ = ["Exchange", "Part", "exchange_for", "MAX_RUNS"]
-
-MAX_RUNS = 4  # messages per peer and phase before a pair's tokens travel as one packed message
 
 
 def _t(a, device) -> torch.Tensor:

@@ -27,11 +27,13 @@ from ..compiler.layout import BlockLayout
 from ..compiler.segments import EMPTY, FULL
 from ..mask.dsl import parse
 from ..mask.expr import Mask
+from ..mask.primitives import Causal, Full, full
 from .balance import STRATEGIES, assign, halo_counter, row_costs, row_counts, split_rows, unit_costs
 
 __all__ = ["CostModel", "ContextParallelPlan", "plan_context_parallel"]
 
 TIE = 0.02  # estimates closer than this are ties, settled by the bytes moved
+MAX_RUNS = 4  # messages per peer and phase before a pair's tokens travel as one packed message (exchange.py)
 
 
 @dataclass(frozen=True)
@@ -309,8 +311,6 @@ class ContextParallelPlan:
         preprocess and its kernel). ``causal()`` and dense masks run their backward as a dense and
         a causal rectangle per contiguous piece of the rank's tokens (``exchange._rectangles``),
         cut again at the own pieces when overlapped; other masks one launch per key part."""
-        from ..mask.primitives import Causal, Full
-
         parts = 2 if overlap and len(rk.remote_cols) else 1
         pieces = 1 + int(np.count_nonzero(np.diff(rk.units) != 1)) if len(rk.units) else 0
         rect = isinstance(self.layout.mask, (Causal, Full)) and not self.layout.batch_shape and not len(self.split)
@@ -319,9 +319,7 @@ class ContextParallelPlan:
 
     def _messages(self, rk: _Rank) -> int:
         """Messages a rank sends and receives per fwd+bwd (runs of consecutive tokens, a packed
-        message where a pair has more than ``exchange.MAX_RUNS``; gradients return packed)."""
-        from .exchange import MAX_RUNS
-
+        message where a pair has more than :data:`MAX_RUNS`; gradients return packed)."""
         def runs(blocks):
             return 0 if not len(blocks) else 1 + int(np.count_nonzero(np.diff(blocks) != 1))
         n = 0
@@ -463,8 +461,6 @@ def _as_layout(mask, seq_len: int, block_size) -> BlockLayout:
         return mask.to("cpu")
     m = parse(mask) if isinstance(mask, str) else mask
     if m is None:
-        from ..mask.primitives import full
-
         m = full()
     if not isinstance(m, Mask):
         raise TypeError(f"mask must be a Mask, DSL text, BlockLayout or None, got {type(mask).__name__}")

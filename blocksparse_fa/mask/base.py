@@ -15,11 +15,12 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .expr import EvalContext, Mask
+from .expr import EvalContext, Mask, broadcast_batch_shapes, check_param_batch
 
 __all__ = [
     "INT32_MAX", "BIG", "check_int", "tensor_fingerprint", "ParamTensor", "per_head", "per_batch", "Primitive",
-    "IntervalPrimitive", "RowPrimitive", "pack_bits", "bit_at", "declared_shape", "check_param_batch",
+    "IntervalPrimitive", "RowPrimitive", "TensorPrimitive", "pack_bits", "bit_at", "declared_shape",
+    "check_param_batch",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -106,19 +107,6 @@ def declared_shape(value, checked) -> tuple | None:
     if isinstance(value, torch.Tensor) and value.dim() > 0 and not isinstance(checked, ParamTensor):
         return tuple(value.shape)
     return None
-
-
-def check_param_batch(prim: str, arg: str, shape, B: int, H: int) -> None:
-    """``ValueError`` unless a ``(Bp, Hp)`` parameter fits ``B`` sequences and ``H`` query heads."""
-    if shape is None:
-        return
-    bp, hp = shape
-    if bp not in (1, B):
-        raise ValueError(f"{prim}(): argument '{arg}' holds {bp} per-batch values but the inputs have B={B} "
-                         f"sequences: per_batch() needs exactly B values (or one for all)")
-    if hp not in (1, H):
-        raise ValueError(f"{prim}(): argument '{arg}' holds {hp} per-head values but q has H={H} heads: "
-                         f"per_head() needs exactly H values (or one for all)")
 
 
 def _check_param(prim: str, arg: str, value, minimum: int, tensor_ok: bool):
@@ -252,8 +240,6 @@ class Primitive(Mask):
         shapes = [tuple(v.t.shape) for v in self._params if isinstance(v, ParamTensor)]
         if not shapes:
             return ()
-        from .expr import broadcast_batch_shapes
-
         return broadcast_batch_shapes(shapes)
 
     def _pv(self, ctx: EvalContext) -> tuple:
@@ -371,3 +357,48 @@ class RowPrimitive(Primitive):
 
     def _eval(self, ctx: EvalContext):
         return self._rows(ctx.qp, self._pv(ctx))
+
+
+class TensorPrimitive(Primitive):
+    """A primitive that holds a tensor (``TENSOR`` names its constructor keyword): identity by the
+    tensor's content hash, traced as one variable per tensor object under ``torch.compile``."""
+
+    __slots__ = ("tensor",)
+
+    def _tensor_key(self):
+        if self._fp is None:
+            self._fp = tensor_fingerprint(self.tensor)
+        return self._fp
+
+    def _ident(self):
+        if torch.compiler.is_compiling():  # traced: no data to hash; one variable per tensor object
+            return (self.name, "object", id(self.tensor))
+        return (self.name, self._tensor_key())
+
+    def _user_tensor(self):
+        """The tensor to hand back to the constructor (``tensors()``, text round trip)."""
+        return self.tensor
+
+    def _tensor_items(self):
+        return [(self.TENSOR, self._ident(), self._user_tensor())] + super()._tensor_items()
+
+    def _text(self, names):
+        base = super()._text(names)
+        var = names[self._ident()]
+        if var == self.TENSOR:
+            return base
+        if base == self.name:
+            return f"{self.name}({var})"
+        return f"{self.name}({var}, {base[len(self.name) + 1:]}"
+
+    def _device(self):
+        return self.tensor.device
+
+    def _bh_index(self, ctx: EvalContext, nb: int, nh: int | None = None):
+        """Index tensors into the tensor's own batch (and head) dims, broadcasting size-1 dims."""
+        zero = torch.zeros((), dtype=torch.long, device=ctx.j.device)
+        b = ctx.b.to(ctx.j.device) if (nb > 1 and ctx.b is not None) else zero
+        if nh is None:
+            return b
+        h = ctx.h.to(ctx.j.device) if (nh > 1 and ctx.h is not None) else zero
+        return b, h

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import check_int, pack_bits, _unpack_bits
+from .base import TensorPrimitive, _unpack_bits, check_int, pack_bits, tensor_fingerprint
 from .expr import EvalContext
-from .primitives import _TensorPrimitive
 
 __all__ = ["BlockMask", "DenseMask", "MaskMod"]
 
@@ -29,7 +28,7 @@ def _bool_grid(prim: str, t) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(0).unsqueeze(0)
 
 
-class _BitGrid(_TensorPrimitive):
+class _BitGrid(TensorPrimitive):
     """A bool grid stored bit-packed: ``tensor`` is int32 ``(B, H, R, ceil(C / 32))``."""
 
     __slots__ = ("n_cols", "_dev")
@@ -47,8 +46,6 @@ class _BitGrid(_TensorPrimitive):
 
     def _tensor_key(self):
         if self._fp is None:
-            from .base import tensor_fingerprint
-
             self._fp = (*tensor_fingerprint(self.tensor), self.n_cols)
         return self._fp
 
@@ -121,7 +118,7 @@ class DenseMask(_BitGrid):
         return self._bit(ctx, ctx.i, ctx.j)
 
 
-class MaskMod(_TensorPrimitive):
+class MaskMod(TensorPrimitive):
     """A FlexAttention-style callable ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
 
     ``q_idx`` is the query *row* index and ``kv_idx`` the key index, as in FlexAttention (so

@@ -86,6 +86,19 @@ def broadcast_batch_shapes(shapes) -> tuple[int, ...]:
     return out
 
 
+def check_param_batch(prim: str, arg: str, shape, B: int, H: int) -> None:
+    """``ValueError`` unless a ``(Bp, Hp)`` parameter fits ``B`` sequences and ``H`` query heads."""
+    if shape is None:
+        return
+    bp, hp = shape
+    if bp not in (1, B):
+        raise ValueError(f"{prim}(): argument '{arg}' holds {bp} per-batch values but the inputs have B={B} "
+                         f"sequences: per_batch() needs exactly B values (or one for all)")
+    if hp not in (1, H):
+        raise ValueError(f"{prim}(): argument '{arg}' holds {hp} per-head values but q has H={H} heads: "
+                         f"per_head() needs exactly H values (or one for all)")
+
+
 class Mask:
     """An attention mask expression.
 
@@ -228,8 +241,6 @@ class Mask:
         """Raise ``ValueError`` naming the primitive and the argument when a per-batch or per-head
         parameter does not hold ``B`` (or one) batch values and ``H`` (or one) head values, also
         where all its values are equal (the mask then keeps one value, but not the length)."""
-        from .base import check_param_batch
-
         for prim, arg, shape in self.batch_params():
             check_param_batch(prim, arg, shape, B, H)
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .dsl import MaskSyntaxError, _parse
 from .expr import Mask
+from .grammar import MaskSyntaxError, Parser
+from .primitives import PRIMITIVES
 
-__all__ = ["PatternInfo", "list_patterns", "load_pattern", "pattern_info"]
+__all__ = ["PatternInfo", "list_patterns", "load_pattern", "pattern_info", "resolve_name", "parse_text"]
 
 _MAX_PATTERN_DEPTH = 16
 
@@ -128,9 +129,49 @@ def _instantiate(name: str, args: list, kwargs: dict, tensors: dict, depth: int)
             raise ValueError(f"pattern '{name}' needs the tensor '{t}': pass it by keyword, e.g. {t}=tensor")
     env = {**tensors, **values}
     try:
-        return _parse(info.body, env, depth + 1)
+        return parse_text(info.body, env, depth + 1)
     except MaskSyntaxError as e:
         raise ValueError(f"in pattern '{name}': {e}") from None
+
+
+def resolve_name(name: str, args: list, kwargs: dict, variables: dict, depth: int) -> Mask:
+    """Turn a name with arguments into a mask: a primitive first, then a named pattern (the
+    ``resolve_name`` of :class:`~blocksparse_fa.mask.grammar.Parser`)."""
+    cls = PRIMITIVES.get(name)
+    if cls is not None:
+        try:
+            if cls.TENSOR is None:
+                return cls(*args, **kwargs)
+            what = "a callable" if name == "mask_mod" else "a tensor"
+            if args and (isinstance(args[0], torch.Tensor) or callable(args[0])):
+                return cls(*args, **kwargs)
+            t = variables.get(cls.TENSOR)
+            if not (isinstance(t, torch.Tensor) or (name == "mask_mod" and callable(t))):
+                raise ValueError(f"'{name}' needs {what}: give it as the first argument ({name}(x) with x=...) or "
+                                 f"by keyword, e.g. parse(text, {cls.TENSOR}=...)")
+            return cls(t, *args, **kwargs)
+        except ValueError:
+            # a pattern of the same name (e.g. 'sliding_window', 'prefix_lm') takes what the primitive can't
+            if name not in _pattern_names():
+                raise
+            try:
+                return _instantiate(name, args, kwargs, {k: v for k, v in variables.items() if isinstance(v, torch.Tensor)}, depth)
+            except ValueError:
+                pass
+            raise
+    if name in _pattern_names():
+        tensors = {k: v for k, v in variables.items() if isinstance(v, torch.Tensor)}
+        return _instantiate(name, args, kwargs, tensors, depth)
+    raise ValueError(
+        f"unknown mask name '{name}'; primitives: {', '.join(sorted(PRIMITIVES))}; "
+        f"patterns: {', '.join(_pattern_names())}"
+    )
+
+
+def parse_text(text: str, variables: dict, depth: int = 0) -> Mask:
+    """DSL text as a mask, its names primitives or named patterns (``depth``: the nesting reached
+    so far, patterns included); :func:`blocksparse_fa.mask.parse` checks the text first."""
+    return Parser(text, variables, resolve_name, depth).parse()
 
 
 def load_pattern(name: str, **overrides) -> Mask:

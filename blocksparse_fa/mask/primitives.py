@@ -41,10 +41,12 @@ import numpy as np
 import torch
 
 from .base import (
-    BIG, INT32_MAX, IntervalPrimitive, ParamTensor, Primitive, RowPrimitive, check_int, pack_bits, per_batch,
-    per_head, tensor_fingerprint,
+    BIG, INT32_MAX, IntervalPrimitive, ParamTensor, Primitive, RowPrimitive, TensorPrimitive, check_int, pack_bits,
+    per_batch, per_head, tensor_fingerprint,
 )
-from .expr import EvalContext, Mask
+from .custom import BlockMask, DenseMask, MaskMod
+from .expr import Mask
+from .neighborhood import Neighborhood, SlidingTiles
 
 __all__ = [
     "Primitive", "IntervalPrimitive", "RowPrimitive", "Full", "Causal", "Window", "SlidingWindow", "GlobalTokens",
@@ -265,50 +267,8 @@ class PeriodicWindow(Primitive):
 
 
 # ------------------------------------------------------------------------------------------------
-# primitives that hold a tensor
+# primitives that hold a tensor (on base.TensorPrimitive; block, dense and mask_mod ones in custom.py)
 # ------------------------------------------------------------------------------------------------
-class _TensorPrimitive(Primitive):
-    __slots__ = ("tensor",)
-
-    def _tensor_key(self):
-        if self._fp is None:
-            self._fp = tensor_fingerprint(self.tensor)
-        return self._fp
-
-    def _ident(self):
-        if torch.compiler.is_compiling():  # traced: no data to hash; one variable per tensor object
-            return (self.name, "object", id(self.tensor))
-        return (self.name, self._tensor_key())
-
-    def _user_tensor(self):
-        """The tensor to hand back to the constructor (``tensors()``, text round trip)."""
-        return self.tensor
-
-    def _tensor_items(self):
-        return [(self.TENSOR, self._ident(), self._user_tensor())] + super()._tensor_items()
-
-    def _text(self, names):
-        base = super()._text(names)
-        var = names[self._ident()]
-        if var == self.TENSOR:
-            return base
-        if base == self.name:
-            return f"{self.name}({var})"
-        return f"{self.name}({var}, {base[len(self.name) + 1:]}"
-
-    def _device(self):
-        return self.tensor.device
-
-    def _bh_index(self, ctx: EvalContext, nb: int, nh: int | None = None):
-        """Index tensors into the tensor's own batch (and head) dims, broadcasting size-1 dims."""
-        zero = torch.zeros((), dtype=torch.long, device=ctx.j.device)
-        b = ctx.b.to(ctx.j.device) if (nb > 1 and ctx.b is not None) else zero
-        if nh is None:
-            return b
-        h = ctx.h.to(ctx.j.device) if (nh > 1 and ctx.h is not None) else zero
-        return b, h
-
-
 def _one_run_each(ids2d: torch.Tensor) -> bool:
     """Whether every id of every row of ``ids2d`` ``(B, L)`` (CPU) forms one contiguous run."""
     for row in ids2d:
@@ -318,7 +278,7 @@ def _one_run_each(ids2d: torch.Tensor) -> bool:
     return True
 
 
-class Document(_TensorPrimitive):
+class Document(TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
     with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
 
@@ -435,7 +395,7 @@ def _tracing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-class _PositionSet(_TensorPrimitive):
+class _PositionSet(TensorPrimitive):
     """A set of positions: int tensor ``(n,)`` or ``(B, n)`` (one set per batch row); negative
     entries are padding and ignored, duplicates and order do not matter."""
 
@@ -602,9 +562,6 @@ def random_block_choice(seed: int, qblocks: np.ndarray, n_cols: int, r: int) -> 
         out[idx] = np.argsort(scores, axis=1, kind="stable")[:, :r]
     return out
 
-
-from .custom import BlockMask, DenseMask, MaskMod  # noqa: E402  (they build on _TensorPrimitive)
-from .neighborhood import Neighborhood, SlidingTiles  # noqa: E402
 
 PRIMITIVES: dict[str, type[Primitive]] = {
     cls.name: cls

@@ -1,4 +1,5 @@
-"""``attention``: the public entry point. It validates, finds the compiled layout and dispatches.
+"""``attention``: the public entry point. It validates, finds the compiled layout and dispatches
+(the steps it shares with the custom op are in ``ops/prepare.py`` and ``ops/route.py``).
 
 Eager calls run :mod:`blocksparse_fa.ops.dispatch` through a plain autograd function; under
 ``torch.compile`` the same path runs inside the ``torch.library`` custom op
@@ -7,193 +8,21 @@ Eager calls run :mod:`blocksparse_fa.ops.dispatch` through a plain autograd func
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from dataclasses import replace
 
 import torch
 
-from ..compiler.cache import LRUCache
-from ..compiler.compile import block_pair, compile_mask, generation
-from ..compiler.layout import BlockLayout
-from ..mask.dsl import parse
-from ..mask.expr import Mask, query_offset
-from ..mask.primitives import full, mask_mod
 from ..mask.score import check_score_mod
 from . import dispatch
-from .dense import dense_forward, inputs_finite, prefer_dense
 from .options import as_options
-from .validate import (Shapes, bool_mask_to_mask, check_layout, check_qkv, check_scalars, flatten_batch,
-                       unflatten_batch)
+from .prepare import BACKENDS, draw_seed, layout_for, resolve_backend, triton_available
+from .prepare import as_mask, check_align, check_mask_for, interpreter_enabled  # noqa: F401  (importable here too)
+from .route import device_intervals, run
+from .route import takes_dense_path  # noqa: F401  (importable here too)
+from .validate import bool_mask_to_mask, check_qkv, check_scalars, flatten_batch, unflatten_batch
 
 __all__ = ["attention", "BACKENDS", "resolve_backend", "layout_for", "draw_seed", "triton_available"]
-
-BACKENDS = ("auto", "triton", "torch")
-DEFAULT_BLOCK = 128
-_log = logging.getLogger("blocksparse_fa")
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def triton_available() -> bool:
-    """Whether Triton can be imported (it is imported here, on first use, not with the package)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _require_triton() -> None:
-    if not triton_available():
-        raise RuntimeError("backend='triton' needs the triton package, which cannot be imported here "
-                           "(pip install triton; it has wheels for Linux): use backend='torch', the exact "
-                           "PyTorch implementation, or backend='auto'")
-
-
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``"triton"`` or ``"torch"`` for this request; clear errors for impossible combinations.
-
-    ``"auto"`` is Triton for CUDA tensors (float16, bfloat16, float32) when triton can be imported,
-    the PyTorch backend otherwise (CPU, float64)."""
-    if backend == "auto":
-        if device.type == "cuda" and dtype != torch.float64:
-            if triton_available():
-                return "triton"
-            _log.warning("blocksparse_fa: triton cannot be imported; CUDA tensors run the PyTorch backend")
-        return "torch"
-    if backend == "torch":
-        return backend
-    if backend != "triton":
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if dtype == torch.float64:
-        raise TypeError("backend='triton' supports float16, bfloat16 and float32; use backend='torch' for float64")
-    _require_triton()
-    if device.type == "cpu" and not interpreter_enabled():
-        raise RuntimeError("backend='triton' on CPU tensors runs the kernels in Triton's interpreter: "
-                           "set TRITON_INTERPRET=1 in the environment before Python starts "
-                           "(or use backend='torch', the exact CPU implementation)")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"backend='triton' needs CUDA (or CPU under TRITON_INTERPRET=1) tensors, got {device}")
-    return backend
-
-
-_BY_ID = LRUCache(256)  # (id(mask), lengths, block, device, rewrite, align) -> (mask, layout): no hashing of the tree
-
-
-def check_align(align, layout=None) -> str:
-    """``align`` (``None``: ``layout``'s own, else ``"bottom_right"``) validated against ``layout``."""
-    if layout is not None:
-        if align is not None and align != layout.align:
-            raise ValueError(f"align={align!r} conflicts with the compiled layout's align={layout.align!r}")
-        return layout.align
-    align = "bottom_right" if align is None else align
-    query_offset(1, 1, align)  # validates it
-    return align
-
-
-def layout_for(mask, s: Shapes, device, block_size=None, rewrite: bool = True, align=None) -> BlockLayout:
-    """The compiled layout of ``mask`` (Mask, DSL text, BlockLayout or None) for these shapes."""
-    if isinstance(mask, BlockLayout):
-        if block_size is not None and tuple(mask.block_size) != block_pair(block_size):
-            raise ValueError(f"block_size={block_size!r} conflicts with the layout's block size {mask.block_size}")
-        check_align(align, mask)
-        check_layout(mask, s)
-        return mask
-    align = check_align(align)
-    key = (id(mask), s.Lq, s.Lk, block_size, device, rewrite, align)
-    hit = _BY_ID.get(key)
-    if hit is not None and hit[0] is mask and hit[2] == generation():
-        check_layout(hit[1], s)  # the key holds no (B, H)
-        return hit[1]
-    m = as_mask(mask)
-    layout = compile_mask(m, s.Lq, s.Lk, block_pair(block_size), device=device, rewrite=rewrite, align=align)
-    check_layout(layout, s)
-    _BY_ID.put(key, (mask, layout, generation()))
-    return layout
-
-
-def as_mask(mask) -> Mask:
-    """``mask`` as a Mask: a Mask, DSL text, a FlexAttention-style ``mask_mod`` callable
-    ``fn(b, h, q_idx, kv_idx)`` (wrapped in :func:`~blocksparse_fa.mask_mod`) or None (dense)."""
-    if mask is None:
-        return full()
-    if isinstance(mask, str):
-        return parse(mask)
-    if isinstance(mask, Mask):
-        return mask
-    if callable(mask) and not isinstance(mask, (torch.Tensor, BlockLayout)):
-        return mask_mod(mask)
-    raise TypeError(f"mask must be a Mask, BlockLayout, DSL text, a bool tensor, a mask_mod callable or None, "
-                    f"got {type(mask).__name__}")
-
-
-def check_mask_for(mask, s: Shapes, block_size=None, align=None) -> None:
-    """Validate ``mask`` against these shapes without compiling it (used for meta tensors)."""
-    if isinstance(mask, BlockLayout):
-        if block_size is not None and tuple(mask.block_size) != block_pair(block_size):
-            raise ValueError(f"block_size={block_size!r} conflicts with the layout's block size {mask.block_size}")
-        check_align(align, mask)
-        check_layout(mask, s)
-        return
-    check_align(align)
-    if isinstance(mask, int) and not isinstance(mask, bool):
-        return  # a registry handle (attention_op)
-    m = as_mask(mask)
-    block_pair(block_size)
-    m.check_lengths(s.Lq, s.Lk)
-    m.check_batch(s.B, s.H)
-    if m.batch_shape:
-        bm, hm = m.batch_shape
-        if bm not in (1, s.B) or hm not in (1, s.H):
-            raise ValueError(f"mask batch shape {m.batch_shape} does not fit (B, H) = ({s.B}, {s.H})")
-
-
-def device_intervals(q, k, v, mask, s: Shapes, scale: float, dropout_p: float, dropout_seed, score_mod, backend: str,
-                     align, return_lse: bool, kernel_options=None):
-    """The result of the device-interval path (``ops/interval_backend.py``) for masks that hold a
-    ``document(ids)`` and keep one key interval per row, or None (the layout path applies)."""
-    if not isinstance(mask, Mask):
-        return None
-    from .interval_backend import try_interval_attention
-
-    return try_interval_attention(q, k, v, mask, s, scale, dropout_p, dropout_seed, score_mod, backend, align,
-                                  return_lse, kernel_options)
-
-
-def draw_seed(dropout_p: float, dropout_seed) -> int:
-    """The dropout seed: 0 without dropout, ``dropout_seed`` checked, or one drawn from torch's RNG."""
-    if dropout_p == 0.0:
-        return 0
-    if dropout_seed is None:
-        return int(torch.randint(0, 2**62, (1,)).item())
-    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**62:
-        raise ValueError(f"dropout_seed must be an int in [0, 2**62), got {dropout_seed!r}")
-    return dropout_seed
-
-
-def takes_dense_path(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, be: str,
-                     return_lse: bool, score_mod=None) -> bool:
-    """Whether a call runs PyTorch's SDPA over the materialised mask (:mod:`blocksparse_fa.ops.dense`):
-    ``backend="auto"`` on CPU tensors, no logsumexp or score modifier, the cost model prefers it and
-    the inputs are finite."""
-    return (backend == "auto" and be == "torch" and not return_lse and q.device.type == "cpu" and score_mod is None
-            and prefer_dense(layout, s, dropout_p) and inputs_finite(q, k, v))
-
-
-def run(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int, backend: str,
-        be: str, rewrite: bool, return_lse: bool, score_mod=None, opts=None):
-    """``(out, lse or None)`` over a compiled layout: ``be`` is the resolved backend, ``backend`` what
-    the caller asked for (``"auto"`` on CPU may take the dense path, :func:`takes_dense_path`);
-    ``opts``: the call's :class:`~blocksparse_fa.ops.options.KernelOptions`."""
-    if takes_dense_path(q, k, v, layout, s, dropout_p, backend, be, return_lse, score_mod):
-        dispatch.note_backend("dense")
-        return dense_forward(q, k, v, layout, s, scale), None
-    dispatch.note_backend(be)
-    return dispatch.apply(q, k, v, layout, s, scale, dropout_p, seed, be, rewrite, score_mod, as_options(opts))
 
 
 def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
@@ -96,9 +95,13 @@ from ..mask.expr import Mask
 from ..mask.primitives import full, mask_mod
 from ..mask.score import ScoreMod, check_score_mod
 from . import dispatch
-from .api import check_align, check_mask_for, device_intervals, resolve_backend, run
-from .options import KernelOptions, as_options, decode_options
+from .options import as_options, decode_options
+from .prepare import (check_align, check_mask_for, constant_result, draw_seed, encoded_options, resolve_backend,
+                      seed_tensor)
+from .route import device_intervals, run
 from .validate import check_layout, check_qkv, check_scalars
+
+_encoded, _seed_tensor = encoded_options, seed_tensor  # their names here before ops/prepare.py held them
 
 __all__ = [
     "attention_op", "register_mask", "LayoutRegistry", "registry", "attention_fwd", "attention_bwd",
@@ -321,31 +324,21 @@ def register_mask(mask, block_size=None, *, pin: bool = False, owner=None) -> in
     return h
 
 
-def _constant_result(fn):
-    """Mark ``fn`` for Dynamo as :func:`torch.compiler.assume_constant_result` does, without
-    importing Dynamo when it is not loaded yet (that import takes about a second and pulls in
-    Triton): the decorator only sets this attribute, which Dynamo reads when it traces a call."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_constant_result
+@constant_result
 def _handle_for(mask, block_size):
     # Trace-time constant under torch.compile (Dynamo guards on the mask object): for masks made
     # outside the compiled function, and for compiled layouts.
     return registry.register(mask, block_size)
 
 
-@_constant_result
+@constant_result
 def _handle_for_text(text: str, block_size):
     # Trace-time constant from the mask's DSL text: masks built inside a compiled function are
     # objects Dynamo creates lazily, but their text is an ordinary constant.
     return registry.register(parse(text), block_size)
 
 
-@_constant_result
+@constant_result
 def _handle_for_template(text: str, names: tuple, block_size):
     # Trace-time constant: a tensor-holding mask built inside a compiled function is its text plus
     # tensors that become op inputs (e.g. document ids that change every step).
@@ -503,32 +496,6 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------
 # the public entry point
 # ------------------------------------------------------------------------------------------------
-def _seed_tensor(dropout_p: float, dropout_seed) -> torch.Tensor | None:
-    if dropout_p == 0.0:
-        return None
-    if dropout_seed is None:
-        return torch.randint(0, 2**62, (), dtype=torch.int64)
-    if isinstance(dropout_seed, torch.Tensor):
-        return dropout_seed.to(device="cpu", dtype=torch.int64).reshape(())
-    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**62:
-        raise ValueError(f"dropout_seed must be an int in [0, 2**62), got {dropout_seed!r}")
-    return torch.tensor(dropout_seed, dtype=torch.int64)
-
-
-@_constant_result
-def _encoded(kernel_options) -> str:
-    # Trace-time constant under torch.compile: the options' canonical string, an argument of the ops.
-    # Dynamo hands a KernelOptions built inside the traced function over without its fields (an
-    # empty instance dict): refuse it rather than run the defaults.
-    if isinstance(kernel_options, str):
-        return as_options(kernel_options).encode()  # validated, canonical
-    if isinstance(kernel_options, KernelOptions) and not kernel_options.__dict__:
-        raise ValueError("kernel_options: a KernelOptions built inside a torch.compile'd function cannot be read "
-                         "while it is traced; build it outside the function (e.g. as a module attribute) or pass "
-                         "a dict of its fields")
-    return as_options(kernel_options).encode()
-
-
 def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
                  return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
                  align: str | None = None, score_mod=None, kernel_options=None):
@@ -568,8 +535,6 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
     Returns:
         ``out`` ``(B, H, Lq, Dv)`` in q's dtype (and ``lse`` if asked).
     """
-    from . import dispatch as _dispatch
-
     align = check_align(align, mask if isinstance(mask, BlockLayout) else None)
     s = check_qkv(q, k, v, dv_ok=True)
     scale, dropout_p = check_scalars(scale, dropout_p)
@@ -577,7 +542,7 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
     score_mod = check_score_mod(score_mod, s.H)
     if score_mod is not None and score_mod.fn is None:
         score_mod = score_mod.bind((s.B,), s.H, s.Lq, s.Lk, q.device)
-    q, k, v, dv = _dispatch.pad_head_dims(q, k, v)
+    q, k, v, dv = dispatch.pad_head_dims(q, k, v)
     res = device_intervals(q, k, v, mask, replace(s, D=q.shape[-1]), scale, dropout_p, dropout_seed, score_mod,
                            backend, align, return_lse, kernel_options)
     if res is not None:  # e.g. causal() & document(ids): intervals built on the device (ops/interval_backend.py)
@@ -592,13 +557,13 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
             raise NotImplementedError("score_mod: score_fn() callables run eagerly on the PyTorch backend only; under "
                                       "torch.compile use alibi(), bias() and softcap() (their tensors are op inputs)")
         handle, mask_tensors = mask_handle(mask, block_size)
-        out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, _seed_tensor(dropout_p, dropout_seed), backend,
+        out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, seed_tensor(dropout_p, dropout_seed), backend,
                                  bool(rewrite), align, mask_tensors or [], *_op_score_args(score_mod, s.H, q.device),
-                                 _encoded(kernel_options))
+                                 encoded_options(kernel_options))
         res = (out, lse.float()) if return_lse else out
     if return_lse:
-        return _dispatch.slice_head_dim(res[0], dv), res[1]
-    return _dispatch.slice_head_dim(res, dv)
+        return dispatch.slice_head_dim(res[0], dv), res[1]
+    return dispatch.slice_head_dim(res, dv)
 
 
 def _op_score_args(score_mod, H: int, device) -> tuple:
@@ -633,8 +598,6 @@ def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, bac
            score_mod=None, opts=None):
     """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch
     (inputs with one head dim, a checked scale and a bound score modifier)."""
-    from .api import draw_seed
-
     s = check_qkv(q, k, v)
     be = resolve_backend(backend, q.device, q.dtype)
     if be == "triton" and score_mod is not None and score_mod.fn is not None:

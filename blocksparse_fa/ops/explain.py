@@ -15,8 +15,9 @@ import torch
 
 from ..mask.score import check_score_mod
 from . import dispatch
-from .api import layout_for, resolve_backend, takes_dense_path
 from .options import as_options
+from .prepare import layout_for, resolve_backend
+from .route import takes_dense_path
 from .select import LayoutClass
 from .validate import bool_mask_to_mask, check_qkv, check_scalars, flatten_batch
 
