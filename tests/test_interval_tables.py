@@ -29,7 +29,8 @@ def _random_lengths(total: int, longest: int, seed: int) -> list:
 
 RECUR = torch.tensor([3] * 20 + [7] * 15 + [3] * 25 + [-5] * 30 + [7] * 10)  # ids 3 and 7 in two runs each
 CASES = {
-    "one_document": lambda: (bsfa.causal() & bsfa.document(torch.zeros(100, dtype=torch.long)), 100, 100, "bottom_right"),
+    "one_document": lambda: (bsfa.causal() & bsfa.document(torch.zeros(100, dtype=torch.long)), 100, 100,
+                             "bottom_right"),
     "length_one_documents": lambda: (bsfa.causal() & bsfa.document(torch.arange(70)), 70, 70, "bottom_right"),
     "many_documents": lambda: (bsfa.causal() & bsfa.document(_ids(_random_lengths(150, 12, 0))), 150, 150,
                                "bottom_right"),

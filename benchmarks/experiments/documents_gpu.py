@@ -36,10 +36,14 @@ import json
 import os
 import time
 
+import sys
+
 import torch
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler.device_intervals import gluon_interval_tables, interval_spec
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: host_path.py
 
 
 def _packing(total: int, lo: int, hi: int, g: torch.Generator) -> torch.Tensor:
@@ -212,6 +216,7 @@ def construction_timing(dev, dtype, L: int, D: int, report: dict, calls: int = 5
     from triton.testing import do_bench
 
     from blocksparse_fa.compiler import device_intervals as di
+    from host_path import graph_of, host_us
 
     g = torch.Generator().manual_seed(3)
     ids = _packing(L, min(2048, L // 4), min(16384, L // 2), g).to(dev)
@@ -222,27 +227,13 @@ def construction_timing(dev, dtype, L: int, D: int, report: dict, calls: int = 5
             def build():
                 return _construct(bsfa.causal() & bsfa.document(ids), L, dev, tiles, fast, gluon)
 
-            build()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                build()
-            host_us = (time.perf_counter() - t0) / calls * 1e6
-            torch.cuda.synchronize()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                build()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                build()
-            gpu_us = do_bench(graph.replay, return_mode="median") * 1e3
+            host = host_us(build, calls)
+            gpu_us = do_bench(graph_of(build), return_mode="median") * 1e3
             row = dict(L=L, construction="triton" if fast else "torch", forward_tables="gluon" if gluon else "triton",
-                       host_us=host_us, gpu_us=gpu_us)
+                       host_us=host, gpu_us=gpu_us)
             rows.append(row)
             print(f"  L={L:6d} {row['construction']:6s} construction, {row['forward_tables']:6s} forward tables: "
-                  f"host {host_us:8.1f} us   GPU {gpu_us:8.1f} us", flush=True)
+                  f"host {host:8.1f} us   GPU {gpu_us:8.1f} us", flush=True)
     mask = bsfa.causal() & bsfa.document(ids)
     spec = di.interval_spec(mask, L, L)
     fwd, (dkv, dq), _ = tiles
@@ -254,13 +245,9 @@ def construction_timing(dev, dtype, L: int, D: int, report: dict, calls: int = 5
         di.cached_table(iv, ("col", L, dkv.block_m, dkv.block_n), lambda: di.col_tables(iv, L, dkv.block_m,
                                                                                           dkv.block_n))
 
-    kept()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        kept()
-    host_us = (time.perf_counter() - t0) / calls * 1e6
-    rows.append(dict(L=L, construction="kept", host_us=host_us))
-    print(f"  L={L:6d} same mask again (kept): host {host_us:8.1f} us", flush=True)
+    host = host_us(kept, calls)
+    rows.append(dict(L=L, construction="kept", host_us=host))
+    print(f"  L={L:6d} same mask again (kept): host {host:8.1f} us", flush=True)
 
 
 class Block(torch.nn.Module):

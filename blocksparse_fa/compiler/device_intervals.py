@@ -127,7 +127,8 @@ class IntervalSpec(NamedTuple):
         if store is None:
             store = doc._device_cache = {}
         others = tuple((None if i == self.doc else p._ckey(), sh) for i, (p, sh) in enumerate(self.terms))
-        return store, (device, fast, self.q_len, self.kv_len, self.q_offset, self.zb, self.zh, others)
+        return store, (device, _stream(device), fast, self.q_len, self.kv_len, self.q_offset, self.zb, self.zh,
+                       others)
 
     def _reference_bounds(self, device) -> DeviceIntervals:
         qp = torch.arange(self.q_len, device=device, dtype=torch.int64) + self.q_offset
@@ -152,16 +153,23 @@ def _cacheable(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def _stream(device: torch.device):
+    """The current stream's id on CUDA devices (kept results are reused on the stream that made
+    them only: another stream would need an event), else None."""
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+
+
 def cached_table(iv: DeviceIntervals, key: tuple, build):
     """``build()``, kept on ``iv.lo`` under ``key`` for later calls with the same interval tensors
-    (the same objects, unmodified: their version counters are part of the check), as an eager
-    step's layers make them when they share a mask (:meth:`IntervalSpec.bounds` keeps the
-    intervals). Not kept while tracing, capturing a CUDA graph, or for inference tensors."""
+    (the same objects, unmodified: their version counters are part of the check) on the same
+    stream, as an eager step's layers make them when they share a mask (:meth:`IntervalSpec.bounds`
+    keeps the intervals). Not kept while tracing, capturing a CUDA graph, or for inference tensors."""
     lo = iv.lo
     if not _cacheable(lo.device) or lo.is_inference():
         return build()
     others = tuple(iv[1:])
     stamp = tuple(-1 if t is None else t._version for t in iv)
+    key = (_stream(lo.device),) + tuple(key)
     store = lo.__dict__.setdefault("_interval_tables", {})
     hit = store.get(key)
     if hit is not None and hit[1] == stamp and all(a is b for a, b in zip(hit[0], others)):
