@@ -29,6 +29,16 @@ packing) cost a sort of ``L`` ints and one id compare per boundary tile.
 (forward and dQ: the key tiles of each row tile; dK/dV: the row tiles of each key tile), and
 :func:`gluon_interval_tables` into those of the Gluon forward (``kernels/forward_gluon.py``),
 all on the device.
+
+Two constructions give the same tensors bit for bit: the torch operations here (the reference,
+used on the CPU and for any mask; some 40-60 small operations per piece), and the Triton kernels
+of ``kernels/interval_tables.py`` (CUDA devices, or ``fast=True``): one launch for the intervals of
+a document with terms of the forms ``max(c, qp + a) <= j <= min(c', qp + b)`` and query ranges
+(others as torch operations), two and a sort with an id compare, one launch per row table, two
+per column or Gluon table. Under ``torch.compile`` the intervals' launches are one custom
+operation (``blocksparse_fa::document_bounds``). Outside tracing and CUDA-graph capture the
+intervals are kept on the ``document`` (masks are immutable and clone their ids) and the tables on
+the intervals (:func:`cached_table`): an eager step whose layers pass the same mask builds them once.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from ..mask.expr import And, Mask, query_offset
 from ..mask.shift import Shift
 
 __all__ = ["IntervalSpec", "DeviceIntervals", "interval_spec", "interval_terms", "term_bounds", "document_runs",
-           "row_tables", "col_tables", "gluon_interval_tables"]
+           "row_tables", "col_tables", "gluon_interval_tables", "cached_table"]
 
 _FAR = 1 << 40  # "no bound" inside the table computations (int64)
 
@@ -82,8 +92,45 @@ class IntervalSpec(NamedTuple):
         known to be contiguous runs)."""
         return self.doc < 0 or bool(getattr(self.terms[self.doc][0], "contiguous", False))
 
-    def bounds(self, device) -> DeviceIntervals:
-        """The rows' intervals on ``device``: :class:`DeviceIntervals` (torch operations only)."""
+    def bounds(self, device, fast: bool | None = None) -> DeviceIntervals:
+        """The rows' intervals on ``device``: :class:`DeviceIntervals`.
+
+        ``fast``: through the Triton kernels of ``kernels/interval_tables.py`` (a few launches;
+        masks with a document whose shifts are integers) or the torch operations below (the
+        reference, any mask); None: Triton on CUDA devices. Both give the same tensors."""
+        device = torch.device(device)
+        fast = device.type == "cuda" if fast is None else fast
+        cache = self._cache(device, fast)
+        if cache is not None:
+            hit = cache[0].get(cache[1])
+            if hit is not None:
+                return hit
+        iv = _fast_bounds(self, device) if fast else None
+        iv = self._reference_bounds(device) if iv is None else iv
+        if cache is not None:
+            store, key = cache
+            if len(store) >= _CACHED:
+                store.pop(next(iter(store)))
+            store[key] = iv
+        return iv
+
+    def _cache(self, device: torch.device, fast: bool):
+        """``(store, key)``: where the intervals of these lengths and terms are kept, on the
+        document (masks are immutable and clone their ids: each layer of an eager step that passes
+        the same ``document`` builds them once); None where nothing is kept: no document, tracing
+        (``torch.compile``), a CUDA graph capturing, inference mode (its tensors cannot be saved for
+        a later backward)."""
+        if self.doc < 0 or not _cacheable(device) or torch.is_inference_mode_enabled():
+            return None
+        doc = self.terms[self.doc][0]
+        store = getattr(doc, "_device_cache", None)
+        if store is None:
+            store = doc._device_cache = {}
+        others = tuple((None if i == self.doc else p._ckey(), sh) for i, (p, sh) in enumerate(self.terms))
+        return store, (device, _stream(device), fast, self.q_len, self.kv_len, self.q_offset, self.zb, self.zh,
+                       others)
+
+    def _reference_bounds(self, device) -> DeviceIntervals:
         qp = torch.arange(self.q_len, device=device, dtype=torch.int64) + self.q_offset
         lo, hi, ilo, ihi, qid, kid = _combine(self.terms, self.doc, qp.view(1, 1, -1), self.kv_len, device)
         shape = (self.zb, self.zh, self.q_len)
@@ -93,6 +140,43 @@ class IntervalSpec(NamedTuple):
         if qid is not None:
             qid = qid.expand(shape).to(torch.int32).contiguous()
         return DeviceIntervals(lo, hi, ilo, ihi, qid, kid)
+
+
+_CACHED = 8  # intervals kept per document (lengths, devices, other terms)
+
+
+def _cacheable(device: torch.device) -> bool:
+    """Whether results may be kept for later calls: not while tracing, nor while a CUDA graph
+    captures (tensors made then live in the graph's memory, rewritten by each replay)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _stream(device: torch.device):
+    """The current stream's id on CUDA devices (kept results are reused on the stream that made
+    them only: another stream would need an event), else None."""
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+
+
+def cached_table(iv: DeviceIntervals, key: tuple, build):
+    """``build()``, kept on ``iv.lo`` under ``key`` for later calls with the same interval tensors
+    (the same objects, unmodified: their version counters are part of the check) on the same
+    stream, as an eager step's layers make them when they share a mask (:meth:`IntervalSpec.bounds`
+    keeps the intervals). Not kept while tracing, capturing a CUDA graph, or for inference tensors."""
+    lo = iv.lo
+    if not _cacheable(lo.device) or lo.is_inference():
+        return build()
+    others = tuple(iv[1:])
+    stamp = tuple(-1 if t is None else t._version for t in iv)
+    key = (_stream(lo.device),) + tuple(key)
+    store = lo.__dict__.setdefault("_interval_tables", {})
+    hit = store.get(key)
+    if hit is not None and hit[1] == stamp and all(a is b for a, b in zip(hit[0], others)):
+        return hit[2]
+    out = build()
+    store[key] = (others, stamp, out)  # never lo itself: no reference cycle
+    return out
 
 
 def interval_terms(mask: Mask):
@@ -258,9 +342,100 @@ def _normalise(lo, hi, shape):
             torch.where(empty, 0, hi).to(torch.int32).contiguous())
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _folded(spec: IntervalSpec):
+    """The spec's terms for ``kernels/interval_tables.document_bounds``: ``(doc_off, consts,
+    generic)``, the terms of the forms ``lo = max(c, qp + a)``, ``hi = min(c', qp + b)`` (integer
+    ``_affine``) and integer query ranges folded into ``consts`` (their integer shifts added), the
+    others left in ``generic`` ``((primitive, shifts), ...)``; None without a document or where its
+    shifts are not integers."""
+    if spec.doc < 0 or not all(_is_int(d) for d in spec.terms[spec.doc][1]):
+        return None
+    lo_c, lo_a, hi_c, hi_b, row_a, row_b = 0, -_FAR, spec.kv_len - 1, _FAR, -_FAR, _FAR
+    generic = []
+    for i, (prim, shifts) in enumerate(spec.terms):
+        if i == spec.doc:
+            continue
+        ints = all(_is_int(x) for x in shifts) and all(_is_int(v) for v in getattr(prim, "_params", ()))
+        d = sum(shifts) if ints else None
+        rows = getattr(prim, "_row_range", None)
+        rows = rows() if rows is not None and d is not None else None
+        aff = getattr(prim, "_affine", None)
+        aff = aff() if aff is not None and d is not None else None
+        if rows is not None:
+            row_a, row_b = max(row_a, rows[0] - d), min(row_b, rows[1] - d)
+        elif aff is not None:
+            c, a, c2, b = aff
+            lo_c = lo_c if c is None else max(lo_c, c)
+            lo_a = lo_a if a is None else max(lo_a, a + d)
+            hi_c = hi_c if c2 is None else min(hi_c, c2)
+            hi_b = hi_b if b is None else min(hi_b, b + d)
+        else:
+            generic.append((prim, shifts))
+    return sum(spec.terms[spec.doc][1]), (lo_c, lo_a, hi_c, hi_b, row_a, row_b), generic
+
+
+def _fast_bounds(spec: IntervalSpec, device) -> DeviceIntervals | None:
+    """:meth:`IntervalSpec.bounds` through ``kernels/interval_tables.document_bounds`` (one launch,
+    two with an id compare, plus its sort; terms of other forms as torch operations), or None where
+    :func:`_folded` refuses. Under ``torch.compile`` the launches are one opaque operation."""
+    folded = _folded(spec)
+    if folded is None:
+        return None
+    doc_off, consts, generic = folded
+    ids = spec.terms[spec.doc][0].tensor.to(device)
+    terms = (None, None)
+    if generic:
+        qp = (torch.arange(spec.q_len, device=device, dtype=torch.int64) + spec.q_offset).view(1, 1, -1)
+        tlo = thi = None
+        for prim, shifts in generic:
+            a, b = term_bounds(prim, _shifted(qp, shifts, device), spec.kv_len, device)
+            tlo = a if tlo is None else torch.maximum(tlo, a)
+            thi = b if thi is None else torch.minimum(thi, b)
+        shape = (*tlo.shape[:-1], spec.q_len)
+        terms = (tlo.expand(shape).contiguous(), thi.expand(shape).contiguous())
+    compare = not spec.contiguous
+    args = (ids, *terms, spec.q_len, spec.zb, spec.zh, spec.q_offset, doc_off, list(consts), compare)
+    if torch.compiler.is_compiling():
+        out = torch.ops.blocksparse_fa.document_bounds(*args)
+    else:
+        out = _document_bounds(*args)
+    return DeviceIntervals(*out) if compare else DeviceIntervals(out[0], out[1], None, None, None, None)
+
+
+@torch.library.custom_op("blocksparse_fa::document_bounds", mutates_args=())
+def _document_bounds_op(ids: torch.Tensor, terms_lo: torch.Tensor | None, terms_hi: torch.Tensor | None, q_len: int,
+                        zb: int, zh: int, q_off: int, doc_off: int, consts: list[int],
+                        compare: bool) -> list[torch.Tensor]:
+    """``kernels/interval_tables.document_bounds`` as one operation of a compiled graph."""
+    return list(_document_bounds(ids, terms_lo, terms_hi, q_len, zb, zh, q_off, doc_off, consts, compare))
+
+
+@_document_bounds_op.register_fake
+def _document_bounds_fake(ids, terms_lo, terms_hi, q_len, zb, zh, q_off, doc_off, consts, compare):
+    out = [ids.new_empty((zb, zh, q_len), dtype=torch.int32) for _ in range(5 if compare else 2)]
+    return out + [ids.new_empty(ids.shape, dtype=torch.int32)] if compare else out
+
+
+def _document_bounds(ids, terms_lo, terms_hi, q_len, zb, zh, q_off, doc_off, consts, compare):
+    from ..kernels.interval_tables import document_bounds
+
+    terms = None if terms_lo is None else (terms_lo, terms_hi)
+    return document_bounds(ids, q_len, zb, zh, q_off, doc_off, tuple(consts), terms, compare)
+
+
 # ------------------------------------------------------------------------------------------------
 # per-tile ranges for the kernels
 # ------------------------------------------------------------------------------------------------
+def _triton_tables(lo: torch.Tensor, fast: bool | None, rows: int) -> bool:
+    """Whether the tables come from ``kernels/interval_tables.py``: ``fast`` (None: on CUDA
+    devices), for tiles of a power-of-two number of rows."""
+    return (lo.is_cuda if fast is None else fast) and rows > 0 and rows & (rows - 1) == 0
+
+
 def _tiles(x, rows: int, fill: int):
     """``x`` ``(.., L)`` padded with ``fill`` to whole tiles: ``(.., T, rows)``."""
     n = x.shape[-1]
@@ -308,23 +483,35 @@ def _full(a, e, rows: int, block_n: int, first, end):
     return f0, torch.maximum(torch.minimum(f1, end), f0)
 
 
-def row_tables(iv: DeviceIntervals, block_m: int, block_n: int) -> torch.Tensor:
+def row_tables(iv: DeviceIntervals, block_m: int, block_n: int, fast: bool | None = None) -> torch.Tensor:
     """Per row tile of ``block_m`` rows, in key tiles of ``block_n``: ``(first, f0, f1, end)`` int32
     ``(Zb, Zh, T, 4)``. The tile visits key tiles ``[first, end)`` (those holding a key some row
     may keep); every row of it keeps all of tiles ``[f0, f1)`` (inside, possibly empty: ``f0 = f1``),
     the others need the element test. Rows that keep nothing take no part (the kernels output
-    zeros for them); padding rows past ``Lq`` neither."""
+    zeros for them); padding rows past ``Lq`` neither. ``fast``: as in :func:`col_tables`."""
+    if _triton_tables(iv.lo, fast, block_m):
+        from ..kernels.interval_tables import row_tables as triton_row_tables
+
+        return triton_row_tables(iv.lo, iv.hi, iv.ilo, iv.ihi, block_m, block_n)
     first, end = _visited(iv.lo, iv.hi, block_m, block_n)
     f0, f1 = _full(*_inner_or_far(iv.lo, iv.hi, iv.ilo, iv.ihi), block_m, block_n, first, end)
     return torch.stack([first, f0, f1, end], dim=-1).to(torch.int32).contiguous()
 
 
-def col_tables(iv: DeviceIntervals, kv_len: int, block_m: int, block_n: int) -> torch.Tensor:
+def col_tables(iv: DeviceIntervals, kv_len: int, block_m: int, block_n: int, fast: bool | None = None) -> torch.Tensor:
     """Per key tile of ``block_n`` keys, in row tiles of ``block_m``: ``(first, f0, f1, end)`` int32
     ``(Zb, Zh, C, 4)``: the tile's dK/dV visit row tiles ``[first, end)`` (a superset of the rows
     that keep one of its keys: exact where the bounds grow with the row, as for every mask of
     :func:`interval_spec` with contiguous documents), and ``[f0, f1)`` are kept whole by every row
-    that keeps anything. Found by ``searchsorted`` on monotone envelopes of the bounds."""
+    that keeps anything. Found by ``searchsorted`` on monotone envelopes of the bounds.
+
+    ``fast``: through the Triton kernels of ``kernels/interval_tables.py`` (two launches) or the
+    torch operations here (the reference); None: Triton on CUDA devices. Both give the same table
+    (a power-of-two ``block_m`` is needed for Triton; others take the torch operations)."""
+    if _triton_tables(iv.lo, fast, block_m):
+        from ..kernels.interval_tables import col_tables as triton_col_tables
+
+        return triton_col_tables(iv.lo, iv.hi, iv.ilo, iv.ihi, kv_len, block_m, block_n)
     lo, hi = iv.lo.long(), iv.hi.long()
     empty = lo >= hi
     hi_env = torch.cummax(torch.where(empty, 0, hi), dim=-1).values  # non-decreasing, >= hi
@@ -350,12 +537,17 @@ def col_tables(iv: DeviceIntervals, kv_len: int, block_m: int, block_n: int) -> 
     return torch.stack([first, f0, f1, end], dim=-1).to(torch.int32).contiguous()
 
 
-def gluon_interval_tables(lo: torch.Tensor, hi: torch.Tensor, block_m: int, block_n: int):
+def gluon_interval_tables(lo: torch.Tensor, hi: torch.Tensor, block_m: int, block_n: int, fast: bool | None = None):
     """The Gluon forward's interval tables (``ops/triton_backend._gluon_interval_tables``) from
     device intervals ``lo, hi`` ``(Z, Lq)`` (int32, outer = inner: no id compare), on their device:
     ``(LO, HI, TILES)`` int32, the intervals padded to whole programs of ``2 * block_m`` rows with
     the last row's interval, and per program ``(tile, kb0, e1, e2, n_blocks)`` ``(Z, P, 5)``,
-    heaviest programs first (most blocks, then most masked blocks; ties in tile order)."""
+    heaviest programs first (most blocks, then most masked blocks; ties in tile order). ``fast``:
+    as in :func:`col_tables` (two launches)."""
+    if _triton_tables(lo, fast, block_m):
+        from ..kernels.interval_tables import gluon_tables
+
+        return gluon_tables(lo.contiguous(), hi.contiguous(), block_m, block_n)
     z, lq = lo.shape
     rows = 2 * block_m
     n_prog = -(-lq // rows)

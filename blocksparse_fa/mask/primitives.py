@@ -282,7 +282,7 @@ class Document(TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
     with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
 
-    __slots__ = ("_runs_cache", "_contiguous")
+    __slots__ = ("_runs_cache", "_contiguous", "_device_cache")
     name = "document"
     TENSOR = "document"
 
@@ -304,6 +304,7 @@ class Document(TensorPrimitive):
         ids = ids.detach().clone()  # masks are immutable: later in-place edits of the caller's tensor don't leak in
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
         self._runs_cache = None
+        self._device_cache = None  # the device path's intervals (compiler/device_intervals.py)
         readable = ids.device.type == "cpu" and not torch.compiler.is_compiling()
         runs = _one_run_each(self.tensor) if readable and contiguous is not False else None
         if contiguous and runs is False:

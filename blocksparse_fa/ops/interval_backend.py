@@ -2,8 +2,9 @@
 
 The path for masks such as ``causal() & document(ids)`` whose tensors change every step
 (``compiler/device_intervals.py`` says which masks qualify and how the intervals are found). Nothing
-is compiled or read on the host: the rows' intervals and the kernels' per-tile ranges are torch
-operations on the call's device, and two ``torch.library`` custom ops take them as tensor inputs::
+is compiled or read on the host: the rows' intervals and the kernels' per-tile ranges are built on
+the call's device (a few Triton launches on CUDA, torch operations elsewhere; kept between calls
+that pass the same mask), and two ``torch.library`` custom ops take them as tensor inputs::
 
     blocksparse_fa::interval_fwd(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, Tensor? ilo,
                                  Tensor? ihi, Tensor? qid, Tensor? kid, float scale, float dropout_p,
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiler.device_intervals import DeviceIntervals, col_tables, interval_spec, row_tables
+from ..compiler.device_intervals import DeviceIntervals, cached_table, col_tables, interval_spec, row_tables
 from . import select
 from .dispatch import lse_dtype
 from .options import DEFAULT_OPTIONS, decode_options
@@ -111,6 +112,11 @@ def _dropout_args(dropout_p: float, seed: int) -> tuple:
     return (*seed_words(seed), dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p))
 
 
+def _row_table(iv: DeviceIntervals, block_m: int, block_n: int):
+    """The row tiles' table (``kernels/interval_tables.py``), kept for calls with the same intervals."""
+    return cached_table(iv, ("row", block_m, block_n), lambda: row_tables(iv, block_m, block_n, fast=True))
+
+
 def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float, dropout_p: float = 0.0,
                             seed: int = 0):
     """``(out, lse)``: out like q (its strides), lse ``(B, H, Lq)`` float32."""
@@ -127,7 +133,7 @@ def triton_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: floa
 
     def fit(cfgs):
         (cfg,) = cfgs
-        tab = row_tables(iv, cfg.block_m, cfg.block_n)
+        tab = _row_table(iv, cfg.block_m, cfg.block_n)
         n_tiles = tab.shape[-2]
         consts = dict(HAS_IDS=iv.qid is not None, HEAD_DIM=s.D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype, q.device), STAGES=cfg.num_stages,
@@ -165,8 +171,9 @@ def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sh
 
     def fit(cfgs):
         cfg_kv, cfg_q = cfgs
-        row_tab = row_tables(iv, cfg_q.block_m, cfg_q.block_n)
-        col_tab = col_tables(iv, s.Lk, cfg_kv.block_m, cfg_kv.block_n)
+        row_tab = _row_table(iv, cfg_q.block_m, cfg_q.block_n)
+        col_tab = cached_table(iv, ("col", s.Lk, cfg_kv.block_m, cfg_kv.block_n),
+                               lambda: col_tables(iv, s.Lk, cfg_kv.block_m, cfg_kv.block_n, fast=True))
         kv_tiles, q_tiles = col_tab.shape[-2], row_tab.shape[-2]
         runs = [(True, True)] if cfg_kv.num_warps == cfg_q.num_warps else [(True, False), (False, True)]
         for run_kv, run_q in runs:
@@ -218,7 +225,14 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
         raise ValueError("gluon_interval_forward: tensor descriptors need 16-byte aligned tensors and strides")
     _ensure_tma_allocator(q.device)
     z = iv.lo.shape[0] * iv.lo.shape[1]
-    lo, hi, tiles = gluon_interval_tables(iv.lo.view(z, s.Lq), iv.hi.view(z, s.Lq), cfg.block_m, cfg.block_n)
+    lo, hi = iv.lo.view(z, s.Lq), iv.hi.view(z, s.Lq)
+
+    def tables():  # kept on iv.lo: never views of it (no reference cycle)
+        lo_p, hi_p, tiles = gluon_interval_tables(lo, hi, cfg.block_m, cfg.block_n)
+        return (None, None, tiles) if s.Lq % (2 * cfg.block_m) == 0 else (lo_p, hi_p, tiles)
+
+    lo_p, hi_p, tiles = cached_table(iv, ("gluon", cfg.block_m, cfg.block_n), tables)
+    lo, hi = (lo, hi) if lo_p is None else (lo_p, hi_p)
     zb, zh, _ = _strides(iv, s.Lk)
     _fg._attn_fwd_gluon[(-(-s.Lq // (2 * cfg.block_m)), s.B * s.H)](
         q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
