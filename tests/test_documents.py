@@ -444,3 +444,16 @@ def test_transformers_packed_position_ids_run_as_documents(no_host_layout):
             assert rel_err(compiled(input_ids=ids, position_ids=pos, use_cache=False).logits, alone) < 1e-5
     finally:
         unregister("bsfa_docs")
+
+
+def test_ids_copied_to_a_device_once():
+    """The device copy of CPU ids is kept on the document (a CUDA graph cannot capture the copy from
+    host memory), not while tracing or in inference mode."""
+    from blocksparse_fa.compiler.device_intervals import ids_on
+
+    doc = bsfa.document(torch.tensor([0, 0, 1, 1, 1]))
+    first = ids_on(doc, "meta")
+    assert first.device.type == "meta" and ids_on(doc, "meta") is first
+    assert ids_on(doc, "cpu") is doc.tensor
+    with torch.inference_mode():
+        assert ids_on(bsfa.document(torch.tensor([0, 1])), "meta") is not None

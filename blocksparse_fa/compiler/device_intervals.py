@@ -153,6 +153,28 @@ def _cacheable(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def ids_on(doc, device: torch.device) -> torch.Tensor:
+    """The ids of ``document(ids)`` on ``device``. A copy to another device is kept on the
+    (immutable) document for later calls, so that a CUDA graph can capture a step whose ids live
+    on the CPU once an eager step has run (a capture cannot copy from pageable host memory)."""
+    ids = doc.tensor
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if ids.device == device or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return ids.to(device)
+    key = str(device)
+    kept = doc.__dict__.setdefault("_ids_on", {})
+    hit = kept.get(key)
+    if hit is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("document(ids): the ids are on the CPU and this is the first call on "
+                               f"{device} while a CUDA graph captures, which cannot copy them; run the step "
+                               "once before capturing, or pass the ids on the GPU")
+        hit = kept[key] = ids.to(device)
+    return hit
+
+
 def _stream(device: torch.device):
     """The current stream's id on CUDA devices (kept results are reused on the stream that made
     them only: another stream would need an event), else None."""
@@ -292,7 +314,7 @@ def document_runs(ids: torch.Tensor):
 
 def _document(doc, qp, kv_len: int, device):
     """Outer and inner intervals, and the ids to compare, of ``document(ids)`` at ``qp``."""
-    ids = doc.tensor.to(device)
+    ids = ids_on(doc, device)
     n = ids.shape[-1]
     start, end = document_runs(ids)
     ok = (qp >= 0) & (qp < n)
@@ -386,7 +408,7 @@ def _fast_bounds(spec: IntervalSpec, device) -> DeviceIntervals | None:
     if folded is None:
         return None
     doc_off, consts, generic = folded
-    ids = spec.terms[spec.doc][0].tensor.to(device)
+    ids = ids_on(spec.terms[spec.doc][0], device)
     terms = (None, None)
     if generic:
         qp = (torch.arange(spec.q_len, device=device, dtype=torch.int64) + spec.q_offset).view(1, 1, -1)
