@@ -42,7 +42,9 @@ def masks(n: int) -> dict:
         "causal": bsfa.causal(),
         "sliding_window(1024)": bsfa.sliding_window(1024),
         "documents": bsfa.causal() & bsfa.document(doc_ids(n).cuda()),
+        "documents(cpu ids)": bsfa.causal() & bsfa.document(doc_ids(n)),
         "longformer": bsfa.load_pattern("longformer"),
+        "strided(256)": bsfa.parse("causal & (sliding_window(256) | strided(256))"),
     }
 
 
@@ -56,6 +58,21 @@ def kernels_run(fn) -> list:
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     return sorted({n for n in names if n.startswith("_attn") or n.startswith("_dq_finish")})
+
+
+def kernel_times(fn, top: int = 10) -> dict:
+    """GPU time (us) per kernel name of one call of ``fn`` (``torch.profiler``), the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    acc: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            acc[e.name[:60]] = acc.get(e.name[:60], 0.0) + e.device_time
+    return dict(sorted(acc.items(), key=lambda kv: -kv[1])[:top])
 
 
 def no_sync(fn) -> str:
@@ -122,6 +139,8 @@ def run_case(name, mask, N, H, Hkv, D, rows, log):
                 row["kernels"] = kernels_run(fb)
                 row["kernels_match_explain"] = row["kernels"] == want
                 row["sync"] = no_sync(fb)
+                if path in ("eager", "compiled"):
+                    row["kernel_us"] = kernel_times(fb)
             row["fwd_ms"] = bench(fwd)
             row["fwdbwd_ms"] = bench(fb)
         except Exception as e:  # recorded, the run goes on
@@ -138,6 +157,9 @@ def run_case(name, mask, N, H, Hkv, D, rows, log):
             f"fwd {r['fwd_ms']:.3f} ms ({r.get('fwd_vs_eager', 1):.3f}x eager)  fwd+bwd {r['fwdbwd_ms']:.3f} ms "
             f"({r.get('fwdbwd_vs_eager', 1):.3f}x)  kernels {r.get('kernels')} match={r.get('kernels_match_explain')} "
             f"sync={r.get('sync')} diff={r.get('max_diff_vs_eager', 0):.2e}" if "fwd_ms" in r else r.get("error", "")))
+    for r in rows[-len(paths):]:
+        if "kernel_us" in r:
+            log(f"  {r['path']:9s} GPU us per kernel: " + ", ".join(f"{k} {v:.0f}" for k, v in r["kernel_us"].items()))
     log(f"  explain: {ex.forward} / {ex.backward}")
 
 

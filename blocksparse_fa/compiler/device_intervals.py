@@ -164,7 +164,9 @@ def ids_on(doc, device: torch.device) -> torch.Tensor:
     if ids.device == device or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return ids.to(device)
     key = str(device)
-    kept = doc.__dict__.setdefault("_ids_on", {})
+    kept = getattr(doc, "_ids_on", None)
+    if kept is None:
+        kept = doc._ids_on = {}
     hit = kept.get(key)
     if hit is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -282,7 +282,7 @@ class Document(TensorPrimitive):
     """Document packing: keeps ``ids[qp] == ids[j]``; ids is an int tensor ``(L,)`` or ``(B, L)``
     with ``L == kv_len``. Query rows whose position lies outside ``[0, L)`` keep nothing."""
 
-    __slots__ = ("_runs_cache", "_contiguous", "_device_cache")
+    __slots__ = ("_runs_cache", "_contiguous", "_device_cache", "_ids_on")
     name = "document"
     TENSOR = "document"
 
@@ -305,6 +305,7 @@ class Document(TensorPrimitive):
         self.tensor = ids if ids.dim() == 2 else ids.unsqueeze(0)
         self._runs_cache = None
         self._device_cache = None  # the device path's intervals (compiler/device_intervals.py)
+        self._ids_on = None  # the ids' copies on other devices (compiler/device_intervals.ids_on)
         readable = ids.device.type == "cpu" and not torch.compiler.is_compiling()
         runs = _one_run_each(self.tensor) if readable and contiguous is not False else None
         if contiguous and runs is False:
