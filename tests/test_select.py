@@ -166,6 +166,7 @@ MASKS = {
     "documents, ids compared": (lambda: bsfa.causal() & bsfa.document(IDS, contiguous=False), "triton:interval",
                                 "triton:interval"),
     "longformer": (lambda: bsfa.window(16) | bsfa.global_tokens(8), "triton:blocks", "triton:blocks"),
+    "strided": (lambda: bsfa.parse("causal & (sliding_window(16) | strided(16))"), "triton:blocks", "triton:blocks"),
 }
 
 
