@@ -137,14 +137,14 @@ if gluon is not None:
             zq = gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout)
             dq0 = warpgroup_mma(dsq, k_c.slice(0, DQ_CHUNK, dim=1), zq, use_acc=False, is_async=True)
             row = dq_row0 + i * BLOCK_M
-            if HEAD_DIM > DQ_CHUNK:
+            if HEAD_DIM > DQ_CHUNK:  # two chunks: chunk c always in tile c % DQ_BUFS
                 dq1 = warpgroup_mma(dsq, k_c.slice(DQ_CHUNK, DQ_CHUNK, dim=1), zq, use_acc=False, is_async=True)
                 dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=(dv, dk, pt16, ds16))
                 mbarrier.arrive(empty.index(s))
                 dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0, ))
-                _dq_tma_add(dq0, dq_desc, dq_smem.index(C * DQ_BUFS + (2 * t) % DQ_BUFS), row, 0, DQ_BUFS)
+                _dq_tma_add(dq0, dq_desc, dq_smem.index(C * DQ_BUFS), row, 0, DQ_BUFS)
                 dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
-                _dq_tma_add(dq1, dq_desc, dq_smem.index(C * DQ_BUFS + (2 * t + 1) % DQ_BUFS), row, DQ_CHUNK, DQ_BUFS)
+                _dq_tma_add(dq1, dq_desc, dq_smem.index(C * DQ_BUFS + DQ_BUFS - 1), row, DQ_CHUNK, DQ_BUFS)
             else:
                 dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, pt16, ds16))
                 mbarrier.arrive(empty.index(s))
