@@ -18,9 +18,13 @@ probabilities are recomputed from the forward's logsumexp (natural log, float32,
   query block are read from global memory before the slot is awaited (their latency hides behind
   the wait and the first two products);
 - with ``ATOMIC_DQ`` (the non-deterministic five-GEMM backward) dSᵀ also goes to shared memory
-  and ``dQ_partial = dS·K`` is added to an fp32 ``(B·H, Lq, D)`` buffer with atomic adds
-  (``backward_atomic._dq_finish`` scales and converts it afterwards); without it dQ comes from
-  ``_attn_bwd_dq_gluon`` (deterministic: seven GEMMs per block pair in all);
+  and ``dQ_partial = dS·K`` (one or two column chunks, issued behind dK; the ring slot is
+  released once dV and dK are done) is staged as fp32 in shared memory and added to an fp32
+  ``(B·H, Lq, D)`` buffer with one TMA reduce-add per tile (``cp.reduce.async.bulk.tensor``, as
+  FlashAttention-3's backward does; the staging tile is rewritten only after ``tma.store_wait``
+  says the reduce that read it is done); ``backward_atomic._dq_finish`` scales and converts the
+  buffer afterwards. Without it dQ comes from ``_attn_bwd_dq_gluon`` (deterministic: seven GEMMs
+  per block pair in all);
 - dK (scaled) and dV are staged through the consumer's K and V slots and TMA-stored.
 
 ``_attn_bwd_dq_gluon``: one program per ``2·BLOCK_M`` query rows and batch·head, laid out like the
