@@ -237,6 +237,37 @@ def test_kernel_options_reach_compiled_graphs(hopper):
         assert ran_eager == ran
 
 
+@pytest.mark.interpreter
+def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
+    """``backward="gluon", deterministic=False`` runs the Gluon launcher's atomic-dQ variant (with the
+    call's tiles); ``"auto"`` keeps the deterministic pair unless ``GLUON_ATOMIC_DQ_BACKWARDS``
+    names it. Gradients stay those of the exact backend."""
+    seen = []
+    bwd = tb._gluon_bwd_launch
+
+    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None):
+        seen.append((causal, atomic, cfg.atomic_dq_chunk))
+        bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout)
+
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", spy)
+    q, k, v = _inputs(Hkv=2)
+    ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal(), backend="torch"), q, k, v)[2]
+    opts = dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(atomic_dq_chunk=128))
+    for kw, want in ((opts, "gluon:causal+atomic_dq"), (dict(deterministic=False), "gluon:causal")):
+        seen.clear()
+        ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal(), backend="triton",
+                                                            kernel_options=kw), q, k, v)
+        assert ran[1] == ("backward", want)
+        assert seen == [(True, want.endswith("+atomic_dq"), 128 if "gluon_bwd" in kw else 64)]
+        for a, b in zip(grads, ref):
+            assert rel_err(a, b) < 1e-2
+    monkeypatch.setattr(select, "GLUON_ATOMIC_DQ_BACKWARDS", frozenset({"auto", "gluon"}))
+    ran, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=None, backend="triton",
+                                                    kernel_options=dict(deterministic=False)), q, k, v)
+    assert ran[1] == ("backward", "gluon:dense+atomic_dq")
+    assert seen[-1] == (False, True, 64)
+
+
 def test_options_encode_round_trip():
     from blocksparse_fa.ops.options import TileConfig, decode_options
 

@@ -6,7 +6,8 @@ first on the path:
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
         --stages 2 --causal --interval --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
-        [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops]
+        [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops
+        --dq-chunk 64|128]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64 ...]
 """
 
@@ -44,7 +45,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
-                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False):
+                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, dq_chunk=64):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -52,7 +53,7 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
 
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
-        consts = dict(ATOMIC_DQ=atomic)
+        consts = dict(ATOMIC_DQ=atomic, DQ_CHUNK=min(dq_chunk, d))
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=dtype, DV=dtype, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
         fn = bg._attn_bwd_dq_gluon
@@ -83,7 +84,9 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--ptx", help="write the PTX here (setmaxnreg, barriers, wgmma waits)")
     ap.add_argument("--bwd", choices=["dkdv", "dq"], help="a backward kernel instead of the forward")
-    ap.add_argument("--atomic", action="store_true", help="dK/dV kernel: with the atomic dQ")
+    ap.add_argument("--atomic", action="store_true", help="dK/dV kernel: with the atomic dQ (TMA reduce-adds)")
+    ap.add_argument("--dq-chunk", type=int, default=64, choices=[64, 128],
+                    help="atomic dQ: columns per dS·K product and reduce-add (capped at --d)")
     ap.add_argument("--consumer-regs", type=int, default=240)
     ap.add_argument("--bwd-pingpong", action="store_true", help="backward: the consumer groups take turns")
     ap.add_argument("--bwd-overlap", type=int, default=0, choices=[0, 1, 2],
@@ -92,7 +95,8 @@ def main():
     a = ap.parse_args()
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
-                               dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap)
+                               dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
+                               dq_chunk=a.dq_chunk)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval)

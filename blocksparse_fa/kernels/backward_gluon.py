@@ -18,9 +18,13 @@ probabilities are recomputed from the forward's logsumexp (natural log, float32,
   query block are read from global memory before the slot is awaited (their latency hides behind
   the wait and the first two products);
 - with ``ATOMIC_DQ`` (the non-deterministic five-GEMM backward) dSᵀ also goes to shared memory
-  and ``dQ_partial = dS·K`` is added to an fp32 ``(B·H, Lq, D)`` buffer with atomic adds
-  (``backward_atomic._dq_finish`` scales and converts it afterwards); without it dQ comes from
-  ``_attn_bwd_dq_gluon`` (deterministic: seven GEMMs per block pair in all);
+  and ``dQ_partial = dS·K`` (one or two column chunks, issued behind dK; the ring slot is
+  released once dV and dK are done) is staged as fp32 in shared memory and added to an fp32
+  ``(B·H, Lq, D)`` buffer with one TMA reduce-add per tile (``cp.reduce.async.bulk.tensor``, as
+  FlashAttention-3's backward does; the staging tile is rewritten only after ``tma.store_wait``
+  says the reduce that read it is done); ``backward_atomic._dq_finish`` scales and converts the
+  buffer afterwards. Without it dQ comes from ``_attn_bwd_dq_gluon`` (deterministic: seven GEMMs
+  per block pair in all);
 - dK (scaled) and dV are staged through the consumer's K and V slots and TMA-stored.
 
 ``_attn_bwd_dq_gluon``: one program per ``2·BLOCK_M`` query rows and batch·head, laid out like the
@@ -53,6 +57,7 @@ if gluon is not None:
                                                                   warpgroup_mma_wait)
     _tma_load = _fg._tma_load
     _tma_store = _fg._tma_store
+    _tma_reduce_add = _fg._tma_reduce_add
 
     # ------------------------------------------------------------------ dK / dV (and atomic dQ)
 
@@ -78,13 +83,26 @@ if gluon is not None:
             _tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
 
     @gluon.jit
-    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, dqa_row,
-                   off_k, qk_scale, C: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+    def _dq_tma_add(dq, dq_desc, dq_buf, row, col, DQ_BUFS: gl.constexpr):
+        """Adds the fp32 tile ``dq`` (registers) to the dQ buffer at ``[row, col]``: staged in the
+        shared tile ``dq_buf`` once the reduce-add that last read it has completed (reduce-adds
+        complete in issue order; ``DQ_BUFS`` tiles take turns), then one TMA reduce-add."""
+        tma.store_wait(pendings=DQ_BUFS - 1)
+        dq_buf.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [row, col], dq_buf)
+
+    @gluon.jit
+    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, dq_desc,
+                   dq_smem, dq_row0, off_k, qk_scale, C: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                    PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
-                   vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr):
-        """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``."""
+                   vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
+        """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``. With
+        ``ATOMIC_DQ``, ``dQ_partial = dS·K`` of the block (rows ``dq_row0 + i·BLOCK_M`` of the
+        group's dQ descriptor) in one or two column chunks of ``DQ_CHUNK``, each TMA-reduce-added
+        from one of the consumer's ``DQ_BUFS`` shared fp32 tiles (``dq_smem[C·DQ_BUFS ..]``)."""
         s = t % STAGES
         offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
         lse = gl.load(lse_row + offs_v)  # issued before the wait: the latency hides behind it
@@ -115,21 +133,27 @@ if gluon is not None:
         ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
         dk = warpgroup_mma(ds16, q, dk, is_async=True)
         if ATOMIC_DQ:
+            # dS·K reads dSᵀ from shared memory and this group's K (not the ring slot): its chunks
+            # are issued behind dK, and the slot is released once dV and dK have completed
             ds_c.store(dst)
             fence_async_shared()
-            dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
-            mbarrier.arrive(empty.index(s))
-            # dQ_partial = dS·K in column chunks of DQ_CHUNK head dims (fewer live registers),
-            # each added to the fp32 buffer as soon as it is complete
-            offs_m = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            for d0 in gl.static_range(0, HEAD_DIM, DQ_CHUNK):
-                dq = warpgroup_mma(ds_c.permute((1, 0)), k_c.slice(d0, DQ_CHUNK, dim=1),
-                                   gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout), use_acc=False,
-                                   is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                offs_d = d0 + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
-                ptrs = dqa_row + gl.expand_dims(offs_m, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)
-                gl.atomic_add(ptrs, dq, sem="relaxed")
+            dsq = ds_c.permute((1, 0))
+            zq = gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout)
+            dq0 = warpgroup_mma(dsq, k_c.slice(0, DQ_CHUNK, dim=1), zq, use_acc=False, is_async=True)
+            row = dq_row0 + i * BLOCK_M
+            if HEAD_DIM > DQ_CHUNK:  # two chunks: chunk c always in tile c % DQ_BUFS
+                dq1 = warpgroup_mma(dsq, k_c.slice(DQ_CHUNK, DQ_CHUNK, dim=1), zq, use_acc=False, is_async=True)
+                dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=(dv, dk, pt16, ds16))
+                mbarrier.arrive(empty.index(s))
+                dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0, ))
+                _dq_tma_add(dq0, dq_desc, dq_smem.index(C * DQ_BUFS), row, 0, DQ_BUFS)
+                dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
+                _dq_tma_add(dq1, dq_desc, dq_smem.index(C * DQ_BUFS + DQ_BUFS - 1), row, DQ_CHUNK, DQ_BUFS)
+            else:
+                dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, pt16, ds16))
+                mbarrier.arrive(empty.index(s))
+                dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, ))
+                _dq_tma_add(dq0, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), row, 0, DQ_BUFS)
         else:
             dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
             mbarrier.arrive(empty.index(s))
@@ -194,18 +218,18 @@ if gluon is not None:
         return dk, dv, ds16
 
     @gluon.jit
-    def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready,
-                       empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
+    def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                       kv_bar, ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
                        C: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr,
                        OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
         """Consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against every query block of
         the group's heads, then dK and dV."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
-        DQ_CHUNK: gl.constexpr = 64
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_CHUNK, 16])
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -261,22 +285,22 @@ if gluon is not None:
                 bh = (bh0 + g).to(gl.int64)
                 lse_row = LSE + bh * q_len
                 delta_row = DELTA + bh * q_len
-                dqa_row = DQA + bh * q_len * HEAD_DIM
                 t0 = g * n_i
                 i_full = i0
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
                         dk, dv = _dkdv_step(dk, dv, t0 + u, i0 + u, k_c, v_c, ds_c, q_smem, do_smem, ready, empty,
-                                            turn, lse_row, delta_row, dqa_row, off_k, qk_scale, C, True, ATOMIC_DQ,
-                                            PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout,
-                                            dq_layout, vec_layout, DQ_CHUNK)
+                                            turn, lse_row, delta_row, dq_desc, dq_smem, g * q_len, off_k, qk_scale,
+                                            C, True, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                            s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
                     i_full = i0 + N_DIAG
                 for i in range(i_full, i0 + n_i):
                     dk, dv = _dkdv_step(dk, dv, t0 + i - i0, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
-                                        lse_row, delta_row, dqa_row, off_k, qk_scale, C, False, ATOMIC_DQ, PINGPONG,
-                                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
-                                        vec_layout, DQ_CHUNK)
-        # every product reading this group's K and V slots has completed: stage dK, dV there
+                                        lse_row, delta_row, dq_desc, dq_smem, g * q_len, off_k, qk_scale, C, False,
+                                        ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                        kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
+        # every product reading this group's K and V slots has completed: stage dK, dV there (the
+        # final store_wait also covers the last dQ reduce-adds)
         k_c.store((dk * sm_scale).to(dtype))
         v_c.store(dv.to(dtype))
         fence_async_shared()
@@ -293,14 +317,17 @@ if gluon is not None:
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_CHUNK: gl.constexpr = 64):
         """Grid ``(Lk / (2·BLOCK_N), B·H // G)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
         1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
         (``stride_qh == Lq·stride_qm``, likewise dO), ``K/V/DK/DV (B, H // G, Lk, D)``,
-        ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32 (read only with
-        ``ATOMIC_DQ``); ``qk_scale = scale · log2(e)``."""
+        ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32, contiguous and zeroed (used
+        only with ``ATOMIC_DQ``: dQ/scale is TMA-reduce-added there in tiles of
+        ``BLOCK_M × DQ_CHUNK``, ``DQ_CHUNK`` = ``HEAD_DIM`` or ``HEAD_DIM / 2``);
+        ``qk_scale = scale · log2(e)``."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
+        gl.static_assert(DQ_CHUNK == HEAD_DIM or 2 * DQ_CHUNK == HEAD_DIM, "DQ_CHUNK: HEAD_DIM or HEAD_DIM / 2")
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         hkv = H // G
@@ -337,6 +364,18 @@ if gluon is not None:
         else:  # not read: a minimal placeholder
             ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64],
                                                                                                         dtype))
+        # ATOMIC_DQ: per consumer group DQ_BUFS fp32 tiles (two where they take at most 16 KB each),
+        # reduce-added into DQA through a descriptor over the group's heads (rows g·Lq + i·BLOCK_M)
+        DQ_BUFS: gl.constexpr = 2 if BLOCK_M * DQ_CHUNK <= 4096 else 1
+        if ATOMIC_DQ:
+            dqs_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_CHUNK], gl.float32)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, BLOCK_M, DQ_CHUNK], dqs_layout)
+            dq_desc = tma.make_tensor_descriptor(DQA + (b64 * H + g0) * q_len * HEAD_DIM,
+                                                 shape=[G * q_len, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                                 block_shape=[BLOCK_M, DQ_CHUNK], layout=dqs_layout)
+        else:  # not read
+            dq_smem = 0
+            dq_desc = 0
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -358,12 +397,14 @@ if gluon is not None:
         n_i = n_m - i0
         bh0 = b * H + hk * G
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
-                              ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
-                              0, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, DQA, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
-                              ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
-                              1, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                              dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale,
+                              sm_scale, 0, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              DQ_CHUNK, DQ_BUFS)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                              dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale,
+                              sm_scale, 1, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              DQ_CHUNK, DQ_BUFS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
                               empty, off_n, i0, n_i, G, q_len, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -46,6 +46,19 @@ try:  # Gluon is experimental: absent from older Triton releases
     # the TMA copies were renamed after triton 3.6 (async_load / async_store)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    if _tma_reduce_add is None:  # triton 3.6: the builder op exists, the Python wrapper does not
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            """TMA reduce-add of the shared tile ``src`` into ``tensor_desc`` at ``coord``
+            (``cp.reduce.async.bulk.tensor .add``); completion is awaited like a TMA store
+            (``tma.store_wait``) before ``src`` is written again."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
     _IMPORT_ERROR = None
 except Exception as e:  # pragma: no cover - depends on the installed Triton
     gluon = gl = None

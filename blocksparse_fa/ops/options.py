@@ -69,7 +69,11 @@ class GluonBwdConfig:
     step's first two, so that the elementwise work of a step runs while the tensor cores finish
     the previous one; the slot of step ``t`` is released in step ``t + 1`` (3 stages keep the
     loads ahead). 0: off; 1: dS carried in registers; 2: dS through a shared-memory tile per
-    group (fewer live registers). ``overlap`` applies to the deterministic dK/dV kernel only."""
+    group (fewer live registers). ``overlap`` applies to the deterministic dK/dV kernel only.
+
+    ``atomic_dq_chunk``: the five-GEMM variant (``deterministic=False``) computes ``dQ_partial =
+    dS·K`` per query block in column chunks of this many head dims (64 or 128, capped at the head
+    dimension), each TMA-reduce-added into the fp32 dQ buffer."""
 
     block_m: int = 64
     block_n: int = 64
@@ -83,6 +87,7 @@ class GluonBwdConfig:
     overlap: int = 0
     dq_pingpong: bool = False
     dq_overlap: int = 0
+    atomic_dq_chunk: int = 64  # sm_90 SASS, d 128: 64 reloads 5 spilled values per step, 128 reloads 13
 
     def __post_init__(self):
         for name in ("overlap", "dq_overlap"):
@@ -91,6 +96,8 @@ class GluonBwdConfig:
         for name in ("stages", "dq_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected at least 1")
+        if self.atomic_dq_chunk not in (64, 128):
+            raise ValueError(f"GluonBwdConfig(atomic_dq_chunk={self.atomic_dq_chunk!r}): expected 64 or 128")
         if self.overlap and self.stages < 2:
             raise ValueError(f"GluonBwdConfig: overlap={self.overlap} needs stages >= 2, got {self.stages}")
         if self.dq_overlap and self.dq_stages < 2:

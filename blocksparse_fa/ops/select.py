@@ -127,6 +127,12 @@ def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool) -> 
 # 1.57 ms (compiled; NOTES.md "Packed documents").
 GLUON_DEVICE_INTERVALS = True
 
+# The ``backward`` options under which ``deterministic=False`` runs the Gluon five-GEMM backward
+# (dK/dV kernel with dQ TMA-reduce-added into fp32, ``+atomic_dq``) on dense and causal layouts;
+# elsewhere those layouts keep the deterministic Gluon pair (dK/dV kernel + dQ kernel). Add
+# ``"auto"`` once the five-GEMM variant times faster (benchmarks/experiments/gluon_bwd_tma.py).
+GLUON_ATOMIC_DQ_BACKWARDS = frozenset({"gluon"})
+
 
 def layout_class(layout) -> LayoutClass:
     """The :class:`LayoutClass` of a :class:`~blocksparse_fa.BlockLayout` (cached on it)."""
@@ -269,7 +275,7 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
             and not accumulate and not grad_dtype and tma):
         mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig())
         if mode is not None:
-            if opts.backward == "gluon" and not det:  # "auto" keeps the deterministic dQ kernel (faster)
+            if not det and opts.backward in GLUON_ATOMIC_DQ_BACKWARDS:
                 return Choice("gluon", mode + "+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",
                                                              "_dq_finish"))
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))

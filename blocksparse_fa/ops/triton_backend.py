@@ -122,7 +122,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (grid ``(Lk / (2·block_n), B·H // G)``),
     then the dQ kernel (grid ``(Lq / (2·dq_block_m), B·H)``) or, with ``atomic``, ``_dq_finish``
-    on the fp32 buffer the dK/dV kernel added dQ to."""
+    on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to."""
     _ensure_tma_allocator(q.device)
     dq, dk, dv = grads
     qk = scale * _LOG2E
@@ -140,7 +140,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         s.H, s.G, s.Lq, s.Lk, qk, scale), 31, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
         OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=4)
+        DQ_CHUNK=min(cfg.atomic_dq_chunk, s.D), num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
