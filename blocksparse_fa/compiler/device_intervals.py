@@ -156,15 +156,19 @@ def _cacheable(device: torch.device) -> bool:
 def ids_on(doc, device: torch.device) -> torch.Tensor:
     """The ids of ``document(ids)`` on ``device``. A copy to another device is kept on the
     (immutable) document for later calls, so that a CUDA graph can capture a step whose ids live
-    on the CPU once an eager step has run (a capture cannot copy from pageable host memory)."""
+    on the CPU once an eager step has run (a capture cannot copy from pageable host memory), and a
+    compiled graph traced after an eager call reads that copy instead of copying the ids per call."""
     ids = doc.tensor
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if ids.device == device or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        return ids.to(device)
+    if ids.device == device:
+        return ids
     key = str(device)
     kept = getattr(doc, "_ids_on", None)
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        # a compiled graph reads a copy an eager call kept (no copy from host memory per call)
+        return kept[key] if kept is not None and key in kept else ids.to(device)
     if kept is None:
         kept = doc._ids_on = {}
     hit = kept.get(key)
