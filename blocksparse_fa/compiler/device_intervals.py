@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from ..mask import primitives as P
-from ..mask.base import BIG, ParamTensor
+from ..mask.base import ParamTensor
 from ..mask.expr import And, Mask, query_offset
 from ..mask.shift import Shift
 

@@ -87,14 +87,14 @@ import weakref
 
 import torch
 
-from ..mask.dsl import parse
 from ..mask.expr import Mask
 from ..mask.expr import And
 from ..mask.documents import _runs as document_runs
-from ..mask.primitives import Causal, causal, dense_mask, document, full
+from ..mask.primitives import Causal, causal, dense_mask, document
 from ..mask.score import ScoreMod, softcap
 from ..ops.custom_op import attention_op
 from ..ops.options import as_options
+from ..ops.prepare import as_mask
 
 __all__ = ["register", "unregister", "make_attention_function", "make_mask_function", "make_cp_attention_function",
            "make_cp_mask_function", "key_padding_ids"]
@@ -114,12 +114,8 @@ def _transformers():
 
 
 def _as_mask(mask) -> Mask:
-    if mask is None:
-        return full()
-    if isinstance(mask, str):
-        return parse(mask)
-    if isinstance(mask, Mask):
-        return mask
+    if mask is None or isinstance(mask, (str, Mask)):
+        return as_mask(mask)
     raise TypeError(f"mask must be a Mask, DSL text / pattern name or None, got {type(mask).__name__}")
 
 
