@@ -258,7 +258,7 @@ def test_meta_module_and_errors():
 # backend="auto" on CPU: block walking or dense SDPA
 # ------------------------------------------------------------------------------------------------
 def test_cost_model_choices(monkeypatch):
-    """The measured crossovers (``benchmarks/cpu_crossover.py``, ``ops/dense.COST``): on one thread
+    """The measured crossovers (``benchmarks/experiments/cpu_crossover.py``, ``ops/dense.COST``): on one thread
     the walk wins from about half the blocks down; the fused SDPA uses every thread and the walk
     does not, so on two threads dense wins also Longformer at 2048 (measured 0.3x with the walk)
     and a sliding window at 8192 tokens (0.05 of the blocks)."""

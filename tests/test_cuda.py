@@ -1,6 +1,6 @@
 """CUDA-only checks of the host path: no device-to-host synchronisation in a warm forward or
 backward, CUDA-graph capture of a training step's attention, and ``torch.compile(fullgraph=True)``
-on the GPU. Skipped without a GPU (CI is CPU-only; ``benchmarks/host_path.py`` runs them on the
+on the GPU. Skipped without a GPU (CI is CPU-only; ``benchmarks/experiments/host_path.py`` runs them on the
 H100 and records the result)."""
 
 from __future__ import annotations

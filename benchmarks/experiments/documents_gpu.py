@@ -36,14 +36,10 @@ import json
 import os
 import time
 
-import sys
-
 import torch
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler.device_intervals import gluon_interval_tables, interval_spec
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: host_path.py
 
 
 def _packing(total: int, lo: int, hi: int, g: torch.Generator) -> torch.Tensor:

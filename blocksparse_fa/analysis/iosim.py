@@ -4,7 +4,7 @@ Two memory levels, as in Dao et al. (2022), "FlashAttention", Section 3.2 / Appe
 slow) and on-chip SRAM of ``M`` *elements*. Each function below walks the loops of one algorithm
 over its actual block structure (ragged last blocks included) and adds up the elements every
 "load from HBM" / "write to HBM" line of the algorithm moves. The counts are exact counts of the
-algorithm as written, not asymptotic formulas; the tests and ``benchmarks/iosim_plots.py`` compare
+algorithm as written, not asymptotic formulas; the tests and ``benchmarks/experiments/iosim_plots.py`` compare
 them with the paper's results:
 
 * Algorithm 0 (standard attention, S and P materialised): ``4Nd + 4N²`` per head.

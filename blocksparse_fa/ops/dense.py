@@ -31,7 +31,7 @@ SDPA with the same mask needs too."""
 COST = {"dense": 1.0, "walk": 1.0, "step": 500_000.0, "threads": 3.0}
 """Weights of :func:`prefer_dense`, in units of one visited score element of block walking.
 
-Measured with ``benchmarks/cpu_crossover.py`` (H = 4, D = 64, forward and forward+backward, medians
+Measured with ``benchmarks/experiments/cpu_crossover.py`` (H = 4, D = 64, forward and forward+backward, medians
 of alternating runs; full, causal, sliding window 256, Longformer, BigBird and strided masks at
 L = 256 ... 8192) on a shared 2-core machine, with one torch thread and with two. On one thread a
 dense score element costs about as much as a walked one (fit: 1.05), and each row block the walk

@@ -1,6 +1,6 @@
 """Compile-time benchmark: block layouts of long sequences, time and memory (CPU).
 
-    python benchmarks/compile_bench.py [--repeats 3] [--only LABEL ...] [--json out.json]
+    python benchmarks/experiments/compile_bench.py [--repeats 3] [--only LABEL ...] [--json out.json]
 
 A layout is compiled when ``compile_mask`` has classified every block *and* the kernels' lookup
 tables are built (``BlockLayout.kernel_tables``, or those of the rewrite's parts when the compiler

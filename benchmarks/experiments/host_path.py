@@ -1,6 +1,6 @@
 """Host cost of one attention call (forward + backward), ours vs SDPA and FlexAttention, on the GPU.
 
-    PYTHONPATH=. python benchmarks/host_path.py [--out docs/data/host_path.json] [--profile]
+    PYTHONPATH=. python benchmarks/experiments/host_path.py [--out docs/data/host_path.json] [--profile]
 
 For each shape it measures, side by side on the same inputs:
 

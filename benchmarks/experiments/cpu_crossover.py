@@ -1,6 +1,6 @@
 """Block walking against dense SDPA on the CPU: where ``backend="auto"`` should switch.
 
-    PYTHONPATH=. python benchmarks/cpu_crossover.py --out cpu_crossover.json [--md cpu_crossover.md]
+    PYTHONPATH=. python benchmarks/experiments/cpu_crossover.py --out cpu_crossover.json [--md cpu_crossover.md]
         [--heads 8] [--head-dim 64] [--lens 512,1024,2048,4096] [--reps 5] [--threads 0]
 
 For each pattern and length it times, forward and forward+backward, the exact block-walking

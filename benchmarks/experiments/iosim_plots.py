@@ -1,6 +1,6 @@
 """Plots of the FlashAttention IO simulator (blocksparse_fa.analysis.iosim) against the paper's results.
 
-    PYTHONPATH=. python benchmarks/iosim_plots.py [--out DIR] [--update-docs]
+    PYTHONPATH=. python benchmarks/experiments/iosim_plots.py [--out DIR] [--update-docs]
 
 Writes ``iosim_vs_M.png`` (HBM accesses vs SRAM size M: Theorem 2's Θ(N²d²/M) between the
 boundary cases M = d² and M = Nd) and ``iosim_vs_s.png`` (block-sparse accesses vs block density s:
@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from blocksparse_fa.analysis.iosim import (  # noqa: E402
     block_sparse_flash_attention, flash_attention, flash_attention2, linear_fit, standard_attention,
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--update-docs", action="store_true", help="write the PNGs into docs/")
     args = ap.parse_args(argv)
     if args.update_docs:
-        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs")
     elif args.out is None:
         args.out = os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "bsfa_bench", "iosim")
     import matplotlib
