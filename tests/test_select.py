@@ -102,6 +102,87 @@ def test_backward_falls_back_to_triton(why):
     assert c.mode == ("blocks" if why in ("score_mod", "grad_dtype") else "five_gemm")
 
 
+def _dev_lc(**kw):
+    return select.device_interval_class(S.Lq, S.Lk, batched=kw.pop("batched", False), ids=kw.pop("ids", False),
+                                        **kw)
+
+
+GLUON_BWD_KERNELS = ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon")
+
+
+def test_backward_gluon_on_device_intervals():
+    """Intervals built on the device, without an id compare and the same for every head (batched
+    per batch row is fine): the Gluon pair in its interval mode, deterministic either way."""
+    for lc in (_dev_lc(), _dev_lc(batched=True)):
+        for opts in (DEFAULT, KernelOptions(backward="gluon"), KernelOptions(deterministic=False),
+                     KernelOptions(backward="gluon", deterministic=False)):
+            c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
+            assert (c.family, c.mode, c.kernels) == ("gluon", "interval", GLUON_BWD_KERNELS), opts
+    s64 = Shapes(2, 8, 2, 4096, 4096, 64)
+    lc = select.device_interval_class(4096, 4096, False, False)
+    assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
+
+
+@pytest.mark.parametrize("why", ["ids", "per_head", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma",
+                                 "fp32", "d96", "ragged", "no_gluon", "option", "switched_off"])
+def test_backward_on_device_intervals_falls_back_to_triton(why, monkeypatch):
+    lc, s, dtype, hw, opts, kw = _dev_lc(), S, torch.bfloat16, HOPPER, DEFAULT, {}
+    if why in ("ids", "per_head"):
+        lc = _dev_lc(batched=True, **{why: True})
+    elif why in ("dropout", "score_mod", "accumulate", "grad_dtype"):
+        kw[why] = True
+    elif why == "no_tma":
+        kw["tma"] = False
+    elif why == "fp32":
+        dtype = torch.float32
+    elif why == "d96":
+        s = Shapes(1, 16, 4, 16384, 16384, 96)
+    elif why == "ragged":  # lengths must be multiples of both kernels' program rows and keys
+        s = Shapes(1, 16, 4, 16384 - 64, 16384 - 64, 128)
+        lc = select.device_interval_class(s.Lq, s.Lk, False, False)
+    elif why == "no_gluon":
+        hw = NO_GLUON
+    elif why == "option":
+        opts = KernelOptions(backward="triton")
+    elif why == "switched_off":
+        monkeypatch.setattr(select, "GLUON_DEVICE_INTERVAL_BACKWARD", False)
+    c = choose_backward(lc, s, dtype, hw, opts, **kw)
+    assert (c.family, c.mode, c.kernels) == ("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd"))
+    if why == "switched_off":  # an explicit request still gets it
+        assert str(choose_backward(lc, s, dtype, hw, KernelOptions(backward="gluon"))) == "gluon:interval"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_device_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch, hkv):
+    """Contiguous documents with a window (GQA and not): the backward goes to the Gluon interval
+    launcher with the call's intervals, per-head-shared (``(Zb, 1, Lq)``) and without ids, and the
+    gradients are those of the exact backend; ``backward="triton"`` keeps the Triton kernel."""
+    from blocksparse_fa.ops import interval_backend as ib
+
+    seen = []
+    launch = ib.gluon_interval_backward
+
+    def spy(q, k, v, out, lse, dout, iv, s, scale, dlse=None, cfg=None):
+        seen.append((tuple(iv.lo.shape), iv.qid is None, cfg))
+        return launch(q, k, v, out, lse, dout, iv, s, scale, dlse, cfg)
+
+    monkeypatch.setattr(ib, "gluon_interval_backward", spy)
+    mask = bsfa.causal() & bsfa.document(IDS) & bsfa.sliding_window(48)
+    q, k, v = _inputs(Hkv=hkv)
+    ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
+    for opts, want in ((None, "gluon:interval"), (dict(backward="triton"), "triton:interval")):
+        seen.clear()
+        ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="triton",
+                                                            kernel_options=opts), q, k, v)
+        assert ran == [("forward", "gluon:interval"), ("backward", want)]
+        assert seen == ([((1, 1, L), True, None)] if want.startswith("gluon") else [])
+        for a, b in zip(grads, ref):
+            assert rel_err(a, b) < 1e-2
+    ex = bsfa.explain(q, k, v, mask=mask, backend="triton")
+    assert ex.backward == "gluon:interval"
+
+
 def test_backward_of_a_shard_stays_deterministic():
     c = choose_backward(_lc("blocks", shard=True), S, torch.bfloat16, HOPPER, KernelOptions(deterministic=False))
     assert c.mode == "blocks"
@@ -153,6 +234,12 @@ def hopper(monkeypatch):
 
     monkeypatch.setattr(ib, "gluon_interval_forward", gluon_intervals)
 
+    def gluon_intervals_bwd(q, k, v, out, lse, dout, iv, s, scale, dlse=None, cfg=None):
+        return tuple(g.to(t.dtype) for g, t in zip(ib.torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale,
+                                                                              dlse), (q, k, v)))
+
+    monkeypatch.setattr(ib, "gluon_interval_backward", gluon_intervals_bwd)
+
 
 L = 256
 IDS = torch.tensor([0] * 70 + [1] * 130 + [2] * 56)
@@ -162,7 +249,7 @@ MASKS = {
     "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "triton:blocks"),
     # the expression holds this call's ids: intervals built on the device, no layout (contiguous
     # documents: the Gluon forward on device tables); a precompiled layout takes the layout's kernels
-    "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "gluon:interval", "triton:interval"),
+    "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "gluon:interval", "gluon:interval"),
     "documents, ids compared": (lambda: bsfa.causal() & bsfa.document(IDS, contiguous=False), "triton:interval",
                                 "triton:interval"),
     "longformer": (lambda: bsfa.window(16) | bsfa.global_tokens(8), "triton:blocks", "triton:blocks"),

@@ -7,8 +7,9 @@ first on the path:
         --stages 2 --causal --interval --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
         [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops
-        --dq-chunk 64|128]
-    PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64 ...]
+        --dq-chunk 64|128 --interval]
+    PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64
+        --interval ...]
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
-                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, dq_chunk=64):
-    """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``)."""
+                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, dq_chunk=64, interval=False):
+    """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
+    ``interval``: their one-interval-per-row mode."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels import backward_gluon as bg
@@ -60,7 +62,8 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
         consts = {}
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ=dtype, LSE="fp32", DELTA="fp32")
     consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+                  OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, INTERVAL=interval)
+    ptrs.update(LO="i32", HI="i32", TAB="i32")
     types = {n: "*" + t for n, t in ptrs.items()}
     types.update(qk_scale="fp32", sm_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -78,7 +81,7 @@ def main():
     ap.add_argument("--bn", type=int, default=128)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--interval", action="store_true", help="forward: one key interval per row (LO/HI tables)")
+    ap.add_argument("--interval", action="store_true", help="one key interval per row (LO/HI tables)")
     ap.add_argument("--no-pingpong", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -96,7 +99,7 @@ def main():
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
-                               dq_chunk=a.dq_chunk)
+                               dq_chunk=a.dq_chunk, interval=a.interval)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval)

@@ -93,8 +93,44 @@ if gluon is not None:
         _tma_reduce_add(dq_desc, [row, col], dq_buf)
 
     @gluon.jit
-    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, dq_desc,
-                   dq_smem, dq_row0, off_k, qk_scale, C: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+    def _masked_t(pt, i, off_k, lo, hi, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  s_layout: gl.constexpr):
+        """``Pᵀ`` of query block ``i`` against keys ``off_k ..`` with the dropped entries zeroed:
+        ``MASK`` 1 keys after the query (causal diagonal), 2 keys outside the row's interval
+        ``[lo, hi)`` (the block's rows, loaded before the step's wait)."""
+        offs_k = gl.expand_dims(off_k + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)), 1)
+        if MASK == 1:
+            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(offs_q, 0) >= offs_k
+        else:
+            lo_q = gl.expand_dims(gl.convert_layout(lo, gl.SliceLayout(0, s_layout)), 0)
+            hi_q = gl.expand_dims(gl.convert_layout(hi, gl.SliceLayout(0, s_layout)), 0)
+            keep = (offs_k >= lo_q) & (offs_k < hi_q)
+        return gl.where(keep, pt, 0.0)
+
+    @gluon.jit
+    def _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK: gl.constexpr, INTERVAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, vec_layout: gl.constexpr):
+        """The logsumexp, Δ and (``MASK == 2``) interval bounds of query block ``i``'s rows, loaded
+        before the step's wait. ``INTERVAL``: rows that keep no key (logsumexp -inf) read +inf, so
+        that their probabilities are 0 in full steps too."""
+        offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
+        lse = gl.load(lse_row + offs_v)
+        delta = gl.load(delta_row + offs_v)
+        if INTERVAL:
+            lse = gl.where(lse == float("-inf"), float("inf"), lse)
+        if MASK == 2:
+            lo = gl.load(lo_row + offs_v)
+            hi = gl.load(hi_row + offs_v)
+        else:
+            lo = 0
+            hi = 0
+        return lse, delta, lo, hi
+
+    @gluon.jit
+    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
+                   hi_row, dq_desc, dq_smem, dq_row0, off_k, qk_scale, C: gl.constexpr, MASK: gl.constexpr,
+                   INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                    PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
@@ -104,9 +140,8 @@ if gluon is not None:
         group's dQ descriptor) in one or two column chunks of ``DQ_CHUNK``, each TMA-reduce-added
         from one of the consumer's ``DQ_BUFS`` shared fp32 tiles (``dq_smem[C·DQ_BUFS ..]``)."""
         s = t % STAGES
-        offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
-        lse = gl.load(lse_row + offs_v)  # issued before the wait: the latency hides behind it
-        delta = gl.load(delta_row + offs_v)
+        # issued before the wait: the latency hides behind it
+        lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q = q_smem.index(s)
         do = do_smem.index(s)
@@ -120,10 +155,8 @@ if gluon is not None:
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
         lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if MASKED:  # keys after the query are dropped (causal diagonal)
-            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            offs_k = off_k + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-            pt = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pt, 0.0)
+        if MASK > 0:
+            pt = _masked_t(pt, i, off_k, lo, hi, MASK, BLOCK_M, BLOCK_N, s_layout)
         dtype: gl.constexpr = k_c.dtype
         pt16 = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
         dv = warpgroup_mma(pt16, do, dv, is_async=True)
@@ -161,7 +194,8 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_step_overlap(dk, dv, ds_prev, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row,
-                           delta_row, off_k, qk_scale, C: gl.constexpr, MASKED: gl.constexpr,
+                           delta_row, lo_row, hi_row, off_k, qk_scale, C: gl.constexpr, MASK: gl.constexpr,
+                           INTERVAL: gl.constexpr,
                            PINGPONG: gl.constexpr, DS_SMEM: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            s_layout: gl.constexpr, kv_layout: gl.constexpr, vec_layout: gl.constexpr):
@@ -175,9 +209,7 @@ if gluon is not None:
         is a zero dSᵀ against the current (valid) Q, which adds exactly zero."""
         s = t % STAGES
         sp = gl.maximum(t - 1, 0) % STAGES
-        offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
-        lse = gl.load(lse_row + offs_v)
-        delta = gl.load(delta_row + offs_v)
+        lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q = q_smem.index(s)
         do = do_smem.index(s)
@@ -195,10 +227,8 @@ if gluon is not None:
         st = warpgroup_mma_wait(num_outstanding=2, deps=(st, ))
         lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if MASKED:
-            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            offs_k = off_k + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-            pt = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pt, 0.0)
+        if MASK > 0:
+            pt = _masked_t(pt, i, off_k, lo, hi, MASK, BLOCK_M, BLOCK_N, s_layout)
         dtype: gl.constexpr = k_c.dtype
         pt16 = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
         dv = warpgroup_mma(pt16, do, dv, is_async=True)
@@ -218,14 +248,16 @@ if gluon is not None:
         return dk, dv, ds16
 
     @gluon.jit
-    def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                       kv_bar, ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale, sm_scale,
-                       C: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr,
-                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
+                       ds_smem, dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len, qk_scale,
+                       sm_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                       ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
-        """Consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against every query block of
-        the group's heads, then dK and dV."""
+        """Consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
+        ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV. ``CAUSAL``: the first
+        ``2·BLOCK_N / BLOCK_M`` blocks are masked; ``INTERVAL``: blocks outside ``[f0, f1)`` are
+        masked against each row's interval (``lo_row[r] <= k < hi_row[r]``, the same for every head)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -245,6 +277,18 @@ if gluon is not None:
                 mbarrier.arrive(turn.index(0))
         mbarrier.wait(kv_bar.index(C), 0)
         N_DIAG: gl.constexpr = (2 * BLOCK_N) // BLOCK_M  # causal: query blocks that cross the diagonal
+        # query blocks [i0, i_full) masked (causal diagonal / interval lead), [i_full, i_tail) full,
+        # [i_tail, i0 + n_i) masked (interval tail)
+        if CAUSAL:
+            i_full = i0 + N_DIAG
+        elif INTERVAL:
+            i_full = f0
+        else:
+            i_full = i0
+        if INTERVAL:
+            i_tail = f1
+        else:
+            i_tail = i0 + n_i
         if OVERLAP > 0:  # dK of step t is issued in step t + 1 (dSᵀ in registers, or shared with OVERLAP 2)
             DS_SMEM: gl.constexpr = OVERLAP == 2
             ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
@@ -257,21 +301,31 @@ if gluon is not None:
                 bh = (bh0 + g).to(gl.int64)
                 lse_row = LSE + bh * q_len
                 delta_row = DELTA + bh * q_len
-                t0 = g * n_i
-                i_full = i0
+                t0 = g * n_i - i0  # ring step of query block i: t0 + i
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
-                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + u, i0 + u, k_c, v_c, ds_c, q_smem,
-                                                          do_smem, ready, empty, turn, lse_row, delta_row, off_k,
-                                                          qk_scale, C, True, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
-                                                          STAGES, s_layout, kv_layout, vec_layout)
-                    i_full = i0 + N_DIAG
-                for i in range(i_full, i0 + n_i):
-                    dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i - i0, i, k_c, v_c, ds_c, q_smem,
-                                                      do_smem, ready, empty, turn, lse_row, delta_row, off_k,
-                                                      qk_scale, C, False, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i0 + u, i0 + u, k_c, v_c, ds_c, q_smem,
+                                                          do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
+                                                          hi_row, off_k, qk_scale, C, 1, INTERVAL, PINGPONG, DS_SMEM,
+                                                          BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
+                if INTERVAL:
+                    for i in range(i0, i_full):
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem,
+                                                          ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
+                                                          off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M,
+                                                          BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
+                for i in range(i_full, i_tail):
+                    dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready,
+                                                      empty, turn, lse_row, delta_row, lo_row, hi_row, off_k,
+                                                      qk_scale, C, 0, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
                                                       STAGES, s_layout, kv_layout, vec_layout)
-            last = G * n_i - 1  # the last step's dK, then its slot
+                if INTERVAL:
+                    for i in range(i_tail, i0 + n_i):
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem,
+                                                          ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
+                                                          off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M,
+                                                          BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
+            last = G * n_i - 1  # the last step's dK, then its slot (n_i >= 1: the tables say so)
             sl = last % STAGES
             if DS_SMEM:
                 dk = warpgroup_mma(ds_c, q_smem.index(sl), dk, is_async=True)
@@ -285,20 +339,33 @@ if gluon is not None:
                 bh = (bh0 + g).to(gl.int64)
                 lse_row = LSE + bh * q_len
                 delta_row = DELTA + bh * q_len
-                t0 = g * n_i
-                i_full = i0
+                t0 = g * n_i - i0
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
-                        dk, dv = _dkdv_step(dk, dv, t0 + u, i0 + u, k_c, v_c, ds_c, q_smem, do_smem, ready, empty,
-                                            turn, lse_row, delta_row, dq_desc, dq_smem, g * q_len, off_k, qk_scale,
-                                            C, True, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                            s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
-                    i_full = i0 + N_DIAG
-                for i in range(i_full, i0 + n_i):
-                    dk, dv = _dkdv_step(dk, dv, t0 + i - i0, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
-                                        lse_row, delta_row, dq_desc, dq_smem, g * q_len, off_k, qk_scale, C, False,
-                                        ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                        kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
+                        dk, dv = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_c, v_c, ds_c, q_smem, do_smem, ready,
+                                            empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
+                                            g * q_len, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
+                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
+                                            vec_layout, DQ_CHUNK, DQ_BUFS)
+                if INTERVAL:
+                    for i in range(i0, i_full):
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
+                                            lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
+                                            qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
+                                            BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
+                                            DQ_BUFS)
+                for i in range(i_full, i_tail):
+                    dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
+                                        lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
+                                        qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                        STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
+                if INTERVAL:
+                    for i in range(i_tail, i0 + n_i):
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
+                                            lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
+                                            qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
+                                            BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
+                                            DQ_BUFS)
         # every product reading this group's K and V slots has completed: stage dK, dV there (the
         # final store_wait also covers the last dQ reduce-adds)
         k_c.store((dk * sm_scale).to(dtype))
@@ -309,23 +376,31 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len"])
-    def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA,
+    def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, LO, HI, TAB,
                              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                             H, G, q_len, kv_len, qk_scale, sm_scale,
+                             H, G, q_len, kv_len, LZB, qk_scale, sm_scale,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_CHUNK: gl.constexpr = 64):
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_CHUNK: gl.constexpr = 64,
+                             INTERVAL: gl.constexpr = False):
         """Grid ``(Lk / (2·BLOCK_N), B·H // G)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
         1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
         (``stride_qh == Lq·stride_qm``, likewise dO), ``K/V/DK/DV (B, H // G, Lk, D)``,
         ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32, contiguous and zeroed (used
         only with ``ATOMIC_DQ``: dQ/scale is TMA-reduce-added there in tiles of
         ``BLOCK_M × DQ_CHUNK``, ``DQ_CHUNK`` = ``HEAD_DIM`` or ``HEAD_DIM / 2``);
-        ``qk_scale = scale · log2(e)``."""
+        ``qk_scale = scale · log2(e)``.
+
+        ``INTERVAL``: row ``r`` of batch ``b`` keeps keys ``LO[z, r] <= k < HI[z, r]`` for every
+        head (``z = b·LZB``, ``LZB`` 0 or 1; int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``, ``P``
+        the grid's first dimension) gives program ``pid`` its query blocks ``(first, f0, f1, end)``:
+        it visits ``[first, end)`` (``end > first``), of which ``[f0, f1)`` every row keeps whole
+        (rows that keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
+        gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
         gl.static_assert(DQ_CHUNK == HEAD_DIM or 2 * DQ_CHUNK == HEAD_DIM, "DQ_CHUNK: HEAD_DIM or HEAD_DIM / 2")
         pid_n = gl.program_id(0)
@@ -389,22 +464,35 @@ if gluon is not None:
         fence_async_shared()
 
         off_n = pid_n * (2 * BLOCK_N)
-        n_m = q_len // BLOCK_M
-        if CAUSAL:  # query blocks from the one holding this tile's first key
-            i0 = off_n // BLOCK_M
+        if INTERVAL:  # this key tile's query blocks from the table
+            z = (b * LZB).to(gl.int64)
+            tab = TAB + (z * gl.num_programs(0) + pid_n) * 4
+            i0 = gl.load(tab)
+            f0 = gl.load(tab + 1)
+            f1 = gl.load(tab + 2)
+            n_i = gl.load(tab + 3) - i0
+            lo_row = LO + z * q_len
+            hi_row = HI + z * q_len
         else:
-            i0 = 0
-        n_i = n_m - i0
+            if CAUSAL:  # query blocks from the one holding this tile's first key
+                i0 = off_n // BLOCK_M
+            else:
+                i0 = 0
+            n_i = q_len // BLOCK_M - i0
+            f0 = i0
+            f1 = i0 + n_i
+            lo_row = LO
+            hi_row = HI
         bh0 = b * H + hk * G
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale,
-                              sm_scale, 0, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              DQ_CHUNK, DQ_BUFS)),
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, bh0, G, q_len, qk_scale,
-                              sm_scale, 1, CAUSAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              DQ_CHUNK, DQ_BUFS)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
+                              ds_smem, dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
+                              qk_scale, sm_scale, 0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
+                              ds_smem, dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
+                              qk_scale, sm_scale, 1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
                               empty, off_n, i0, n_i, G, q_len, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -413,8 +501,9 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                     off_m, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: both consumers' Q and dO tiles, then K/V tiles ``0 .. n_blocks-1`` through the ring."""
+                     off_m, kb0, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: both consumers' Q and dO tiles, then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through
+        the ring (ring position ``j`` holds key block ``kb0 + j``)."""
         for c in gl.static_range(2):
             mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             _tma_load(q_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
@@ -423,13 +512,28 @@ if gluon is not None:
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [j * BLOCK_N, 0], ready.index(s), k_smem.index(s))
-            _tma_load(v_desc, [j * BLOCK_N, 0], ready.index(s), v_smem.index(s))
+            _tma_load(k_desc, [(kb0 + j) * BLOCK_N, 0], ready.index(s), k_smem.index(s))
+            _tma_load(v_desc, [(kb0 + j) * BLOCK_N, 0], ready.index(s), v_smem.index(s))
 
     @gluon.jit
-    def _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m, qk_scale, C: gl.constexpr,
-                 MASKED: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    def _masked(p, off_m, kb, lo_r, hi_r, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                s_layout: gl.constexpr):
+        """``P`` of rows ``off_m ..`` against key block ``kb`` with the dropped entries zeroed:
+        ``MASK`` 1 keys after the query (causal diagonal), 2 keys outside the row's interval
+        ``[lo_r, hi_r)``."""
+        offs_n = gl.expand_dims(kb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        if MASK == 1:
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            keep = offs_n <= gl.expand_dims(offs_m, 1)
+        else:
+            keep = (offs_n >= gl.expand_dims(lo_r, 1)) & (offs_n < gl.expand_dims(hi_r, 1))
+        return gl.where(keep, p, 0.0)
+
+    @gluon.jit
+    def _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r, off_m, qk_scale,
+                 C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """Ring position ``j`` (key block ``kb0 + j``) for one consumer."""
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         k = k_smem.index(s)
@@ -442,10 +546,8 @@ if gluon is not None:
             mbarrier.arrive(turn.index(1 - C))
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
-        if MASKED:
-            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1), p, 0.0)
+        if MASK > 0:
+            p = _masked(p, off_m, kb0 + j, lo_r, hi_r, MASK, BLOCK_M, BLOCK_N, s_layout)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(k.dtype)
         ds16 = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
@@ -455,12 +557,12 @@ if gluon is not None:
         return dq
 
     @gluon.jit
-    def _dq_step_overlap(dq, ds_prev, j, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m,
-                         qk_scale, C: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr,
+    def _dq_step_overlap(dq, ds_prev, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                         hi_r, off_m, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                          DS_SMEM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                          o_layout: gl.constexpr):
-        """Key block ``j`` overlapped with the end of block ``j - 1``: ``S_j``, ``dP_j`` and
+        """Ring position ``j`` (key block ``kb0 + j``) overlapped with the end of position ``j - 1``: ``S_j``, ``dP_j`` and
         ``dQ += dS_{j-1}·K_{j-1}`` issued together, ``P_j`` and ``dS_j`` computed while the tensor
         cores run the latter two; returns ``dS_j`` (with ``DS_SMEM``: stores it into the group's
         shared tile ``ds_c`` and returns ``ds_prev``). Releases the slot of block ``j - 1`` (at
@@ -482,10 +584,8 @@ if gluon is not None:
             mbarrier.arrive(turn.index(1 - C))
         sc = warpgroup_mma_wait(num_outstanding=2, deps=(sc, ))
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
-        if MASKED:
-            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1), p, 0.0)
+        if MASK > 0:
+            p = _masked(p, off_m, kb0 + j, lo_r, hi_r, MASK, BLOCK_M, BLOCK_N, s_layout)
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(k.dtype)
         if DS_SMEM:
@@ -500,20 +600,31 @@ if gluon is not None:
         return dq, ds16
 
     @gluon.jit
-    def _dq_consumer(dq_desc, LSE, DELTA, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty, turn,
-                     off_m0, n_full, lse_base, qk_scale, sm_scale,
-                     C: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                     HEAD_DIM: gl.constexpr,
+    def _dq_consumer(dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty,
+                     turn, off_m0, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale,
+                     C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
+                     OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Consumer ``C``: query rows ``off_m0 + C·BLOCK_M ..`` against ``n_full`` full key blocks
-        (and, with ``CAUSAL``, the ``2·BLOCK_M / BLOCK_N`` diagonal ones), then dQ."""
+        """Consumer ``C``: query rows ``off_m0 + C·BLOCK_M ..`` against ring positions
+        ``0 .. n_blocks - 1`` (key blocks ``kb0 ..``), then dQ. Positions ``[e1, e2)`` are full;
+        ``CAUSAL``: the ``2·BLOCK_M / BLOCK_N`` after them are masked by the diagonal; ``INTERVAL``:
+        those before and after them are masked against each row's interval ``[LO[r], HI[r])``
+        (``row_base + r``)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         off_m = off_m0 + C * BLOCK_M
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        lse2 = gl.load(LSE + lse_base + offs_m) * 1.4426950408889634
+        lse = gl.load(LSE + lse_base + offs_m)
+        if INTERVAL:  # rows that keep no key: P = 0 in full steps too
+            lse = gl.where(lse == float("-inf"), float("inf"), lse)
+            lo_r = gl.load(LO + row_base + offs_m)
+            hi_r = gl.load(HI + row_base + offs_m)
+        else:
+            lo_r = 0
+            hi_r = 0
+        lse2 = lse * 1.4426950408889634
         delta = gl.load(DELTA + lse_base + offs_m)
         q = q_smem.index(C)
         do = do_smem.index(C)
@@ -532,19 +643,26 @@ if gluon is not None:
                 ds_c.store(gl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype, layout=s_layout))
                 fence_async_shared()
                 ds16 = 0
-            for j in range(n_full):
-                dq, ds16 = _dq_step_overlap(dq, ds16, j, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2,
-                                            delta, off_m, qk_scale, C, False, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
-                                            STAGES, s_layout, o_layout)
+            if INTERVAL:
+                for j in range(0, e1):
+                    dq, ds16 = _dq_step_overlap(dq, ds16, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn,
+                                                lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG, DS_SMEM,
+                                                BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            for j in range(e1, e2):
+                dq, ds16 = _dq_step_overlap(dq, ds16, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2,
+                                            delta, lo_r, hi_r, off_m, qk_scale, C, 0, PINGPONG, DS_SMEM, BLOCK_M,
+                                            BLOCK_N, STAGES, s_layout, o_layout)
             if CAUSAL:
                 for u in gl.static_range(N_DIAG):
-                    dq, ds16 = _dq_step_overlap(dq, ds16, n_full + u, q, do, ds_c, k_smem, v_smem, ready, empty,
-                                                turn, lse2, delta, off_m, qk_scale, C, True, PINGPONG, DS_SMEM,
+                    dq, ds16 = _dq_step_overlap(dq, ds16, e2 + u, kb0, q, do, ds_c, k_smem, v_smem, ready, empty,
+                                                turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 1, PINGPONG,
+                                                DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            if INTERVAL:
+                for j in range(e2, n_blocks):
+                    dq, ds16 = _dq_step_overlap(dq, ds16, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn,
+                                                lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG, DS_SMEM,
                                                 BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-                last = n_full + N_DIAG - 1
-            else:
-                last = n_full - 1
-            sl = last % STAGES
+            sl = (n_blocks - 1) % STAGES  # n_blocks >= 1
             if DS_SMEM:
                 dq = warpgroup_mma(ds_c, k_smem.index(sl), dq, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
@@ -553,13 +671,21 @@ if gluon is not None:
                 dq, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
             mbarrier.arrive(empty.index(sl))
         else:
-            for j in range(n_full):
-                dq = _dq_step(dq, j, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m, qk_scale, C,
-                              False, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            if INTERVAL:
+                for j in range(0, e1):
+                    dq = _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
+                                  off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            for j in range(e1, e2):
+                dq = _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r, off_m,
+                              qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
             if CAUSAL:
                 for u in gl.static_range(N_DIAG):
-                    dq = _dq_step(dq, n_full + u, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, off_m,
-                                  qk_scale, C, True, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                    dq = _dq_step(dq, e2 + u, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                                  hi_r, off_m, qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            if INTERVAL:
+                for j in range(e2, n_blocks):
+                    dq = _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
+                                  off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
         # Q's slot is free (every product reading it has completed): stage dQ there
         q.store((dq * sm_scale).to(q.dtype))
         fence_async_shared()
@@ -567,16 +693,23 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len"])
-    def _attn_bwd_dq_gluon(Q, K, V, DO, DQ, LSE, DELTA,
+    def _attn_bwd_dq_gluon(Q, K, V, DO, DQ, LSE, DELTA, LO, HI, TAB,
                            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                            stride_dqb, stride_dqh, stride_dqm,
-                           H, G, q_len, kv_len, qk_scale, sm_scale,
+                           H, G, q_len, kv_len, LZB, LZH, qk_scale, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                           OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Grid ``(Lq / (2·BLOCK_M), B·H)``, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q."""
+                           OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           INTERVAL: gl.constexpr = False):
+        """Grid ``(Lq / (2·BLOCK_M), B·H)``, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q.
+
+        ``INTERVAL``: row ``r`` of layout instance ``z = b·LZB + h·LZH`` keeps keys
+        ``LO[z, r] <= k < HI[z, r]`` (int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``) gives program
+        ``pid`` its key blocks ``(first, f0, f1, end)``: it visits ``[first, end)`` (``end > first``),
+        of which ``[f0, f1)`` every row keeps whole (rows that keep nothing excepted)."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_M) % BLOCK_N == 0, "causal needs BLOCK_N | 2·BLOCK_M")
+        gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or STAGES >= 2, "OVERLAP needs 2+ stages")
         pid_m = gl.program_id(0)
         pid_bh = gl.program_id(1)
@@ -626,20 +759,32 @@ if gluon is not None:
         fence_async_shared()
 
         off_m = pid_m * (2 * BLOCK_M)
-        if CAUSAL:
-            n_full = off_m // BLOCK_N  # key blocks before the program's diagonal rows
-            n_blocks = n_full + (2 * BLOCK_M) // BLOCK_N
-        else:
-            n_full = kv_len // BLOCK_N
-            n_blocks = n_full
         lse_base = pid_bh.to(gl.int64) * q_len
+        if INTERVAL:  # this row tile's key blocks from the table
+            z = ((pid_bh // H) * LZB + (pid_bh % H) * LZH).to(gl.int64)
+            row_base = z * q_len
+            tab = TAB + (z * gl.num_programs(0) + pid_m) * 4
+            kb0 = gl.load(tab)
+            e1 = gl.load(tab + 1) - kb0
+            e2 = gl.load(tab + 2) - kb0
+            n_blocks = gl.load(tab + 3) - kb0
+        else:
+            row_base = lse_base
+            kb0 = 0
+            e1 = 0
+            if CAUSAL:
+                e2 = off_m // BLOCK_N  # key blocks before the program's diagonal rows
+                n_blocks = e2 + (2 * BLOCK_M) // BLOCK_N
+            else:
+                e2 = kv_len // BLOCK_N
+                n_blocks = e2
         gl.warp_specialize([
-            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty,
-                            turn, off_m, n_full, lse_base, qk_scale, sm_scale,
-                            0, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_dq_consumer, (dq_desc, LSE, DELTA, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty,
-                            turn, off_m, n_full, lse_base, qk_scale, sm_scale,
-                            1, CAUSAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready,
+                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale,
+                            0, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready,
+                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale,
+                            1, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                            off_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+                            off_m, kb0, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

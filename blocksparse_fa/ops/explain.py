@@ -74,12 +74,12 @@ def _device_interval(q, k, v, mask, s, dropout_p, score_mod, be, align, opts, ne
     if be == "torch":
         return Explanation("torch", "torch:interval", "torch:interval" if needs_grad else None)
     from . import select
-    from .interval_backend import _class, forward_choice
+    from .interval_backend import _class, backward_choice, forward_choice
 
     iv = spec.bounds(q.device)
     fwd = forward_choice(q, k, v, iv, s, dropout_p, opts)
     lc = _class(iv, s)
-    bwd = select.choose_backward(lc, s, q.dtype, select.hardware(q.device), opts) if needs_grad else None
+    bwd = backward_choice(q, k, v, None, iv, s, dropout_p, opts) if needs_grad else None
     kernels = tuple(dict.fromkeys(fwd.kernels + (bwd.kernels if bwd else ())))
     return Explanation("triton", str(fwd), None if bwd is None else str(bwd), None, lc, kernels)
 

@@ -38,7 +38,8 @@ from .dispatch import lse_dtype
 from .options import DEFAULT_OPTIONS, decode_options
 from .validate import Shapes, check_qkv
 
-__all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward"]
+__all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward",
+           "gluon_interval_backward"]
 
 _LOG2E = 1.4426950408889634
 
@@ -243,6 +244,55 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
     return out, lse
 
 
+def _visit_one(tab: torch.Tensor) -> torch.Tensor:
+    """A ``(first, f0, f1, end)`` table whose tiles visit at least one tile: a tile that no row
+    sees gets ``end = first + 1`` (one masked step, which adds zeros), so that the Gluon programs
+    run their pipelines and store zeros."""
+    return torch.cat([tab[..., :3], torch.maximum(tab[..., 3:], tab[..., :1] + 1)], -1).contiguous()
+
+
+def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None,
+                            cfg=None):
+    """``(dq, dk, dv)`` like q, k, v through the Gluon backward's interval mode
+    (``kernels/backward_gluon.py``, Hopper): the dK/dV kernel walks the query blocks of each key
+    tile (:func:`~blocksparse_fa.compiler.device_intervals.col_tables` of ``2·block_n`` keys), the
+    dQ kernel the key blocks of each row tile (:func:`~blocksparse_fa.compiler.device_intervals.row_tables`
+    of ``2·dq_block_m`` rows), both masking partial blocks with the rows' bounds. Needs what
+    :func:`~blocksparse_fa.ops.select.choose_backward` checks for its ``gluon:interval`` choice:
+    intervals without an id compare, the same for every head (``iv.lo`` ``(Zb, 1, Lq)``), 16-bit
+    inputs, head dim 64 or 128, lengths multiples of the tiles, tensors that descriptors address."""
+    from .options import GluonBwdConfig
+    from .triton_backend import _gluon_bwd_launch, backward_delta
+
+    cfg = cfg or GluonBwdConfig()
+    lc = _class(iv, s)
+    why = select.hardware(q.device).gluon
+    if not why and select._gluon_bwd_mode(lc, s, cfg) != "interval":
+        why = (f"needs intervals without an id compare and the same for every head (got lo of shape "
+               f"{tuple(iv.lo.shape)}, ids compared: {iv.qid is not None}), head dim 64/128 and lengths that "
+               f"are multiples of the tiles (Lq % {max(cfg.block_m, 2 * cfg.dq_block_m)}, "
+               f"Lk % {max(2 * cfg.block_n, cfg.dq_block_n)}); got D={s.D}, Lq={s.Lq}, Lk={s.Lk}")
+    elif not why and q.dtype not in (torch.float16, torch.bfloat16):
+        why = f"needs 16-bit inputs, got {q.dtype}"
+    if why:
+        raise ValueError(f"gluon_interval_backward: {why}")
+    q, k, v, dout = _last_dim_contiguous(q, k, v, dout)
+    lse = lse.contiguous()
+    delta = backward_delta(out, dout, lse, s, dlse)
+    grads = _new_like(q), _new_like(k), _new_like(v)
+    if not select.tma_ok(q, k, v, dout, *grads):
+        raise ValueError("gluon_interval_backward: tensor descriptors need 16-byte aligned tensors and strides")
+    zb = iv.lo.shape[0]
+    kv_tab = cached_table(iv, ("gluon_col", s.Lk, cfg.block_m, 2 * cfg.block_n),
+                          lambda: _visit_one(col_tables(iv, s.Lk, cfg.block_m, 2 * cfg.block_n)))
+    q_tab = cached_table(iv, ("gluon_row", 2 * cfg.dq_block_m, cfg.dq_block_n),
+                         lambda: _visit_one(row_tables(iv, 2 * cfg.dq_block_m, cfg.dq_block_n)))
+    lo, hi = iv.lo.view(zb, s.Lq), iv.hi.view(zb, s.Lq)
+    _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, False, False, cfg,
+                      intervals=(lo, hi, kv_tab, q_tab, 1 if zb > 1 else 0, 0))
+    return grads
+
+
 # ------------------------------------------------------------------------------------------------
 # PyTorch (exact; CPU and float64)
 # ------------------------------------------------------------------------------------------------
@@ -417,8 +467,13 @@ def interval_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     s = check_qkv(q, k, v)
     iv = _intervals(lo, hi, ilo, ihi, qid, kid)
     if resolve_backend(backend, q.device, q.dtype) == "triton":
-        select.note("backward", select.choose_backward(_class(iv, s), s, q.dtype, select.hardware(q.device),
-                                                       decode_options(kernel_options)))
+        opts = decode_options(kernel_options)
+        if q.is_cuda and not select.tma_ok(dout) and select.tma_ok(q):
+            dout = dout.contiguous()  # an upstream layout of dO must not change the kernel choice
+        choice = backward_choice(q, k, v, dout, iv, s, dropout_p, opts)
+        select.note("backward", choice)
+        if choice.family == "gluon":
+            return gluon_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, opts.gluon_bwd)
         return triton_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, _seed(seed))
     select.note("backward", "torch:interval")
     g = torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, _seed(seed))
@@ -458,7 +513,17 @@ interval_fwd.register_autograd(_backward, setup_context=_setup_context)
 # entry points
 # ------------------------------------------------------------------------------------------------
 def _class(iv: DeviceIntervals, s: Shapes) -> select.LayoutClass:
-    return select.device_interval_class(s.Lq, s.Lk, iv.lo.shape[0] * iv.lo.shape[1] > 1, iv.qid is not None)
+    return select.device_interval_class(s.Lq, s.Lk, iv.lo.shape[0] * iv.lo.shape[1] > 1, iv.qid is not None,
+                                        per_head=iv.lo.shape[1] > 1)
+
+
+def backward_choice(q, k, v, dout, iv: DeviceIntervals, s: Shapes, dropout_p: float,
+                    opts=DEFAULT_OPTIONS) -> select.Choice:
+    """:func:`~blocksparse_fa.ops.select.choose_backward` for a call on the device-interval path
+    (``dout`` None: not known yet, as for :func:`blocksparse_fa.explain`)."""
+    ts = (q, k, v) if dout is None else (q, k, v, dout)
+    return select.choose_backward(_class(iv, s), s, q.dtype, select.hardware(q.device), opts,
+                                  dropout=dropout_p > 0.0, tma=select.tma_ok(*ts))
 
 
 def forward_choice(q, k, v, iv: DeviceIntervals, s: Shapes, dropout_p: float, opts=DEFAULT_OPTIONS) -> select.Choice:

@@ -97,7 +97,9 @@ class LayoutClass:
     or ``"device_interval"``: no compiled layout, the rows' key intervals built on the device from a
     mask holding this call's ``document(ids)`` (``compiler/device_intervals.py``; ``ids``: the
     kernels also compare document ids, for ids not known to be contiguous runs).
-    ``batched``: the layout differs per batch row or head. ``shard``: a context-parallel shard of a
+    ``batched``: the layout differs per batch row or head (``per_head``: per head; set for the
+    device-interval class only, whose Gluon backward needs one interval per row for every head of a
+    batch row). ``shard``: a context-parallel shard of a
     larger layout (its rows and keys sit at listed positions).
     ``band``/``short_partial``/``partial_heavy``/``band_bwd``: the tile class of
     ``kernels/config.py`` (which Triton tile tables apply)."""
@@ -113,11 +115,12 @@ class LayoutClass:
     partial_heavy: bool = False
     band_bwd: bool = False
     ids: bool = False
+    per_head: bool = False
 
 
-def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool) -> LayoutClass:
+def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool, per_head: bool = False) -> LayoutClass:
     """The class of a call on the device-interval path (no compiled layout)."""
-    return LayoutClass("device_interval", q_len, kv_len, (0, 0), batched=batched, ids=ids)
+    return LayoutClass("device_interval", q_len, kv_len, (0, 0), batched=batched, ids=ids, per_head=per_head)
 
 
 # The Gluon forward on device-built interval tables (``ops/interval_backend.gluon_interval_forward``)
@@ -132,6 +135,13 @@ GLUON_DEVICE_INTERVALS = True
 # elsewhere those layouts keep the deterministic Gluon pair (dK/dV kernel + dQ kernel). Add
 # ``"auto"`` once the five-GEMM variant times faster (benchmarks/experiments/gluon_bwd_tma.py).
 GLUON_ATOMIC_DQ_BACKWARDS = frozenset({"gluon"})
+
+# The Gluon backward's interval mode (``kernels/backward_gluon.py``, ``INTERVAL``) on device-built
+# tables for the device-interval path (``ops/interval_backend.gluon_interval_backward``), where the
+# intervals need no id compare and are the same for every head. Set False to keep the Triton
+# ``_interval_bwd`` under ``backward="auto"`` (``benchmarks/experiments/gluon_bwd_interval.py``
+# checks and times both).
+GLUON_DEVICE_INTERVAL_BACKWARD = True
 
 
 def layout_class(layout) -> LayoutClass:
@@ -168,7 +178,7 @@ def layout_class(layout) -> LayoutClass:
 class Choice:
     """One phase's kernels: ``family`` (``"gluon"``, ``"triton"``, ``"triton_dense"``), ``mode``
     (forward: ``"dense"``, ``"causal"``, ``"interval"``, ``"blocks"``, ``"plain"``, ``"ws"``;
-    backward: ``"dense"``/``"causal"`` (Gluon, deterministic dQ kernel), the same with
+    backward: ``"dense"``/``"causal"``/``"interval"`` (Gluon, deterministic dQ kernel), the first two with
     ``"+atomic_dq"``, ``"blocks"`` (Triton dK/dV and dQ programs) or ``"five_gemm"`` (Triton,
     atomic dQ)) and ``kernels``, the GPU kernels it launches, as a profiler names them."""
 
@@ -243,7 +253,14 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
 
 
 def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | None:
-    if lc.kind not in ("dense", "causal") or s.D not in (64, 128):
+    """The Gluon backward's mode for this layout and shapes (``"dense"``, ``"causal"``,
+    ``"interval"`` for the device-interval class), or None where it does not compute it."""
+    if lc.kind == "device_interval":
+        if lc.ids or lc.per_head:  # no id compare; the dK/dV program walks every head of a group
+            return None
+    elif lc.kind not in ("dense", "causal"):
+        return None
+    if s.D not in (64, 128):
         return None
     if s.Lq % max(cfg.block_m, 2 * cfg.dq_block_m) or s.Lq % cfg.block_m:
         return None
@@ -251,7 +268,7 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | No
         return None
     if lc.kind == "causal" and ((2 * cfg.block_n) % cfg.block_m or (2 * cfg.dq_block_m) % cfg.dq_block_n):
         return None
-    return lc.kind
+    return "interval" if lc.kind == "device_interval" else lc.kind
 
 
 def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware, opts: KernelOptions, *,
@@ -269,16 +286,20 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     if opts.backward == "gluon" and hw.gluon:
         raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
     det = opts.deterministic if deterministic is None else deterministic
-    if lc.kind == "device_interval":  # deterministic: dK/dV and dQ programs, no atomics
-        return Choice("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd"))
-    if (opts.backward in ("auto", "gluon") and not hw.gluon and dtype in _16BIT and not dropout and not score_mod
-            and not accumulate and not grad_dtype and tma):
+    want = opts.backward == "gluon" or (opts.backward == "auto" and (lc.kind != "device_interval"
+                                                                     or GLUON_DEVICE_INTERVAL_BACKWARD))
+    if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
+            and not grad_dtype and tma):
         mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig())
+        if mode == "interval":  # deterministic either way: dK/dV and dQ kernels
+            return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
         if mode is not None:
             if not det and opts.backward in GLUON_ATOMIC_DQ_BACKWARDS:
                 return Choice("gluon", mode + "+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",
                                                              "_dq_finish"))
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
+    if lc.kind == "device_interval":  # deterministic: dK/dV and dQ programs, no atomics
+        return Choice("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd"))
     if not det and not lc.shard and not grad_dtype and not score_mod:
         return Choice("triton", "five_gemm", ("_attn_bwd_preprocess", "_attn_bwd_atomic", "_dq_finish"))
     return Choice("triton", "blocks", ("_attn_bwd_preprocess", "_attn_bwd"))

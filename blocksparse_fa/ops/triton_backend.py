@@ -119,11 +119,17 @@ def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
 
 
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
-                      cfg: GluonBwdConfig, layout: BlockLayout | None = None) -> None:
+                      cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (grid ``(Lk / (2·block_n), B·H // G)``),
     then the dQ kernel (grid ``(Lq / (2·dq_block_m), B·H)``) or, with ``atomic``, ``_dq_finish``
-    on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to."""
+    on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to.
+
+    ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh)``: the rows'
+    intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``ops/interval_backend.gluon_interval_backward``)
+    and the instance strides (dK/dV needs ``lzh == 0``: one interval per row for every head)."""
     _ensure_tma_allocator(q.device)
+    ph = _placeholder(torch.int32, q.device)
+    lo, hi, kv_tab, q_tab, lzb, lzh = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0)
     dq, dk, dv = grads
     qk = scale * _LOG2E
     # the dK/dV kernel reads Q and dO of a GQA group through one descriptor over its heads
@@ -133,27 +139,28 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
            else _placeholder(torch.float32, q.device))
     _launch(_bg._attn_bwd_dkdv_gluon, (s.Lk // (2 * cfg.block_n), s.B * s.Hkv), (
-        qg, k, v, dog, dk, dv, dqa, lse, delta,
+        qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        s.H, s.G, s.Lq, s.Lk, qk, scale), 31, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
+        s.H, s.G, s.Lq, s.Lk, lzb, qk, scale), 35, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
         OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        DQ_CHUNK=min(cfg.atomic_dq_chunk, s.D), num_warps=4)
+        DQ_CHUNK=min(cfg.atomic_dq_chunk, s.D), INTERVAL=intervals is not None, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
                                                  num_warps=4)
         return
     _launch(_bg._attn_bwd_dq_gluon, (s.Lq // (2 * cfg.dq_block_m), s.B * s.H), (
-        q, k, v, dout, dq, lse, delta,
+        q, k, v, dout, dq, lse, delta, lo, hi, q_tab,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        s.H, s.G, s.Lq, s.Lk, qk, scale), 26, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.dq_block_m,
+        s.H, s.G, s.Lq, s.Lk, lzb, lzh, qk, scale), 31, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.dq_block_m,
         BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal, PINGPONG=cfg.dq_pingpong,
-        OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+        OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+        INTERVAL=intervals is not None, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
