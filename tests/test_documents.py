@@ -121,6 +121,69 @@ def test_gluon_tables_built_on_the_device_equal_the_host_ones():
             assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def _gluon_schedule_backward(q, k, v, out, lse, dout, iv, scale, bm, bn, dq_bm, dq_bn):
+    """The Gluon backward's interval mode (``kernels/backward_gluon.py``) step by step in float64:
+    dK/dV programs of ``2·bn`` keys walk the query blocks of their table row, dQ programs of
+    ``2·dq_bm`` rows the key blocks of theirs; blocks outside ``[f0, f1)`` compare each key with the
+    rows' bounds, the others do not; rows that keep nothing read a logsumexp of +inf."""
+    B, H, lq, D = q.shape
+    G, lk = H // k.shape[1], k.shape[2]
+    kv_tab = interval_backend._visit_one(col_tables(iv, lk, bm, 2 * bn))[0, 0].tolist()
+    q_tab = interval_backend._visit_one(row_tables(iv, 2 * dq_bm, dq_bn))[0, 0].tolist()
+    lo, hi = iv.lo[0, 0].long(), iv.hi[0, 0].long()
+    lse = torch.where(torch.isinf(lse), float("inf"), lse.double())
+    delta = (dout.double() * out.double()).sum(-1)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+
+    def probs(h, rows, keys, masked):
+        hk = h // G
+        p = torch.exp(q[0, h, rows].double() @ k[0, hk, keys].double().T * scale - lse[0, h, rows, None])
+        if masked:
+            p = torch.where((keys >= lo[rows, None]) & (keys < hi[rows, None]), p, 0.0)
+        ds = p * (dout[0, h, rows].double() @ v[0, hk, keys].double().T - delta[0, h, rows, None])
+        return p, ds
+
+    for c, (first, f0, f1, end) in enumerate(kv_tab):
+        keys = torch.arange(c * 2 * bn, (c + 1) * 2 * bn)
+        for h in range(H):
+            for i in range(first, end):
+                rows = torch.arange(i * bm, (i + 1) * bm)
+                p, ds = probs(h, rows, keys, not f0 <= i < f1)
+                dv[0, h // G, keys] += p.T @ dout[0, h, rows].double()
+                dk[0, h // G, keys] += ds.T @ q[0, h, rows].double() * scale
+    for t, (first, f0, f1, end) in enumerate(q_tab):
+        rows = torch.arange(t * 2 * dq_bm, (t + 1) * 2 * dq_bm)
+        for h in range(H):
+            for j in range(first, end):
+                keys = torch.arange(j * dq_bn, (j + 1) * dq_bn)
+                dq[0, h, rows] += probs(h, rows, keys, not f0 <= j < f1)[1] @ k[0, h // G, keys].double() * scale
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("mask", [bsfa.causal() & bsfa.document(_ids([200, 1, 55])),
+                                  bsfa.sliding_window(70) & bsfa.document(_ids([180, 76])),
+                                  bsfa.causal() & bsfa.document(_ids([90, 166])) & bsfa.query_range(40, 200)],
+                         ids=["causal_doc", "window_doc", "empty_rows"])
+def test_gluon_interval_schedule_matches_float64(mask):
+    """The tables and steps of the Gluon interval backward (which needs a Hopper GPU; the GPU check
+    is ``benchmarks/experiments/gluon_bwd_interval.py``), replayed in float64 on the CPU: the same
+    gradients as the exact backward, GQA included, empty rows and key tiles no row sees included."""
+    from blocksparse_fa.ops.validate import Shapes
+
+    n = 256
+    iv = interval_spec(mask, n, n).bounds("cpu")
+    assert iv.qid is None and iv.lo.shape == (1, 1, n)
+    q, k, v = (t.detach().double() for t in _qkv(1, 4, 2, n, n, 16, torch.float64, seed=3))
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    s = Shapes(1, 4, 2, n, n, 16)
+    out, lse = interval_backend.torch_interval_forward(q, k, v, iv, s, 0.25)
+    want = interval_backend.torch_interval_backward(q, k, v, out, lse, dout, iv, s, 0.25)
+    for tiles in ((16, 16, 16, 32), (32, 32, 32, 64)):
+        got = _gluon_schedule_backward(q, k, v, out, lse, dout, iv, 0.25, *tiles)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-10, rtol=1e-9)
+
+
 def _qkv(B, H, Hkv, lq, lk, D, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(B, h, n, D, generator=g).to(dtype).requires_grad_() for h, n in ((H, lq), (Hkv, lk), (Hkv, lk))]

@@ -1,4 +1,4 @@
-"""Hopper backward for layouts whose blocks are all full (dense) or causal, written in Gluon.
+"""Hopper backward for dense, causal and one-interval-per-row layouts, written in Gluon.
 
 The FlashAttention-3 backward schedule (Shah et al., 2024) in Triton's Gluon dialect, against the
 API of triton 3.6 (the one ``kernels/forward_gluon.py`` uses). The per-row term
@@ -38,8 +38,18 @@ first ``2·BLOCK_N / BLOCK_M`` query blocks of each head; the dQ program masks i
 the dK/dV kernel's Q/dO descriptor spans the group's heads, so a ragged query tile would read the
 next head's rows). Longest programs first.
 
+``INTERVAL``: every query row ``r`` keeps one key interval ``[LO[r], HI[r])``, the same for every
+head (windows, contiguous documents, their intersections with ``causal()``), given as tables built
+on the device (``ops/interval_backend.gluon_interval_backward``): a dK/dV program walks the query
+blocks ``[first, end)`` of its key tile and a dQ program the key blocks of its row tile; blocks
+inside ``[f0, f1)`` are kept whole by every row and run unmasked, the others compare each key with
+the rows' bounds (read with the logsumexp, before the slot wait). Rows that keep nothing (logsumexp
+-inf) read +inf, so their probabilities are 0 in every step; a tile that no row sees still visits
+one (masked) block, so every program runs its pipeline and stores its (zero) gradients.
+
 Gluon does not run in Triton's CPU interpreter; the launcher (``ops/triton_backend.py``) uses this
-module where ``ops/select.choose_backward`` picks it (dense and causal layouts on Hopper).
+module where ``ops/select.choose_backward`` picks it (dense and causal layouts, and intervals built
+on the device, on Hopper).
 """
 
 from __future__ import annotations
