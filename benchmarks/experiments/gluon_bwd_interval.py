@@ -34,6 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_bwd_tma import _Child as _TmaChild  # noqa: E402
 from gluon_fwd import bench_ms, child_loop, rel, run_children  # noqa: E402
 
 PATTERNS = ("docs", "docs_window", "window", "docs_rows")
@@ -67,26 +68,21 @@ def doc_lengths(n: int, lo: int, hi: int, seed: int, tiny: bool) -> list[int]:
 
 # ---------------------------------------------------------------- child
 
-class _Child:
-    def __init__(self):
-        import torch
+class _Child(_TmaChild):
+    """``gluon_bwd_tma``'s child (its inputs and per-head references), on interval masks."""
 
-        import blocksparse_fa as bsfa
+    def __init__(self):
+        super().__init__()
         from blocksparse_fa.compiler.device_intervals import interval_spec
-        from blocksparse_fa.ops import select
         from blocksparse_fa.ops.interval_backend import interval_attention
 
-        self.torch, self.bsfa, self.select = torch, bsfa, select
         self.interval_spec, self.interval_attention = interval_spec, interval_attention
         self.triton_bwd = dict(backward="triton")
 
-    def inputs(self, h, hk, n, d, seed=0):
-        torch = self.torch
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        mk = lambda hh: torch.randn(1, hh, n, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-        return mk(h), mk(hk), mk(hk), mk(h)
+    def mask(self, m):  # the references take the mask itself
+        return m
 
-    def mask(self, pattern, n, timing=False):
+    def build_mask(self, pattern, n, timing=False):
         bsfa, torch = self.bsfa, self.torch
         if pattern == "window":
             return bsfa.sliding_window(1024)
@@ -122,41 +118,11 @@ class _Child:
         torch.cuda.synchronize()
         return (o.detach(), *grads), [c for _, c in ran]
 
-    def references(self, mask, q, k, v, do, n_heads):
-        """float64 and eager bf16 (O, dQ, dK, dV) on query heads ``0 .. n_heads-1`` (whole GQA
-        groups), one head at a time."""
-        torch, bsfa = self.torch, self.bsfa
-        G = q.shape[1] // k.shape[1]
-        scale = q.shape[-1] ** -0.5
-        out = []
-        for up in (True, False):
-            os_, dqs, dks, dvs = [], [], [], []
-            for h in range(n_heads):
-                hk = h // G
-                ins = [t[:, i:i + 1].detach().clone() for t, i in ((q, h), (k, hk), (v, hk))]
-                ins = [(t.double() if up else t).requires_grad_() for t in ins]
-                o = bsfa.reference_attention(*ins, mask, scale=scale, upcast=up)
-                gq, gk, gv = torch.autograd.grad(o, ins, do[:, h:h + 1].to(o.dtype))
-                os_.append(o.detach())
-                dqs.append(gq)
-                if h % G == 0:
-                    dks.append(gk.double())
-                    dvs.append(gv.double())
-                else:
-                    dks[-1] += gk.double()
-                    dvs[-1] += gv.double()
-                del o, gq, gk, gv, ins
-            cast = (lambda t: t) if up else (lambda t: t.to(q.dtype))
-            out.append((torch.cat(os_, 1), torch.cat(dqs, 1), cast(torch.cat(dks, 1)), cast(torch.cat(dvs, 1))))
-            del os_, dqs, dks, dvs
-            torch.cuda.empty_cache()
-        return out
-
     def check(self, pattern, h, hk, n, d) -> dict:
         q, k, v, do = self.inputs(h, hk, n, d, seed=n + d + h + hk)
         G = h // hk
         n_heads = h if n <= 4096 else G
-        mask = self.mask(pattern, n)
+        mask = self.build_mask(pattern, n)
         got, ran = self.ours(self.fwd(pattern, mask, None), q, k, v, do)
         r64, eager = self.references(mask, q, k, v, do, n_heads)
         rec = dict(ran=ran, heads_checked=n_heads)
@@ -175,7 +141,7 @@ class _Child:
     def timing(self, pattern, h, hk, n, d) -> dict:
         torch = self.torch
         q, k, v, do = self.inputs(h, hk, n, d)
-        mask = self.mask(pattern, n, timing=True)
+        mask = self.build_mask(pattern, n, timing=True)
         spec = self.interval_spec(mask, n, n, require_tensor=False)
         iv = spec.bounds(q.device)
         rec = dict(kept_pairs=int((iv.hi.long() - iv.lo.long()).clamp_min(0).sum().item()))
