@@ -28,14 +28,12 @@ in a Gluon kernel hangs rather than raising: ``gluon_fwd.run_children``). Result
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_bwd_tma import _Child as _TmaChild  # noqa: E402
-from gluon_fwd import bench_ms, child_loop, rel, run_children  # noqa: E402
+from gluon_bwd_tma import _Child as _TmaChild, drive  # noqa: E402
+from gluon_fwd import bench_ms, child_loop, rel  # noqa: E402
 
 PATTERNS = ("docs", "docs_window", "window", "docs_rows")
 TIMED = [(16, 16, 16384, 128), (8, 2, 65536, 128)]
@@ -227,38 +225,7 @@ def main():
     if args.child:
         child_main(args.cases, args.progress)
         return
-    t0 = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    import torch
-    import triton
-
-    cases = args.cases or all_cases(args.quick)
-    results = dict(out_dir=args.out, gluon={}, cases=cases,
-                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-                   torch=torch.__version__, triton=triton.__version__)
-    path = os.path.join(args.out, "gluon_bwd_interval.json")
-
-    def save():
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-
-    save()
-    run_children(cases, t0 + args.budget, args.stall, results, save, script=__file__)
-    results["cases"] = {c: results["gluon"].get(c, dict(skipped="not reached")) for c in cases}
-    del results["gluon"]
-    results["seconds"] = round(time.time() - t0, 1)
-    save()
-    print("\nchecks:")
-    n_pass = 0
-    for name, rec in results["cases"].items():
-        if name.startswith("check:"):
-            n_pass += bool(rec.get("ok"))
-            print(f"  {name:34s} {'' if 'o' in rec else 'FAIL '}{_fmt(rec)}")
-    n_checks = sum(c.startswith("check:") for c in cases)
-    print(f"{n_pass}/{n_checks} checks PASS")
-    print("\n" + table(results))
-    print(f"\n{results['seconds']} s; {path}")
-
+    drive(args, args.cases or all_cases(args.quick), "gluon_bwd_interval.json", _fmt, table, 34, __file__)
 
 if __name__ == "__main__":
     main()

@@ -257,38 +257,44 @@ def main():
         return
     os.environ["BSFA_ATOMIC_DQ_CHUNK"] = str(args.dq_chunk)  # read by the children
     os.environ["BSFA_CHECK_DEFAULT"] = "0" if args.quick else "1"
+    drive(args, args.cases or all_cases(args.quick), "gluon_bwd_tma.json", _fmt, table, 30, __file__,
+          atomic_dq_chunk=args.dq_chunk)
+
+
+def drive(args, cases: list[str], name: str, fmt, tabulate, width: int, script: str, **extra) -> None:
+    """Run ``cases`` in child processes of ``script`` (``args.budget``, ``args.stall``), write
+    ``args.out/name`` after every case, then print the checks (``fmt``) and the table
+    (``tabulate``). Shared with ``gluon_bwd_interval.py``."""
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     import torch
     import triton
 
-    cases = args.cases or all_cases(args.quick)
-    results = dict(out_dir=args.out, gluon={}, atomic_dq_chunk=args.dq_chunk, cases=cases,
+    results = dict(out_dir=args.out, gluon={}, **extra, cases=cases,
                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
                    torch=torch.__version__, triton=triton.__version__)
-    path = os.path.join(args.out, "gluon_bwd_tma.json")
+    path = os.path.join(args.out, name)
 
     def save():
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
     save()
-    run_children(cases, t0 + args.budget, args.stall, results, save, script=__file__)
+    run_children(cases, t0 + args.budget, args.stall, results, save, script=script)
     results["cases"] = {c: results["gluon"].get(c, dict(skipped="not reached")) for c in cases}
     del results["gluon"]
     results["seconds"] = round(time.time() - t0, 1)
     save()
     print("\nchecks:")
     n_pass = 0
-    for name, rec in results["cases"].items():
-        if name.startswith("check:"):
+    for case, rec in results["cases"].items():
+        if case.startswith("check:"):
             n_pass += bool(rec.get("ok"))
-            print(f"  {name:30s} {'' if 'o' in rec else 'FAIL '}{_fmt(rec)}")
+            print(f"  {case:{width}s} {'' if 'o' in rec else 'FAIL '}{fmt(rec)}")
     n_checks = sum(c.startswith("check:") for c in cases)
     print(f"{n_pass}/{n_checks} checks PASS")
-    print("\n" + table(results))
+    print("\n" + tabulate(results))
     print(f"\n{results['seconds']} s; {path}")
-
 
 if __name__ == "__main__":
     main()
