@@ -1,4 +1,5 @@
-"""Test setup: Triton kernels run in the interpreter on CPU (must be set before kernels are imported)."""
+"""Test setup: Triton kernels run in the interpreter on CPU (must be set before kernels are imported);
+with pytest-xdist installed the suite runs in one worker process per CPU."""
 
 import os
 
@@ -6,6 +7,33 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+MAX_WORKERS = 8  # each worker imports torch (and, in some tests, spawns gloo ranks)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``python -m pytest`` spreads the tests over the CPUs (``-n logical``, at most ``MAX_WORKERS``)
+    when pytest-xdist is installed and no ``-n``/``--dist`` was given; ``-n 0`` runs in this process.
+    Without pytest-xdist the suite runs in one process, unchanged. (A hook rather than ``addopts``
+    so that a missing plugin is no error.)"""
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if config.option.numprocesses is None and config.option.dist == "no" and not config.option.tx:
+        config.option.numprocesses = "logical"
+        if config.option.maxprocesses is None:
+            config.option.maxprocesses = MAX_WORKERS
+
+
+def _worker_threads() -> None:
+    """Share the CPUs between the xdist workers instead of giving every worker all of them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cpus // workers))
+
+
+_worker_threads()
 
 
 @pytest.fixture(autouse=True)

@@ -143,7 +143,7 @@ def _plans_use_fine_lists(layout, opts):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("mask,H,Hkv,Lq,Lk", [
     (LONGFORMER, 4, 2, 97, 97),             # GQA, odd length
-    (BIGBIRD, 2, 1, 257, 257),              # random blocks at the list block, odd length
+    (BIGBIRD, 2, 1, 129, 129),              # random blocks at the list block, odd length
     (LONGFORMER, 2, 2, 70, 130),            # Lq != Lk
     (bsfa.parse("causal & (window(12) | global_tokens(5))"), 2, 1, 100, 60),  # rows with nothing to attend
 ])
