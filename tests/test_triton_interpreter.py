@@ -407,6 +407,29 @@ def test_merge_residue_masked_rows():
     assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(lse[torch.isfinite(lse)], ref_lse[torch.isfinite(ref_lse)])
 
 
+def test_merge_rows_of_part_one():
+    """With stride 1 the second part may cover rows ``row0 .. row0 + R`` only: those rows are merged,
+    the others stay exactly as they were."""
+    from blocksparse_fa.ops.merge import merge_attention
+    from blocksparse_fa.ops.triton_backend import merge_residue
+
+    torch.manual_seed(0)
+    B, H, N, D, R, row0 = 2, 3, 40, 16, 9, 20
+    o1, l1 = torch.randn(B, H, N, D), torch.randn(B, H, N)
+    o2, l2 = torch.randn(B, H, R, D), torch.randn(B, H, R)
+    l2[0, 1, :2] = float("-inf")
+    l1[0, 1, row0] = float("-inf")  # row 20 of head 1: both parts empty
+    out, lse = o1.clone(), l1.clone()
+    merge_residue(out, lse, o2, l2, 1, row0)
+    ref, ref_lse = merge_attention([(o1[:, :, row0:row0 + R], l1[:, :, row0:row0 + R]), (o2, l2)])
+    assert torch.allclose(out[:, :, row0:row0 + R], ref, atol=1e-5)
+    assert torch.equal(torch.isinf(lse[:, :, row0:row0 + R]), torch.isinf(ref_lse))
+    assert torch.equal(out[0, 1, row0], torch.zeros(D))
+    keep = torch.ones(N, dtype=torch.bool)
+    keep[row0:row0 + R] = False
+    assert torch.equal(out[:, :, keep], o1[:, :, keep]) and torch.equal(lse[:, :, keep], l1[:, :, keep])
+
+
 @pytest.mark.parametrize("split", [None, 4])
 def test_backward_accumulate_adds_to_given_gradients(split):
     """``triton_backward(accumulate=...)`` adds its gradients to the given tensors (non-contiguous

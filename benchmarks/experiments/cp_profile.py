@@ -5,7 +5,7 @@ Two modes:
 ``gpu`` (torchrun, NCCL): torch.profiler on every rank, one table per rank (kernels, NCCL, copies),
 so that the part of ``TP - T1 / P`` that is glue can be told apart from communication and waiting::
 
-    torchrun --nproc-per-node 4 benchmarks/experiments/cp_profile.py gpu --pattern longformer --n 262144
+    torchrun --nproc-per-node 4 benchmarks/experiments/cp_profile.py gpu --patterns longformer --n 262144
 
 ``glue`` (CPU, gloo, no GPU): every rank's operators other than the attention kernels (which are
 replaced by stubs returning empty outputs of the right shapes), counted per call with a
@@ -232,45 +232,131 @@ def cmd_glue(args):
             json.dump(dict(world=args.world, n=args.n, rows=rows), f, indent=1)
 
 
+def _classify(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if "attn" in n or "gluon" in n or "interval" in n or "merge_residue" in n:
+        return "attention"
+    if "memcpy" in n or "memset" in n:
+        return "memcpy"
+    return "other"
+
+
+def _device_times(prof, steps: int) -> dict:
+    """Per step: ms of device time by class (attention kernels, NCCL, copies, other), and the top
+    kernels by name."""
+    tot = defaultdict(float)
+    names = defaultdict(float)
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0.0)
+        if not t:
+            continue
+        tot[_classify(ev.key)] += t / 1e3 / steps
+        names[ev.key[:70]] += t / 1e3 / steps
+    top = sorted(names.items(), key=lambda x: -x[1])[:12]
+    return dict(by_class={k: round(v, 3) for k, v in tot.items()}, top=[(k, round(v, 3)) for k, v in top])
+
+
 def cmd_gpu(args):
-    dist.init_process_group("nccl")
+    """Per pattern and phase (fwd, fwd+bwd): one GPU against P (CUDA events), the host's time to
+    issue a call, each rank's device time by class (profiler) and the kernels the launches chose."""
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.ops import select
+
+    cuda = torch.cuda.is_available()  # without a GPU: a gloo check of the script at small sizes
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    mask = lead_masks(args.n)[args.pattern] if args.pattern in lead_masks(0, names_only=True) \
-        else make_mask(args.pattern, args.n, False)
-    plan = plan_context_parallel(mask, args.n, world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM, block_size=128)
-    q, k, v, do = _qkv(args.n, dev, torch.bfloat16)
-    idx = plan.indices(rank, dev)
-    ql, kl, vl, dl = (t[:, :, idx].contiguous().requires_grad_(t is not do) for t in (q, k, v, do))
+    if cuda:
+        torch.cuda.set_device(local)
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    results = []
+    for pattern in args.patterns:
+        mask = lead_masks(args.n)[pattern]
+        plan = plan_context_parallel(mask, args.n, world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
+                                     block_size=128)
+        q, k, v, do = _qkv(args.n, dev, dtype)
+        lay = plan.device_layout(dev)
+        idx = plan.indices(rank, dev)
+        ql, kl, vl, dl = (t[:, :, idx].contiguous() for t in (q, k, v, do))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (ql, kl, vl))
+        qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
 
-    def step():
-        o = context_parallel_attention(ql, kl, vl, plan=plan, check=False)
-        o.backward(dl)
+        def calls(phase):
+            def cp():
+                if phase == "fwd":
+                    with torch.no_grad():
+                        context_parallel_attention(ql, kl, vl, plan=plan, check=False, overlap=args.overlap)
+                else:
+                    for t in (qg, kg, vg):
+                        t.grad = None
+                    context_parallel_attention(qg, kg, vg, plan=plan, check=False,
+                                               overlap=args.overlap).backward(dl)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60)
-    for r in range(world):
-        dist.barrier()
-        if r == rank:
-            print(f"=== rank {rank}: {args.pattern} N={args.n} strategy={plan.strategy} "
-                  f"overlap={plan.overlap_auto} fwd+bwd {ms:.2f} ms (profile over 3 steps)\n{table}", flush=True)
+            def one():
+                if phase == "fwd":
+                    with torch.no_grad():
+                        bsfa.attention(q, k, v, mask=lay)
+                else:
+                    for t in (qa, ka, va):
+                        t.grad = None
+                    bsfa.attention(qa, ka, va, mask=lay).backward(do)
+            return cp, one
+
+        for phase in ("fwd", "fwd+bwd"):
+            cp, one = calls(phase)
+            row = dict(rank=rank, pattern=pattern, phase=phase, strategy=plan.strategy,
+                       overlap=plan.overlap_auto if args.overlap == "auto" else args.overlap)
+            for label, fn, collective in (("T1", one, False), ("TP", cp, True)):
+                with select.record() as ran:
+                    fn()
+                row[f"{label}_kernels"] = sorted(set(f"{a}:{b}" for a, b in ran))
+                for _ in range(2):
+                    fn()
+                sync()
+                dist.barrier()
+                host = []
+                w0 = time.perf_counter()
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    fn()
+                    host.append(time.perf_counter() - t0)
+                sync()
+                row[f"{label}_ms"] = (time.perf_counter() - w0) * 1e3 / args.iters
+                row[f"{label}_host_ms"] = 1e3 * sorted(host)[len(host) // 2]
+                dist.barrier()
+                if cuda:
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        for _ in range(3):
+                            fn()
+                        sync()
+                    row[f"{label}_device"] = _device_times(prof, 3)
+                dist.barrier()
+            t = torch.tensor([row["TP_ms"]], device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            row["TP_max_ms"] = t.item()
+            row["eff"] = row["T1_ms"] / (world * row["TP_max_ms"])
+            results.append(row)
+            if rank == 0:
+                print(f"{pattern} {phase}: T1 {row['T1_ms']:.2f} ms, TP {row['TP_max_ms']:.2f} ms, eff "
+                      f"{row['eff']:.2f}", flush=True)
+        del q, k, v, do, qa, ka, va, qg, kg, vg
+        if cuda:
+            torch.cuda.empty_cache()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        rows = [r for g in gathered for r in g]
+        for r in sorted(rows, key=lambda r: (args.patterns.index(r["pattern"]), r["phase"], r["rank"])):
+            print(json.dumps(r, default=str))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(world=world, n=args.n, rows=rows), f, indent=1, default=str)
     dist.destroy_process_group()
 
 
@@ -278,9 +364,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gpu", help="torch.profiler tables per rank (torchrun, NCCL)")
-    g.add_argument("--pattern", default="longformer")
-    g.add_argument("--n", type=int, default=262144)
-    g.add_argument("--rows", type=int, default=22)
+    g.add_argument("--patterns", nargs="+", default=["sliding_window", "longformer", "bigbird", "documents"])
+    g.add_argument("--tokens", "--n", dest="n", type=int, default=262144)
+    g.add_argument("--iters", type=int, default=5)
+    g.add_argument("--overlap", default="auto", type=lambda x: x if x == "auto" else x == "true",
+                   help="auto (the plan's choice), true or false")
+    g.add_argument("--json", default=None)
     g.set_defaults(fn=cmd_gpu)
     c = sub.add_parser("glue", help="operators and bytes besides the kernels, per rank (CPU, gloo)")
     c.add_argument("--world", type=int, default=4)

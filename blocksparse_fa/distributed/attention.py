@@ -181,16 +181,24 @@ def _fast(layout, phase: str = "forward") -> bool:
     return kind in (("dense", "causal", "interval") if phase == "forward" else ("dense", "causal"))
 
 
-def _merge(o1, l1, o2, l2, backend):
+def _merge(o1, l1, o2, l2, backend, rows=None):
     """``(o, lse)`` of two parts over disjoint keys, in ``o1``'s dtype (float32 arithmetic; on the
-    GPU one pass in place of ``o1``)."""
+    GPU one pass in place of ``o1``); ``rows``: the rows ``(start, end)`` of ``o1`` that part 2
+    covers (None: all), the others are kept."""
+    a = 0 if rows is None else rows[0]
     if backend == "triton" and o1.is_cuda:
         from ..ops.triton_backend import merge_residue
 
         o1, l1, o2, l2 = (t.contiguous() for t in (o1, l1, o2, l2))
-        merge_residue(o1, l1, o2, l2, 1)
+        merge_residue(o1, l1, o2, l2, 1, a)
         return o1, l1
-    return merge_attention([(o1, l1), (o2, l2)])
+    if rows is None or tuple(rows) == (0, o1.shape[2]):
+        return merge_attention([(o1, l1), (o2, l2)])
+    b = rows[1]
+    o, lp = merge_attention([(o1[:, :, a:b], l1[:, :, a:b]), (o2, l2)])
+    o1[:, :, a:b] = o
+    l1[:, :, a:b] = lp
+    return o1, l1
 
 
 def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int, backend: str, group,
@@ -209,11 +217,11 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
         saved.gq = gq
         back = _guest_forward(ex, q, k, v, gq, scale, dropout_p, seed, backend, group, ranks, opts, acc)
     out = lse = None
-    for part in ex.fwd_parts["overlap" if over else "main"]:
+    for part in ex.fwd_parts["overlap" if over else "main"]:  # the first covers every row
         K, V = _keys(part, k, v, fetch, saved)
         odt = None if out is None or _fast(part.layout) else acc
-        o, lp = _fwd(q, K, V, part.layout, scale, dropout_p, seed, backend, odt, opts)
-        out, lse = (o, lp) if out is None else _merge(out, lse, o, lp, backend)
+        o, lp = _fwd(_rows(q, part), K, V, part.layout, scale, dropout_p, seed, backend, odt, opts)
+        out, lse = (o, lp) if out is None else _merge(out, lse, o, lp, backend, part.rows)
     if fetch is not None:
         fetch.wait()  # every message completes before the call returns
         saved.kvbuf, saved.kvrem = fetch.buf, fetch.rem
@@ -286,14 +294,26 @@ class _Grads:
     def __init__(self, shape, dtype, device):
         self.shape, self.dtype, self.device, self.t = shape, dtype, device, None
         self.done = []  # written ranges, disjoint, sorted
+        self.pending = []  # parts of some rows that came before any launch covering all of them
 
     def add(self, g, span):
         n = self.shape[2]
         a, b = (0, n) if span is None else span
-        if self.t is None and (a, b) == (0, n):
+        if self.t is None and (a, b) != (0, n):
+            self.pending.append((g, (a, b)))  # kept until a launch over all rows gives the buffer
+            return
+        if self.t is None:
             self.t = g
             self.done = [(0, n)]
+            pend, self.pending = self.pending, []
+            for pg, ps in pend:
+                self._add(pg, ps)
             return
+        self._add(g, (a, b))
+
+    def _add(self, g, span):
+        n = self.shape[2]
+        a, b = span
         if self.t is None:
             self.t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif self.t.dtype != self.dtype:
@@ -311,6 +331,9 @@ class _Grads:
         self.done = _union(self.done + [(a, b)])
 
     def get(self):
+        pend, self.pending = self.pending, []
+        for pg, ps in pend:
+            self._add(pg, ps)
         if self.t is None:
             self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         gaps = [(s, e) for s, e in _gaps(self.done, self.shape[2])]

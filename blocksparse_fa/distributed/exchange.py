@@ -34,7 +34,7 @@ from ..compiler.compile import compile_mask
 from ..compiler.intervals import row_interval
 from ..compiler.shard import shard_layout
 from ..mask.primitives import Causal, Full, causal, full
-from .plan import MAX_RUNS, ContextParallelPlan, _tokens
+from .plan import EDGE_RUNS, EDGE_SHARE, MAX_RUNS, ContextParallelPlan, _segment_arrays, _tokens
 
 __all__ = ["Exchange", "Part", "exchange_for", "MAX_RUNS"]
 
@@ -173,16 +173,28 @@ class Exchange:
         guest_rows = np.concatenate([rk.own_split] + gr).astype(np.int64)
         self.guest = shard_layout(lay, guest_rows, rk.own_cols, device=dev) if len(guest_rows) else None
         intervals = row_interval(lay)
+        empty = np.repeat(split_own, bm)[:len(own_tok)]
         if intervals is not None:  # one key interval per row: the parts' intervals in their key coordinates
-            empty = np.repeat(split_own, bm)[:len(own_tok)]
             _set_intervals(self.local, intervals, own_tok, own_tok, empty)
             _set_intervals(self.main, intervals, own_tok, buf_tok, empty)
             if self.remote is not None:
                 _set_intervals(self.remote, intervals, own_tok, rem_tok, empty)
+        remote_parts = [Part(self.remote, None, "rem")] if self.remote is not None else []
+        runs = _edge_runs(self.remote, len(own_tok), bm) if self.remote is not None else None
+        if runs is not None:  # the fetched keys concern a few runs of rows (a halo): one launch per run
+            remote_parts = []
+            for a, b in runs:
+                r0, r1 = a * bm, min(b * bm, len(own_tok))
+                shard = shard_layout(lay, rk.own_rows[a:b], rk.remote_cols, limit_rows=split_own[a:b],
+                                     limit_cols=none, device=dev)
+                if intervals is not None:
+                    _set_intervals(shard, intervals, own_tok[r0:r1], rem_tok, empty[r0:r1])
+                remote_parts.append(Part(shard, (r0, r1), "rem"))
+        self.remote_rows = None if runs is None else sum(min(b * bm, len(own_tok)) - a * bm for a, b in runs)
         rect = _rectangles(lay, own_tok, buf_tok, rem_tok) if not split_own.any() else None
         self.rectangles = rect is not None
         main = [Part(self.main, None, "buf")]
-        over = [Part(self.local, None, "own")] + ([Part(self.remote, None, "rem")] if self.remote is not None else [])
+        over = [Part(self.local, None, "own")] + remote_parts
         self.fwd_parts = {"main": main, "overlap": over}
         self.bwd_parts = {"main": main, "overlap": over[::-1]}
         if rect is not None:
@@ -271,6 +283,18 @@ class Exchange:
         if overlap == "auto":
             return self.plan.overlap_auto
         return bool(overlap)
+
+
+def _edge_runs(shard, n_rows: int, bm: int):
+    """``[(a, b)]`` runs of local row blocks of ``shard`` that keep any block, when they cover at
+    most :data:`EDGE_SHARE` of the ``n_rows`` rows in at most :data:`EDGE_RUNS` runs; else None."""
+    rows, starts, ends, keep = _segment_arrays(shard)
+    used = np.unique(rows[keep & (ends > starts)])
+    runs = [(int(used[a]), int(used[b - 1]) + 1) for a, b in _runs(used)]
+    if not runs or len(runs) > EDGE_RUNS:
+        return None
+    covered = sum(min(b * bm, n_rows) - a * bm for a, b in runs)
+    return runs if covered <= EDGE_SHARE * n_rows else None
 
 
 def _set_intervals(shard, intervals, row_tok: np.ndarray, key_tok: np.ndarray, empty: np.ndarray) -> None:

@@ -36,6 +36,11 @@ TIE = 0.02  # estimates closer than this are ties, settled by the bytes moved
 MAX_RUNS = 4  # messages per peer and phase before a pair's tokens travel as one packed message (exchange.py)
 
 
+# the fetched keys' launches are cut to the rows that reach them when these are at most this share
+# of the rank's rows in at most this many runs (a halo: windows, documents); otherwise one launch
+EDGE_SHARE, EDGE_RUNS = 0.5, 4
+
+
 @dataclass(frozen=True)
 class CostModel:
     """What the planner assumes about the machine (defaults: H100/H200-class GPUs with NVLink).
@@ -47,7 +52,10 @@ class CostModel:
             (17.3 ns, same fit); other block sizes and head dims scale it by their volume.
         backward_factor: backward time over forward time.
         bandwidth: bytes per second one rank sends to its peers (NVLink, all peers at once).
-        latency: seconds per step of messages (a collective or a group of sends and receives).
+        latency: seconds per step of messages (a collective or a group of sends and receives) on
+            the critical path: 0.3 ms, what a step of point-to-point messages of 1-8 MB cost
+            between four H100s (NVLink) in the context-parallel forward, waiting for the peers
+            included (``benchmarks/experiments/cp_profile.py gpu``, ``benchmarks/NOTES.md``).
         memory_bandwidth: bytes per second of the GPU's memory (the passes that merge partial
             results and convert float32 sums).
         launch_seconds: fixed cost of one kernel launch (host and tail).
@@ -58,7 +66,7 @@ class CostModel:
     block_seconds: float = 17.3e-9
     backward_factor: float = 2.5
     bandwidth: float = 150e9
-    latency: float = 30e-6
+    latency: float = 300e-6
     memory_bandwidth: float = 2.5e12
     launch_seconds: float = 10e-6
     message_seconds: float = 5e-6
@@ -77,6 +85,8 @@ class _Rank:
     guest_rows: np.ndarray
     cost: float
     local_cost: float = 0.0  # the part of ``cost`` over the rank's own keys (hides a fetch when overlapped)
+    remote_rows: int = 0  # rows (tokens) whose blocks reach fetched keys
+    remote_runs: int = 0  # runs of consecutive own row blocks among them
     kv_from: list = field(default_factory=list)  # per peer: remote key blocks owned by it
     guests_from: list = field(default_factory=list)  # per peer: its split rows this rank computes a part of
 
@@ -168,6 +178,7 @@ class ContextParallelPlan:
         lay = self.layout
         rrow, starts, ends, nonempty = _segment_arrays(lay)
         tr, tc = lay.shape[-2:]
+        bm = lay.block_size[0]
         n = self.seq_len
         units = np.nonzero(self.owner == r)[0]
         length = int(np.minimum((units + 1) * self.unit, n).sum() - (units * self.unit).sum())
@@ -194,8 +205,17 @@ class ContextParallelPlan:
         sel = row_own[rrow] & ~is_split[rrow] & nonempty
         w = np.where(self.layout._segs.state[sel] == FULL, 1.0, self.cost_model.kappa)
         local = float((w * (pref[ends[sel]] - pref[starts[sel]])).sum())
-        return _Rank(units, length, np.nonzero(row_own)[0], np.nonzero(col_own)[0], remote, own_split, guest, cost,
-                     local)
+        # own row blocks that reach fetched keys, and their runs in local order
+        is_rem = np.zeros(tc, bool)
+        is_rem[remote] = True
+        rpre = np.concatenate([[0], np.cumsum(is_rem)])
+        rrows = np.unique(rrow[sel][rpre[ends[sel]] - rpre[starts[sel]] > 0])
+        own_rows = np.nonzero(row_own)[0]
+        loc = np.searchsorted(own_rows, rrows)
+        n_runs = 0 if not len(loc) else 1 + int(np.count_nonzero(np.diff(loc) != 1))
+        rem_rows = int(_block_len(rrows, bm, n).sum())
+        return _Rank(units, length, own_rows, np.nonzero(col_own)[0], remote, own_split, guest, cost, local,
+                     rem_rows, n_runs)
 
     def _fingerprint(self) -> int:
         h = hashlib.sha256()
@@ -311,11 +331,18 @@ class ContextParallelPlan:
         preprocess and its kernel). ``causal()`` and dense masks run their backward as a dense and
         a causal rectangle per contiguous piece of the rank's tokens (``exchange._rectangles``),
         cut again at the own pieces when overlapped; other masks one launch per key part."""
-        parts = 2 if overlap and len(rk.remote_cols) else 1
+        parts = 1 + (max(1, rk.remote_runs) if self._halo(rk) else 1) if overlap and len(rk.remote_cols) else 1
         pieces = 1 + int(np.count_nonzero(np.diff(rk.units) != 1)) if len(rk.units) else 0
         rect = isinstance(self.layout.mask, (Causal, Full)) and not self.layout.batch_shape and not len(self.split)
-        bwd = (2 * pieces + (pieces if parts == 2 else 0)) if rect and isinstance(self.layout.mask, Causal) else parts
+        bwd = (2 * pieces + (pieces if parts > 1 else 0)) if rect and isinstance(self.layout.mask, Causal) else parts
         return parts + 2 * bwd + (3 if len(self.split) else 0)
+
+    @staticmethod
+    def _halo(rk: _Rank) -> bool:
+        """Whether the rows of ``rk`` that reach fetched keys are a halo: at most
+        :data:`EDGE_SHARE` of its rows in at most :data:`EDGE_RUNS` runs (then the launches over
+        the fetched keys cover those rows only, ``exchange.Exchange``)."""
+        return rk.remote_runs <= EDGE_RUNS and rk.remote_rows <= EDGE_SHARE * rk.length
 
     def _messages(self, rk: _Rank) -> int:
         """Messages a rank sends and receives per fwd+bwd (runs of consecutive tokens, a packed
@@ -342,6 +369,7 @@ class ContextParallelPlan:
         costs = np.array([rk.cost for rk in self._ranks])
         t_unit = self._block_seconds() * B * H * (1 + cm.backward_factor)
         n_steps = 2 + (4 if len(self.split) else 0)  # message steps per fwd+bwd
+        rect = isinstance(self.layout.mask, (Causal, Full)) and not self.layout.batch_shape and not len(self.split)
         best = None
         for overlap in (False, True):
             worst = (0.0, 0.0, 0.0)
@@ -350,10 +378,20 @@ class ContextParallelPlan:
                 comm = (p["fwd"] + p["bwd"]) / cm.bandwidth + n_steps * cm.latency
                 comm += self._messages(rk) * cm.message_seconds
                 glue = self._launches(rk, overlap) * cm.launch_seconds
-                if overlap and len(rk.remote_cols):
+                if not len(rk.remote_cols):  # it only sends: its kernels wait for no message
                     comm = max(0.0, comm - rk.local_cost * t_unit)
-                    # merge of two outputs (read both, write one) and the sum of two dQ parts, float32
-                    glue += B * H * rk.length * D * (12 + 16) / cm.memory_bandwidth
+                elif overlap:
+                    if not (rect or self._halo(rk)):
+                        # measured on 4 x H100 (benchmarks/NOTES.md, context parallelism): where the
+                        # fetched keys reach every row (global tokens, random blocks) the second
+                        # launch over all rows and the merge cost more than the fetch they hide
+                        worst = (compute, float("inf"), glue)
+                        break
+                    comm = max(0.0, comm - rk.local_cost * t_unit)
+                    rows = rk.length if rect else rk.remote_rows
+                    # merge of two outputs over the rows that reach fetched keys (read both, write
+                    # one), and the dQ of all rows in float32 (written, then converted)
+                    glue += B * H * D * (12 * rows + 10 * rk.length) / cm.memory_bandwidth
                 t = compute + comm + glue
                 if t > sum(worst):
                     worst = (compute, comm, glue)

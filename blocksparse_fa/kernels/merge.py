@@ -2,6 +2,8 @@
 
 Used by the strided-mask rewrite (``ops/residue.py``): the band part's output is in token order,
 the strided part's in residue-class order (position ``p`` sits at ``(p mod S)·M + p div S``).
+Also used by context parallelism (``distributed/attention.py``) with ``S = 1``: part 2 covers the
+rows ``[ROW0, ROW0 + n_rows)`` of part 1's ``N1`` rows (the rows that see fetched keys).
 One pass: ``lse = logaddexp(lse1, lse2)``, ``o = exp(lse1 − lse)·o1 + exp(lse2 − lse)·o2``, written
 over part 1. Rows masked in both parts (both ``-inf``) give ``o = 0`` and ``lse = -inf``.
 """
@@ -12,23 +14,25 @@ import triton.language as tl
 from .common import load_tile, store_tile
 
 
-@triton.jit(do_not_specialize=["n_rows", "S", "M"])
-def _merge_residue(O1, L1, O2, L2, n_rows, S, M, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+@triton.jit(do_not_specialize=["n_rows", "S", "M", "row0", "n1"])
+def _merge_residue(O1, L1, O2, L2, n_rows, S, M, row0, n1, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """Grid ``(cdiv(n_rows, BLOCK), B·H)``. ``O1`` ``(B·H, n_rows, D)`` and ``O2`` ``(B·H, S, M, D)``
-    contiguous (``n_rows = S·M``), ``L1``/``L2`` likewise without ``D``; ``O1``/``L1`` are overwritten."""
+    """Grid ``(cdiv(n_rows, BLOCK), B·H)``. ``O1`` ``(B·H, n1, D)`` and ``O2`` ``(B·H, S, M, D)``
+    contiguous (``n_rows = S·M``), ``L1``/``L2`` likewise without ``D``; rows ``row0 ..
+    row0 + n_rows`` of ``O1``/``L1`` are overwritten."""
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     offs_m = pid * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_r = (offs_m % S) * M + offs_m // S  # row of position offs_m in class-major order
     base = bh * n_rows
-    o1_ptrs = O1 + (base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
+    base1 = bh * n1 + row0
+    o1_ptrs = O1 + (base1 + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
     o1 = load_tile(o1_ptrs, offs_m, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     o2 = load_tile(O2 + (base + offs_r)[:, None] * HEAD_DIM + offs_d[None, :], offs_m, n_rows, offs_d,
                    HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     valid = offs_m < n_rows
-    l1 = tl.load(L1 + base + offs_m, mask=valid, other=float("-inf"))
+    l1 = tl.load(L1 + base1 + offs_m, mask=valid, other=float("-inf"))
     l2 = tl.load(L2 + base + offs_r, mask=valid, other=float("-inf"))
     m = tl.maximum(l1, l2)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -40,4 +44,4 @@ def _merge_residue(O1, L1, O2, L2, n_rows, S, M, HEAD_DIM: tl.constexpr, HEAD_DI
     o = o1 * (w1 * inv)[:, None] + o2 * (w2 * inv)[:, None]
     lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, tot)))
     store_tile(o1_ptrs, o.to(O1.dtype.element_ty), offs_m, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-    tl.store(L1 + base + offs_m, lse, mask=valid)
+    tl.store(L1 + base1 + offs_m, lse, mask=valid)
