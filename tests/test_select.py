@@ -5,6 +5,8 @@ The CPU has no Hopper GPU, so the Gluon kernels are made "available" here by rep
 device's :class:`Hardware` and the descriptor check, and their launchers by the exact PyTorch
 backend: what is tested is which kernels each path asks for, and that the answers are right."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -123,12 +125,27 @@ def test_backward_gluon_on_device_intervals():
     assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
 
 
-@pytest.mark.parametrize("why", ["ids", "per_head", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma",
-                                 "fp32", "d96", "ragged", "no_gluon", "option", "switched_off"])
-def test_backward_on_device_intervals_falls_back_to_triton(why, monkeypatch):
-    lc, s, dtype, hw, opts, kw = _dev_lc(), S, torch.bfloat16, HOPPER, DEFAULT, {}
-    if why in ("ids", "per_head"):
-        lc = _dev_lc(batched=True, **{why: True})
+_COMMON = ["per_head", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "fp32", "d96", "ragged",
+           "no_gluon", "option", "switched_off"]
+# per class: its LayoutClass, its Triton fallback and the switch of its Gluon default
+_INTERVAL_CLASSES = {
+    "device_interval": (lambda **kw: _dev_lc(batched=True, **kw) if kw else _dev_lc(),
+                        ("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd")),
+                        "GLUON_DEVICE_INTERVAL_BACKWARD"),
+    "interval": (lambda **kw: _lc("interval", batched="per_head" in kw, **kw),
+                 ("triton", "blocks", ("_attn_bwd_preprocess", "_attn_bwd")), "GLUON_HOST_INTERVAL_BACKWARD"),
+}
+
+
+@pytest.mark.parametrize("kind, why", [("device_interval", w) for w in ["ids", *_COMMON]]
+                         + [("interval", w) for w in ["shard", *_COMMON]])
+def test_backward_on_intervals_falls_back_to_triton(kind, why, monkeypatch):
+    """Intervals built on the device, or a compiled layout's: the Triton backward of the class
+    where the Gluon interval mode does not apply or is not wanted."""
+    make, fallback, switch = _INTERVAL_CLASSES[kind]
+    lc, s, dtype, hw, opts, kw = make(), S, torch.bfloat16, HOPPER, DEFAULT, {}
+    if why in ("ids", "per_head", "shard"):
+        lc = make(**{why: True})
     elif why in ("dropout", "score_mod", "accumulate", "grad_dtype"):
         kw[why] = True
     elif why == "no_tma":
@@ -139,17 +156,19 @@ def test_backward_on_device_intervals_falls_back_to_triton(why, monkeypatch):
         s = Shapes(1, 16, 4, 16384, 16384, 96)
     elif why == "ragged":  # lengths must be multiples of both kernels' program rows and keys
         s = Shapes(1, 16, 4, 16384 - 64, 16384 - 64, 128)
-        lc = select.device_interval_class(s.Lq, s.Lk, False, False)
+        lc = dataclasses.replace(lc, q_len=s.Lq, kv_len=s.Lk)
     elif why == "no_gluon":
         hw = NO_GLUON
     elif why == "option":
         opts = KernelOptions(backward="triton")
     elif why == "switched_off":
-        monkeypatch.setattr(select, "GLUON_DEVICE_INTERVAL_BACKWARD", False)
+        monkeypatch.setattr(select, switch, False)
     c = choose_backward(lc, s, dtype, hw, opts, **kw)
-    assert (c.family, c.mode, c.kernels) == ("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd"))
+    assert (c.family, c.mode, c.kernels) == fallback
     if why == "switched_off":  # an explicit request still gets it
         assert str(choose_backward(lc, s, dtype, hw, KernelOptions(backward="gluon"))) == "gluon:interval"
+    if kind == "interval" and why in ("per_head", "option", "d96"):  # the block fallback keeps its options
+        assert choose_backward(lc, s, dtype, hw, opts.replace(deterministic=False), **kw).mode == "five_gemm"
 
 
 @pytest.mark.interpreter
@@ -197,39 +216,6 @@ def test_backward_gluon_on_host_intervals():
     assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
     with pytest.raises(ValueError, match="backward='gluon': it needs a GPU of compute capability 9.x"):
         choose_backward(_lc("interval"), S, torch.bfloat16, NO_GLUON, KernelOptions(backward="gluon"))
-
-
-@pytest.mark.parametrize("why", ["per_head", "shard", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma",
-                                 "fp32", "d96", "ragged", "no_gluon", "option", "switched_off"])
-def test_backward_on_host_intervals_falls_back_to_triton(why, monkeypatch):
-    lc, s, dtype, hw, opts, kw = _lc("interval"), S, torch.bfloat16, HOPPER, DEFAULT, {}
-    if why == "per_head":
-        lc = _lc("interval", batched=True, per_head=True)
-    elif why == "shard":
-        lc = _lc("interval", shard=True)
-    elif why in ("dropout", "score_mod", "accumulate", "grad_dtype"):
-        kw[why] = True
-    elif why == "no_tma":
-        kw["tma"] = False
-    elif why == "fp32":
-        dtype = torch.float32
-    elif why == "d96":
-        s = Shapes(1, 16, 4, 16384, 16384, 96)
-    elif why == "ragged":  # lengths must be multiples of both kernels' program rows and keys
-        s = Shapes(1, 16, 4, 16384 - 64, 16384 - 64, 128)
-        lc = LayoutClass("interval", s.Lq, s.Lk, (128, 128))
-    elif why == "no_gluon":
-        hw = NO_GLUON
-    elif why == "option":
-        opts = KernelOptions(backward="triton")
-    elif why == "switched_off":
-        monkeypatch.setattr(select, "GLUON_HOST_INTERVAL_BACKWARD", False)
-    c = choose_backward(lc, s, dtype, hw, opts, **kw)
-    assert (c.family, c.mode, c.kernels) == ("triton", "blocks", ("_attn_bwd_preprocess", "_attn_bwd"))
-    if why == "switched_off":  # an explicit request still gets it
-        assert str(choose_backward(lc, s, dtype, hw, KernelOptions(backward="gluon"))) == "gluon:interval"
-    if why in ("per_head", "option", "d96"):  # the Triton fallback keeps its own options
-        assert choose_backward(lc, s, dtype, hw, opts.replace(deterministic=False), **kw).mode == "five_gemm"
 
 
 @pytest.mark.interpreter
