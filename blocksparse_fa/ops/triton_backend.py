@@ -126,7 +126,8 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
 
     ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh)``: the rows'
     intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``ops/interval_backend.gluon_backward_tables``:
-    device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`) and the instance strides (dK/dV needs ``lzh == 0``: one interval per row for every head)."""
+    device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`) and the instance
+    strides (dK/dV needs ``lzh == 0``: one interval per row for every head)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0)
