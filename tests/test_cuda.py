@@ -201,3 +201,31 @@ def test_eager_and_compiled_run_the_kernels_explain_names(name):
     ran_eager, ran_compiled = _kernels_run(eager), _kernels_run(compiled)
     assert ran_eager == ran_compiled
     assert ran_eager == sorted(set(bsfa.explain(q, k, v, mask=mask).kernels))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["sliding_window", "documents"])
+def test_gluon_interval_backward_on_host_layouts(name, d):
+    """Compiled one-interval-per-row layouts (a sliding window; documents whose ids the host
+    knows) run the Gluon backward's interval mode by default: output and gradients against float64."""
+    from blocksparse_fa.ops import select
+
+    n, ids = 1024, torch.repeat_interleave(torch.arange(4), torch.tensor([100, 412, 1, 511]))
+    mask = bsfa.sliding_window(256) if name == "sliding_window" else bsfa.causal() & bsfa.document(ids)
+    lay = bsfa.compile_mask(mask, n, n, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (4, 2, 2, 4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    with select.record() as ran:
+        out = bsfa.attention(q, k, v, mask=lay)
+        got = torch.autograd.grad(out, (q, k, v), do)
+    assert ("backward", "gluon:interval") in ran, ran
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = bsfa.reference_attention(*ins, mask)
+    want = torch.autograd.grad(ref, ins, do.double())
+    for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert not a.isnan().any() and err < 2e-2, f"{name} d{d} d{what}: relative error {err:.2e}"

@@ -5,6 +5,8 @@ The CPU has no Hopper GPU, so the Gluon kernels are made "available" here by rep
 device's :class:`Hardware` and the descriptor check, and their launchers by the exact PyTorch
 backend: what is tested is which kernels each path asks for, and that the answers are right."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,12 +82,12 @@ def test_backward_gluon_where_it_applies(kind):
     assert c.mode == kind + "+atomic_dq" and "_dq_finish" in c.kernels
 
 
-@pytest.mark.parametrize("why", ["interval", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "short",
+@pytest.mark.parametrize("why", ["blocks", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "short",
                                  "option", "causal_tiles"])
 def test_backward_falls_back_to_triton(why):
     lc, s, opts, kw = _lc("causal"), S, DEFAULT, {}
-    if why == "interval":
-        lc = _lc("interval")
+    if why == "blocks":
+        lc = _lc("blocks")
     elif why in ("dropout", "score_mod", "accumulate", "grad_dtype"):
         kw[why] = True
     elif why == "no_tma":
@@ -123,12 +125,27 @@ def test_backward_gluon_on_device_intervals():
     assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
 
 
-@pytest.mark.parametrize("why", ["ids", "per_head", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma",
-                                 "fp32", "d96", "ragged", "no_gluon", "option", "switched_off"])
-def test_backward_on_device_intervals_falls_back_to_triton(why, monkeypatch):
-    lc, s, dtype, hw, opts, kw = _dev_lc(), S, torch.bfloat16, HOPPER, DEFAULT, {}
-    if why in ("ids", "per_head"):
-        lc = _dev_lc(batched=True, **{why: True})
+_COMMON = ["per_head", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "fp32", "d96", "ragged",
+           "no_gluon", "option", "switched_off"]
+# per class: its LayoutClass, its Triton fallback and the switch of its Gluon default
+_INTERVAL_CLASSES = {
+    "device_interval": (lambda **kw: _dev_lc(batched=True, **kw) if kw else _dev_lc(),
+                        ("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd")),
+                        "GLUON_DEVICE_INTERVAL_BACKWARD"),
+    "interval": (lambda **kw: _lc("interval", batched="per_head" in kw, **kw),
+                 ("triton", "blocks", ("_attn_bwd_preprocess", "_attn_bwd")), "GLUON_HOST_INTERVAL_BACKWARD"),
+}
+
+
+@pytest.mark.parametrize("kind, why", [("device_interval", w) for w in ["ids", *_COMMON]]
+                         + [("interval", w) for w in ["shard", *_COMMON]])
+def test_backward_on_intervals_falls_back_to_triton(kind, why, monkeypatch):
+    """Intervals built on the device, or a compiled layout's: the Triton backward of the class
+    where the Gluon interval mode does not apply or is not wanted."""
+    make, fallback, switch = _INTERVAL_CLASSES[kind]
+    lc, s, dtype, hw, opts, kw = make(), S, torch.bfloat16, HOPPER, DEFAULT, {}
+    if why in ("ids", "per_head", "shard"):
+        lc = make(**{why: True})
     elif why in ("dropout", "score_mod", "accumulate", "grad_dtype"):
         kw[why] = True
     elif why == "no_tma":
@@ -139,17 +156,19 @@ def test_backward_on_device_intervals_falls_back_to_triton(why, monkeypatch):
         s = Shapes(1, 16, 4, 16384, 16384, 96)
     elif why == "ragged":  # lengths must be multiples of both kernels' program rows and keys
         s = Shapes(1, 16, 4, 16384 - 64, 16384 - 64, 128)
-        lc = select.device_interval_class(s.Lq, s.Lk, False, False)
+        lc = dataclasses.replace(lc, q_len=s.Lq, kv_len=s.Lk)
     elif why == "no_gluon":
         hw = NO_GLUON
     elif why == "option":
         opts = KernelOptions(backward="triton")
     elif why == "switched_off":
-        monkeypatch.setattr(select, "GLUON_DEVICE_INTERVAL_BACKWARD", False)
+        monkeypatch.setattr(select, switch, False)
     c = choose_backward(lc, s, dtype, hw, opts, **kw)
-    assert (c.family, c.mode, c.kernels) == ("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd"))
+    assert (c.family, c.mode, c.kernels) == fallback
     if why == "switched_off":  # an explicit request still gets it
         assert str(choose_backward(lc, s, dtype, hw, KernelOptions(backward="gluon"))) == "gluon:interval"
+    if kind == "interval" and why in ("per_head", "option", "d96"):  # the block fallback keeps its options
+        assert choose_backward(lc, s, dtype, hw, opts.replace(deterministic=False), **kw).mode == "five_gemm"
 
 
 @pytest.mark.interpreter
@@ -183,6 +202,64 @@ def test_device_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch
     assert ex.backward == "gluon:interval"
 
 
+def test_backward_gluon_on_host_intervals():
+    """Compiled layouts whose rows keep one key interval, the same for every head (per batch row is
+    fine): the Gluon pair in its interval mode, deterministic either way, as on device intervals."""
+    for lc in (_lc("interval"), _lc("interval", batched=True)):
+        for opts in (DEFAULT, KernelOptions(backward="gluon"), KernelOptions(deterministic=False),
+                     KernelOptions(backward="gluon", deterministic=False)):
+            c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
+            assert (c.family, c.mode, c.kernels) == ("gluon", "interval", GLUON_BWD_KERNELS), opts
+            assert str(c) == "gluon:interval"
+    s64 = Shapes(2, 8, 2, 4096, 2048, 64)  # Lq != Lk (bottom-right windows)
+    lc = LayoutClass("interval", 4096, 2048, (128, 128))
+    assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
+    with pytest.raises(ValueError, match="backward='gluon': it needs a GPU of compute capability 9.x"):
+        choose_backward(_lc("interval"), S, torch.bfloat16, NO_GLUON, KernelOptions(backward="gluon"))
+
+
+@pytest.mark.interpreter
+def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
+    """A compiled one-interval-per-row layout (rows 0-63 and 200-255 keep nothing): the backward
+    goes to the Gluon launcher in its interval mode with the layout's cached tables, and the
+    gradients are those of the exact backend; ``backward="triton"`` keeps the Triton kernels. A
+    logsumexp that is finite on the layout's empty rows (a rewrite's part gets the whole mask's)
+    reaches the kernels as -inf there."""
+    seen = []
+    launch = tb._gluon_bwd_launch
+
+    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
+        seen.append((causal, atomic, intervals, lse.clone()))
+        launch(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
+
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", spy)
+    mask = bsfa.causal() & bsfa.sliding_window(100) & bsfa.query_range(64, 200)
+    layout = bsfa.compile_mask(mask, L, L, 128)
+    q, k, v = _inputs(Hkv=1)
+    ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
+    tables = tb._gluon_bwd_interval_tables(layout, GluonBwdConfig(), torch.device("cpu"))
+    assert tables[5] is not None and tables[5].shape == (1, 1, L)
+    for opts, want in ((None, "gluon:interval"), (dict(backward="triton"), "triton:blocks")):
+        seen.clear()
+        ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton",
+                                                            kernel_options=opts), q, k, v)
+        assert ran == [("forward", "gluon:interval"), ("backward", want)]
+        assert len(seen) == (1 if want.startswith("gluon") else 0)
+        if seen:
+            causal, atomic, intervals, _ = seen[0]
+            assert not causal and not atomic and intervals[4:] == (0, 0)
+            assert all(a is b for a, b in zip(intervals[:4], tables[:4]))  # built once, kept on the layout
+        for a, b in zip(grads, ref):
+            assert rel_err(a, b) < 1e-2
+    assert bsfa.explain(q, k, v, mask=layout, backend="triton").backward == "gluon:interval"
+    seen.clear()
+    s = Shapes(1, 2, 1, L, L, 64)
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    tb.triton_backward(q.detach(), k.detach(), v.detach(), out, torch.zeros(1, 2, L), dout, layout, s, 0.125, 0.0, 0)
+    lse = seen[0][3]
+    assert torch.isinf(lse[..., :64]).all() and torch.isinf(lse[..., 200:]).all() and (lse[..., 64:200] == 0).all()
+
+
 def test_backward_of_a_shard_stays_deterministic():
     c = choose_backward(_lc("blocks", shard=True), S, torch.bfloat16, HOPPER, KernelOptions(deterministic=False))
     assert c.mode == "blocks"
@@ -200,7 +277,11 @@ def test_layout_class_of_compiled_layouts():
     assert cls(bsfa.causal() & bsfa.document(ids)).kind == "interval"
     assert cls(bsfa.load_pattern("longformer", window=64, n_global=16)).kind == "blocks"
     lc = cls(bsfa.window(bsfa.per_head([10, 40])))
-    assert lc.kind == "interval" and lc.batched
+    assert lc.kind == "interval" and lc.batched and lc.per_head
+    lc = cls(bsfa.sliding_window(bsfa.per_head([600, 700])))  # per-head windows, the same intervals at 512
+    assert lc.kind == "interval" and lc.batched and not lc.per_head
+    lc = cls(bsfa.causal() & bsfa.document(torch.stack([ids, ids.flip(0)])))  # per batch row
+    assert lc.kind == "interval" and lc.batched and not lc.per_head
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,7 +299,7 @@ def hopper(monkeypatch):
         out.copy_(o)
         lse.copy_(l)
 
-    def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None):
+    def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
         o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
         for g, r in zip(grads, torch_backward(q, k, v, o.to(q.dtype), l, dout, layout, s, scale, 0.0, 0)):
             g.copy_(r)
@@ -246,9 +327,9 @@ IDS = torch.tensor([0] * 70 + [1] * 130 + [2] * 56)
 MASKS = {
     "dense": (lambda: None, "gluon:dense", "gluon:dense"),
     "causal": (bsfa.causal, "gluon:causal", "gluon:causal"),
-    "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "triton:blocks"),
+    "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "gluon:interval"),
     # the expression holds this call's ids: intervals built on the device, no layout (contiguous
-    # documents: the Gluon forward on device tables); a precompiled layout takes the layout's kernels
+    # documents: the Gluon kernels on device tables); a precompiled layout takes the layout's kernels
     "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "gluon:interval", "gluon:interval"),
     "documents, ids compared": (lambda: bsfa.causal() & bsfa.document(IDS, contiguous=False), "triton:interval",
                                 "triton:interval"),
@@ -294,7 +375,7 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
     results = {}
     for path, fn in paths.items():
         ran, out, grads = _run(fn, q, k, v)
-        expect = [("forward", "gluon:interval"), ("backward", "triton:blocks")] if (
+        expect = [("forward", "gluon:interval"), ("backward", "gluon:interval")] if (
             name.startswith("documents") and path == "layout") else want
         assert ran == expect, (path, ran)
         results[path] = (out, *grads)
@@ -332,9 +413,9 @@ def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
     seen = []
     bwd = tb._gluon_bwd_launch
 
-    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None):
+    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
         seen.append((causal, atomic, cfg.atomic_dq_chunk))
-        bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout)
+        bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
     monkeypatch.setattr(tb, "_gluon_bwd_launch", spy)
     q, k, v = _inputs(Hkv=2)

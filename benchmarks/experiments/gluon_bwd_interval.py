@@ -27,12 +27,11 @@ in a Gluon kernel hangs rather than raising: ``gluon_fwd.run_children``). Result
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_bwd_tma import _Child as _TmaChild, drive  # noqa: E402
+from gluon_bwd_tma import _Child as _TmaChild, arg_parser, drive  # noqa: E402
 from gluon_fwd import bench_ms, child_loop, rel  # noqa: E402
 
 PATTERNS = ("docs", "docs_window", "window", "docs_rows")
@@ -213,15 +212,7 @@ def table(results) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run (cases past it skip)")
-    ap.add_argument("--stall", type=float, default=60.0, help="kill a child silent this long (s)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true", help="4K checks of d128 MHA and d64 GQA 4, 16K timings")
-    ap.add_argument("--cases", nargs="*", default=None, help="only these cases (names as printed)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--progress", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = arg_parser(__doc__, 225.0, "4K checks of d128 MHA and d64 GQA 4, 16K timings").parse_args()
     if args.child:
         child_main(args.cases, args.progress)
         return

@@ -240,17 +240,25 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run (cases past it skip)")
+def arg_parser(doc: str, budget: float, quick: str, out: str = "") -> argparse.ArgumentParser:
+    """The command line of the Gluon backward scripts (``--child`` and ``--progress``: how
+    :func:`drive` starts a child). Shared with ``gluon_bwd_interval.py`` and
+    ``gluon_bwd_host_interval.py``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=budget, help="seconds for the whole run (cases past it skip)")
     ap.add_argument("--stall", type=float, default=60.0, help="kill a child silent this long (s)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true",
-                    help="4K checks of d128 MHA and d64 GQA 4 (without the default path's errors), 16K timings")
-    ap.add_argument("--dq-chunk", type=int, default=64, choices=[64, 128], help="GluonBwdConfig.atomic_dq_chunk")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help=out or None)
+    ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--cases", nargs="*", default=None, help="only these cases (names as printed)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--progress", help=argparse.SUPPRESS)
+    return ap
+
+
+def main():
+    ap = arg_parser(__doc__, 225.0,
+                    "4K checks of d128 MHA and d64 GQA 4 (without the default path's errors), 16K timings")
+    ap.add_argument("--dq-chunk", type=int, default=64, choices=[64, 128], help="GluonBwdConfig.atomic_dq_chunk")
     args = ap.parse_args()
     if args.child:
         child_main(args.cases, args.progress)

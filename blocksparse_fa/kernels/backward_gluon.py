@@ -40,16 +40,17 @@ next head's rows). Longest programs first.
 
 ``INTERVAL``: every query row ``r`` keeps one key interval ``[LO[r], HI[r])``, the same for every
 head (windows, contiguous documents, their intersections with ``causal()``), given as tables built
-on the device (``ops/interval_backend.gluon_interval_backward``): a dK/dV program walks the query
-blocks ``[first, end)`` of its key tile and a dQ program the key blocks of its row tile; blocks
-inside ``[f0, f1)`` are kept whole by every row and run unmasked, the others compare each key with
-the rows' bounds (read with the logsumexp, before the slot wait). Rows that keep nothing (logsumexp
+on the device (``ops/interval_backend.gluon_backward_tables``, from device intervals or a compiled
+layout's): a dK/dV program walks the query blocks ``[first, end)`` of its key tile and a dQ program
+the key blocks of its row tile; blocks inside ``[f0, f1)`` are kept whole by every row and run
+unmasked, the others compare each key with the rows' bounds (read with the logsumexp, before the
+slot wait). Rows that keep nothing (logsumexp
 -inf) read +inf, so their probabilities are 0 in every step; a tile that no row sees still visits
 one (masked) block, so every program runs its pipeline and stores its (zero) gradients.
 
 Gluon does not run in Triton's CPU interpreter; the launcher (``ops/triton_backend.py``) uses this
 module where ``ops/select.choose_backward`` picks it (dense and causal layouts, and intervals built
-on the device, on Hopper).
+on the device or taken from a compiled one-interval-per-row layout, on Hopper).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from .options import DEFAULT_OPTIONS, decode_options
 from .validate import Shapes, check_qkv
 
 __all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward",
-           "gluon_interval_backward"]
+           "gluon_interval_backward", "gluon_backward_tables"]
 
 _LOG2E = 1.4426950408889634
 
@@ -251,6 +251,19 @@ def _visit_one(tab: torch.Tensor) -> torch.Tensor:
     return torch.cat([tab[..., :3], torch.maximum(tab[..., 3:], tab[..., :1] + 1)], -1).contiguous()
 
 
+def gluon_backward_tables(iv: DeviceIntervals, kv_len: int, cfg):
+    """``(kv_tab, q_tab)``: the Gluon backward's interval tables for intervals ``iv`` (no id
+    compare) and tiles ``cfg`` (:class:`~blocksparse_fa.ops.options.GluonBwdConfig`): per key tile
+    of ``2·block_n`` keys its query blocks of ``block_m`` rows
+    (:func:`~blocksparse_fa.compiler.device_intervals.col_tables`), per row tile of
+    ``2·dq_block_m`` rows its key blocks of ``dq_block_n``
+    (:func:`~blocksparse_fa.compiler.device_intervals.row_tables`), int32 ``(Zb, Zh, P, 4)``, every
+    tile visiting at least one block. Shared by the device-interval path and compiled layouts
+    (``ops/triton_backend._gluon_bwd_interval_tables``)."""
+    return (_visit_one(col_tables(iv, kv_len, cfg.block_m, 2 * cfg.block_n)),
+            _visit_one(row_tables(iv, 2 * cfg.dq_block_m, cfg.dq_block_n)))
+
+
 def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None,
                             cfg=None):
     """``(dq, dk, dv)`` like q, k, v through the Gluon backward's interval mode
@@ -283,10 +296,8 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     if not select.tma_ok(q, k, v, dout, *grads):
         raise ValueError("gluon_interval_backward: tensor descriptors need 16-byte aligned tensors and strides")
     zb = iv.lo.shape[0]
-    kv_tab = cached_table(iv, ("gluon_col", s.Lk, cfg.block_m, 2 * cfg.block_n),
-                          lambda: _visit_one(col_tables(iv, s.Lk, cfg.block_m, 2 * cfg.block_n)))
-    q_tab = cached_table(iv, ("gluon_row", 2 * cfg.dq_block_m, cfg.dq_block_n),
-                         lambda: _visit_one(row_tables(iv, 2 * cfg.dq_block_m, cfg.dq_block_n)))
+    kv_tab, q_tab = cached_table(iv, ("gluon_bwd", s.Lk, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n),
+                                 lambda: gluon_backward_tables(iv, s.Lk, cfg))
     lo, hi = iv.lo.view(zb, s.Lq), iv.hi.view(zb, s.Lq)
     _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, False, False, cfg,
                       intervals=(lo, hi, kv_tab, q_tab, 1 if zb > 1 else 0, 0))

@@ -136,10 +136,11 @@ class KernelOptions:
         interval: let the Gluon forward run layouts whose rows keep one key interval (windows,
             documents, their combinations with ``causal()``).
         gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default).
-        backward: ``"auto"`` (default): the Gluon backward on Hopper for dense and ``causal()``
-            layouts where it applies, else the block-sparse Triton backward; ``"gluon"``: the same,
-            refused where Gluon cannot run (with ``deterministic=False`` its dQ is added with
-            atomics); ``"triton"``: always the Triton backward.
+        backward: ``"auto"`` (default): the Gluon backward on Hopper for dense, ``causal()`` and
+            one-interval-per-row layouts whose intervals are the same for every head (windows,
+            documents, prefix-LM, ...) where it applies, else the block-sparse Triton backward;
+            ``"gluon"``: the same, refused where Gluon cannot run (with ``deterministic=False`` its
+            dQ is added with atomics); ``"triton"``: always the Triton backward.
         gluon_bwd: tiles of the Gluon backward (:class:`GluonBwdConfig`; None: the default).
         deterministic: True (default) runs separate dK/dV and dQ programs (bit-reproducible);
             False the five-GEMM Triton backward whose dK/dV programs add dQ with fp32 atomics.

@@ -97,10 +97,10 @@ class LayoutClass:
     or ``"device_interval"``: no compiled layout, the rows' key intervals built on the device from a
     mask holding this call's ``document(ids)`` (``compiler/device_intervals.py``; ``ids``: the
     kernels also compare document ids, for ids not known to be contiguous runs).
-    ``batched``: the layout differs per batch row or head (``per_head``: per head; set for the
-    device-interval class only, whose Gluon backward needs one interval per row for every head of a
-    batch row). ``shard``: a context-parallel shard of a
-    larger layout (its rows and keys sit at listed positions).
+    ``batched``: the layout differs per batch row or head (``per_head``: the rows' intervals differ
+    between heads; set for the ``"interval"`` and ``"device_interval"`` classes, whose Gluon
+    backward needs one interval per row for every head of a batch row). ``shard``: a
+    context-parallel shard of a larger layout (its rows and keys sit at listed positions).
     ``band``/``short_partial``/``partial_heavy``/``band_bwd``: the tile class of
     ``kernels/config.py`` (which Triton tile tables apply)."""
 
@@ -143,6 +143,14 @@ GLUON_ATOMIC_DQ_BACKWARDS = frozenset({"gluon"})
 # checks and times both).
 GLUON_DEVICE_INTERVAL_BACKWARD = True
 
+# The same interval mode on compiled layouts of the ``"interval"`` class (windows, prefix-LM,
+# documents with ids known on the host, their combinations with ``causal()``), with tables built
+# once per layout from its host intervals (``ops/triton_backend._gluon_bwd_interval_tables``), where
+# the intervals are the same for every head and the layout is not a context-parallel shard. Set
+# False to keep the Triton block backward under ``backward="auto"``
+# (``benchmarks/experiments/gluon_bwd_host_interval.py`` checks and times both).
+GLUON_HOST_INTERVAL_BACKWARD = True
+
 
 def layout_class(layout) -> LayoutClass:
     """The :class:`LayoutClass` of a :class:`~blocksparse_fa.BlockLayout` (cached on it)."""
@@ -155,6 +163,7 @@ def layout_class(layout) -> LayoutClass:
 
     shard = getattr(layout, "positions", None) is not None
     batched = bool(layout.batch_shape)
+    per_head = False
     if not batched and not shard and layout.n_partial == 0 and layout.n_full == layout.n_blocks:
         kind = "dense"
     elif (not batched and not shard and isinstance(layout.mask, Causal) and layout.q_offset == 0
@@ -162,6 +171,7 @@ def layout_class(layout) -> LayoutClass:
         kind = "causal"
     elif row_interval(layout) is not None:  # a shard only where its intervals were given (distributed)
         kind = "interval"
+        per_head = _heads_differ(layout, *row_interval(layout))
     else:
         kind = "blocks"
     src = getattr(layout, "source", None) or layout  # a shard takes its source's tile class
@@ -169,9 +179,19 @@ def layout_class(layout) -> LayoutClass:
     band, short_partial = short_rows(mean_row, pf), short_partial_rows(mean_row, pf)
     partial_heavy, band_bwd = src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf)
     cls = LayoutClass(kind, layout.q_len, layout.kv_len, tuple(layout.block_size), batched, shard, band,
-                      short_partial, partial_heavy, band_bwd)
+                      short_partial, partial_heavy, band_bwd, per_head=per_head)
     layout.cache["layout_class"] = cls
     return cls
+
+
+def _heads_differ(layout, lo, hi) -> bool:
+    """Whether the rows' intervals ``(Z, Lq)`` (:func:`~blocksparse_fa.compiler.intervals.row_interval`,
+    ``Z`` the layout's batch·head instances) differ between the heads of a batch row."""
+    bm, hm = layout.batch_shape or (1, 1)
+    if hm == 1:
+        return False
+    lo, hi = lo.reshape(bm, hm, -1), hi.reshape(bm, hm, -1)
+    return not ((lo == lo[:, :1]).all() and (hi == hi[:, :1]).all())
 
 
 @dataclass(frozen=True)
@@ -254,9 +274,12 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
 
 def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | None:
     """The Gluon backward's mode for this layout and shapes (``"dense"``, ``"causal"``,
-    ``"interval"`` for the device-interval class), or None where it does not compute it."""
-    if lc.kind == "device_interval":
-        if lc.ids or lc.per_head:  # no id compare; the dK/dV program walks every head of a group
+    ``"interval"`` for the interval and device-interval classes), or None where it does not compute it."""
+    interval = lc.kind in ("interval", "device_interval")
+    if interval:
+        # no id compare; the dK/dV program walks every head of a group; a shard's rows and the
+        # logsumexp it is given are those of a larger layout
+        if lc.ids or lc.per_head or lc.shard:
             return None
     elif lc.kind not in ("dense", "causal"):
         return None
@@ -268,7 +291,7 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | No
         return None
     if lc.kind == "causal" and ((2 * cfg.block_n) % cfg.block_m or (2 * cfg.dq_block_m) % cfg.dq_block_n):
         return None
-    return "interval" if lc.kind == "device_interval" else lc.kind
+    return "interval" if interval else lc.kind
 
 
 def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware, opts: KernelOptions, *,
@@ -286,8 +309,8 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     if opts.backward == "gluon" and hw.gluon:
         raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
     det = opts.deterministic if deterministic is None else deterministic
-    want = opts.backward == "gluon" or (opts.backward == "auto" and (lc.kind != "device_interval"
-                                                                     or GLUON_DEVICE_INTERVAL_BACKWARD))
+    auto = {"device_interval": GLUON_DEVICE_INTERVAL_BACKWARD, "interval": GLUON_HOST_INTERVAL_BACKWARD}
+    want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
             and not grad_dtype and tma):
         mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig())

@@ -125,8 +125,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to.
 
     ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh)``: the rows'
-    intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``ops/interval_backend.gluon_interval_backward``)
-    and the instance strides (dK/dV needs ``lzh == 0``: one interval per row for every head)."""
+    intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``ops/interval_backend.gluon_backward_tables``:
+    device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`) and the instance
+    strides (dK/dV needs ``lzh == 0``: one interval per row for every head)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0)
@@ -529,6 +530,31 @@ def _gluon_interval_tables(layout: BlockLayout, cfg: "GluonConfig", device):
     return out
 
 
+def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device):
+    """``(LO, HI, KV_TAB, Q_TAB, LZB, EMPTY)``: the Gluon backward's interval mode on a layout whose
+    rows keep one key interval, the same for every head (``ops/select.layout_class``), built once
+    per layout, tiles and device from its host intervals with the device-interval path's table
+    code (``ops/interval_backend.gluon_backward_tables``). ``LO/HI`` int32 ``(Zb, Lq)`` (one row
+    per batch row of the layout: ``Zb`` 1 or B, ``LZB`` its instance stride); ``EMPTY``: bool
+    ``(Zb, 1, Lq)`` of the rows that keep nothing, or None where every row keeps a key."""
+    key = ("gluon_bwd_interval", device, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n)
+    hit = layout.cache.get(key)
+    if hit is not None:
+        return hit
+    from ..compiler.device_intervals import DeviceIntervals
+    from .interval_backend import gluon_backward_tables
+
+    bm, hm = layout.batch_shape or (1, 1)
+    # instance z = b·hm + h (row_interval); every head's intervals are head 0's (layout_class)
+    lo, hi = (np.ascontiguousarray(a.reshape(bm, hm, -1)[:, :1], dtype=np.int32) for a in row_interval(layout))
+    iv = DeviceIntervals(torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device), None, None, None, None)
+    kv_tab, q_tab = gluon_backward_tables(iv, layout.kv_len, cfg)
+    empty = lo >= hi
+    out = layout.cache[key] = (iv.lo.view(bm, -1), iv.hi.view(bm, -1), kv_tab, q_tab, 1 if bm > 1 else 0,
+                               torch.from_numpy(empty).to(device) if empty.any() else None)
+    return out
+
+
 def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: GluonConfig,
                   layout: BlockLayout | None = None) -> None:
     """The Gluon forward (``kernels/forward_gluon.py``): grid ``(cdiv(Lq, 2·block_m), B·H)``;
@@ -780,8 +806,14 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     choice = backward_choice(q, k, v, dout, layout, s, dropout_p, opts, acc, deterministic, grad_dtype, score_mod)
     select.note("backward", choice)
     if choice.family == "gluon":
+        cfg, intervals = opts.gluon_bwd or GluonBwdConfig(), None
+        if choice.mode == "interval":
+            lo, hi, kv_tab, q_tab, lzb, empty = _gluon_bwd_interval_tables(layout, cfg, dev)
+            if empty is not None:  # the kernels skip rows by a -inf logsumexp; a rewrite's part
+                lse = lse.masked_fill(empty, float("-inf"))  # gets the whole mask's
+            intervals = (lo, hi, kv_tab, q_tab, lzb, 0)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
-                          choice.mode.endswith("+atomic_dq"), opts.gluon_bwd or GluonBwdConfig(), layout)
+                          choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals)
         return grads
     if choice.mode == "five_gemm":
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc, opts)
