@@ -304,7 +304,8 @@ def section_scaling(run: Run, n: int, names, small: bool, reserve: float = 0.0):
         est = 6 if run.cpu else 15 + (45 if name == "causal" else 5) * (n / 262144) ** 2
         if not run.fits(f"scaling {name} {_tokens(n)}", est + reserve):
             continue
-        for opts in (None, dict(forward="triton", backward="triton")):  # then without the Gluon kernels
+        first = dict(backward=run.args.cp_backward) if run.args.cp_backward != "auto" else None
+        for opts in (first, dict(forward="triton", backward="triton")):  # then without the Gluon kernels
             try:
                 _scaling_row(run, n, name, masks[name], dtype, backend, iters, block, small, opts)
                 break
@@ -485,6 +486,14 @@ def section_torch_cp(run: Run, n: int):
     torch.cuda.empty_cache()
 
 
+def _cp_kw(args) -> dict:
+    """The context-parallel calls' overlap and backward kernels as the command line sets them."""
+    kw = {} if args.cp_overlap == "auto" else dict(overlap=args.cp_overlap == "true")
+    if args.cp_backward != "auto":
+        kw["kernel_options"] = dict(backward=args.cp_backward)
+    return kw
+
+
 def section_train(run: Run, args):
     """Training throughput against one GPU (``benchmarks/train/cp.py``, :func:`cp_suite`)."""
     from train.cp import cp_suite
@@ -506,7 +515,7 @@ def section_train(run: Run, args):
         return
     rows = cp_suite(run.dist.group.WORLD, run.dev, args.train_patterns, strong_len=strong, weak_len=weak,
                     steps=steps, deadline=run.deadline - (5 if run.cpu else 30), config=config, pats=pats,
-                    stream_factory=factory, log=lambda s: print(s, flush=True))
+                    stream_factory=factory, log=lambda s: print(s, flush=True), cp_kw=_cp_kw(args))
     for r in rows:
         run.record("train", r)
 
@@ -747,6 +756,10 @@ def main(argv=None):
     r.add_argument("--train-steps", type=int, default=5, help="training steps per run (2 untimed)")
     r.add_argument("--train-patterns", nargs="+", default=["causal", "documents", "longformer"])
     r.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check of the whole script)")
+    r.add_argument("--cp-backward", default="auto", choices=["auto", "triton", "gluon"],
+                   help="kernel_options backward= of the context-parallel calls (scaling and training)")
+    r.add_argument("--cp-overlap", default="auto", choices=["auto", "true", "false"],
+                   help="overlap= of the context-parallel training calls")
     r.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     r.add_argument("--update-docs", action="store_true",
                    help="rewrite the results section of docs/distributed.md and docs/data/context_parallel.json")

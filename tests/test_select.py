@@ -138,13 +138,13 @@ _INTERVAL_CLASSES = {
 
 
 @pytest.mark.parametrize("kind, why", [("device_interval", w) for w in ["ids", *_COMMON]]
-                         + [("interval", w) for w in ["shard", *_COMMON]])
+                         + [("interval", w) for w in _COMMON])
 def test_backward_on_intervals_falls_back_to_triton(kind, why, monkeypatch):
     """Intervals built on the device, or a compiled layout's: the Triton backward of the class
     where the Gluon interval mode does not apply or is not wanted."""
     make, fallback, switch = _INTERVAL_CLASSES[kind]
     lc, s, dtype, hw, opts, kw = make(), S, torch.bfloat16, HOPPER, DEFAULT, {}
-    if why in ("ids", "per_head", "shard"):
+    if why in ("ids", "per_head"):
         lc = make(**{why: True})
     elif why in ("dropout", "score_mod", "accumulate", "grad_dtype"):
         kw[why] = True
@@ -258,6 +258,13 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     tb.triton_backward(q.detach(), k.detach(), v.detach(), out, torch.zeros(1, 2, L), dout, layout, s, 0.125, 0.0, 0)
     lse = seen[0][3]
     assert torch.isinf(lse[..., :64]).all() and torch.isinf(lse[..., 200:]).all() and (lse[..., 64:200] == 0).all()
+
+
+def test_backward_of_an_interval_shard_runs_gluon():
+    """A context-parallel shard with one key interval per row (windows, documents) takes the Gluon
+    interval backward like the whole layout (its rows without keys get a -inf logsumexp)."""
+    c = choose_backward(_lc("interval", shard=True), S, torch.bfloat16, HOPPER, DEFAULT)
+    assert (c.family, c.mode) == ("gluon", "interval")
 
 
 def test_backward_of_a_shard_stays_deterministic():

@@ -55,14 +55,15 @@ class CPCore(nn.Module):
     rank's shard of ``group``), a compiled layout (one process, per-batch masks) or None (one
     process, the static ``mask``). Calls are checked across ranks until ``checked`` is set."""
 
-    def __init__(self, mask, block_size: int, group=None):
+    def __init__(self, mask, block_size: int, group=None, cp_kw: dict | None = None):
         super().__init__()
         self.mask, self.block_size, self.group, self.checked = mask, block_size, group, False
+        self.cp_kw = dict(cp_kw or {})  # further arguments of context_parallel_attention (overlap, kernel_options)
 
     def forward(self, q, k, v, arg):
         if isinstance(arg, bsfa.BlockLayout) or arg is None:
             return bsfa.attention(q, k, v, mask=self.mask if arg is None else arg, block_size=self.block_size)
-        return context_parallel_attention(q, k, v, plan=arg, group=self.group, check=not self.checked)
+        return context_parallel_attention(q, k, v, plan=arg, group=self.group, check=not self.checked, **self.cp_kw)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def _all_reduce_grads(params, group) -> None:
 
 
 def train_cp(cfg: RunConfig, pats: Patterns, family: str, stream, group=None, *, strategy: str = "auto",
-             dtype: torch.dtype = torch.float32, capture: tuple = (), log=None) -> CPResult:
+             dtype: torch.dtype = torch.float32, capture: tuple = (), log=None, cp_kw: dict | None = None) -> CPResult:
     """Train ``cfg.run_steps`` steps of the decoder on ``pattern`` with the sequence sharded across
     ``group`` (None: one process, no sharding: the reference).
 
@@ -112,6 +113,7 @@ def train_cp(cfg: RunConfig, pats: Patterns, family: str, stream, group=None, *,
         dtype: parameter dtype (the GPU runs bf16 autocast over float32 parameters).
         capture: parameter names whose all-reduced gradient of the first step is returned.
         log: ``log(str)`` on rank 0 (None: quiet).
+        cp_kw: further arguments of ``context_parallel_attention`` (``overlap``, ``kernel_options``).
     """
     if family not in CP_FAMILIES:
         raise ValueError(f"context-parallel training supports the patterns {CP_FAMILIES}, got {family!r}")
@@ -138,7 +140,7 @@ def train_cp(cfg: RunConfig, pats: Patterns, family: str, stream, group=None, *,
 
     plan = make_plan(mask) if group is not None and not per_batch else None
     torch.manual_seed(cfg.seed)
-    core = CPCore(mask, pats.block_size, group)
+    core = CPCore(mask, pats.block_size, group, cp_kw)
     model = Decoder(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, core).to(device=dev,
                                                                                                     dtype=dtype)
     params = list(model.parameters())
@@ -259,7 +261,7 @@ SUITE_CONFIG = dict(batch=1, layers=4, d_model=1024, heads=8, kv_heads=2, head_d
 
 def cp_suite(group, device, patterns=("causal", "documents", "longformer"), strong_len: int = 262144,
              weak_len: int = 65536, steps: int = 5, deadline: float | None = None, config: dict | None = None,
-             pats: Patterns | None = None, stream_factory=None, log=None) -> list:
+             pats: Patterns | None = None, stream_factory=None, log=None, cp_kw: dict | None = None) -> list:
     """Strong and weak scaling of training against one GPU, per pattern, in one process group.
 
     Every rank first trains alone on its own device (the one-GPU baselines: ``weak_len`` tokens, and
@@ -276,6 +278,7 @@ def cp_suite(group, device, patterns=("causal", "documents", "longformer"), stro
         config: :class:`RunConfig` fields over :data:`SUITE_CONFIG`; pats: pattern sizes.
         stream_factory: ``(L, cfg) -> stream`` (default: the standard-library corpus).
         log: ``log(str)`` on rank 0.
+        cp_kw: further arguments of the context-parallel calls (``overlap``, ``kernel_options``).
 
     Returns:
         One row per pattern: tokens/s of each run, strong and weak efficiency, peak memory per rank,
@@ -304,7 +307,7 @@ def cp_suite(group, device, patterns=("causal", "documents", "longformer"), stro
 
     def run_local(family, L, grp):
         cfg = RunConfig(device=str(device), seq_len=L, steps=steps, **conf)
-        res = train_cp(cfg, pats, family, stream_for(L, cfg), grp)
+        res = train_cp(cfg, pats, family, stream_for(L, cfg), grp, cp_kw=cp_kw)
         timed = res.step_s[cfg.sync_steps:] or res.step_s
         return dict(tokens=L, batch=cfg.batch, step_s=statistics.median(timed),
                     peak=res.peak_mem_gb or res.peak_rss_gb or 0.0, losses=res.losses,

@@ -175,10 +175,11 @@ def _rows(x, part: Part):
 
 
 def _fast(layout, phase: str = "forward") -> bool:
-    """Whether a launch may run the Gluon kernels, which write in the inputs' dtype only: forward
-    of dense, causal and one-interval-per-row layouts, backward of dense and causal ones."""
-    kind = select.layout_class(layout).kind
-    return kind in (("dense", "causal", "interval") if phase == "forward" else ("dense", "causal"))
+    """Whether a launch may run the Gluon kernels, which write in the inputs' dtype only (forward
+    and backward of dense, causal and one-interval-per-row layouts): its results are then asked
+    for in that dtype, and sums over launches add them in float32."""
+    del phase  # the same classes in both passes
+    return select.layout_class(layout).kind in ("dense", "causal", "interval")
 
 
 def _merge(o1, l1, o2, l2, backend, rows=None):
@@ -316,14 +317,20 @@ class _Grads:
         a, b = span
         if self.t is None:
             self.t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        elif self.t.dtype != self.dtype:
+        elif self.t.dtype != self.dtype and (a, b) == (0, n):
             self.t = self.t.to(self.dtype)
+        # a buffer a kernel wrote in the inputs' dtype (already rounded) stays so: the added rows
+        # are summed in float32 and rounded once more, without converting the other rows
+        low = self.t.dtype != self.dtype
         pos = a
         for s, e in self.done + [(n, n)]:  # walk [a, b): copy into gaps, add where written
             s, e = max(s, a), min(e, b)
             if s > pos:
                 self.t[:, :, pos:min(s, b)].copy_(g[:, :, pos - a:min(s, b) - a])
-            if e > s:
+            if e > s and low:
+                seg = self.t[:, :, s:e]
+                seg.copy_(seg.to(self.dtype) + g[:, :, s - a:e - a])
+            elif e > s:
                 self.t[:, :, s:e].add_(g[:, :, s - a:e - a])
             pos = max(pos, e)
             if pos >= b:

@@ -277,9 +277,9 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | No
     ``"interval"`` for the interval and device-interval classes), or None where it does not compute it."""
     interval = lc.kind in ("interval", "device_interval")
     if interval:
-        # no id compare; the dK/dV program walks every head of a group; a shard's rows and the
-        # logsumexp it is given are those of a larger layout
-        if lc.ids or lc.per_head or lc.shard:
+        # no id compare; the dK/dV program walks every head of a group. A context-parallel shard
+        # runs it too: rows its keys do not reach get a -inf logsumexp (triton_backend)
+        if lc.ids or lc.per_head:
             return None
     elif lc.kind not in ("dense", "causal"):
         return None
