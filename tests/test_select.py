@@ -211,9 +211,10 @@ def test_backward_gluon_on_host_intervals():
             c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
             assert (c.family, c.mode, c.kernels) == ("gluon", "interval", GLUON_BWD_KERNELS), opts
             assert str(c) == "gluon:interval"
-    s64 = Shapes(2, 8, 2, 4096, 2048, 64)  # Lq != Lk (bottom-right windows)
+    s64 = Shapes(2, 8, 2, 4096, 2048, 64)  # Lq != Lk (bottom-right windows); d 64 only when asked
     lc = LayoutClass("interval", 4096, 2048, (128, 128))
-    assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
+    assert str(choose_backward(lc, s64, torch.float16, HOPPER, KernelOptions(backward="gluon"))) == "gluon:interval"
+    assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "triton:blocks"
     with pytest.raises(ValueError, match="backward='gluon': it needs a GPU of compute capability 9.x"):
         choose_backward(_lc("interval"), S, torch.bfloat16, NO_GLUON, KernelOptions(backward="gluon"))
 
@@ -239,7 +240,8 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
     tables = tb._gluon_bwd_interval_tables(layout, GluonBwdConfig(), torch.device("cpu"))
     assert tables[5] is not None and tables[5].shape == (1, 1, L)
-    for opts, want in ((None, "gluon:interval"), (dict(backward="triton"), "triton:blocks")):
+    gluon = dict(backward="gluon")  # at d 64 the default is the Triton backward (ops/select)
+    for opts, want in ((gluon, "gluon:interval"), (None, "triton:blocks"), (dict(backward="triton"), "triton:blocks")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton",
                                                             kernel_options=opts), q, k, v)
@@ -251,20 +253,28 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
             assert all(a is b for a, b in zip(intervals[:4], tables[:4]))  # built once, kept on the layout
         for a, b in zip(grads, ref):
             assert rel_err(a, b) < 1e-2
-    assert bsfa.explain(q, k, v, mask=layout, backend="triton").backward == "gluon:interval"
+    assert bsfa.explain(q, k, v, mask=layout, backend="triton", kernel_options=gluon).backward == "gluon:interval"
     seen.clear()
     s = Shapes(1, 2, 1, L, L, 64)
     out, dout = torch.randn_like(q), torch.randn_like(q)
-    tb.triton_backward(q.detach(), k.detach(), v.detach(), out, torch.zeros(1, 2, L), dout, layout, s, 0.125, 0.0, 0)
+    tb.triton_backward(q.detach(), k.detach(), v.detach(), out, torch.zeros(1, 2, L), dout, layout, s, 0.125, 0.0, 0,
+                       opts=KernelOptions(backward="gluon"))
     lse = seen[0][3]
     assert torch.isinf(lse[..., :64]).all() and torch.isinf(lse[..., 200:]).all() and (lse[..., 64:200] == 0).all()
 
 
-def test_backward_of_an_interval_shard_runs_gluon():
-    """A context-parallel shard with one key interval per row (windows, documents) takes the Gluon
-    interval backward like the whole layout (its rows without keys get a -inf logsumexp)."""
-    c = choose_backward(_lc("interval", shard=True), S, torch.bfloat16, HOPPER, DEFAULT)
+def test_backward_of_an_interval_shard_runs_gluon_when_asked():
+    """A context-parallel shard with one key interval per row (windows, documents) keeps the Triton
+    backward under "auto" and runs the Gluon interval mode with backward="gluon" (its rows without
+    keys get a -inf logsumexp); the host interval class takes it under "auto" at d 128 only."""
+    lc = _lc("interval", shard=True)
+    assert choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
+    c = choose_backward(lc, S, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))
     assert (c.family, c.mode) == ("gluon", "interval")
+    s64 = Shapes(1, 16, 4, 16384, 16384, 64)
+    assert choose_backward(_lc("interval"), s64, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
+    assert str(choose_backward(_lc("interval"), s64, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))) \
+        == "gluon:interval"
 
 
 def test_backward_of_a_shard_stays_deterministic():
@@ -334,7 +344,8 @@ IDS = torch.tensor([0] * 70 + [1] * 130 + [2] * 56)
 MASKS = {
     "dense": (lambda: None, "gluon:dense", "gluon:dense"),
     "causal": (bsfa.causal, "gluon:causal", "gluon:causal"),
-    "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "gluon:interval"),
+    # head dim 64: the compiled layouts' interval backward stays on Triton (ops/select)
+    "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "triton:blocks"),
     # the expression holds this call's ids: intervals built on the device, no layout (contiguous
     # documents: the Gluon kernels on device tables); a precompiled layout takes the layout's kernels
     "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "gluon:interval", "gluon:interval"),
@@ -382,7 +393,7 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
     results = {}
     for path, fn in paths.items():
         ran, out, grads = _run(fn, q, k, v)
-        expect = [("forward", "gluon:interval"), ("backward", "gluon:interval")] if (
+        expect = [("forward", "gluon:interval"), ("backward", "triton:blocks")] if (
             name.startswith("documents") and path == "layout") else want
         assert ran == expect, (path, ran)
         results[path] = (out, *grads)

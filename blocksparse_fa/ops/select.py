@@ -146,9 +146,12 @@ GLUON_DEVICE_INTERVAL_BACKWARD = True
 # The same interval mode on compiled layouts of the ``"interval"`` class (windows, prefix-LM,
 # documents with ids known on the host, their combinations with ``causal()``), with tables built
 # once per layout from its host intervals (``ops/triton_backend._gluon_bwd_interval_tables``), where
-# the intervals are the same for every head and the layout is not a context-parallel shard. Set
-# False to keep the Triton block backward under ``backward="auto"``
-# (``benchmarks/experiments/gluon_bwd_host_interval.py`` checks and times both).
+# the intervals are the same for every head. Under ``backward="auto"`` only at head dim 128 and not
+# on a context-parallel shard: on an H100 (``benchmarks/experiments/gluon_bwd_host_interval.py``,
+# 16K and 64K, H 16, MHA and GQA 16/4) the backward ran 1.04-1.22x the Triton block backward at
+# d 128 but 0.80-0.99x at d 64; a shard's tables are built per new layout, and the context-parallel
+# training run with a plan per batch of documents was 2.9x slower with it (benchmarks/NOTES.md).
+# ``backward="gluon"`` runs it in all these cases. Set False to keep the Triton block backward.
 GLUON_HOST_INTERVAL_BACKWARD = True
 
 
@@ -309,7 +312,8 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     if opts.backward == "gluon" and hw.gluon:
         raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
     det = opts.deterministic if deterministic is None else deterministic
-    auto = {"device_interval": GLUON_DEVICE_INTERVAL_BACKWARD, "interval": GLUON_HOST_INTERVAL_BACKWARD}
+    auto = {"device_interval": GLUON_DEVICE_INTERVAL_BACKWARD,
+            "interval": GLUON_HOST_INTERVAL_BACKWARD and s.D == 128 and not lc.shard}
     want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
             and not grad_dtype and tma):
