@@ -12,6 +12,7 @@ from conftest import rel_err
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler.device_intervals import col_tables, gluon_interval_tables, interval_spec, row_tables
+from blocksparse_fa.compiler import device_intervals
 from blocksparse_fa.ops import interval_backend, prepare
 
 
@@ -128,8 +129,8 @@ def _gluon_schedule_backward(q, k, v, out, lse, dout, iv, scale, bm, bn, dq_bm, 
     rows' bounds, the others do not; rows that keep nothing read a logsumexp of +inf."""
     B, H, lq, D = q.shape
     G, lk = H // k.shape[1], k.shape[2]
-    kv_tab = interval_backend._visit_one(col_tables(iv, lk, bm, 2 * bn))[0, 0].tolist()
-    q_tab = interval_backend._visit_one(row_tables(iv, 2 * dq_bm, dq_bn))[0, 0].tolist()
+    kv_tab = device_intervals._visit_one(col_tables(iv, lk, bm, 2 * bn))[0, 0].tolist()
+    q_tab = device_intervals._visit_one(row_tables(iv, 2 * dq_bm, dq_bn))[0, 0].tolist()
     lo, hi = iv.lo[0, 0].long(), iv.hi[0, 0].long()
     lse = torch.where(torch.isinf(lse), float("inf"), lse.double())
     delta = (dout.double() * out.double()).sum(-1)

@@ -10,7 +10,7 @@ import torch
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler.device_intervals import interval_spec
 from blocksparse_fa.ops import triton_backend as tb
-from blocksparse_fa.ops.interval_backend import gluon_backward_tables
+from blocksparse_fa.compiler.device_intervals import gluon_backward_tables
 from blocksparse_fa.ops.options import GluonBwdConfig
 
 CPU = torch.device("cpu")

@@ -52,7 +52,7 @@ from ..mask.base import ParamTensor
 from ..mask.expr import And, Mask, query_offset
 from ..mask.shift import Shift
 
-__all__ = ["IntervalSpec", "DeviceIntervals", "interval_spec", "interval_terms", "term_bounds", "document_runs",
+__all__ = ["IntervalSpec", "DeviceIntervals", "gluon_backward_tables", "interval_spec", "interval_terms", "term_bounds", "document_runs",
            "row_tables", "col_tables", "gluon_interval_tables", "cached_table"]
 
 _FAR = 1 << 40  # "no bound" inside the table computations (int64)
@@ -600,3 +600,23 @@ def gluon_interval_tables(lo: torch.Tensor, hi: torch.Tensor, block_m: int, bloc
     tile = torch.arange(n_prog, device=lo.device, dtype=torch.int64).expand(z, n_prog)
     tiles = torch.stack([tile, first, e1, e2, n], dim=-1).gather(1, order.unsqueeze(-1).expand(z, n_prog, 5))
     return lo_p.contiguous(), hi_p.contiguous(), tiles.to(torch.int32).contiguous()
+
+
+def _visit_one(tab: torch.Tensor) -> torch.Tensor:
+    """A ``(first, f0, f1, end)`` table whose tiles visit at least one tile: a tile that no row
+    sees gets ``end = first + 1`` (one masked step, which adds zeros), so that the Gluon programs
+    run their pipelines and store zeros."""
+    return torch.cat([tab[..., :3], torch.maximum(tab[..., 3:], tab[..., :1] + 1)], -1).contiguous()
+
+
+def gluon_backward_tables(iv: DeviceIntervals, kv_len: int, cfg):
+    """``(kv_tab, q_tab)``: the Gluon backward's interval tables for intervals ``iv`` (no id
+    compare) and tiles ``cfg`` (:class:`~blocksparse_fa.ops.options.GluonBwdConfig`): per key tile
+    of ``2·block_n`` keys its query blocks of ``block_m`` rows
+    (:func:`~blocksparse_fa.compiler.device_intervals.col_tables`), per row tile of
+    ``2·dq_block_m`` rows its key blocks of ``dq_block_n``
+    (:func:`~blocksparse_fa.compiler.device_intervals.row_tables`), int32 ``(Zb, Zh, P, 4)``, every
+    tile visiting at least one block. Shared by the device-interval path and compiled layouts
+    (``ops/triton_backend._gluon_bwd_interval_tables``)."""
+    return (_visit_one(col_tables(iv, kv_len, cfg.block_m, 2 * cfg.block_n)),
+            _visit_one(row_tables(iv, 2 * cfg.dq_block_m, cfg.dq_block_n)))

@@ -40,7 +40,7 @@ next head's rows). Longest programs first.
 
 ``INTERVAL``: every query row ``r`` keeps one key interval ``[LO[r], HI[r])``, the same for every
 head (windows, contiguous documents, their intersections with ``causal()``), given as tables built
-on the device (``ops/interval_backend.gluon_backward_tables``, from device intervals or a compiled
+on the device (``compiler/device_intervals.gluon_backward_tables``, from device intervals or a compiled
 layout's): a dK/dV program walks the query blocks ``[first, end)`` of its key tile and a dQ program
 the key blocks of its row tile; blocks inside ``[f0, f1)`` are kept whole by every row and run
 unmasked, the others compare each key with the rows' bounds (read with the logsumexp, before the

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import torch
 
-from ..compiler.device_intervals import DeviceIntervals, cached_table, col_tables, interval_spec, row_tables
+from ..compiler.device_intervals import (DeviceIntervals, cached_table, col_tables, gluon_backward_tables,
+                                         interval_spec, row_tables)
 from . import select
 from .dispatch import lse_dtype
 from .options import DEFAULT_OPTIONS, decode_options
 from .validate import Shapes, check_qkv
 
 __all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward",
-           "gluon_interval_backward", "gluon_backward_tables"]
+           "gluon_interval_backward"]
 
 _LOG2E = 1.4426950408889634
 
@@ -242,26 +243,6 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
         STAGES=cfg.stages, CAUSAL=False, INTERVAL=True, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
         PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
     return out, lse
-
-
-def _visit_one(tab: torch.Tensor) -> torch.Tensor:
-    """A ``(first, f0, f1, end)`` table whose tiles visit at least one tile: a tile that no row
-    sees gets ``end = first + 1`` (one masked step, which adds zeros), so that the Gluon programs
-    run their pipelines and store zeros."""
-    return torch.cat([tab[..., :3], torch.maximum(tab[..., 3:], tab[..., :1] + 1)], -1).contiguous()
-
-
-def gluon_backward_tables(iv: DeviceIntervals, kv_len: int, cfg):
-    """``(kv_tab, q_tab)``: the Gluon backward's interval tables for intervals ``iv`` (no id
-    compare) and tiles ``cfg`` (:class:`~blocksparse_fa.ops.options.GluonBwdConfig`): per key tile
-    of ``2·block_n`` keys its query blocks of ``block_m`` rows
-    (:func:`~blocksparse_fa.compiler.device_intervals.col_tables`), per row tile of
-    ``2·dq_block_m`` rows its key blocks of ``dq_block_n``
-    (:func:`~blocksparse_fa.compiler.device_intervals.row_tables`), int32 ``(Zb, Zh, P, 4)``, every
-    tile visiting at least one block. Shared by the device-interval path and compiled layouts
-    (``ops/triton_backend._gluon_bwd_interval_tables``)."""
-    return (_visit_one(col_tables(iv, kv_len, cfg.block_m, 2 * cfg.block_n)),
-            _visit_one(row_tables(iv, 2 * cfg.dq_block_m, cfg.dq_block_n)))
 
 
 def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None,

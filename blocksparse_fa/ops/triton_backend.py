@@ -125,7 +125,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to.
 
     ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh)``: the rows'
-    intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``ops/interval_backend.gluon_backward_tables``:
+    intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``compiler/device_intervals.gluon_backward_tables``:
     device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`) and the instance
     strides (dK/dV needs ``lzh == 0``: one interval per row for every head)."""
     _ensure_tma_allocator(q.device)
@@ -534,7 +534,7 @@ def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device)
     """``(LO, HI, KV_TAB, Q_TAB, LZB, EMPTY)``: the Gluon backward's interval mode on a layout whose
     rows keep one key interval, the same for every head (``ops/select.layout_class``), built once
     per layout, tiles and device from its host intervals with the device-interval path's table
-    code (``ops/interval_backend.gluon_backward_tables``). ``LO/HI`` int32 ``(Zb, Lq)`` (one row
+    code (``compiler/device_intervals.gluon_backward_tables``). ``LO/HI`` int32 ``(Zb, Lq)`` (one row
     per batch row of the layout: ``Zb`` 1 or B, ``LZB`` its instance stride); ``EMPTY``: bool
     ``(Zb, 1, Lq)`` of the rows that keep nothing, or None where every row keeps a key."""
     key = ("gluon_bwd_interval", device, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n)
@@ -542,7 +542,7 @@ def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device)
     if hit is not None:
         return hit
     from ..compiler.device_intervals import DeviceIntervals
-    from .interval_backend import gluon_backward_tables
+    from ..compiler.device_intervals import gluon_backward_tables
 
     bm, hm = layout.batch_shape or (1, 1)
     # instance z = b·hm + h (row_interval); every head's intervals are head 0's (layout_class)
