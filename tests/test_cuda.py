@@ -22,6 +22,7 @@ N = 2048
 def _masks():
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([300, 700, 548, 500]))
     return {
+        "dense": bsfa.full(),
         "causal": bsfa.causal(),
         "longformer": bsfa.causal() & bsfa.load_pattern("longformer", window=128, n_global=32),
         "bigbird": bsfa.causal() & bsfa.load_pattern("bigbird", window=128, n_global=64),
@@ -84,8 +85,11 @@ def test_cuda_graph_capture_matches_eager(name):
                 t.copy_(torch.randn(t.shape, device="cuda", generator=g, dtype=t.dtype))
         graph.replay()
         eager = step()
-        for a, b in zip(static, eager):
-            assert torch.equal(a, b)
+        for i, (a, b) in enumerate(zip(static, eager)):
+            if name in ("dense", "causal") and i == 1:  # the five-GEMM backward's dQ: fp32 adds in varying order
+                assert ((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()).item()
+            else:
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kind", ["expr_inside", "text", "layout", "module", "op"])
@@ -187,7 +191,7 @@ def _kernels_run(fn) -> list:
     return sorted(n for n in names if n.startswith(("_attn", "_interval", "_dq_finish")))
 
 
-@pytest.mark.parametrize("name", ["causal", "longformer", "documents"])
+@pytest.mark.parametrize("name", ["dense", "causal", "longformer", "documents"])
 def test_eager_and_compiled_run_the_kernels_explain_names(name):
     """The kernels that really run, eagerly and under ``torch.compile(fullgraph=True)`` (forward and
     backward), are the same, and are those ``bsfa.explain`` names."""
@@ -230,3 +234,37 @@ def test_gluon_interval_backward_on_host_layouts(name, d):
     for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
         err = ((a.double() - b).norm() / b.norm()).item()
         assert not a.isnan().any() and err < 2e-2, f"{name} d{d} d{what}: relative error {err:.2e}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal"])
+def test_default_backward_is_the_five_gemm_one(kind, d):
+    """Dense and causal layouts' default backward on Hopper is the Gluon five-GEMM one (dQ
+    TMA-reduce-added in fp32); its gradients match float64 as closely as the deterministic pair's,
+    which ``deterministic=True`` still runs (and repeats bit for bit)."""
+    from blocksparse_fa.ops import select
+
+    q, k, v = _qkv(H=4, Hkv=2, D=d)
+    do = torch.randn_like(q)
+    mask = None if kind == "dense" else bsfa.causal()
+
+    def grads(opts):
+        with select.record() as ran:
+            out = bsfa.attention(q, k, v, mask=mask, kernel_options=opts)
+            g = torch.autograd.grad(out, (q, k, v), do)
+        return [c for _, c in ran], (out, *g)
+
+    ran, got = grads(None)
+    assert ran == [f"gluon:{kind}", f"gluon:{kind}+atomic_dq"], ran
+    ran_det, det = grads(dict(deterministic=True))
+    assert ran_det == [f"gluon:{kind}", f"gluon:{kind}"], ran_det
+    assert all(torch.equal(a, b) for a, b in zip(det, grads(dict(deterministic=True))[1]))
+    up = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = bsfa.reference_attention(*up, mask)
+    ref = (ref_out, *torch.autograd.grad(ref_out, up, do.double()))
+    for name, a, b, r in zip(("o", "dq", "dk", "dv"), got, det, ref):
+        err = ((a.double() - r).abs().max() / r.abs().max()).item()
+        err_det = ((b.double() - r).abs().max() / r.abs().max()).item()
+        assert err <= 1.5 * err_det + 1e-4, (name, err, err_det)

@@ -73,13 +73,20 @@ def test_forward_gluon_option_refused_without_gluon():
 
 @pytest.mark.parametrize("kind", ["dense", "causal"])
 def test_backward_gluon_where_it_applies(kind):
+    """By default the five-GEMM Gluon backward on dense and causal layouts (faster there) but not on
+    context-parallel shards; ``deterministic=True`` the pair, ``False`` the five-GEMM."""
+    pair = ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon")
+    five = ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_dq_finish")
     c = choose_backward(_lc(kind), S, torch.float16, HOPPER, DEFAULT)
-    assert (c.family, c.mode) == ("gluon", kind)
-    assert c.kernels == ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon")
-    # the deterministic dQ kernel unless the Gluon backward is asked for with atomics
-    assert choose_backward(_lc(kind), S, torch.float16, HOPPER, KernelOptions(deterministic=False)).mode == kind
-    c = choose_backward(_lc(kind), S, torch.float16, HOPPER, KernelOptions(backward="gluon", deterministic=False))
-    assert c.mode == kind + "+atomic_dq" and "_dq_finish" in c.kernels
+    assert c.family == "gluon"
+    assert (c.mode, c.kernels) == (kind + "+atomic_dq", five)
+    c = choose_backward(_lc(kind, shard=True), S, torch.float16, HOPPER, DEFAULT)
+    assert (c.mode, c.kernels) == (kind, pair)
+    c = choose_backward(_lc(kind), S, torch.float16, HOPPER, KernelOptions(deterministic=True))
+    assert (c.mode, c.kernels) == (kind, pair)
+    for opts in (KernelOptions(deterministic=False), KernelOptions(backward="gluon", deterministic=False)):
+        c = choose_backward(_lc(kind), S, torch.float16, HOPPER, opts)
+        assert (c.mode, c.kernels) == (kind + "+atomic_dq", five)
 
 
 @pytest.mark.parametrize("why", ["blocks", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "short",
@@ -342,8 +349,8 @@ def hopper(monkeypatch):
 L = 256
 IDS = torch.tensor([0] * 70 + [1] * 130 + [2] * 56)
 MASKS = {
-    "dense": (lambda: None, "gluon:dense", "gluon:dense"),
-    "causal": (bsfa.causal, "gluon:causal", "gluon:causal"),
+    "dense": (lambda: None, "gluon:dense", "gluon:dense+atomic_dq"),
+    "causal": (bsfa.causal, "gluon:causal", "gluon:causal+atomic_dq"),
     # head dim 64: the compiled layouts' interval backward stays on Triton (ops/select)
     "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "triton:blocks"),
     # the expression holds this call's ids: intervals built on the device, no layout (contiguous
@@ -415,7 +422,8 @@ def test_kernel_options_reach_compiled_graphs(hopper):
                       backend="aot_eager", fullgraph=True)
     for opts, want in (({"forward": "triton", "backward": "triton"}, ["triton:blocks", "triton:blocks"]),
                        ({"backward": "triton"}, ["gluon:causal", "triton:blocks"]),
-                       (None, ["gluon:causal", "gluon:causal"])):
+                       (None, ["gluon:causal", "gluon:causal+atomic_dq"]),
+                       ({"deterministic": True}, ["gluon:causal", "gluon:causal"])):
         ran, _, _ = _run(lambda q, k, v: f(q, k, v, opts), q, k, v)
         assert [c for _, c in ran] == want, opts
         ran_eager, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="triton",
@@ -425,33 +433,37 @@ def test_kernel_options_reach_compiled_graphs(hopper):
 
 @pytest.mark.interpreter
 def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
-    """``backward="gluon", deterministic=False`` runs the Gluon launcher's atomic-dQ variant (with the
-    call's tiles); ``"auto"`` keeps the deterministic pair unless ``GLUON_ATOMIC_DQ_BACKWARDS``
-    names it. Gradients stay those of the exact backend."""
+    """``deterministic=False`` and the default (``GLUON_FIVE_GEMM_DEFAULT``) run the Gluon launcher's
+    atomic-dQ variant (with the call's tiles) on dense and causal layouts, ``deterministic=True``
+    the pair. Gradients stay those of the exact backend."""
     seen = []
     bwd = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
-        seen.append((causal, atomic, cfg.atomic_dq_chunk))
+        seen.append((causal, atomic, cfg.atomic_dq_chunk, cfg.atomic_dq_split))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
     monkeypatch.setattr(tb, "_gluon_bwd_launch", spy)
     q, k, v = _inputs(Hkv=2)
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal(), backend="torch"), q, k, v)[2]
-    opts = dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(atomic_dq_chunk=128))
-    for kw, want in ((opts, "gluon:causal+atomic_dq"), (dict(deterministic=False), "gluon:causal")):
+    opts = dict(backward="gluon", deterministic=False,
+                gluon_bwd=GluonBwdConfig(atomic_dq_chunk=128, atomic_dq_split=False))
+    for kw, want in ((opts, "gluon:causal+atomic_dq"), (dict(deterministic=False), "gluon:causal+atomic_dq"),
+                     ({}, "gluon:causal+atomic_dq"), (dict(deterministic=True), "gluon:causal")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal(), backend="triton",
                                                             kernel_options=kw), q, k, v)
         assert ran[1] == ("backward", want)
-        assert seen == [(True, want.endswith("+atomic_dq"), 128 if "gluon_bwd" in kw else 64)]
+        assert seen == [(True, want.endswith("+atomic_dq"), 128 if "gluon_bwd" in kw else 64,
+                         "gluon_bwd" not in kw)]
         for a, b in zip(grads, ref):
             assert rel_err(a, b) < 1e-2
-    monkeypatch.setattr(select, "GLUON_ATOMIC_DQ_BACKWARDS", frozenset({"auto", "gluon"}))
-    ran, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=None, backend="triton",
-                                                    kernel_options=dict(deterministic=False)), q, k, v)
+    ran, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=None, backend="triton"), q, k, v)
     assert ran[1] == ("backward", "gluon:dense+atomic_dq")
-    assert seen[-1] == (False, True, 64)
+    assert seen[-1] == (False, True, 64, True)
+    monkeypatch.setattr(select, "GLUON_FIVE_GEMM_DEFAULT", frozenset())
+    ran, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=None, backend="triton"), q, k, v)
+    assert ran[1] == ("backward", "gluon:dense")
 
 
 def test_options_encode_round_trip():

@@ -1,6 +1,7 @@
 """The Gluon five-GEMM backward (``kernels/backward_gluon.py`` with ``ATOMIC_DQ``: the dK/dV kernel
 adds ``dQ_partial = dS·K`` to an fp32 buffer with TMA reduce-adds, ``_dq_finish`` converts it) on
-the H100: checked, then timed beside our default (deterministic) backward and cuDNN.
+the H100: checked, then timed beside the other dQ split, our default (deterministic) backward,
+cuDNN and FlashAttention-4 (where ``flash_attn.cute`` imports; ``../shared/peers``).
 
 1. Checks (``check:*``): O, dQ, dK and dV of ``attention(..., kernel_options=dict(backward="gluon",
    deterministic=False))`` against float64 (``reference_attention`` per query head; dK and dV summed
@@ -9,10 +10,15 @@ the H100: checked, then timed beside our default (deterministic) backward and cu
    first group). PASS: every relative error at most 2x eager's, and the kernels that ran are the
    five-GEMM Gluon ones. The default (deterministic) path's errors are printed beside.
 2. Timings (``time:*``, ``triton.testing.do_bench`` medians, bf16, B = 1): the backward alone
-   (``autograd.grad`` of a kept output) and forward + backward, for the five-GEMM variant, our
-   default and cuDNN (SDPA, ``SDPBackend.CUDNN_ATTENTION``; GQA through ``enable_gqa``, else K and V
-   expanded), at 16K H16 d128 MHA and 64K H8/Hkv2 d128, dense and causal. TFLOP/s count
-   10·B·H·N²·d for the backward and 14·B·H·N²·d for fwd+bwd (causal: half).
+   (``autograd.grad`` of a kept output) and forward + backward, for the five-GEMM variant
+   (``five_gemm``: split dQ columns, or with ``--no-split`` per-group partials; ``five_other``: the
+   other one; ``--pingpong``: also the first with the consumer groups taking turns), our default,
+   ``deterministic=True``, FA4 and cuDNN (SDPA, ``SDPBackend.CUDNN_ATTENTION``; GQA through
+   ``enable_gqa``, else K and V expanded), at 16K H16 d128 and d64 MHA and 64K H8/Hkv2 d128, dense
+   and causal. Every implementation is set up first, then timed in ``--rounds`` rounds taking turns
+   (the median over rounds: the clock drifts within a run); ``--profile`` adds the device time per
+   fwd+bwd by kernel. TFLOP/s count 10·B·H·N²·d for the backward and 14·B·H·N²·d for fwd+bwd
+   (causal: half).
 
 Every case runs in a child process killed after ``--stall`` s without progress (a barrier mistake
 in a Gluon kernel hangs the GPU rather than raising; ``gluon_fwd.run_children``); a case that raises
@@ -32,10 +38,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/peers.py
 from gluon_fwd import bench_ms, child_loop, rel, run_children  # noqa: E402
 
 HEADS = [(16, 16), (16, 4), (8, 2)]
-TIMED = [(16, 16, 16384, 128), (8, 2, 65536, 128)]
+TIMED = [(16, 16, 16384, 128), (8, 2, 65536, 128), (16, 16, 16384, 64)]
 PATTERNS = ("dense", "causal")
 
 
@@ -49,8 +56,7 @@ def all_cases(quick: bool) -> list[str]:
     big = [f"check:{p}:{h}:{hk}:16384:{d}" for d in (128, 64) for p in PATTERNS for h, hk in HEADS]
     h, hk, n, d = TIMED[0]
     t16 = [f"time:{p}:{h}:{hk}:{n}:{d}" for p in PATTERNS]
-    h, hk, n, d = TIMED[1]
-    t64 = [f"time:{p}:{h}:{hk}:{n}:{d}" for p in PATTERNS]
+    t64 = [f"time:{p}:{h}:{hk}:{n}:{d}" for h, hk, n, d in TIMED[1:] for p in PATTERNS]
     return small + t16 + big + t64
 
 
@@ -71,8 +77,17 @@ class _Child:
 
         self.torch, self.bsfa, self.select = torch, bsfa, select
         chunk = int(os.environ.get("BSFA_ATOMIC_DQ_CHUNK", "64"))
-        self.five = dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(atomic_dq_chunk=chunk))
-        self.default = None  # the library's defaults (deterministic Gluon backward on Hopper)
+        split = os.environ.get("BSFA_ATOMIC_DQ_SPLIT", "1") == "1"  # the variant the checks run
+        self.five = dict(backward="gluon", deterministic=False,
+                         gluon_bwd=GluonBwdConfig(atomic_dq_split=split, atomic_dq_chunk=chunk))
+        self.five_other = dict(backward="gluon", deterministic=False,
+                               gluon_bwd=GluonBwdConfig(atomic_dq_split=not split, atomic_dq_chunk=chunk))
+        # timings only: the checked variant with the consumer groups taking turns (pingpong)
+        self.five_pp = (dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(
+            atomic_dq_split=split, atomic_dq_chunk=chunk, pingpong=True))
+            if os.environ.get("BSFA_PINGPONG") == "1" else None)
+        self.det = dict(deterministic=True)  # the deterministic pair, whatever the default
+        self.default = None  # the library's defaults
         self.with_default = os.environ.get("BSFA_CHECK_DEFAULT", "1") == "1"  # checks: errors of the default too
 
     def inputs(self, h, hk, n, d, seed=0):
@@ -162,9 +177,20 @@ class _Child:
                     return F.scaled_dot_product_attention(a, b, c, is_causal=pattern == "causal")
                 return F.scaled_dot_product_attention(a, b, c, is_causal=pattern == "causal", enable_gqa=h != hk)
 
+        def fa4(a, b, c):  # (B, L, H, D) views; GQA native
+            from peers import fa4_dense
+
+            return fa4_dense(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2),
+                             causal=pattern == "causal").transpose(1, 2)
+
         runs = (("five_gemm", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.five)),
+                ("five_other", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.five_other)),
                 ("default", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.default)),
-                ("cudnn", cudnn))
+                ("deterministic", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.det)),
+                ("cudnn", cudnn), ("fa4", fa4))
+        if self.five_pp is not None:
+            runs += (("five_pingpong", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.five_pp)),)
+        timed = {}  # name -> (backward of a kept graph, forward + backward)
         for name, fwd in runs:
             try:
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -176,23 +202,57 @@ class _Child:
                 with self.select.record() as ran:
                     o = fwd(qg, kg, vg)
                     torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
-                if name != "cudnn":
+                if name not in ("cudnn", "fa4"):
                     rec[f"{name}_ran"] = [c for _, c in ran]
-                rec[f"{name}_bwd_ms"] = bench_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
-                o = None  # the graph of the timed backward is freed
-                rec[f"{name}_fwdbwd_ms"] = bench_ms(lambda: torch.autograd.grad(fwd(qg, kg, vg), (qg, kg, vg), do))
+                timed[name] = (lambda o=o, a=(qg, kg, vg): torch.autograd.grad(o, a, do, retain_graph=True),
+                               lambda f=fwd, a=(qg, kg, vg): torch.autograd.grad(f(*a), a, do))
             except Exception as e:  # noqa: BLE001 - one failure is a result; the others still run
                 import traceback
 
                 rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
                 print(traceback.format_exc(), flush=True)
-            torch.cuda.empty_cache()
+        # rounds over every implementation in turn: the GPU's clock drifts within a run (the same
+        # kernels measured 10-20 % apart minutes apart), so each one's median is over rounds
+        rounds = int(os.environ.get("BSFA_ROUNDS", "3"))
+        got = {name: ([], []) for name in timed}
+        for _ in range(rounds):
+            for name, (bwd, fb) in timed.items():
+                got[name][0].append(bench_ms(bwd))
+                got[name][1].append(bench_ms(fb))
+        for name, (bwd, fb) in timed.items():
+            rec[f"{name}_bwd_ms"] = sorted(got[name][0])[rounds // 2]
+            rec[f"{name}_fwdbwd_ms"] = sorted(got[name][1])[rounds // 2]
+            if os.environ.get("BSFA_PROFILE") == "1":
+                rec[f"{name}_kernels_ms"] = kernel_ms(torch, fb)
+        timed.clear()
+        torch.cuda.empty_cache()
         return rec
 
     def case(self, name: str) -> dict:
         kind, pattern, h, hk, n, d = name.split(":")
         h, hk, n, d = int(h), int(hk), int(n), int(d)
         return self.check(pattern, h, hk, n, d) if kind == "check" else self.timing(pattern, h, hk, n, d)
+
+
+def kernel_ms(torch, fn, reps: int = 5) -> dict:
+    """Device time per call of ``fn`` by kernel (torch.profiler, ``reps`` calls after one warm-up),
+    the largest first, with ``"total"``: what the GPU spent, free of host gaps and timer noise."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if t > 0 and ev.device_type is not None and "cuda" in str(ev.device_type).lower():
+            per[ev.key[:60]] = per.get(ev.key[:60], 0.0) + t / 1e3 / reps
+    out = dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])
+    out["total"] = sum(per.values())
+    return {k: round(v, 4) for k, v in out.items()}
 
 
 def child_main(cases: list[str], progress: str) -> None:
@@ -225,7 +285,9 @@ def table(results) -> str:
             continue
         _, pattern, h, hk, n, d = name.split(":")
         h, n, d = int(h), int(n), int(d)
-        for who in ("five_gemm", "default", "cudnn"):
+        for who in ("five_gemm", "five_other", "five_pingpong", "default", "deterministic", "cudnn", "fa4"):
+            if who == "five_pingpong" and not any(k.startswith(who) for k in rec):
+                continue
             if f"{who}_bwd_ms" not in rec:
                 why = rec.get(f"{who}_error") or rec.get("error") or rec.get("skipped") or "not run"
                 lines.append(f"| {name} | {who} | {str(why)[:100]} | | | | |")
@@ -234,7 +296,8 @@ def table(results) -> str:
             sp = ""
             if who != "five_gemm" and "five_gemm_bwd_ms" in rec:
                 sp = f"{b / rec['five_gemm_bwd_ms']:.3f}x, {fb / rec.get('five_gemm_fwdbwd_ms', float('nan')):.3f}x"
-            ran = rec.get(f"{who}_ran", ["cudnn" + (" (K/V expanded)" if rec.get("cudnn_kv_expanded") else "")])
+            ran = rec.get(f"{who}_ran", [who + (" (K/V expanded)" if who == "cudnn" and rec.get("cudnn_kv_expanded")
+                                                 else "")])
             lines.append(f"| {name} | {who}: {', '.join(ran)} | {b:.3f} | {tflops(pattern, b, 5, h, n, d):.0f} | "
                          f"{fb:.3f} | {tflops(pattern, fb, 7, h, n, d):.0f} | {sp} |")
     return "\n".join(lines)
@@ -259,14 +322,24 @@ def main():
     ap = arg_parser(__doc__, 225.0,
                     "4K checks of d128 MHA and d64 GQA 4 (without the default path's errors), 16K timings")
     ap.add_argument("--dq-chunk", type=int, default=64, choices=[64, 128], help="GluonBwdConfig.atomic_dq_chunk")
+    ap.add_argument("--rounds", type=int, default=3, help="timings: rounds over all implementations (median)")
+    ap.add_argument("--pingpong", action="store_true", help="timings: also the checked variant with pingpong")
+    ap.add_argument("--profile", action="store_true",
+                    help="timings: also the device time per fwd+bwd by kernel (torch.profiler)")
+    ap.add_argument("--no-split", action="store_true",
+                    help="check the per-group dQ partials (atomic_dq_split=False); the timings run both")
     args = ap.parse_args()
     if args.child:
         child_main(args.cases, args.progress)
         return
     os.environ["BSFA_ATOMIC_DQ_CHUNK"] = str(args.dq_chunk)  # read by the children
+    os.environ["BSFA_ATOMIC_DQ_SPLIT"] = "0" if args.no_split else "1"
+    os.environ["BSFA_PROFILE"] = "1" if args.profile else "0"
+    os.environ["BSFA_PINGPONG"] = "1" if args.pingpong else "0"
+    os.environ["BSFA_ROUNDS"] = str(args.rounds)
     os.environ["BSFA_CHECK_DEFAULT"] = "0" if args.quick else "1"
     drive(args, args.cases or all_cases(args.quick), "gluon_bwd_tma.json", _fmt, table, 30, __file__,
-          atomic_dq_chunk=args.dq_chunk)
+          atomic_dq_chunk=args.dq_chunk, atomic_dq_split=not args.no_split)
 
 
 def drive(args, cases: list[str], name: str, fmt, tabulate, width: int, script: str, **extra) -> None:

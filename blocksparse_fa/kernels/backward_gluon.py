@@ -17,9 +17,15 @@ probabilities are recomputed from the forward's logsumexp (natural log, float32,
   ``dV += Pᵀ·dO`` and ``dK += dSᵀ·Q`` with Pᵀ and dSᵀ from registers. The logsumexp and Δ of a
   query block are read from global memory before the slot is awaited (their latency hides behind
   the wait and the first two products);
-- with ``ATOMIC_DQ`` (the non-deterministic five-GEMM backward) dSᵀ also goes to shared memory
-  and ``dQ_partial = dS·K`` (one or two column chunks, issued behind dK; the ring slot is
-  released once dV and dK are done) is staged as fp32 in shared memory and added to an fp32
+- with ``ATOMIC_DQ`` 2 (the non-deterministic five-GEMM backward, split as FlashAttention-3's):
+  both groups store dSᵀ into a shared buffer (two buffers, an mbarrier pair each: "written by
+  both", "read by both"), then each group computes dQ's columns ``[C·D/2, (C+1)·D/2)`` over the
+  program's ``2·BLOCK_N`` keys (two products, one per group's dSᵀ and K tile), issued before dK so
+  that the reduce-add below is staged while dK runs;
+- with ``ATOMIC_DQ`` 1 each group stores its own dSᵀ and computes the full-width
+  ``dQ_partial = dS·K`` of its ``BLOCK_N`` keys (one or two column chunks, issued behind dK; the
+  ring slot is released once dV and dK are done). Either way the partial is staged as fp32 in
+  shared memory and added to an fp32
   ``(B·H, Lq, D)`` buffer with one TMA reduce-add per tile (``cp.reduce.async.bulk.tensor``, as
   FlashAttention-3's backward does; the staging tile is rewritten only after ``tma.store_wait``
   says the reduce that read it is done); ``backward_atomic._dq_finish`` scales and converts the
@@ -139,7 +145,7 @@ if gluon is not None:
         return lse, delta, lo, hi
 
     @gluon.jit
-    def _dkdv_step(dk, dv, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
+    def _dkdv_step(dk, dv, t, i, k_all, v_all, ds_all, ds_bar, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
                    hi_row, dq_desc, dq_smem, dq_row0, off_k, qk_scale, C: gl.constexpr, MASK: gl.constexpr,
                    INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                    PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -151,6 +157,8 @@ if gluon is not None:
         group's dQ descriptor) in one or two column chunks of ``DQ_CHUNK``, each TMA-reduce-added
         from one of the consumer's ``DQ_BUFS`` shared fp32 tiles (``dq_smem[C·DQ_BUFS ..]``)."""
         s = t % STAGES
+        k_c = k_all.index(C)
+        v_c = v_all.index(C)
         # issued before the wait: the latency hides behind it
         lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
@@ -175,10 +183,37 @@ if gluon is not None:
         dlt = gl.convert_layout(delta, gl.SliceLayout(0, s_layout))
         dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
         ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
-        dk = warpgroup_mma(ds16, q, dk, is_async=True)
-        if ATOMIC_DQ:
+        if ATOMIC_DQ == 2:
+            # both groups' dSᵀ meet in shared buffer b; this group computes dQ's columns
+            # [C·HALF, (C+1)·HALF) over the program's 2·BLOCK_N keys, issued before dK so that its
+            # reduce-add is staged while dK runs
+            HALF: gl.constexpr = HEAD_DIM // 2
+            b = t % 2
+            # buffer b was last read by both groups' dQ products two steps ago
+            mbarrier.wait(ds_bar.index(2 + b), ((t // 2) & 1) ^ 1)
+            ds_all.index(2 * b + C).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(b))
+            mbarrier.wait(ds_bar.index(b), (t // 2) & 1)
+            zq = gl.zeros([BLOCK_M, HALF], dtype=gl.float32, layout=dq_layout)
+            dq = warpgroup_mma(ds_all.index(2 * b).permute((1, 0)), k_all.index(0).slice(C * HALF, HALF, dim=1), zq,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_all.index(2 * b + 1).permute((1, 0)), k_all.index(1).slice(C * HALF, HALF, dim=1),
+                               dq, is_async=True)
+            dk = warpgroup_mma(ds16, q, dk, is_async=True)
+            # in flight, in order: dV, the two dQ products, dK
+            dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
+            mbarrier.arrive(ds_bar.index(2 + b))
+            _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), dq_row0 + i * BLOCK_M, C * HALF,
+                        DQ_BUFS)
+            dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
+            mbarrier.arrive(empty.index(s))
+        else:
+            dk = warpgroup_mma(ds16, q, dk, is_async=True)
+        if ATOMIC_DQ == 1:
             # dS·K reads dSᵀ from shared memory and this group's K (not the ring slot): its chunks
             # are issued behind dK, and the slot is released once dV and dK have completed
+            ds_c = ds_all.index(C)
             ds_c.store(dst)
             fence_async_shared()
             dsq = ds_c.permute((1, 0))
@@ -198,7 +233,7 @@ if gluon is not None:
                 mbarrier.arrive(empty.index(s))
                 dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, ))
                 _dq_tma_add(dq0, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), row, 0, DQ_BUFS)
-        else:
+        elif ATOMIC_DQ == 0:
             dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
             mbarrier.arrive(empty.index(s))
         return dk, dv
@@ -260,7 +295,7 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len, qk_scale,
+                       ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len, qk_scale,
                        sm_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                        ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -353,26 +388,26 @@ if gluon is not None:
                 t0 = g * n_i - i0
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_c, v_c, ds_c, q_smem, do_smem, ready,
+                        dk, dv = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
                                             empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
                                             g * q_len, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
                                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
                                             vec_layout, DQ_CHUNK, DQ_BUFS)
                 if INTERVAL:
                     for i in range(i0, i_full):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
                                             lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
                                             qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
                                             BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
                                             DQ_BUFS)
                 for i in range(i_full, i_tail):
-                    dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
+                    dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
                                         lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
                                         qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                                         STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn,
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
                                             lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
                                             qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
                                             BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
@@ -401,8 +436,8 @@ if gluon is not None:
         1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
         (``stride_qh == Lq·stride_qm``, likewise dO), ``K/V/DK/DV (B, H // G, Lk, D)``,
         ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32, contiguous and zeroed (used
-        only with ``ATOMIC_DQ``: dQ/scale is TMA-reduce-added there in tiles of
-        ``BLOCK_M × DQ_CHUNK``, ``DQ_CHUNK`` = ``HEAD_DIM`` or ``HEAD_DIM / 2``);
+        only with ``ATOMIC_DQ`` 1 or 2: dQ/scale is TMA-reduce-added there in tiles of
+        ``BLOCK_M × DQ_CHUNK``, ``DQ_CHUNK`` = ``HEAD_DIM`` or ``HEAD_DIM / 2``, the latter with 2);
         ``qk_scale = scale · log2(e)``.
 
         ``INTERVAL``: row ``r`` of batch ``b`` keeps keys ``LO[z, r] <= k < HI[z, r]`` for every
@@ -414,6 +449,7 @@ if gluon is not None:
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
         gl.static_assert(DQ_CHUNK == HEAD_DIM or 2 * DQ_CHUNK == HEAD_DIM, "DQ_CHUNK: HEAD_DIM or HEAD_DIM / 2")
+        gl.static_assert(ATOMIC_DQ != 2 or 2 * DQ_CHUNK == HEAD_DIM, "ATOMIC_DQ 2 adds dQ in halves: DQ_CHUNK = D / 2")
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         hkv = H // G
@@ -445,7 +481,9 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
-        if ATOMIC_DQ or OVERLAP == 2:  # one dSᵀ tile per consumer group
+        if ATOMIC_DQ == 2:  # two buffers of both groups' dSᵀ tiles (buffer b: tiles 2·b, 2·b + 1)
+            ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], ds_layout)
+        elif ATOMIC_DQ or OVERLAP == 2:  # one dSᵀ tile per consumer group
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         else:  # not read: a minimal placeholder
             ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64],
@@ -462,6 +500,8 @@ if gluon is not None:
         else:  # not read
             dq_smem = 0
             dq_desc = 0
+        # ATOMIC_DQ 2: dS buffer b written by both groups (b), read by both groups' dQ products (2 + b)
+        ds_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -472,6 +512,8 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+        for s in gl.static_range(4):
+            mbarrier.init(ds_bar.index(s), count=2)
         fence_async_shared()
 
         off_n = pid_n * (2 * BLOCK_N)
@@ -497,11 +539,11 @@ if gluon is not None:
         bh0 = b * H + hk * G
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
-                              ds_smem, dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
+                              ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
                               qk_scale, sm_scale, 0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
-                              ds_smem, dq_smem, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
+                              ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
                               qk_scale, sm_scale, 1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,

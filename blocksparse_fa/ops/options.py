@@ -71,9 +71,13 @@ class GluonBwdConfig:
     loads ahead). 0: off; 1: dS carried in registers; 2: dS through a shared-memory tile per
     group (fewer live registers). ``overlap`` applies to the deterministic dK/dV kernel only.
 
-    ``atomic_dq_chunk``: the five-GEMM variant (``deterministic=False``) computes ``dQ_partial =
-    dS·K`` per query block in column chunks of this many head dims (64 or 128, capped at the head
-    dimension), each TMA-reduce-added into the fp32 dQ buffer."""
+    ``atomic_dq_split``: the five-GEMM variant (``deterministic=False``) shares both groups' dSᵀ
+    tiles through shared memory, and each group computes half of dQ's columns over the program's
+    ``2·block_n`` keys (``dQ_partial = dS·K``, one TMA reduce-add of ``block_m × D/2`` per group
+    and query block: half the reduce traffic of per-group partials, as FlashAttention-3 splits
+    it). False: each group computes the full-width partial of its own ``block_n`` keys, in column
+    chunks of ``atomic_dq_chunk`` head dims (64 or 128, capped at the head dimension), each
+    TMA-reduce-added into the fp32 dQ buffer."""
 
     block_m: int = 64
     block_n: int = 64
@@ -87,6 +91,7 @@ class GluonBwdConfig:
     overlap: int = 0
     dq_pingpong: bool = False
     dq_overlap: int = 0
+    atomic_dq_split: bool = True
     atomic_dq_chunk: int = 64  # sm_90 SASS, d 128: 64 reloads 5 spilled values per step, 128 reloads 13
 
     def __post_init__(self):
@@ -113,7 +118,7 @@ _CHOICES = {
     "fwd_other": ("load", "prefetch"),
     "band_backward": ("partial", "flex"),
 }
-_OPTIONAL_BOOL = ("col_arith", "head_major")
+_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic")
 _CONFIGS = {"gluon_fwd": GluonConfig, "gluon_bwd": GluonBwdConfig, "fwd_tiles": TileConfig,
             "dkdv_tiles": TileConfig, "dq_tiles": TileConfig, "atomic_tiles": TileConfig}
 
@@ -139,11 +144,16 @@ class KernelOptions:
         backward: ``"auto"`` (default): the Gluon backward on Hopper for dense, ``causal()`` and
             one-interval-per-row layouts whose intervals are the same for every head (windows,
             documents, prefix-LM, ...) where it applies, else the block-sparse Triton backward;
-            ``"gluon"``: the same, refused where Gluon cannot run (with ``deterministic=False`` its
-            dQ is added with atomics); ``"triton"``: always the Triton backward.
+            ``"gluon"``: the same, refused where Gluon cannot run; ``"triton"``: always the Triton
+            backward.
         gluon_bwd: tiles of the Gluon backward (:class:`GluonBwdConfig`; None: the default).
-        deterministic: True (default) runs separate dK/dV and dQ programs (bit-reproducible);
-            False the five-GEMM Triton backward whose dK/dV programs add dQ with fp32 atomics.
+        deterministic: None (default): the faster backward of each layout, which on Hopper for
+            dense and ``causal()`` layouts is the Gluon five-GEMM backward (dQ added to an fp32 buffer with TMA
+            reduce-adds: the order of the adds varies, so dQ is not bit-reproducible between runs;
+            dK and dV are), and elsewhere a deterministic one. True: separate dK/dV and dQ programs
+            everywhere, every gradient bit-reproducible. False: the five-GEMM backward wherever one
+            exists (the Gluon one for dense and causal layouts, else the Triton one whose dK/dV
+            programs add dQ with fp32 atomics).
         fused_backward: the Triton backward's dK/dV and dQ programs in one launch (default) or two.
         head_major: order that one launch's grid head by head (None: when no tile is split).
         dq_desc: the five-GEMM backward adds dQ tiles through a tensor descriptor (Hopper).
@@ -175,7 +185,7 @@ class KernelOptions:
     gluon_fwd: GluonConfig | None = None
     backward: str = "auto"
     gluon_bwd: GluonBwdConfig | None = None
-    deterministic: bool = True
+    deterministic: bool | None = None
     fused_backward: bool = True
     head_major: bool | None = None
     dq_desc: bool = False

@@ -130,11 +130,15 @@ def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool, per
 # 1.57 ms (compiled; NOTES.md "Packed documents").
 GLUON_DEVICE_INTERVALS = True
 
-# The ``backward`` options under which ``deterministic=False`` runs the Gluon five-GEMM backward
-# (dK/dV kernel with dQ TMA-reduce-added into fp32, ``+atomic_dq``) on dense and causal layouts;
-# elsewhere those layouts keep the deterministic Gluon pair (dK/dV kernel + dQ kernel). Add
-# ``"auto"`` once the five-GEMM variant times faster (benchmarks/experiments/gluon_bwd_tma.py).
-GLUON_ATOMIC_DQ_BACKWARDS = frozenset({"gluon"})
+# The Gluon five-GEMM backward (dK/dV kernel with dQ TMA-reduce-added into fp32, ``+atomic_dq``)
+# runs on dense and causal layouts under ``deterministic=False``, and under the default
+# ``deterministic=None`` on the layout kinds below (not on context-parallel shards), where it
+# times faster than the deterministic pair (dK/dV kernel + dQ kernel). H100, one run of
+# benchmarks/experiments/gluon_bwd_tma.py (implementations taking turns, median of 3 rounds; the
+# dQ columns split between the consumer groups), fwd+bwd ms five-GEMM vs pair: dense 16K H16 d128
+# 14.44 vs 15.35, d64 9.30 vs 9.96, 64K GQA 8/2 113.2 vs 123.8; causal 16K d128 7.43 vs 7.78,
+# d64 4.77 vs 5.13, 64K GQA 58.8 vs 60.0.
+GLUON_FIVE_GEMM_DEFAULT = frozenset({"dense", "causal"})
 
 # The Gluon backward's interval mode (``kernels/backward_gluon.py``, ``INTERVAL``) on device-built
 # tables for the device-interval path (``ops/interval_backend.gluon_interval_backward``), where the
@@ -305,7 +309,7 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     Args:
         accumulate: gradients are added into the caller's tensors.
         grad_dtype: gradients are asked for in another dtype than the inputs'.
-        deterministic: overrides ``opts.deterministic`` (None: the option).
+        deterministic: overrides ``opts.deterministic`` where not None.
         tma: q, k, v, dO and the gradients can be addressed by tensor descriptors.
 
     The gradient of a returned logsumexp does not enter: it only shifts ``delta``."""
@@ -321,13 +325,13 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
         if mode == "interval":  # deterministic either way: dK/dV and dQ kernels
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
         if mode is not None:
-            if not det and opts.backward in GLUON_ATOMIC_DQ_BACKWARDS:
+            if det is False or (det is None and mode in GLUON_FIVE_GEMM_DEFAULT and not lc.shard):
                 return Choice("gluon", mode + "+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",
                                                              "_dq_finish"))
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
     if lc.kind == "device_interval":  # deterministic: dK/dV and dQ programs, no atomics
         return Choice("triton", "interval", ("_attn_bwd_preprocess", "_interval_bwd"))
-    if not det and not lc.shard and not grad_dtype and not score_mod:
+    if det is False and not lc.shard and not grad_dtype and not score_mod:
         return Choice("triton", "five_gemm", ("_attn_bwd_preprocess", "_attn_bwd_atomic", "_dq_finish"))
     return Choice("triton", "blocks", ("_attn_bwd_preprocess", "_attn_bwd"))
 

@@ -137,6 +137,8 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     qg, dog = q, dout
     if s.G > 1:
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
+    # the dK/dV kernel's dQ: 0 none (the dQ kernel follows), 1 per-group partials, 2 split columns
+    mode = (2 if cfg.atomic_dq_split else 1) if atomic else 0
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
            else _placeholder(torch.float32, q.device))
     _launch(_bg._attn_bwd_dkdv_gluon, (s.Lk // (2 * cfg.block_n), s.B * s.Hkv), (
@@ -145,9 +147,10 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         s.H, s.G, s.Lq, s.Lk, lzb, qk, scale), 35, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=mode, PINGPONG=cfg.pingpong,
         OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        DQ_CHUNK=min(cfg.atomic_dq_chunk, s.D), INTERVAL=intervals is not None, num_warps=4)
+        DQ_CHUNK=s.D // 2 if mode == 2 else min(cfg.atomic_dq_chunk, s.D), INTERVAL=intervals is not None,
+        num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -774,7 +777,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     ``deterministic``: True runs separate dK/dV and dQ programs, every output tile owned by one
     program (bit-reproducible); False the five-GEMM backward, whose dK/dV programs add dQ in fp32
     with atomics (dQ may differ in the last bits between runs; dK and dV do not). None: the
-    ``deterministic`` kernel option (default True). Shards of a layout (``compiler/shard.py``)
+    ``deterministic`` kernel option (default None: the faster of the two per layout,
+    ``select.choose_backward``). Shards of a layout (``compiler/shard.py``)
     always run the deterministic kernels, which read block position tables.
     ``grad_dtype``: dtype of new gradients (default the inputs'; float32 keeps partial gradients
     exact for a later sum), or a ``(dq, dk, dv)`` tuple of them (None: the input's).
