@@ -15,8 +15,8 @@ cuDNN and FlashAttention-4 (where ``flash_attn.cute`` imports; ``../shared/peers
    other one; ``--pingpong``: also the first with the consumer groups taking turns), our default,
    ``deterministic=True``, FA4 and cuDNN (SDPA, ``SDPBackend.CUDNN_ATTENTION``; GQA through
    ``enable_gqa``, else K and V expanded), at 16K H16 d128 and d64 MHA and 64K H8/Hkv2 d128, dense
-   and causal. Every implementation is set up first, then timed in ``--rounds`` rounds taking turns
-   (the median over rounds: the clock drifts within a run); ``--profile`` adds the device time per
+   and causal. Every implementation is set up first, then timed in ``--passes`` passes taking turns
+   (the median over passes: the clock drifts within a run); ``--profile`` adds the device time per
    fwd+bwd by kernel. TFLOP/s count 10·B·H·N²·d for the backward and 14·B·H·N²·d for fwd+bwd
    (causal: half).
 
@@ -80,8 +80,10 @@ class _Child:
         split = os.environ.get("BSFA_ATOMIC_DQ_SPLIT", "1") == "1"  # the variant the checks run
         self.five = dict(backward="gluon", deterministic=False,
                          gluon_bwd=GluonBwdConfig(atomic_dq_split=split, atomic_dq_chunk=chunk))
-        self.five_other = dict(backward="gluon", deterministic=False,
-                               gluon_bwd=GluonBwdConfig(atomic_dq_split=not split, atomic_dq_chunk=chunk))
+        other = json.loads(os.environ.get("BSFA_OTHER", "") or "null")  # --other: five_other's tiles
+        self.five_other = dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(
+            **(dict(atomic_dq_split=split, atomic_dq_chunk=chunk, **other) if other is not None
+               else dict(atomic_dq_split=not split, atomic_dq_chunk=chunk))))
         # timings only: the checked variant with the consumer groups taking turns (pingpong)
         self.five_pp = (dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(
             atomic_dq_split=split, atomic_dq_chunk=chunk, pingpong=True))
@@ -211,17 +213,17 @@ class _Child:
 
                 rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
                 print(traceback.format_exc(), flush=True)
-        # rounds over every implementation in turn: the GPU's clock drifts within a run (the same
-        # kernels measured 10-20 % apart minutes apart), so each one's median is over rounds
-        rounds = int(os.environ.get("BSFA_ROUNDS", "3"))
+        # passes over every implementation in turn: the GPU's clock drifts within a run (the same
+        # kernels measured 10-20 % apart minutes apart), so each one's median is over passes
+        passes = int(os.environ.get("BSFA_PASSES", "3"))
         got = {name: ([], []) for name in timed}
-        for _ in range(rounds):
+        for _ in range(passes):
             for name, (bwd, fb) in timed.items():
                 got[name][0].append(bench_ms(bwd))
                 got[name][1].append(bench_ms(fb))
         for name, (bwd, fb) in timed.items():
-            rec[f"{name}_bwd_ms"] = sorted(got[name][0])[rounds // 2]
-            rec[f"{name}_fwdbwd_ms"] = sorted(got[name][1])[rounds // 2]
+            rec[f"{name}_bwd_ms"] = sorted(got[name][0])[passes // 2]
+            rec[f"{name}_fwdbwd_ms"] = sorted(got[name][1])[passes // 2]
             if os.environ.get("BSFA_PROFILE") == "1":
                 rec[f"{name}_kernels_ms"] = kernel_ms(torch, fb)
         timed.clear()
@@ -322,7 +324,9 @@ def main():
     ap = arg_parser(__doc__, 225.0,
                     "4K checks of d128 MHA and d64 GQA 4 (without the default path's errors), 16K timings")
     ap.add_argument("--dq-chunk", type=int, default=64, choices=[64, 128], help="GluonBwdConfig.atomic_dq_chunk")
-    ap.add_argument("--rounds", type=int, default=3, help="timings: rounds over all implementations (median)")
+    ap.add_argument("--other", default="", help="timings: five_other = the checked variant with these "
+                    "GluonBwdConfig fields (JSON, e.g. '{\"stages\": 3}') instead of the other dQ split")
+    ap.add_argument("--passes", type=int, default=3, help="timings: passes over all implementations, each taking its turn (median)")
     ap.add_argument("--pingpong", action="store_true", help="timings: also the checked variant with pingpong")
     ap.add_argument("--profile", action="store_true",
                     help="timings: also the device time per fwd+bwd by kernel (torch.profiler)")
@@ -336,7 +340,8 @@ def main():
     os.environ["BSFA_ATOMIC_DQ_SPLIT"] = "0" if args.no_split else "1"
     os.environ["BSFA_PROFILE"] = "1" if args.profile else "0"
     os.environ["BSFA_PINGPONG"] = "1" if args.pingpong else "0"
-    os.environ["BSFA_ROUNDS"] = str(args.rounds)
+    os.environ["BSFA_PASSES"] = str(args.passes)
+    os.environ["BSFA_OTHER"] = args.other
     os.environ["BSFA_CHECK_DEFAULT"] = "0" if args.quick else "1"
     drive(args, args.cases or all_cases(args.quick), "gluon_bwd_tma.json", _fmt, table, 30, __file__,
           atomic_dq_chunk=args.dq_chunk, atomic_dq_split=not args.no_split)

@@ -2,6 +2,7 @@
 side-by-side table per kernel: time, registers, spills, occupancy, issue-slot use and stall reasons.
 
     PYTHONPATH=. python benchmarks/experiments/ncu_compare.py --patterns document_causal sliding_window_1024 [--out DIR]
+        [--impls ours flex 'ours:{"deterministic": true}' 'ours:{"gluon_bwd": {"stages": 3}}']
 """
 
 from __future__ import annotations
@@ -59,9 +60,16 @@ def worker(pattern: str, impl: str, n: int, d: int) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
-    if impl == "ours":
+    if impl.startswith("ours"):  # "ours" or "ours:{json kernel_options}" (a variant of our kernels)
         lay = bsfa.compile_mask(mask, n, n, 128, device="cuda")
-        fwd = lambda: bsfa.attention(q, k, v, mask=lay)
+        opts = None
+        if ":" in impl:
+            from blocksparse_fa.ops.options import GluonBwdConfig
+
+            opts = json.loads(impl.split(":", 1)[1])
+            if "gluon_bwd" in opts:
+                opts["gluon_bwd"] = GluonBwdConfig(**opts["gluon_bwd"])
+        fwd = lambda: bsfa.attention(q, k, v, mask=lay, kernel_options=opts)
     else:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -124,7 +132,8 @@ def main():
                 cmd += ["--metrics", ",".join(extra)]
             cmd += [sys.executable, __file__, "worker", "--pattern", p, "--impl", impl, "--n", str(args.n), "--d", str(args.d)]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-            with open(os.path.join(args.out, f"ncu_{p}_{impl}.csv"), "w") as f:
+            tag = "".join(c if c.isalnum() else "_" for c in impl)[:40]
+            with open(os.path.join(args.out, f"ncu_{p}_{tag}.csv"), "w") as f:
                 f.write(r.stdout)
             try:
                 ks = parse(r.stdout)

@@ -134,7 +134,7 @@ GLUON_DEVICE_INTERVALS = True
 # runs on dense and causal layouts under ``deterministic=False``, and under the default
 # ``deterministic=None`` on the layout kinds below (not on context-parallel shards), where it
 # times faster than the deterministic pair (dK/dV kernel + dQ kernel). H100, one run of
-# benchmarks/experiments/gluon_bwd_tma.py (implementations taking turns, median of 3 rounds; the
+# benchmarks/experiments/gluon_bwd_tma.py (implementations taking turns, median of 3 passes; the
 # dQ columns split between the consumer groups), fwd+bwd ms five-GEMM vs pair: dense 16K H16 d128
 # 14.44 vs 15.35, d64 9.30 vs 9.96, 64K GQA 8/2 113.2 vs 123.8; causal 16K d128 7.43 vs 7.78,
 # d64 4.77 vs 5.13, 64K GQA 58.8 vs 60.0.
