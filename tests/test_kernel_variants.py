@@ -201,9 +201,6 @@ def test_gluon_backward_config_schedules_validated():
         GluonBwdConfig(overlap=1, stages=1)
     with pytest.raises(ValueError, match="dq_overlap=2 needs dq_stages >= 2"):
         GluonBwdConfig(dq_overlap=2, dq_stages=1)
-    assert GluonBwdConfig(atomic_dq_chunk=128).atomic_dq_chunk == 128
-    with pytest.raises(ValueError, match=r"atomic_dq_chunk=96\): expected 64 or 128"):
-        GluonBwdConfig(atomic_dq_chunk=96)
 
 
 def test_tma_allocator_set_in_every_thread():

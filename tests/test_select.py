@@ -440,27 +440,25 @@ def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
     bwd = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
-        seen.append((causal, atomic, cfg.atomic_dq_chunk, cfg.atomic_dq_split))
+        seen.append((causal, atomic, cfg.block_n))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
     monkeypatch.setattr(tb, "_gluon_bwd_launch", spy)
     q, k, v = _inputs(Hkv=2)
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal(), backend="torch"), q, k, v)[2]
-    opts = dict(backward="gluon", deterministic=False,
-                gluon_bwd=GluonBwdConfig(atomic_dq_chunk=128, atomic_dq_split=False))
+    opts = dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(block_n=32))
     for kw, want in ((opts, "gluon:causal+atomic_dq"), (dict(deterministic=False), "gluon:causal+atomic_dq"),
                      ({}, "gluon:causal+atomic_dq"), (dict(deterministic=True), "gluon:causal")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal(), backend="triton",
                                                             kernel_options=kw), q, k, v)
         assert ran[1] == ("backward", want)
-        assert seen == [(True, want.endswith("+atomic_dq"), 128 if "gluon_bwd" in kw else 64,
-                         "gluon_bwd" not in kw)]
+        assert seen == [(True, want.endswith("+atomic_dq"), 32 if "gluon_bwd" in kw else 64)]
         for a, b in zip(grads, ref):
             assert rel_err(a, b) < 1e-2
     ran, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=None, backend="triton"), q, k, v)
     assert ran[1] == ("backward", "gluon:dense+atomic_dq")
-    assert seen[-1] == (False, True, 64, True)
+    assert seen[-1] == (False, True, 64)
     monkeypatch.setattr(select, "GLUON_FIVE_GEMM_DEFAULT", frozenset())
     ran, _, _ = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=None, backend="triton"), q, k, v)
     assert ran[1] == ("backward", "gluon:dense")

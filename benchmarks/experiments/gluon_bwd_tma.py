@@ -1,18 +1,18 @@
 """The Gluon five-GEMM backward (``kernels/backward_gluon.py`` with ``ATOMIC_DQ``: the dK/dV kernel
 adds ``dQ_partial = dS·K`` to an fp32 buffer with TMA reduce-adds, ``_dq_finish`` converts it) on
-the H100: checked, then timed beside the other dQ split, our default (deterministic) backward,
-cuDNN and FlashAttention-4 (where ``flash_attn.cute`` imports; ``../shared/peers``).
+the H100: checked, then timed beside our default and deterministic backwards, cuDNN and
+FlashAttention-4 (where ``flash_attn.cute`` imports; ``../shared/peers``).
 
 1. Checks (``check:*``): O, dQ, dK and dV of ``attention(..., kernel_options=dict(backward="gluon",
    deterministic=False))`` against float64 (``reference_attention`` per query head; dK and dV summed
    over each GQA group), beside eager attention in bf16 on the same heads. Dense and causal; MHA
    16/16, GQA 16/4 and 8/2; d 64 and 128; 4K (every head) and 16K (the first two heads, or the
    first group). PASS: every relative error at most 2x eager's, and the kernels that ran are the
-   five-GEMM Gluon ones. The default (deterministic) path's errors are printed beside.
+   five-GEMM Gluon ones. The ``deterministic=True`` path's errors are printed beside.
 2. Timings (``time:*``, ``triton.testing.do_bench`` medians, bf16, B = 1): the backward alone
    (``autograd.grad`` of a kept output) and forward + backward, for the five-GEMM variant
-   (``five_gemm``: split dQ columns, or with ``--no-split`` per-group partials; ``five_other``: the
-   other one; ``--pingpong``: also the first with the consumer groups taking turns), our default,
+   (``five_gemm``; ``--other``: also ``five_other``, the same with other ``GluonBwdConfig`` fields;
+   ``--pingpong``: also the first with the consumer groups taking turns), our default,
    ``deterministic=True``, FA4 and cuDNN (SDPA, ``SDPBackend.CUDNN_ATTENTION``; GQA through
    ``enable_gqa``, else K and V expanded), at 16K H16 d128 and d64 MHA and 64K H8/Hkv2 d128, dense
    and causal. Every implementation is set up first, then timed in ``--passes`` passes taking turns
@@ -26,7 +26,8 @@ prints its traceback (a Gluon compile error names the kernel line) and the rest 
 ``$OUT/gluon_bwd_tma.json`` (rewritten after every case), a PASS/FAIL line per check and a table.
 
     PYTHONPATH=. python benchmarks/experiments/gluon_bwd_tma.py [--out DIR] [--quick] [--budget 225]
-        [--dq-chunk 64|128] [--cases check:dense:16:4:4096:128 time:causal:16:16:16384:128 ...]
+        [--passes 3] [--profile] [--other '{"stages": 3}'] [--pingpong]
+        [--cases check:dense:16:4:4096:128 time:causal:16:16:16384:128 ...]
 """
 
 from __future__ import annotations
@@ -76,18 +77,13 @@ class _Child:
         from blocksparse_fa.ops.options import GluonBwdConfig
 
         self.torch, self.bsfa, self.select = torch, bsfa, select
-        chunk = int(os.environ.get("BSFA_ATOMIC_DQ_CHUNK", "64"))
-        split = os.environ.get("BSFA_ATOMIC_DQ_SPLIT", "1") == "1"  # the variant the checks run
-        self.five = dict(backward="gluon", deterministic=False,
-                         gluon_bwd=GluonBwdConfig(atomic_dq_split=split, atomic_dq_chunk=chunk))
+        self.five = dict(backward="gluon", deterministic=False)
         other = json.loads(os.environ.get("BSFA_OTHER", "") or "null")  # --other: five_other's tiles
-        self.five_other = dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(
-            **(dict(atomic_dq_split=split, atomic_dq_chunk=chunk, **other) if other is not None
-               else dict(atomic_dq_split=not split, atomic_dq_chunk=chunk))))
+        self.five_other = (dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(**other))
+                           if other is not None else None)
         # timings only: the checked variant with the consumer groups taking turns (pingpong)
-        self.five_pp = (dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(
-            atomic_dq_split=split, atomic_dq_chunk=chunk, pingpong=True))
-            if os.environ.get("BSFA_PINGPONG") == "1" else None)
+        self.five_pp = (dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(pingpong=True))
+                        if os.environ.get("BSFA_PINGPONG") == "1" else None)
         self.det = dict(deterministic=True)  # the deterministic pair, whatever the default
         self.default = None  # the library's defaults
         self.with_default = os.environ.get("BSFA_CHECK_DEFAULT", "1") == "1"  # checks: errors of the default too
@@ -146,7 +142,7 @@ class _Child:
         G = h // hk
         n_heads = h if n <= 4096 else max(2, G)
         got, ran = self.ours(pattern, q, k, v, do, self.five)
-        det, ran_det = self.ours(pattern, q, k, v, do, self.default) if self.with_default else (None, [])
+        det, ran_det = self.ours(pattern, q, k, v, do, self.det) if self.with_default else (None, [])
         (r64, eager) = self.references(pattern, q, k, v, do, n_heads)
         rec = dict(ran=ran, ran_default=ran_det, heads_checked=n_heads)
         want = f"gluon:{pattern}+atomic_dq"
@@ -186,10 +182,11 @@ class _Child:
                              causal=pattern == "causal").transpose(1, 2)
 
         runs = (("five_gemm", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.five)),
-                ("five_other", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.five_other)),
                 ("default", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.default)),
                 ("deterministic", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.det)),
                 ("cudnn", cudnn), ("fa4", fa4))
+        if self.five_other is not None:
+            runs += (("five_other", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.five_other)),)
         if self.five_pp is not None:
             runs += (("five_pingpong", lambda a, b, c: bsfa.attention(a, b, c, mask=m, kernel_options=self.five_pp)),)
         timed = {}  # name -> (backward of a kept graph, forward + backward)
@@ -288,7 +285,7 @@ def table(results) -> str:
         _, pattern, h, hk, n, d = name.split(":")
         h, n, d = int(h), int(n), int(d)
         for who in ("five_gemm", "five_other", "five_pingpong", "default", "deterministic", "cudnn", "fa4"):
-            if who == "five_pingpong" and not any(k.startswith(who) for k in rec):
+            if who in ("five_other", "five_pingpong") and not any(k.startswith(who) for k in rec):
                 continue
             if f"{who}_bwd_ms" not in rec:
                 why = rec.get(f"{who}_error") or rec.get("error") or rec.get("skipped") or "not run"
@@ -323,28 +320,24 @@ def arg_parser(doc: str, budget: float, quick: str, out: str = "") -> argparse.A
 def main():
     ap = arg_parser(__doc__, 225.0,
                     "4K checks of d128 MHA and d64 GQA 4 (without the default path's errors), 16K timings")
-    ap.add_argument("--dq-chunk", type=int, default=64, choices=[64, 128], help="GluonBwdConfig.atomic_dq_chunk")
     ap.add_argument("--other", default="", help="timings: five_other = the checked variant with these "
-                    "GluonBwdConfig fields (JSON, e.g. '{\"stages\": 3}') instead of the other dQ split")
+                    "GluonBwdConfig fields (JSON, e.g. '{\"stages\": 3}')")
     ap.add_argument("--passes", type=int, default=3, help="timings: passes over all implementations, each taking its turn (median)")
     ap.add_argument("--pingpong", action="store_true", help="timings: also the checked variant with pingpong")
     ap.add_argument("--profile", action="store_true",
                     help="timings: also the device time per fwd+bwd by kernel (torch.profiler)")
-    ap.add_argument("--no-split", action="store_true",
-                    help="check the per-group dQ partials (atomic_dq_split=False); the timings run both")
     args = ap.parse_args()
     if args.child:
         child_main(args.cases, args.progress)
         return
-    os.environ["BSFA_ATOMIC_DQ_CHUNK"] = str(args.dq_chunk)  # read by the children
-    os.environ["BSFA_ATOMIC_DQ_SPLIT"] = "0" if args.no_split else "1"
+    # read by the children
     os.environ["BSFA_PROFILE"] = "1" if args.profile else "0"
     os.environ["BSFA_PINGPONG"] = "1" if args.pingpong else "0"
     os.environ["BSFA_PASSES"] = str(args.passes)
     os.environ["BSFA_OTHER"] = args.other
     os.environ["BSFA_CHECK_DEFAULT"] = "0" if args.quick else "1"
     drive(args, args.cases or all_cases(args.quick), "gluon_bwd_tma.json", _fmt, table, 30, __file__,
-          atomic_dq_chunk=args.dq_chunk, atomic_dq_split=not args.no_split)
+          other=args.other)
 
 
 def drive(args, cases: list[str], name: str, fmt, tabulate, width: int, script: str, **extra) -> None:

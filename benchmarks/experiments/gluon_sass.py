@@ -5,9 +5,9 @@ first on the path:
 
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
         --stages 2 --causal --interval --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
-    PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic 1|2]
+    PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
         [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops
-        --dq-chunk 64|128 --interval]  (--atomic 1|2)
+        --interval]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64
         --interval ...]
 """
@@ -46,7 +46,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
-                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, dq_chunk=64, interval=False):
+                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
     ``interval``: their one-interval-per-row mode."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -55,7 +55,7 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
 
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
-        consts = dict(ATOMIC_DQ=atomic, DQ_CHUNK=d // 2 if atomic == 2 else min(dq_chunk, d))
+        consts = dict(ATOMIC_DQ=atomic)
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=dtype, DV=dtype, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
         fn = bg._attn_bwd_dq_gluon
@@ -87,11 +87,8 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--ptx", help="write the PTX here (setmaxnreg, barriers, wgmma waits)")
     ap.add_argument("--bwd", choices=["dkdv", "dq"], help="a backward kernel instead of the forward")
-    ap.add_argument("--atomic", type=int, default=0, choices=[0, 1, 2],
-                    help="dK/dV kernel: the five-GEMM dQ (TMA reduce-adds): 1 per group in --dq-chunk columns, "
-                         "2 split between the groups (half the columns each)")
-    ap.add_argument("--dq-chunk", type=int, default=64, choices=[64, 128],
-                    help="atomic dQ: columns per dS·K product and reduce-add (capped at --d)")
+    ap.add_argument("--atomic", action="store_true",
+                    help="dK/dV kernel: the five-GEMM dQ (TMA reduce-adds, half the columns per consumer group)")
     ap.add_argument("--consumer-regs", type=int, default=240)
     ap.add_argument("--bwd-pingpong", action="store_true", help="backward: the consumer groups take turns")
     ap.add_argument("--bwd-overlap", type=int, default=0, choices=[0, 1, 2],
@@ -101,7 +98,7 @@ def main():
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
-                               dq_chunk=a.dq_chunk, interval=a.interval)
+                               interval=a.interval)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval)

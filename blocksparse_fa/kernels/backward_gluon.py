@@ -17,15 +17,12 @@ probabilities are recomputed from the forward's logsumexp (natural log, float32,
   ``dV += Pᵀ·dO`` and ``dK += dSᵀ·Q`` with Pᵀ and dSᵀ from registers. The logsumexp and Δ of a
   query block are read from global memory before the slot is awaited (their latency hides behind
   the wait and the first two products);
-- with ``ATOMIC_DQ`` 2 (the non-deterministic five-GEMM backward, split as FlashAttention-3's):
+- with ``ATOMIC_DQ`` (the non-deterministic five-GEMM backward, split as FlashAttention-3's):
   both groups store dSᵀ into a shared buffer (two buffers, an mbarrier pair each: "written by
   both", "read by both"), then each group computes dQ's columns ``[C·D/2, (C+1)·D/2)`` over the
   program's ``2·BLOCK_N`` keys (two products, one per group's dSᵀ and K tile), issued before dK so
-  that the reduce-add below is staged while dK runs;
-- with ``ATOMIC_DQ`` 1 each group stores its own dSᵀ and computes the full-width
-  ``dQ_partial = dS·K`` of its ``BLOCK_N`` keys (one or two column chunks, issued behind dK; the
-  ring slot is released once dV and dK are done). Either way the partial is staged as fp32 in
-  shared memory and added to an fp32
+  that the reduce-add is staged while dK runs. The partial is staged as fp32 in shared memory and
+  added to an fp32
   ``(B·H, Lq, D)`` buffer with one TMA reduce-add per tile (``cp.reduce.async.bulk.tensor``, as
   FlashAttention-3's backward does; the staging tile is rewritten only after ``tma.store_wait``
   says the reduce that read it is done); ``backward_atomic._dq_finish`` scales and converts the
@@ -153,8 +150,8 @@ if gluon is not None:
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
                    vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
         """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``. With
-        ``ATOMIC_DQ``, ``dQ_partial = dS·K`` of the block (rows ``dq_row0 + i·BLOCK_M`` of the
-        group's dQ descriptor) in one or two column chunks of ``DQ_CHUNK``, each TMA-reduce-added
+        ``ATOMIC_DQ``, columns ``[C·DQ_CHUNK, (C+1)·DQ_CHUNK)`` of ``dQ_partial = dS·K`` over both
+        groups' keys (rows ``dq_row0 + i·BLOCK_M`` of the group's dQ descriptor), TMA-reduce-added
         from one of the consumer's ``DQ_BUFS`` shared fp32 tiles (``dq_smem[C·DQ_BUFS ..]``)."""
         s = t % STAGES
         k_c = k_all.index(C)
@@ -183,11 +180,11 @@ if gluon is not None:
         dlt = gl.convert_layout(delta, gl.SliceLayout(0, s_layout))
         dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
         ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
-        if ATOMIC_DQ == 2:
+        if ATOMIC_DQ:
             # both groups' dSᵀ meet in shared buffer b; this group computes dQ's columns
             # [C·HALF, (C+1)·HALF) over the program's 2·BLOCK_N keys, issued before dK so that its
             # reduce-add is staged while dK runs
-            HALF: gl.constexpr = HEAD_DIM // 2
+            HALF: gl.constexpr = DQ_CHUNK
             b = t % 2
             # buffer b was last read by both groups' dQ products two steps ago
             mbarrier.wait(ds_bar.index(2 + b), ((t // 2) & 1) ^ 1)
@@ -210,30 +207,6 @@ if gluon is not None:
             mbarrier.arrive(empty.index(s))
         else:
             dk = warpgroup_mma(ds16, q, dk, is_async=True)
-        if ATOMIC_DQ == 1:
-            # dS·K reads dSᵀ from shared memory and this group's K (not the ring slot): its chunks
-            # are issued behind dK, and the slot is released once dV and dK have completed
-            ds_c = ds_all.index(C)
-            ds_c.store(dst)
-            fence_async_shared()
-            dsq = ds_c.permute((1, 0))
-            zq = gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout)
-            dq0 = warpgroup_mma(dsq, k_c.slice(0, DQ_CHUNK, dim=1), zq, use_acc=False, is_async=True)
-            row = dq_row0 + i * BLOCK_M
-            if HEAD_DIM > DQ_CHUNK:  # two chunks: chunk c always in tile c % DQ_BUFS
-                dq1 = warpgroup_mma(dsq, k_c.slice(DQ_CHUNK, DQ_CHUNK, dim=1), zq, use_acc=False, is_async=True)
-                dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=(dv, dk, pt16, ds16))
-                mbarrier.arrive(empty.index(s))
-                dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0, ))
-                _dq_tma_add(dq0, dq_desc, dq_smem.index(C * DQ_BUFS), row, 0, DQ_BUFS)
-                dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
-                _dq_tma_add(dq1, dq_desc, dq_smem.index(C * DQ_BUFS + DQ_BUFS - 1), row, DQ_CHUNK, DQ_BUFS)
-            else:
-                dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, pt16, ds16))
-                mbarrier.arrive(empty.index(s))
-                dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, ))
-                _dq_tma_add(dq0, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), row, 0, DQ_BUFS)
-        elif ATOMIC_DQ == 0:
             dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
             mbarrier.arrive(empty.index(s))
         return dk, dv
@@ -430,14 +403,14 @@ if gluon is not None:
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_CHUNK: gl.constexpr = 64,
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                              INTERVAL: gl.constexpr = False):
         """Grid ``(Lk / (2·BLOCK_N), B·H // G)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
         1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
         (``stride_qh == Lq·stride_qm``, likewise dO), ``K/V/DK/DV (B, H // G, Lk, D)``,
         ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32, contiguous and zeroed (used
-        only with ``ATOMIC_DQ`` 1 or 2: dQ/scale is TMA-reduce-added there in tiles of
-        ``BLOCK_M × DQ_CHUNK``, ``DQ_CHUNK`` = ``HEAD_DIM`` or ``HEAD_DIM / 2``, the latter with 2);
+        only with ``ATOMIC_DQ``: dQ/scale is TMA-reduce-added there in tiles of
+        ``BLOCK_M × HEAD_DIM / 2``);
         ``qk_scale = scale · log2(e)``.
 
         ``INTERVAL``: row ``r`` of batch ``b`` keeps keys ``LO[z, r] <= k < HI[z, r]`` for every
@@ -448,8 +421,7 @@ if gluon is not None:
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
-        gl.static_assert(DQ_CHUNK == HEAD_DIM or 2 * DQ_CHUNK == HEAD_DIM, "DQ_CHUNK: HEAD_DIM or HEAD_DIM / 2")
-        gl.static_assert(ATOMIC_DQ != 2 or 2 * DQ_CHUNK == HEAD_DIM, "ATOMIC_DQ 2 adds dQ in halves: DQ_CHUNK = D / 2")
+        DQ_CHUNK: gl.constexpr = HEAD_DIM // 2  # ATOMIC_DQ: dQ columns per consumer group
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         hkv = H // G
@@ -481,9 +453,9 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
-        if ATOMIC_DQ == 2:  # two buffers of both groups' dSᵀ tiles (buffer b: tiles 2·b, 2·b + 1)
+        if ATOMIC_DQ:  # two buffers of both groups' dSᵀ tiles (buffer b: tiles 2·b, 2·b + 1)
             ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], ds_layout)
-        elif ATOMIC_DQ or OVERLAP == 2:  # one dSᵀ tile per consumer group
+        elif OVERLAP == 2:  # one dSᵀ tile per consumer group
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         else:  # not read: a minimal placeholder
             ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64],
@@ -500,7 +472,7 @@ if gluon is not None:
         else:  # not read
             dq_smem = 0
             dq_desc = 0
-        # ATOMIC_DQ 2: dS buffer b written by both groups (b), read by both groups' dQ products (2 + b)
+        # ATOMIC_DQ: dS buffer b written by both groups (b), read by both groups' products (2 + b)
         ds_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())

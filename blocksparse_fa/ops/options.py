@@ -71,13 +71,10 @@ class GluonBwdConfig:
     loads ahead). 0: off; 1: dS carried in registers; 2: dS through a shared-memory tile per
     group (fewer live registers). ``overlap`` applies to the deterministic dK/dV kernel only.
 
-    ``atomic_dq_split``: the five-GEMM variant (``deterministic=False``) shares both groups' dSᵀ
-    tiles through shared memory, and each group computes half of dQ's columns over the program's
-    ``2·block_n`` keys (``dQ_partial = dS·K``, one TMA reduce-add of ``block_m × D/2`` per group
-    and query block: half the reduce traffic of per-group partials, as FlashAttention-3 splits
-    it). False: each group computes the full-width partial of its own ``block_n`` keys, in column
-    chunks of ``atomic_dq_chunk`` head dims (64 or 128, capped at the head dimension), each
-    TMA-reduce-added into the fp32 dQ buffer."""
+    The five-GEMM variant (``deterministic`` not True) shares both groups' dSᵀ tiles through
+    shared memory, and each group computes half of dQ's columns over the program's ``2·block_n``
+    keys (``dQ_partial = dS·K``, one TMA reduce-add of ``block_m × D/2`` per group and query block,
+    as FlashAttention-3 splits it)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -91,8 +88,6 @@ class GluonBwdConfig:
     overlap: int = 0
     dq_pingpong: bool = False
     dq_overlap: int = 0
-    atomic_dq_split: bool = True
-    atomic_dq_chunk: int = 64  # sm_90 SASS, d 128: 64 reloads 5 spilled values per step, 128 reloads 13
 
     def __post_init__(self):
         for name in ("overlap", "dq_overlap"):
@@ -101,8 +96,6 @@ class GluonBwdConfig:
         for name in ("stages", "dq_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected at least 1")
-        if self.atomic_dq_chunk not in (64, 128):
-            raise ValueError(f"GluonBwdConfig(atomic_dq_chunk={self.atomic_dq_chunk!r}): expected 64 or 128")
         if self.overlap and self.stages < 2:
             raise ValueError(f"GluonBwdConfig: overlap={self.overlap} needs stages >= 2, got {self.stages}")
         if self.dq_overlap and self.dq_stages < 2:

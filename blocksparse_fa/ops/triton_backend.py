@@ -137,8 +137,6 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     qg, dog = q, dout
     if s.G > 1:
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
-    # the dK/dV kernel's dQ: 0 none (the dQ kernel follows), 1 per-group partials, 2 split columns
-    mode = (2 if cfg.atomic_dq_split else 1) if atomic else 0
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
            else _placeholder(torch.float32, q.device))
     _launch(_bg._attn_bwd_dkdv_gluon, (s.Lk // (2 * cfg.block_n), s.B * s.Hkv), (
@@ -147,10 +145,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         s.H, s.G, s.Lq, s.Lk, lzb, qk, scale), 35, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=mode, PINGPONG=cfg.pingpong,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
         OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        DQ_CHUNK=s.D // 2 if mode == 2 else min(cfg.atomic_dq_chunk, s.D), INTERVAL=intervals is not None,
-        num_warps=4)
+        INTERVAL=intervals is not None, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
