@@ -144,7 +144,7 @@ class _Child:
         got, ran = self.ours(pattern, q, k, v, do, self.five)
         det, ran_det = self.ours(pattern, q, k, v, do, self.det) if self.with_default else (None, [])
         (r64, eager) = self.references(pattern, q, k, v, do, n_heads)
-        rec = dict(ran=ran, ran_default=ran_det, heads_checked=n_heads)
+        rec = dict(ran=ran, ran_deterministic=ran_det, heads_checked=n_heads)
         want = f"gluon:{pattern}+atomic_dq"
         ok = ran[-1:] == [want]
         if not ok:
@@ -154,7 +154,7 @@ class _Child:
             err, eer = rel(got[i][:, sl], r64[i]), rel(eager[i], r64[i])
             derr = rel(det[i][:, sl], r64[i]) if det is not None else float("nan")
             nan = bool(got[i].isnan().any())
-            rec[name] = dict(err=err, eager=eer, default=derr, nan=nan)
+            rec[name] = dict(err=err, eager=eer, deterministic=derr, nan=nan)
             ok = ok and not nan and err <= 2 * eer
         rec["ok"] = bool(ok)
         return rec
@@ -265,7 +265,7 @@ def _fmt(rec: dict) -> str:
         return "HUNG (killed)"
     if "o" in rec:
         s = "PASS " if rec["ok"] else "FAIL "
-        s += "  ".join(f"{n} {rec[n]['err']:.2e} (eager {rec[n]['eager']:.2e}, default {rec[n]['default']:.2e})"
+        s += "  ".join(f"{n} {rec[n]['err']:.2e} (eager {rec[n]['eager']:.2e}, deterministic {rec[n]['deterministic']:.2e})"
                        for n in ("o", "dq", "dk", "dv"))
         return s + f"  ran={rec['ran']}" + (f"  {rec['why']}" if "why" in rec else "")
     if any(k.endswith("_bwd_ms") or k.endswith("_error") for k in rec):
