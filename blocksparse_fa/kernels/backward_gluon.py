@@ -142,9 +142,9 @@ if gluon is not None:
         return lse, delta, lo, hi
 
     @gluon.jit
-    def _dkdv_step(dk, dv, t, i, k_all, v_all, ds_all, ds_bar, q_smem, do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
-                   hi_row, dq_desc, dq_smem, dq_row0, off_k, qk_scale, C: gl.constexpr, MASK: gl.constexpr,
-                   INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+    def _dkdv_step(dk, dv, t, i, k_all, v_all, ds_all, ds_bar, q_smem, do_smem, ready, empty, turn, lse_row,
+                   delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row0, off_k, qk_scale, C: gl.constexpr,
+                   MASK: gl.constexpr, INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                    PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
@@ -268,8 +268,8 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len, qk_scale,
-                       sm_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                       ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
+                       qk_scale, sm_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                        ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
@@ -361,30 +361,30 @@ if gluon is not None:
                 t0 = g * n_i - i0
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
-                                            empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
-                                            g * q_len, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
+                        dk, dv = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_smem, v_smem, ds_smem, ds_bar, q_smem,
+                                            do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
+                                            dq_smem, g * q_len, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
                                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
                                             vec_layout, DQ_CHUNK, DQ_BUFS)
                 if INTERVAL:
                     for i in range(i0, i_full):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
-                                            lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
-                                            qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
-                                            BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
-                                            DQ_BUFS)
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
+                                            ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
+                                            g * q_len, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
+                                            BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
+                                            DQ_CHUNK, DQ_BUFS)
                 for i in range(i_full, i_tail):
-                    dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
-                                        lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
-                                        qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                        STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
+                    dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
+                                        empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len,
+                                        off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
+                                        BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
-                                            lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len, off_k,
-                                            qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
-                                            BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
-                                            DQ_BUFS)
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
+                                            ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
+                                            g * q_len, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
+                                            BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
+                                            DQ_CHUNK, DQ_BUFS)
         # every product reading this group's K and V slots has completed: stage dK, dV there (the
         # final store_wait also covers the last dQ reduce-adds)
         k_c.store((dk * sm_scale).to(dtype))
