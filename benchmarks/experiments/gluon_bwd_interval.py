@@ -31,7 +31,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_bwd_tma import _Child as _TmaChild, arg_parser, drive  # noqa: E402
+from gluon_bwd_tma import _Child as _TmaChild, _fmt, arg_parser, drive  # noqa: E402
 from gluon_fwd import bench_ms, child_loop, rel  # noqa: E402
 
 PATTERNS = ("docs", "docs_window", "window", "docs_rows")
@@ -161,26 +161,9 @@ class _Child(_TmaChild):
             torch.cuda.empty_cache()
         return rec
 
-    def case(self, name: str) -> dict:
-        kind, pattern, h, hk, n, d = name.split(":")
-        h, hk, n, d = int(h), int(hk), int(n), int(d)
-        return self.check(pattern, h, hk, n, d) if kind == "check" else self.timing(pattern, h, hk, n, d)
-
 
 def child_main(cases: list[str], progress: str) -> None:
     child_loop(_Child, cases, progress, "[gluon-bwd-interval]", _fmt)
-
-
-def _fmt(rec: dict) -> str:
-    if "error" in rec:
-        return "ERROR " + rec["error"][:300]
-    if "hung" in rec:
-        return "HUNG (killed)"
-    if "o" in rec:
-        s = "PASS " if rec["ok"] else "FAIL "
-        s += "  ".join(f"{n} {rec[n]['err']:.2e} (eager {rec[n]['eager']:.2e})" for n in ("o", "dq", "dk", "dv"))
-        return s + f"  ran={rec['ran']}" + (f"  {rec['why']}" if "why" in rec else "")
-    return "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items() if k != "seconds")
 
 
 # ---------------------------------------------------------------- parent

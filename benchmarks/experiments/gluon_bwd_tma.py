@@ -259,19 +259,19 @@ def child_main(cases: list[str], progress: str) -> None:
 
 
 def _fmt(rec: dict) -> str:
+    """One line per finished case (shared with ``gluon_bwd_interval.py``): a check's errors against
+    float64 beside eager's (and the deterministic pair's where recorded), else its fields."""
     if "error" in rec:
         return "ERROR " + rec["error"][:300]
     if "hung" in rec:
         return "HUNG (killed)"
     if "o" in rec:
         s = "PASS " if rec["ok"] else "FAIL "
-        s += "  ".join(f"{n} {rec[n]['err']:.2e} (eager {rec[n]['eager']:.2e}, deterministic {rec[n]['deterministic']:.2e})"
+        s += "  ".join(f"{n} {rec[n]['err']:.2e} (eager {rec[n]['eager']:.2e}"
+                       + (f", deterministic {rec[n]['deterministic']:.2e}" if "deterministic" in rec[n] else "") + ")"
                        for n in ("o", "dq", "dk", "dv"))
         return s + f"  ran={rec['ran']}" + (f"  {rec['why']}" if "why" in rec else "")
-    if any(k.endswith("_bwd_ms") or k.endswith("_error") for k in rec):
-        return "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()
-                         if k != "seconds")
-    return str(rec)
+    return "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items() if k != "seconds")
 
 
 # ---------------------------------------------------------------- parent
