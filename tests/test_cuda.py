@@ -268,3 +268,44 @@ def test_default_backward_is_the_five_gemm_one(kind, d):
         err = ((a.double() - r).abs().max() / r.abs().max()).item()
         err_det = ((b.double() - r).abs().max() / r.abs().max()).item()
         assert err <= 1.5 * err_det + 1e-4, (name, err, err_det)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("kind", ["dense", "causal", "window"])
+def test_gluon_backward_float32_and_direct_stores(kind):
+    """The Gluon backward writes float32 gradients (the partial sums of context parallelism) from
+    the registers, at least as close to float64 as its bf16 ones; ``direct_store`` writes bf16
+    gradients from the registers too, equal to the TMA-staged ones (dK and dV bit for bit)."""
+    from blocksparse_fa.ops import select
+    from blocksparse_fa.ops import triton_backend as tb
+    from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
+    from blocksparse_fa.ops.validate import Shapes
+
+    q, k, v = (t.detach() for t in _qkv(H=4, Hkv=2, D=128))
+    do = torch.randn_like(q)
+    L = q.shape[2]
+    mask = {"dense": bsfa.full(), "causal": bsfa.causal(), "window": bsfa.sliding_window(300)}[kind]
+    layout = bsfa.compile_mask(mask, L, L, 128, device=q.device)
+    s = Shapes(1, 4, 2, L, L, 128)
+    scale = 128 ** -0.5
+    out, lse = tb.triton_forward(q, k, v, layout, s, scale, 0.0, 0)
+    up = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = bsfa.reference_attention(*up, mask)
+    ref = torch.autograd.grad(ref_out, up, do.double())
+
+    def run(gd=None, **cfg):
+        opts = KernelOptions(gluon_bwd=GluonBwdConfig(**cfg)) if cfg else KernelOptions()
+        with select.record() as ran:
+            g = tb.triton_backward(q, k, v, out, lse, do, layout, s, scale, 0.0, 0, grad_dtype=gd, opts=opts)
+        assert all(c.startswith("gluon:") for _, c in ran), ran
+        return g
+
+    base, f32, direct = run(), run(torch.float32), run(direct_store=True)
+    assert all(g.dtype == torch.float32 for g in f32) and all(g.dtype == q.dtype for g in direct)
+    for name, a, b, r in zip(("dq", "dk", "dv"), base, f32, ref):
+        err = ((a.double() - r).abs().max() / r.abs().max()).item()
+        err32 = ((b.double() - r).abs().max() / r.abs().max()).item()
+        assert err32 <= err + 1e-4, (name, err32, err)
+    assert torch.equal(base[1], direct[1]) and torch.equal(base[2], direct[2])
+    assert ((base[0].float() - direct[0].float()).abs().max() / base[0].float().abs().max()).item() < 1e-2

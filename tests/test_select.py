@@ -270,18 +270,21 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     assert torch.isinf(lse[..., :64]).all() and torch.isinf(lse[..., 200:]).all() and (lse[..., 64:200] == 0).all()
 
 
-def test_backward_of_an_interval_shard_runs_gluon_when_asked():
-    """A context-parallel shard with one key interval per row (windows, documents) keeps the Triton
-    backward under "auto" and runs the Gluon interval mode with backward="gluon" (its rows without
-    keys get a -inf logsumexp); the host interval class takes it under "auto" at d 128 only."""
+def test_backward_of_an_interval_shard_runs_gluon_at_d128():
+    """A context-parallel shard with one key interval per row (windows, documents) runs the Gluon
+    interval mode under "auto" at d 128 (its rows without keys get a -inf logsumexp) and at d 64
+    only with backward="gluon", like the host interval class; backward="triton" keeps Triton."""
     lc = _lc("interval", shard=True)
-    assert choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
-    c = choose_backward(lc, S, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))
+    c = choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)
     assert (c.family, c.mode) == ("gluon", "interval")
+    assert choose_backward(lc, S, torch.bfloat16, HOPPER, KernelOptions(backward="triton")).family == "triton"
     s64 = Shapes(1, 16, 4, 16384, 16384, 64)
-    assert choose_backward(_lc("interval"), s64, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
-    assert str(choose_backward(_lc("interval"), s64, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))) \
-        == "gluon:interval"
+    for cls in (lc, _lc("interval")):
+        assert choose_backward(cls, s64, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
+        assert str(choose_backward(cls, s64, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))) \
+            == "gluon:interval"
+    # gradients asked for in float32 (a sum over launches) are not the Gluon kernels'
+    assert choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT, grad_dtype=True).family == "triton"
 
 
 def test_backward_of_a_shard_stays_deterministic():

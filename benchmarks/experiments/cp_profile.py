@@ -17,6 +17,14 @@ query / 2 key-value heads, head dim 128); the counts do not depend on the kernel
 
 Run it with ``PYTHONPATH`` pointing at another checkout to count that version's glue (the script
 uses the public API and ``ops.dispatch`` only).
+
+``train`` (torchrun, NCCL): the ``cp`` training mode of ``benchmarks/train/cp.py`` with each listed
+backward choice (``kernel_options=dict(backward=...)``): every step's time and plan time, rank 0's
+host profile (cProfile, top functions) and every rank's device time by kernel over the run::
+
+    torchrun --nproc-per-node 4 benchmarks/experiments/cp_profile.py train --family documents --backward auto gluon
+
+``gpu --cprofile N`` adds rank 0's cProfile of the context-parallel calls (top ``N`` functions).
 """
 
 from __future__ import annotations
@@ -276,6 +284,7 @@ def cmd_gpu(args):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     dtype = torch.bfloat16 if cuda else torch.float32
     results = []
+    kopts = None if args.backward == "auto" else dict(backward=args.backward)
     for pattern in args.patterns:
         mask = lead_masks(args.n)[pattern]
         plan = plan_context_parallel(mask, args.n, world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
@@ -291,12 +300,13 @@ def cmd_gpu(args):
             def cp():
                 if phase == "fwd":
                     with torch.no_grad():
-                        context_parallel_attention(ql, kl, vl, plan=plan, check=False, overlap=args.overlap)
+                        context_parallel_attention(ql, kl, vl, plan=plan, check=False, overlap=args.overlap,
+                                                   kernel_options=kopts)
                 else:
                     for t in (qg, kg, vg):
                         t.grad = None
-                    context_parallel_attention(qg, kg, vg, plan=plan, check=False,
-                                               overlap=args.overlap).backward(dl)
+                    context_parallel_attention(qg, kg, vg, plan=plan, check=False, overlap=args.overlap,
+                                               kernel_options=kopts).backward(dl)
 
             def one():
                 if phase == "fwd":
@@ -336,6 +346,19 @@ def cmd_gpu(args):
                             fn()
                         sync()
                     row[f"{label}_device"] = _device_times(prof, 3)
+                if args.trace and collective and cuda and phase == "fwd+bwd":  # a timeline per rank
+                    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                    with torch.profiler.profile(activities=acts) as prof:
+                        for _ in range(3):
+                            fn()
+                        sync()
+                    os.makedirs(args.trace, exist_ok=True)
+                    prof.export_chrome_trace(os.path.join(args.trace, f"{pattern}_rank{rank}.json"))
+                if args.cprofile and collective:  # every rank calls (collectives), rank 0 prints
+                    text = _host_profile(fn, args.iters, args.cprofile)
+                    sync()
+                    if rank == 0:
+                        print(f"--- cProfile {pattern} {phase} TP, {args.iters} calls\n{text}", flush=True)
                 dist.barrier()
             t = torch.tensor([row["TP_ms"]], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -357,6 +380,132 @@ def cmd_gpu(args):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(world=world, n=args.n, rows=rows), f, indent=1, default=str)
+    dist.destroy_process_group()
+
+
+def _host_profile(fn, calls: int, top: int) -> str:
+    """cProfile of ``calls`` calls of ``fn``: the ``top`` functions by own time, then by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(pr, stream=out).sort_stats(key).print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+
+
+def cmd_train(args):
+    """The ``cp`` training mode with each backward choice: per-step times, rank 0's host profile and
+    every rank's device time by kernel."""
+    import statistics
+
+    from train.cp import SUITE_CONFIG, train_cp
+    from train.data import TrainStream, load_corpus, probe_spec
+    from train.runner import RunConfig
+    from train.variants import Patterns
+
+    cuda = torch.cuda.is_available()  # without a GPU: a gloo check of the script at small sizes
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if cuda:
+        torch.cuda.set_device(local)
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    pats = Patterns()
+    rows = []
+    for backward in args.backward:
+        cfg = RunConfig(**dict(SUITE_CONFIG, device=str(dev), seq_len=args.n, steps=args.steps))
+        corpus = load_corpus(None, cfg.held_out_permille)
+        stream = TrainStream(corpus, cfg.seq_len, cfg.batch, probe_spec(cfg.seq_len, cfg.probe_pairs, cfg.reach(pats),
+                                                                       cfg.probe_rounds),
+                             cfg.probe_rate, cfg.probe_weight, seed=cfg.seed + 1)
+        kw = dict(kernel_options=dict(backward=backward))
+        dist.barrier()
+        acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=acts) as prof:
+            if rank == 0:
+                import cProfile
+                import io
+                import pstats
+
+                pr = cProfile.Profile()
+                pr.enable()
+            res = train_cp(cfg, pats, args.family, stream, dist.group.WORLD, cp_kw=kw)
+            if rank == 0:
+                pr.disable()
+        row = dict(rank=rank, backward=backward, step_ms=[round(t * 1e3, 1) for t in res.step_s],
+                   plan_ms=[round(t * 1e3, 1) for t in res.plan_s], device=_device_times(prof, cfg.run_steps))
+        row["median_ms"] = statistics.median(res.step_s[cfg.sync_steps:] or res.step_s) * 1e3
+        rows.append(row)
+        if rank == 0:
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(args.top)
+            print(f"--- {args.family} backward={backward}: steps ms {row['step_ms']}, plan ms {row['plan_ms']}\n"
+                  + "\n".join(line for line in out.getvalue().splitlines() if line.strip()), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        for r in sorted((r for g in gathered for r in g), key=lambda r: (r["backward"], r["rank"])):
+            print(json.dumps(r, default=str), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(world=world, n=args.n, family=args.family, rows=[r for g in gathered for r in g]),
+                          f, indent=1, default=str)
+    dist.destroy_process_group()
+
+
+def cmd_p2p(args):
+    """Host and wall time of one message step between ring neighbours (``comm.exchange``: NCCL
+    grouped sends and receives) against ``all_to_all_single`` moving the same bytes, per size."""
+    from blocksparse_fa.distributed.comm import all_to_all, exchange
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    ranks = list(range(world))
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for mb in args.sizes:
+        n = int(mb * 2**20) // 2
+        a, b = torch.randn(n, device=dev).to(torch.bfloat16), torch.randn(n, device=dev).to(torch.bfloat16)
+        ra, rb = torch.empty_like(a), torch.empty_like(b)
+        splits = [n if p in (nxt, prv) else 0 for p in range(world)]
+        if nxt == prv:
+            splits[nxt] = 2 * n
+        x = torch.randn(sum(splits), device=dev).to(torch.bfloat16)
+
+        def p2p():
+            exchange([(nxt, a, 1), (prv, b, 2)], [(prv, ra, 1), (nxt, rb, 2)], dist.group.WORLD, ranks,
+                     async_op=True).wait()
+
+        def a2a():
+            all_to_all(x, splits, splits, dist.group.WORLD, async_op=True).wait()
+
+        for name, fn in (("p2p", p2p), ("a2a", a2a)):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            host = []
+            w0 = time.perf_counter()
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                fn()
+                host.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - w0) / args.iters
+            if rank == 0:
+                print(f"{name} {mb:g} MB per neighbour: host {1e6 * sorted(host)[len(host) // 2]:.0f} us per step, "
+                      f"wall {1e6 * wall:.0f} us", flush=True)
     dist.destroy_process_group()
 
 
@@ -420,7 +569,22 @@ def main():
     g.add_argument("--overlap", default="auto", type=lambda x: x if x == "auto" else x == "true",
                    help="auto (the plan's choice), true or false")
     g.add_argument("--json", default=None)
+    g.add_argument("--backward", default="auto", help="kernel_options backward= of the context-parallel calls")
+    g.add_argument("--trace", default=None, help="folder for each rank's chrome trace (CPU + CUDA) of 3 fwd+bwd calls")
+    g.add_argument("--cprofile", type=int, default=0, help="rank 0's cProfile of the CP calls: top N functions")
     g.set_defaults(fn=cmd_gpu)
+    t = sub.add_parser("train", help="the cp training mode per backward choice: step times, host and device profile")
+    t.add_argument("--family", default="documents")
+    t.add_argument("--backward", nargs="+", default=["auto", "gluon"])
+    t.add_argument("--tokens", "--n", dest="n", type=int, default=262144)
+    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--top", type=int, default=30)
+    t.add_argument("--json", default=None)
+    t.set_defaults(fn=cmd_train)
+    m = sub.add_parser("p2p", help="host and wall time of a neighbour message step: grouped P2P vs all_to_all")
+    m.add_argument("--sizes", type=float, nargs="+", default=[0.0625, 1, 8])
+    m.add_argument("--iters", type=int, default=50)
+    m.set_defaults(fn=cmd_p2p)
     k = sub.add_parser("check", help="context parallel against one GPU, default kernels and the Triton backward")
     k.add_argument("--patterns", nargs="+", default=["sliding_window", "documents"])
     k.add_argument("--tokens", "--n", dest="n", type=int, default=65536)

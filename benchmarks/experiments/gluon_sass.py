@@ -7,9 +7,9 @@ first on the path:
         --stages 2 --causal --interval --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
         [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops
-        --interval]
+        --interval --out-f32]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64
-        --interval ...]
+        --interval --out-f32 ...]
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
-                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False):
+                      consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
+                      out_f32=False, direct=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
-    ``interval``: their one-interval-per-row mode."""
+    ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored from the registers (``DIRECT_STORE``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels import backward_gluon as bg
@@ -56,13 +57,15 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
         consts = dict(ATOMIC_DQ=atomic)
-        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=dtype, DV=dtype, DQA="fp32", LSE="fp32", DELTA="fp32")
+        g = "fp32" if out_f32 else dtype
+        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
         fn = bg._attn_bwd_dq_gluon
         consts = {}
-        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ=dtype, LSE="fp32", DELTA="fp32")
+        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ="fp32" if out_f32 else dtype, LSE="fp32", DELTA="fp32")
     consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, INTERVAL=interval)
+                  OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, INTERVAL=interval,
+                  DIRECT_STORE=out_f32 or direct)
     ptrs.update(LO="i32", HI="i32", TAB="i32")
     types = {n: "*" + t for n, t in ptrs.items()}
     types.update(qk_scale="fp32", sm_scale="fp32")
@@ -93,12 +96,14 @@ def main():
     ap.add_argument("--bwd-pingpong", action="store_true", help="backward: the consumer groups take turns")
     ap.add_argument("--bwd-overlap", type=int, default=0, choices=[0, 1, 2],
                     help="backward: step t's last product issued in t + 1 (1: dS in registers, 2: in shared memory)")
+    ap.add_argument("--out-f32", action="store_true", help="backward: float32 gradients (DIRECT_STORE)")
+    ap.add_argument("--direct", action="store_true", help="backward: gradients stored from the registers")
     ap.add_argument("--loops", action="store_true", help="per loop of the SASS: size, wgmma, local loads/stores")
     a = ap.parse_args()
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
-                               interval=a.interval)
+                               interval=a.interval, out_f32=a.out_f32, direct=a.direct)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval)

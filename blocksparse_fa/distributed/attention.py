@@ -174,15 +174,10 @@ def _rows(x, part: Part):
     return x if part.rows is None else x[:, :, part.rows[0]:part.rows[1]]
 
 
-def _fast(layout, phase: str = "forward", opts=DEFAULT_OPTIONS) -> bool:
-    """Whether a launch may run the Gluon kernels, which write in the inputs' dtype only: its
-    results are then asked for in that dtype, and sums over launches add them in float32. Forward
-    of dense, causal and one-interval-per-row layouts; backward of dense and causal ones, and of
-    one-interval shards where ``kernel_options`` asks for ``backward="gluon"`` (``ops/select``)."""
-    kind = select.layout_class(layout).kind
-    if phase == "forward" or kind in ("dense", "causal"):
-        return kind in ("dense", "causal", "interval")
-    return kind == "interval" and opts.backward == "gluon"
+def _fast(layout) -> bool:
+    """Whether a forward launch may run the Gluon kernels (dense, causal and one-interval-per-row
+    layouts), which write in the inputs' dtype only: its output is then asked for in that dtype."""
+    return select.layout_class(layout).kind in ("dense", "causal", "interval")
 
 
 def _merge(o1, l1, o2, l2, backend, rows=None):
@@ -396,9 +391,8 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
         src = "own" if part.keys == "buf" and not ex.fetches else part.keys
         n = {"own": L, "buf": ex.buf_len, "rem": ex.rem_len}[src]
         K, V = _keys(part, k, v, None, saved)
-        gluon = _fast(part.layout, "backward", opts)  # kernels that write the inputs' dtype only
-        qdt = acc if several and not gluon else None
-        kdt = acc if (several or returned or src != "own") and not gluon else None
+        qdt = acc if several else None  # sums over launches or ranks: float32 parts (Gluon ones too)
+        kdt = acc if (several or returned or src != "own") else None
         g = _bwd(_rows(q, part), K, V, _rows(out, part), _rows(lse, part), _rows(dout, part), part.layout, scale,
                  dropout_p, seed, backend, None if dlse is None else _rows(dlse, part), (qdt, kdt, kdt), opts)
         dq.add(g[0], part.rows)

@@ -73,6 +73,15 @@ if gluon is not None:
     _tma_store = _fg._tma_store
     _tma_reduce_add = _fg._tma_reduce_add
 
+    @gluon.jit
+    def _store_rows(PTR, stride_m, off, acc, layout: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Rows ``off .. off + ROWS - 1`` of a ``(rows, HEAD_DIM)`` output (row stride ``stride_m``,
+        any dtype: float32 partial sums too, which the input-dtype staging tile cannot hold)
+        straight from the float32 accumulator ``acc`` (distributed ``layout``)."""
+        offs_m = off + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        gl.store(PTR + offs_m.to(gl.int64)[:, None] * stride_m + offs_d[None, :], acc.to(PTR.dtype.element_ty))
+
     # ------------------------------------------------------------------ dK / dV (and atomic dQ)
 
     @gluon.jit
@@ -269,10 +278,10 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
                        ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
-                       qk_scale, sm_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
-                       ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
+                       qk_scale, sm_scale, DKP, DVP, stride_dkn, stride_dvn, C: gl.constexpr, CAUSAL: gl.constexpr,
+                       INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr):
         """Consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
         ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV. ``CAUSAL``: the first
         ``2·BLOCK_N / BLOCK_M`` blocks are masked; ``INTERVAL``: blocks outside ``[f0, f1)`` are
@@ -385,14 +394,17 @@ if gluon is not None:
                                             g * q_len, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
                                             DQ_CHUNK, DQ_BUFS)
-        # every product reading this group's K and V slots has completed: stage dK, dV there (the
-        # final store_wait also covers the last dQ reduce-adds)
-        k_c.store((dk * sm_scale).to(dtype))
-        v_c.store(dv.to(dtype))
-        fence_async_shared()
-        _tma_store(dk_desc, [off_k, 0], k_c)
-        _tma_store(dv_desc, [off_k, 0], v_c)
-        tma.store_wait(pendings=0)
+        if DIRECT_STORE:  # dK, dV (DKP, DVP, any dtype) from the registers
+            _store_rows(DKP, stride_dkn, off_k, dk * sm_scale, kv_layout, BLOCK_N, HEAD_DIM)
+            _store_rows(DVP, stride_dvn, off_k, dv, kv_layout, BLOCK_N, HEAD_DIM)
+        else:
+            # every product reading this group's K and V slots has completed: stage dK, dV there
+            k_c.store((dk * sm_scale).to(dtype))
+            v_c.store(dv.to(dtype))
+            fence_async_shared()
+            _tma_store(dk_desc, [off_k, 0], k_c)
+            _tma_store(dv_desc, [off_k, 0], v_c)
+        tma.store_wait(pendings=0)  # also covers the last dQ reduce-adds
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len"])
     def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, LO, HI, TAB,
@@ -404,7 +416,7 @@ if gluon is not None:
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             INTERVAL: gl.constexpr = False):
+                             INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False):
         """Grid ``(Lk / (2·BLOCK_N), B·H // G)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
         1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
         (``stride_qh == Lq·stride_qm``, likewise dO), ``K/V/DK/DV (B, H // G, Lk, D)``,
@@ -417,7 +429,11 @@ if gluon is not None:
         head (``z = b·LZB``, ``LZB`` 0 or 1; int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``, ``P``
         the grid's first dimension) gives program ``pid`` its query blocks ``(first, f0, f1, end)``:
         it visits ``[first, end)`` (``end > first``), of which ``[f0, f1)`` every row keeps whole
-        (rows that keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read."""
+        (rows that keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read.
+
+        ``DIRECT_STORE``: dK and dV are written from the registers (not staged in shared memory for a
+        TMA store); needed where DK/DV are float32 (partial sums), and fewer values stay live across
+        the loops (less spilling: ``benchmarks/NOTES.md``, "Gluon kernels")."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
@@ -443,12 +459,16 @@ if gluon is not None:
                                             strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
         v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hk64 * stride_vh, shape=[kv_len, HEAD_DIM],
                                             strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
-        dk_desc = tma.make_tensor_descriptor(DK + b64 * stride_dkb + hk64 * stride_dkh, shape=[kv_len, HEAD_DIM],
-                                             strides=[stride_dkn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                             layout=k_layout)
-        dv_desc = tma.make_tensor_descriptor(DV + b64 * stride_dvb + hk64 * stride_dvh, shape=[kv_len, HEAD_DIM],
-                                             strides=[stride_dvn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                             layout=k_layout)
+        DKP = DK + b64 * stride_dkb + hk64 * stride_dkh
+        DVP = DV + b64 * stride_dvb + hk64 * stride_dvh
+        if DIRECT_STORE:  # not read
+            dk_desc = k_desc
+            dv_desc = v_desc
+        else:
+            dk_desc = tma.make_tensor_descriptor(DKP, shape=[kv_len, HEAD_DIM], strides=[stride_dkn, 1],
+                                                 block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
+            dv_desc = tma.make_tensor_descriptor(DVP, shape=[kv_len, HEAD_DIM], strides=[stride_dvn, 1],
+                                                 block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
@@ -512,12 +532,12 @@ if gluon is not None:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
-                              qk_scale, sm_scale, 0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS)),
+                              qk_scale, sm_scale, DKP, DVP, stride_dkn, stride_dvn, 0, CAUSAL, INTERVAL, ATOMIC_DQ,
+                              PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
-                              qk_scale, sm_scale, 1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS)),
+                              qk_scale, sm_scale, DKP, DVP, stride_dkn, stride_dvn, 1, CAUSAL, INTERVAL, ATOMIC_DQ,
+                              PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
                               empty, off_n, i0, n_i, G, q_len, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -626,10 +646,10 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_consumer(dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty,
-                     turn, off_m0, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale,
+                     turn, off_m0, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale, DQP, stride_dqm,
                      C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
                      OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
         """Consumer ``C``: query rows ``off_m0 + C·BLOCK_M ..`` against ring positions
         ``0 .. n_blocks - 1`` (key blocks ``kb0 ..``), then dQ. Positions ``[e1, e2)`` are full;
         ``CAUSAL``: the ``2·BLOCK_M / BLOCK_N`` after them are masked by the diagonal; ``INTERVAL``:
@@ -711,11 +731,14 @@ if gluon is not None:
                 for j in range(e2, n_blocks):
                     dq = _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
                                   off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-        # Q's slot is free (every product reading it has completed): stage dQ there
-        q.store((dq * sm_scale).to(q.dtype))
-        fence_async_shared()
-        _tma_store(dq_desc, [off_m, 0], q)
-        tma.store_wait(pendings=0)
+        if DIRECT_STORE:  # dQ (DQP, any dtype) from the registers
+            _store_rows(DQP, stride_dqm, off_m, dq * sm_scale, o_layout, BLOCK_M, HEAD_DIM)
+        else:
+            # Q's slot is free (every product reading it has completed): stage dQ there
+            q.store((dq * sm_scale).to(q.dtype))
+            fence_async_shared()
+            _tma_store(dq_desc, [off_m, 0], q)
+            tma.store_wait(pendings=0)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len"])
     def _attn_bwd_dq_gluon(Q, K, V, DO, DQ, LSE, DELTA, LO, HI, TAB,
@@ -726,8 +749,9 @@ if gluon is not None:
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                            OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           INTERVAL: gl.constexpr = False):
-        """Grid ``(Lq / (2·BLOCK_M), B·H)``, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q.
+                           INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False):
+        """Grid ``(Lq / (2·BLOCK_M), B·H)``, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q, or
+        float32 with ``DIRECT_STORE`` (written from the registers, as the dK/dV kernel's).
 
         ``INTERVAL``: row ``r`` of layout instance ``z = b·LZB + h·LZH`` keeps keys
         ``LO[z, r] <= k < HI[z, r]`` (int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``) gives program
@@ -752,9 +776,12 @@ if gluon is not None:
         do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[q_len, HEAD_DIM],
                                              strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
                                              layout=q_layout)
-        dq_desc = tma.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[q_len, HEAD_DIM],
-                                             strides=[stride_dqm, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                             layout=q_layout)
+        DQP = DQ + b * stride_dqb + h * stride_dqh
+        if DIRECT_STORE:  # not read
+            dq_desc = q_desc
+        else:
+            dq_desc = tma.make_tensor_descriptor(DQP, shape=[q_len, HEAD_DIM], strides=[stride_dqm, 1],
+                                                 block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
         k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
                                             strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
                                             layout=kv_layout)
@@ -805,11 +832,13 @@ if gluon is not None:
                 n_blocks = e2
         gl.warp_specialize([
             (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready,
-                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale,
-                            0, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale, DQP,
+                            stride_dqm, 0, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                            DIRECT_STORE)),
             (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready,
-                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale,
-                            1, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale, DQP,
+                            stride_dqm, 1, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                            DIRECT_STORE)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
                             off_m, kb0, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

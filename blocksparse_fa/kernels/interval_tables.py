@@ -19,6 +19,10 @@ and the like, and the interval kernels' per-tile ranges, as torch operations (th
   (each program's rank counted over all programs: the order of a stable descending sort).
 
 Integer division here is floor division whatever the sign (``//`` on Triton integers truncates).
+Lengths, counts and offsets are not specialised on (``do_not_specialize``): the tables of a
+context-parallel shard are built for every new plan, whose lengths change with the batch, and each
+new divisibility by 16 of any of them would compile another variant of the kernel (a second or
+more inside a training step; ``benchmarks/NOTES.md``, "Context parallelism").
 """
 
 import triton
@@ -69,7 +73,8 @@ def _search(SRT, v, n, log_n):
     return a, c
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ib", "stride_tb", "stride_th", "zh", "q_len", "n", "q_off", "doc_off", "lo_c",
+                               "lo_a", "hi_c", "hi_b", "row_a", "row_b", "log_n"])
 def _doc_bounds(IDS, SRT, PERM, TLO, THI, LO, HI, ILO, IHI, QID, stride_ib, stride_tb, stride_th, zh, q_len, n,
                 q_off, doc_off, lo_c, lo_a, hi_c, hi_b, row_a, row_b, log_n, COMPARE: tl.constexpr,
                 HAS_TERMS: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
@@ -148,7 +153,7 @@ def _doc_bounds(IDS, SRT, PERM, TLO, THI, LO, HI, ILO, IHI, QID, stride_ib, stri
     tl.store(HI + out, tl.where(empty, 0, hi).to(tl.int32), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "log_n"])
 def _doc_ranks(IDS, SRT, KID, n, log_n, BLOCK: tl.constexpr):
     """``KID[b, x]``: the rank of ``ids[b, x]`` (its first index in the sorted ids), int32."""
     pid = tl.program_id(0)
@@ -218,7 +223,7 @@ def _store4(OUT, z, t, n_tiles, a, b, c, d):
     tl.store(OUT + off + 3, d.to(tl.int32), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "n_tiles"])
 def _row_tables(LO, HI, ILO, IHI, OUT, q_len, n_tiles, INNER: tl.constexpr, ROWS: tl.constexpr,
                 TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """``OUT[z, t] = (first, f0, f1, end)`` of row tiles ``t`` of ``ROWS`` rows, in key tiles of ``BLOCK_N``."""
@@ -231,7 +236,7 @@ def _row_tables(LO, HI, ILO, IHI, OUT, q_len, n_tiles, INNER: tl.constexpr, ROWS
     _store4(OUT, z, t, n_tiles, first, f0, f1, end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "n_tiles", "kv_len"])
 def _col_summary(LO, HI, ILO, IHI, SUM, q_len, n_tiles, kv_len, INNER: tl.constexpr, ROWS: tl.constexpr,
                  TILES: tl.constexpr):
     """Per row tile ``t`` of ``ROWS`` rows, int64 ``SUM[z, :, t] = (hi_max, lo_min, f_lo, f_hi)``: the
@@ -250,7 +255,7 @@ def _col_summary(LO, HI, ILO, IHI, SUM, q_len, n_tiles, kv_len, INNER: tl.conste
     tl.store(base + 3 * n_tiles, tl.min(ie, 1), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "n_row_tiles", "kv_len", "n_tiles"])
 def _col_tables(LO, HI, SUM, OUT, q_len, n_row_tiles, kv_len, n_tiles, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                 COLS: tl.constexpr, CHUNK: tl.constexpr):
     """``OUT[z, c] = (first, f0, f1, end)`` of key tiles ``c`` of ``BLOCK_N`` keys, in row tiles of
@@ -302,7 +307,7 @@ def _col_tables(LO, HI, SUM, OUT, q_len, n_row_tiles, kv_len, n_tiles, ROWS: tl.
     _store4(OUT, z, c, n_tiles, first, f0, f1, end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "n_prog"])
 def _gluon_tiles(LO, HI, LO_P, HI_P, TMP, KEY, q_len, n_prog, PAD: tl.constexpr, ROWS: tl.constexpr,
                  TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per program ``p`` of ``ROWS`` rows, unordered: ``TMP[z, p] = (first, e1, e2, n)`` int32 and
@@ -336,7 +341,7 @@ def _gluon_tiles(LO, HI, LO_P, HI_P, TMP, KEY, q_len, n_prog, PAD: tl.constexpr,
         tl.store(HI_P + dst, tl.load(HI + src, mask=mm, other=0), mask=mm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_prog"])
 def _gluon_order(TMP, KEY, TILES, n_prog, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """``TILES[z, rank(p)] = (p, first, e1, e2, n)``: ``rank(p)`` the programs with a larger key,
     and those before ``p`` with an equal one (a stable sort, heaviest first)."""
@@ -388,13 +393,11 @@ CHUNK = 256  # row-tile summaries per step of _col_tables, programs per step of 
 ORDER = 16  # programs ranked per program of _gluon_order
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 def _per_program(n_tiles: int, rows: int) -> int:
-    """Tiles per program: about :data:`TABLE_ROWS` rows, a power of two, no more than needed."""
-    return max(1, min(_pow2(n_tiles), TABLE_ROWS // rows))
+    """Tiles per program: about :data:`TABLE_ROWS` rows, a power of two. Not fewer for short
+    inputs: sizes never select a variant (constexpr), so a run whose lengths change from call to
+    call (context-parallel shards, a plan per batch) compiles each kernel once."""
+    return max(1, TABLE_ROWS // rows)
 
 
 def document_bounds(ids, q_len: int, zb: int, zh: int, q_off: int, doc_off: int, consts: tuple, terms=None,
@@ -480,10 +483,10 @@ def col_tables(lo, hi, ilo, ihi, kv_len: int, block_m: int, block_n: int):
     _launch(_col_summary, (triton.cdiv(n_row_tiles, tiles), z),
             (lo, hi, ilo if inner else lo, ihi if inner else hi, summary, q_len, n_row_tiles, kv_len),
             INNER=inner, ROWS=block_m, TILES=tiles, num_warps=4)
-    cols = min(COLS, _pow2(n_tiles))
+    cols = COLS
     _launch(_col_tables, (triton.cdiv(n_tiles, cols), z),
             (lo, hi, summary, out, q_len, n_row_tiles, kv_len, n_tiles),
-            ROWS=block_m, BLOCK_N=block_n, COLS=cols, CHUNK=min(CHUNK, _pow2(n_row_tiles)), num_warps=4)
+            ROWS=block_m, BLOCK_N=block_n, COLS=cols, CHUNK=CHUNK, num_warps=4)
     return out
 
 
@@ -507,7 +510,7 @@ def gluon_tables(lo, hi, block_m: int, block_n: int):
     tiles = _per_program(n_prog, rows)
     _launch(_gluon_tiles, (triton.cdiv(n_prog, tiles), z), (lo, hi, lo_p, hi_p, tmp, key, q_len, n_prog),
             PAD=pad, ROWS=rows, TILES=tiles, BLOCK_N=block_n, num_warps=4)
-    order = min(ORDER, _pow2(n_prog))
+    order = ORDER
     _launch(_gluon_order, (triton.cdiv(n_prog, order), z), (tmp, key, tiles_out, n_prog),
-            BLOCK=order, CHUNK=min(CHUNK, _pow2(n_prog)), num_warps=4)
+            BLOCK=order, CHUNK=CHUNK, num_warps=4)
     return lo_p, hi_p, tiles_out

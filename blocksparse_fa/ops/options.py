@@ -74,7 +74,11 @@ class GluonBwdConfig:
     The five-GEMM variant (``deterministic`` not True) shares both groups' dSᵀ tiles through
     shared memory, and each group computes half of dQ's columns over the program's ``2·block_n``
     keys (``dQ_partial = dS·K``, one TMA reduce-add of ``block_m × D/2`` per group and query block,
-    as FlashAttention-3 splits it)."""
+    as FlashAttention-3 splits it).
+
+    ``direct_store``: dK/dV and dQ are written from the registers instead of being staged in shared
+    memory for a TMA store (always so for float32 gradients, which the staging tiles cannot hold);
+    fewer values stay live across the loops, so the kernels spill less."""
 
     block_m: int = 64
     block_n: int = 64
@@ -88,6 +92,7 @@ class GluonBwdConfig:
     overlap: int = 0
     dq_pingpong: bool = False
     dq_overlap: int = 0
+    direct_store: bool = False
 
     def __post_init__(self):
         for name in ("overlap", "dq_overlap"):

@@ -150,12 +150,13 @@ GLUON_DEVICE_INTERVAL_BACKWARD = True
 # The same interval mode on compiled layouts of the ``"interval"`` class (windows, prefix-LM,
 # documents with ids known on the host, their combinations with ``causal()``), with tables built
 # once per layout from its host intervals (``ops/triton_backend._gluon_bwd_interval_tables``), where
-# the intervals are the same for every head. Under ``backward="auto"`` only at head dim 128 and not
-# on a context-parallel shard: on an H100 (``benchmarks/experiments/gluon_bwd_host_interval.py``,
+# the intervals are the same for every head, context-parallel shards included. Under
+# ``backward="auto"`` only at head dim 128: on an H100 (``benchmarks/experiments/gluon_bwd_host_interval.py``,
 # 16K and 64K, H 16, MHA and GQA 16/4) the backward ran 1.04-1.22x the Triton block backward at
-# d 128 but 0.80-0.99x at d 64; a shard's tables are built per new layout, and the context-parallel
-# training run with a plan per batch of documents was 2.9x slower with it (benchmarks/NOTES.md).
-# ``backward="gluon"`` runs it in all these cases. Set False to keep the Triton block backward.
+# d 128 but 0.80-0.99x at d 64. On 4 x H100 shards (256K, GQA 8/2 x 128, ``cp_profile.py gpu``) it
+# took the fwd+bwd of a sliding window from 10.30 to 9.35 ms and of packed documents from 27.00
+# to 25.10 ms (benchmarks/NOTES.md, "Context parallelism"). ``backward="gluon"`` runs it at d 64
+# too. Set False to keep the Triton block backward.
 GLUON_HOST_INTERVAL_BACKWARD = True
 
 
@@ -303,12 +304,13 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | No
 
 def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware, opts: KernelOptions, *,
                     dropout: bool = False, score_mod: bool = False, accumulate: bool = False,
-                    grad_dtype: bool = False, deterministic: bool | None = None, tma: bool = True) -> Choice:
+                    grad_dtype: bool | str = False, deterministic: bool | None = None, tma: bool = True) -> Choice:
     """The backward kernels for one launch (pure). Arguments as in :func:`choose_forward`, and:
 
     Args:
         accumulate: gradients are added into the caller's tensors.
-        grad_dtype: gradients are asked for in another dtype than the inputs'.
+        grad_dtype: gradients are asked for in another dtype than the inputs' (``"float32"``: all of
+            those in float32, which the Gluon kernels write too; ``True``: another).
         deterministic: overrides ``opts.deterministic`` where not None.
         tma: q, k, v, dO and the gradients can be addressed by tensor descriptors.
 
@@ -317,10 +319,10 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
         raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
     det = opts.deterministic if deterministic is None else deterministic
     auto = {"device_interval": GLUON_DEVICE_INTERVAL_BACKWARD,
-            "interval": GLUON_HOST_INTERVAL_BACKWARD and s.D == 128 and not lc.shard}
+            "interval": GLUON_HOST_INTERVAL_BACKWARD and s.D == 128}
     want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
-            and not grad_dtype and tma):
+            and grad_dtype in (False, "float32") and tma):
         mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig())
         if mode == "interval":  # deterministic either way: dK/dV and dQ kernels
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))

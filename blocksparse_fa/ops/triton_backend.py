@@ -122,7 +122,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (grid ``(Lk / (2·block_n), B·H // G)``),
     then the dQ kernel (grid ``(Lq / (2·dq_block_m), B·H)``) or, with ``atomic``, ``_dq_finish``
-    on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to.
+    on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to. Gradients in
+    the inputs' dtype go out through TMA; float32 ones (partial sums, ``grad_dtype``) are written
+    from the registers (``DIRECT_STORE``; for any dtype with ``cfg.direct_store``).
 
     ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh)``: the rows'
     intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``compiler/device_intervals.gluon_backward_tables``:
@@ -139,6 +141,8 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
            else _placeholder(torch.float32, q.device))
+    if dk.dtype != dv.dtype:
+        raise ValueError(f"Gluon backward: dK and dV must share a dtype, got {dk.dtype}, {dv.dtype}")
     _launch(_bg._attn_bwd_dkdv_gluon, (s.Lk // (2 * cfg.block_n), s.B * s.Hkv), (
         qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -147,7 +151,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         s.H, s.G, s.Lq, s.Lk, lzb, qk, scale), 35, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
         OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        INTERVAL=intervals is not None, num_warps=4)
+        INTERVAL=intervals is not None, DIRECT_STORE=cfg.direct_store or dk.dtype == torch.float32, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -161,7 +165,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         s.H, s.G, s.Lq, s.Lk, lzb, lzh, qk, scale), 31, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.dq_block_m,
         BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal, PINGPONG=cfg.dq_pingpong,
         OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        INTERVAL=intervals is not None, num_warps=4)
+        INTERVAL=intervals is not None, DIRECT_STORE=cfg.direct_store or dq.dtype == torch.float32, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
@@ -754,8 +758,9 @@ def backward_choice(q, k, v, dout, layout: BlockLayout, s: Shapes, dropout_p: fl
                     accumulate: bool = False, deterministic: bool | None = None, grad_dtype=None,
                     score_mod=None) -> select.Choice:
     """:func:`~blocksparse_fa.ops.select.choose_backward` for these tensors (what
-    :func:`triton_backward` runs; new gradients are allocated like their inputs)."""
-    gdt = any(d not in (None, q.dtype) for d in _grad_dtypes(grad_dtype)) and not accumulate
+    :func:`triton_backward` runs; new gradients are allocated like their inputs, or in ``grad_dtype``)."""
+    other = [] if accumulate else [d for d in _grad_dtypes(grad_dtype) if d not in (None, q.dtype)]
+    gdt = bool(other) and ("float32" if all(d == torch.float32 for d in other) else True)
     return select.choose_backward(select.layout_class(layout), s, q.dtype, select.hardware(q.device), opts,
                                   dropout=dropout_p > 0.0, score_mod=score_mod is not None, accumulate=accumulate,
                                   grad_dtype=gdt, deterministic=deterministic, tma=select.tma_ok(q, k, v, dout))
