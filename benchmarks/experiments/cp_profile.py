@@ -268,19 +268,42 @@ def _device_times(prof, steps: int) -> dict:
     return dict(by_class={k: round(v, 3) for k, v in tot.items()}, top=[(k, round(v, 3)) for k, v in top])
 
 
+def _init():
+    """``(cuda, rank, world, device)`` of a ``torchrun`` process (NCCL on GPUs; without a GPU, gloo:
+    a check of the script at small sizes)."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if cuda:
+        torch.cuda.set_device(local)
+    return cuda, rank, world, torch.device("cuda", local) if cuda else torch.device("cpu")
+
+
+def _timed(fn, iters: int, warmup: int, sync) -> tuple:
+    """``(wall s per call, median host s to issue one call)`` of ``iters`` calls after ``warmup``
+    and a barrier (every rank calls: collectives inside)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    dist.barrier()
+    host = []
+    w0 = time.perf_counter()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+    sync()
+    return (time.perf_counter() - w0) / iters, sorted(host)[len(host) // 2]
+
+
 def cmd_gpu(args):
     """Per pattern and phase (fwd, fwd+bwd): one GPU against P (CUDA events), the host's time to
     issue a call, each rank's device time by class (profiler) and the kernels the launches chose."""
     import blocksparse_fa as bsfa
     from blocksparse_fa.ops import select
 
-    cuda = torch.cuda.is_available()  # without a GPU: a gloo check of the script at small sizes
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    if cuda:
-        torch.cuda.set_device(local)
-    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    cuda, rank, world, dev = _init()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     dtype = torch.bfloat16 if cuda else torch.float32
     results = []
@@ -326,19 +349,9 @@ def cmd_gpu(args):
                 with select.record() as ran:
                     fn()
                 row[f"{label}_kernels"] = sorted(set(f"{a}:{b}" for a, b in ran))
-                for _ in range(2):
-                    fn()
-                sync()
-                dist.barrier()
-                host = []
-                w0 = time.perf_counter()
-                for _ in range(args.iters):
-                    t0 = time.perf_counter()
-                    fn()
-                    host.append(time.perf_counter() - t0)
-                sync()
-                row[f"{label}_ms"] = (time.perf_counter() - w0) * 1e3 / args.iters
-                row[f"{label}_host_ms"] = 1e3 * sorted(host)[len(host) // 2]
+                wall, host = _timed(fn, args.iters, 2, sync)
+                row[f"{label}_ms"] = wall * 1e3
+                row[f"{label}_host_ms"] = host * 1e3
                 dist.barrier()
                 if cuda:
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -410,13 +423,7 @@ def cmd_train(args):
     from train.runner import RunConfig
     from train.variants import Patterns
 
-    cuda = torch.cuda.is_available()  # without a GPU: a gloo check of the script at small sizes
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    if cuda:
-        torch.cuda.set_device(local)
-    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    cuda, rank, world, dev = _init()
     pats = Patterns()
     rows = []
     for backward in args.backward:
@@ -491,21 +498,10 @@ def cmd_p2p(args):
             all_to_all(x, splits, splits, dist.group.WORLD, async_op=True).wait()
 
         for name, fn in (("p2p", p2p), ("a2a", a2a)):
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            dist.barrier()
-            host = []
-            w0 = time.perf_counter()
-            for _ in range(args.iters):
-                t0 = time.perf_counter()
-                fn()
-                host.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - w0) / args.iters
+            wall, host = _timed(fn, args.iters, 5, torch.cuda.synchronize)
             if rank == 0:
-                print(f"{name} {mb:g} MB per neighbour: host {1e6 * sorted(host)[len(host) // 2]:.0f} us per step, "
-                      f"wall {1e6 * wall:.0f} us", flush=True)
+                print(f"{name} {mb:g} MB per neighbour: host {1e6 * host:.0f} us per step, wall {1e6 * wall:.0f} us",
+                      flush=True)
     dist.destroy_process_group()
 
 
