@@ -283,8 +283,12 @@ def test_backward_of_an_interval_shard_runs_gluon_at_d128():
         assert choose_backward(cls, s64, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
         assert str(choose_backward(cls, s64, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))) \
             == "gluon:interval"
-    # gradients asked for in float32 (a sum over launches) are not the Gluon kernels'
+    # gradients asked for in float32 (partial sums) come from the Gluon kernels too, other dtypes not
+    assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT, grad_dtype="float32")) == "gluon:interval"
     assert choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT, grad_dtype=True).family == "triton"
+    for kind in ("dense", "causal"):
+        assert str(choose_backward(_lc(kind), S, torch.bfloat16, HOPPER, DEFAULT, grad_dtype="float32")) \
+            == f"gluon:{kind}+atomic_dq"
 
 
 def test_backward_of_a_shard_stays_deterministic():

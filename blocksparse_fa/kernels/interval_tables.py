@@ -393,7 +393,7 @@ CHUNK = 256  # row-tile summaries per step of _col_tables, programs per step of 
 ORDER = 16  # programs ranked per program of _gluon_order
 
 
-def _per_program(n_tiles: int, rows: int) -> int:
+def _per_program(rows: int) -> int:
     """Tiles per program: about :data:`TABLE_ROWS` rows, a power of two. Not fewer for short
     inputs: sizes never select a variant (constexpr), so a run whose lengths change from call to
     call (context-parallel shards, a plan per batch) compiles each kernel once."""
@@ -460,7 +460,7 @@ def row_tables(lo, hi, ilo, ihi, block_m: int, block_n: int):
     zb, zh, q_len = lo.shape
     n_tiles = triton.cdiv(q_len, block_m)
     out = torch.empty((zb, zh, n_tiles, 4), dtype=torch.int32, device=lo.device)
-    tiles = _per_program(n_tiles, block_m)
+    tiles = _per_program(block_m)
     inner = ilo is not None
     _launch(_row_tables, (triton.cdiv(n_tiles, tiles), zb * zh),
             (lo, hi, ilo if inner else lo, ihi if inner else hi, out, q_len, n_tiles),
@@ -478,7 +478,7 @@ def col_tables(lo, hi, ilo, ihi, kv_len: int, block_m: int, block_n: int):
     n_tiles = triton.cdiv(kv_len, block_n)
     summary = torch.empty((z, 4, n_row_tiles), dtype=torch.int64, device=lo.device)
     out = torch.empty((zb, zh, n_tiles, 4), dtype=torch.int32, device=lo.device)
-    tiles = _per_program(n_row_tiles, block_m)
+    tiles = _per_program(block_m)
     inner = ilo is not None
     _launch(_col_summary, (triton.cdiv(n_row_tiles, tiles), z),
             (lo, hi, ilo if inner else lo, ihi if inner else hi, summary, q_len, n_row_tiles, kv_len),
@@ -507,7 +507,7 @@ def gluon_tables(lo, hi, block_m: int, block_n: int):
         hi_p = torch.empty((z, n_prog * rows), dtype=hi.dtype, device=dev)
     else:
         lo_p, hi_p = lo.contiguous(), hi.contiguous()
-    tiles = _per_program(n_prog, rows)
+    tiles = _per_program(rows)
     _launch(_gluon_tiles, (triton.cdiv(n_prog, tiles), z), (lo, hi, lo_p, hi_p, tmp, key, q_len, n_prog),
             PAD=pad, ROWS=rows, TILES=tiles, BLOCK_N=block_n, num_warps=4)
     order = ORDER
