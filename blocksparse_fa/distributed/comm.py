@@ -4,6 +4,7 @@ all-gather, and if any rank is wrong every rank raises the same error."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import torch
@@ -48,17 +49,21 @@ def init_group(pg, device) -> None:
 
 
 class Pending:
-    """A received tensor whose messages may still be in flight (``wait()`` returns it)."""
+    """A received tensor whose messages may still be in flight (``wait()`` returns it; ``then``:
+    work queued after the messages, such as copies out of a staging buffer)."""
 
-    __slots__ = ("tensor", "works")
+    __slots__ = ("tensor", "works", "then")
 
-    def __init__(self, tensor, works=()):
-        self.tensor, self.works = tensor, list(works) if works else []
+    def __init__(self, tensor, works=(), then=None):
+        self.tensor, self.works, self.then = tensor, list(works) if works else [], then
 
     def wait(self) -> torch.Tensor:
         for w in self.works:
             w.wait()
         self.works = []
+        if self.then is not None:
+            self.then()
+            self.then = None
         return self.tensor
 
 
@@ -71,8 +76,20 @@ def all_to_all(x: torch.Tensor, send_splits, recv_splits, group, async_op: bool 
     return Pending(out, [work] if async_op else ())
 
 
+# How a step of messages travels: ``"p2p"``, one group of point-to-point sends and receives
+# (ranks without messages in the step take no part); ``"all_to_all"``, one ``all_to_all_single``
+# over the group on bytes packed per peer (every rank takes part in every step, which the
+# context-parallel calls guarantee: each step is reached by all ranks in the same order). NCCL's
+# grouped point-to-point step cost 134-165 us of host time against 74-79 us for the collective
+# (4 x H100, ``benchmarks/experiments/cp_profile.py p2p``). The environment variable
+# ``BSFA_CP_MESSAGES`` overrides it for experiments (read at import).
+MESSAGES = os.environ.get("BSFA_CP_MESSAGES", "p2p")
+if MESSAGES not in ("p2p", "all_to_all"):
+    raise ValueError(f"BSFA_CP_MESSAGES must be 'p2p' or 'all_to_all', got {MESSAGES!r}")
+
+
 def exchange(sends, recvs, group, ranks, async_op: bool = False, result=None) -> Pending:
-    """Point-to-point messages of one step in one batch (NCCL: one group of sends and receives).
+    """Messages of one step in one batch (:data:`MESSAGES`: point-to-point, or one all-to-all).
 
     Args:
         sends, recvs: ``[(peer, tensor, tag)]``: contiguous tensors to send to / receive into, ``peer``
@@ -82,10 +99,55 @@ def exchange(sends, recvs, group, ranks, async_op: bool = False, result=None) ->
         async_op: return before the messages complete (``wait()`` on the result).
         result: what ``wait()`` returns.
     """
+    if MESSAGES == "all_to_all":
+        return _exchange_all_to_all(sends, recvs, group, async_op, result)
     ops = [dist.P2POp(dist.isend, t, ranks[p], group, tag) for p, t, tag in sends if t.numel()]
     ops += [dist.P2POp(dist.irecv, t, ranks[p], group, tag) for p, t, tag in recvs if t.numel()]
     works = dist.batch_isend_irecv(ops) if ops else []
     pending = Pending(result, works)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def _exchange_all_to_all(sends, recvs, group, async_op: bool, result) -> Pending:
+    """:func:`exchange` as one ``all_to_all_single`` on bytes: each peer's messages concatenated in
+    list order (every rank calls it, with or without messages)."""
+    world = dist.get_world_size(group)
+    ts = [t for _, t, _ in sends] + [t for _, t, _ in recvs]
+    if ts:
+        dev = ts[0].device
+    elif dist.get_backend(group) == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+
+    def flat(t):
+        return t.view(-1).view(torch.uint8)
+
+    out_parts, send_splits, recv_splits, into = [], [0] * world, [0] * world, [[] for _ in range(world)]
+    for p, t, _ in sends:
+        if t.numel():
+            send_splits[p] += t.numel() * t.element_size()
+    for p in range(world):
+        out_parts += [flat(t) for q, t, _ in sends if q == p and t.numel()]
+    for p, t, _ in recvs:
+        if t.numel():
+            recv_splits[p] += t.numel() * t.element_size()
+            into[p].append(t)
+    send = torch.cat(out_parts) if out_parts else torch.empty(0, dtype=torch.uint8, device=dev)
+    recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=dev)
+    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+
+    def unpack():
+        off = 0
+        for p in range(world):
+            for t in into[p]:
+                n = t.numel() * t.element_size()
+                flat(t).copy_(recv[off:off + n])
+                off += n
+
+    pending = Pending(result, [work], then=unpack)
     if not async_op:
         pending.wait()
     return pending
