@@ -156,8 +156,9 @@ class KernelOptions:
         head_major: order that one launch's grid head by head (None: when no tile is split).
         dq_desc: the five-GEMM backward adds dQ tiles through a tensor descriptor (Hopper).
         even: drop the masked loops' bounds checks where lengths are multiples of the layout block.
-        lists: granularity of the kernels' block lists: ``"coarse"`` (layout blocks), ``"half"``,
-            ``"fine"`` (the kernel tile's step) or ``"auto"`` (a cost model per layout and side).
+        lists: granularity of the Triton kernels' block lists: ``"auto"`` (default: a cost model
+            per layout and side picks the layout block or its half), ``"coarse"`` (layout blocks),
+            ``"half"`` or ``"fine"`` (the kernel tile's step).
         list_stages: with finer lists, keep each loop's stage count (``"same"``) or multiply it by
             the tiles per layout block (``"tiles"``).
         row_arith: rows whose unmasked blocks form one run are stored as runs (indices computed).
@@ -188,7 +189,7 @@ class KernelOptions:
     head_major: bool | None = None
     dq_desc: bool = False
     even: bool = True
-    lists: str = "coarse"
+    lists: str = "auto"
     list_stages: str = "same"
     row_arith: bool = True
     col_arith: bool | None = None
