@@ -122,6 +122,9 @@ class Run:
         except ImportError:
             pass
         self.res["env"] = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}
+        from blocksparse_fa.distributed import comm
+
+        self.res["messages"] = comm.MESSAGES
 
     def _device_name(self):
         return "cpu" if self.cpu else torch.cuda.get_device_name(self.dev)
@@ -552,7 +555,7 @@ def cmd_run(args):
             print(summary(run.res), flush=True)
             print(f"results: {run.out}  ({time.monotonic() - run.t0:.0f} s)", flush=True)
             if args.update_docs:
-                update_docs(run.res, args.docs, args.docs_data)
+                update_docs(run.res, args.docs, args.docs_data, args.mark)
     run.dist.destroy_process_group()
 
 
@@ -570,7 +573,7 @@ def report(res: dict) -> str:
     dt = "float32 (CPU, PyTorch backend)" if cpu else "bf16"
     lines = [f"Device: {P}x {res.get('device')}, torch {res.get('torch')}, triton {res.get('triton')}; {dt}, one "
              f"sequence, {HEADS} query / {KV_HEADS} key-value heads, head dim {HEAD_DIM}. NCCL_NVLS_ENABLE="
-             f"{res.get('env', {}).get('NCCL_NVLS_ENABLE')}.", "",
+             f"{res.get('env', {}).get('NCCL_NVLS_ENABLE')}; message steps: {res.get('messages', 'p2p')}.", "",
              f"Command: `torchrun --nproc-per-node {P} {res.get('command', '')}`", ""]
     for r in res.get("sections", {}).get("links", []):
         if r["op"] == "all_gather":
@@ -678,16 +681,17 @@ def summary(res: dict) -> str:
     return "\n".join(lines)
 
 
-def update_docs(res: dict, docs: str = DOCS, data: str | None = DOCS_DATA) -> None:
-    """Rewrite the results section of ``docs`` (between its results mark and the testing section)
-    from a run, and keep the run's JSON in ``data``."""
+def update_docs(res: dict, docs: str = DOCS, data: str | None = DOCS_DATA, mark: str = RESULTS_MARK) -> None:
+    """Rewrite a results section of ``docs`` from a run (from the line ``mark`` to the next results
+    mark, ``###`` heading or the testing section), and keep the run's JSON in ``data``."""
     with open(docs) as f:
         doc = f.read()
-    if RESULTS_MARK not in doc or RESULTS_END not in doc:
-        raise ValueError(f"{docs}: no results section (between {RESULTS_MARK!r} and {RESULTS_END!r})")
-    a, b = doc.index(RESULTS_MARK) + len(RESULTS_MARK), doc.index(RESULTS_END)
+    if "\n" + mark + "\n" not in doc or RESULTS_END not in doc:
+        raise ValueError(f"{docs}: no results section (a line {mark!r}, then {RESULTS_END!r})")
+    a = doc.index("\n" + mark + "\n") + len(mark) + 1
+    b = min(i for i in (doc.find("\n<!-- results", a), doc.find("\n### ", a), doc.index(RESULTS_END)) if i >= 0)
     with open(docs, "w") as f:
-        f.write(doc[:a] + "\n" + report(res) + "\n\n" + doc[b:])
+        f.write(doc[:a] + "\n" + report(res) + "\n\n" + doc[b:].lstrip("\n"))
     if data:
         os.makedirs(os.path.dirname(data), exist_ok=True)
         with open(data, "w") as f:
@@ -699,7 +703,7 @@ def cmd_report(args):
         res = json.load(f)
     print(report(res))
     if args.update_docs:
-        update_docs(res, args.docs, args.docs_data)
+        update_docs(res, args.docs, args.docs_data, args.mark)
 
 
 def cmd_summary(args):
@@ -765,12 +769,14 @@ def main(argv=None):
                    help="rewrite the results section of docs/distributed.md and docs/data/context_parallel.json")
     r.add_argument("--docs", default=DOCS, help=argparse.SUPPRESS)
     r.add_argument("--docs-data", default=DOCS_DATA, help=argparse.SUPPRESS)
+    r.add_argument("--mark", default=RESULTS_MARK, help="the results section to rewrite (its HTML comment)")
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="Markdown tables from a run's JSON")
     p.add_argument("json")
     p.add_argument("--update-docs", action="store_true", help="rewrite the results section of docs/distributed.md")
     p.add_argument("--docs", default=DOCS, help=argparse.SUPPRESS)
     p.add_argument("--docs-data", default=DOCS_DATA, help=argparse.SUPPRESS)
+    p.add_argument("--mark", default=RESULTS_MARK, help="the results section to rewrite (its HTML comment)")
     p.set_defaults(fn=cmd_report)
     s = sub.add_parser("summary", help="the short table of a run's JSON")
     s.add_argument("json")

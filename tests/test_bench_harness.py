@@ -120,3 +120,25 @@ def test_gpu_sweep_script_parses():
     assert subprocess.run(["bash", "-n", str(_BENCH / "gpu_sweep.sh")]).returncode == 0
     r = subprocess.run(["bash", str(_BENCH / "gpu_sweep.sh")], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_context_parallel_docs_sections(tmp_path):
+    """``update_docs`` rewrites only the section of its mark (the four-GPU tables, then the two-GPU
+    ones) and keeps the text around them."""
+    import context_parallel as cpb
+
+    doc = tmp_path / "d.md"
+    doc.write_text("intro\n<!-- results -->\nold four\n\n### Two GPUs\n\ncommand `--mark \"<!-- results 2 GPUs -->\"`\n\n"
+                   "<!-- results 2 GPUs -->\nold two\n\n## Testing\nend\n")
+    res = lambda p: {"world_size": p, "device": "cpu", "sections": {}}  # noqa: E731
+    cpb.update_docs(res(4), str(doc), str(tmp_path / "four.json"))
+    text = doc.read_text()
+    assert "old four" not in text and "old two" in text and "Device: 4x cpu" in text
+    assert text.index("Device: 4x cpu") < text.index("### Two GPUs")
+    cpb.update_docs(res(2), str(doc), str(tmp_path / "two.json"), mark="<!-- results 2 GPUs -->")
+    text = doc.read_text()
+    assert "old two" not in text and "Device: 4x cpu" in text
+    assert text.index("<!-- results 2 GPUs -->\nDevice: 2x cpu") < text.index("## Testing")
+    assert text.startswith("intro\n") and text.endswith("## Testing\nend\n")
+    with pytest.raises(ValueError, match="no results section"):
+        cpb.update_docs(res(2), str(doc), None, mark="<!-- results 8 GPUs -->")

@@ -494,8 +494,8 @@ def test_four_ranks(tmp_path):
 
 
 def test_four_ranks_all_to_all_messages(tmp_path, monkeypatch):
-    """The same four-rank cases with every message step as one ``all_to_all_single`` (the
-    ``BSFA_CP_MESSAGES`` experiment switch, read by each spawned rank): the same results, and no
-    rank left out of a collective (a missed step would hang and time out)."""
+    """The same four-rank cases with every message step as one ``all_to_all_single``
+    (``BSFA_CP_MESSAGES=all_to_all``, read by each spawned rank): the same results, and no rank
+    left out of a collective (a missed step would hang and time out)."""
     monkeypatch.setenv("BSFA_CP_MESSAGES", "all_to_all")
     _check_results(_run(4, CASES_4, tmp_path), CASES_4, 4)

@@ -150,7 +150,7 @@ def _stub_kernels(counter: GlueCounter):
         from blocksparse_fa.distributed import attention as att
 
         if hasattr(att, "_merge"):
-            def merge(o1, l1, o2, l2, backend):
+            def merge(o1, l1, o2, l2, backend, rows=None):
                 rec = counter.ops["fused_merge(gpu)"]
                 rec[0] += 1
                 rec[1] += _nbytes(o1) + _nbytes(l1)
@@ -195,6 +195,10 @@ def _glue_worker(rank, world, args, store_path, q):
             with msgs, counter:
                 call()
             host = time.perf_counter() - t0
+            if args.cprofile and phase == "fwd+bwd":  # every rank calls (collectives), rank 0 prints
+                text = _host_profile(call, 10, args.cprofile)
+                if rank == 0:
+                    print(f"--- cProfile {name} {phase}, 10 calls (kernels stubbed)\n{text}", flush=True)
             ops = {k: tuple(v) for k, v in sorted(counter.ops.items())}
             rows.append(dict(rank=rank, pattern=name, phase=phase, strategy=plan.strategy, tokens=L,
                              n_ops=sum(v[0] for v in ops.values()), bytes=sum(v[1] for v in ops.values()),
@@ -367,6 +371,15 @@ def cmd_gpu(args):
                         sync()
                     os.makedirs(args.trace, exist_ok=True)
                     prof.export_chrome_trace(os.path.join(args.trace, f"{pattern}_rank{rank}.json"))
+                if args.ops and cuda and phase == "fwd+bwd":  # host operators and launches
+                    acts = [torch.profiler.ProfilerActivity.CPU]
+                    with torch.profiler.profile(activities=acts) as prof:
+                        for _ in range(args.iters):
+                            fn()
+                        sync()
+                    if rank == 0:
+                        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops)
+                        print(f"--- host operators {pattern} {phase} {label}, {args.iters} calls\n{table}", flush=True)
                 if args.cprofile and collective:  # every rank calls (collectives), rank 0 prints
                     text = _host_profile(fn, args.iters, args.cprofile)
                     sync()
@@ -568,6 +581,8 @@ def main():
     g.add_argument("--backward", default="auto", help="kernel_options backward= of the context-parallel calls")
     g.add_argument("--trace", default=None, help="folder for each rank's chrome trace (CPU + CUDA) of 3 fwd+bwd calls")
     g.add_argument("--cprofile", type=int, default=0, help="rank 0's cProfile of the CP calls: top N functions")
+    g.add_argument("--ops", type=int, default=0, help="rank 0's host operators and launches (torch.profiler, CPU) "
+                                                      "of the fwd+bwd CP calls: top N by own time")
     g.set_defaults(fn=cmd_gpu)
     t = sub.add_parser("train", help="the cp training mode per backward choice: step times, host and device profile")
     t.add_argument("--family", default="documents")
@@ -597,6 +612,7 @@ def main():
                         "versions of the code are counted on the same plans); others 'auto'")
     c.add_argument("--json", default=None)
     c.add_argument("--verbose", action="store_true")
+    c.add_argument("--cprofile", type=int, default=0, help="rank 0's cProfile of 10 fwd+bwd calls: top N functions")
     c.add_argument("--timeout", type=float, default=900)
     c.set_defaults(fn=cmd_glue)
     args = ap.parse_args()

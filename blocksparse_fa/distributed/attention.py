@@ -405,7 +405,13 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
     if not over and ex.has_kv:
         gk, gv = grads.get("buf", grads.get("own"))
         send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_buf, group, ranks, acc)
-    if "buf" in grads:  # own keys' gradients: their rows of the buffer's
+    # own keys' gradients: their rows of the buffer's. Own tokens in a few runs of the buffer (zigzag)
+    # stay in buffer coordinates until the end: the returned parts are added there and each run is
+    # converted once into the output (no float32 gather of the whole shard)
+    in_buf = "buf" in grads and guest is None and 1 < len(ex.own_runs) <= _MAX_RUN_COPIES
+    if in_buf:
+        dk, dv = grads["buf"][0].get(), grads["buf"][1].get()
+    elif "buf" in grads:
         dk, dv = _own_of_buf(ex, grads["buf"][0].get(), grads["buf"][1].get())
     elif "own" in grads:
         dk, dv = grads["own"][0].get(), grads["own"][1].get()
@@ -418,17 +424,32 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
         got = send.wait()
         if returned:
             dk, dv = (t if t.dtype == acc else t.to(acc) for t in (dk, dv))
-            off = 0
+            off, pos = 0, ex.ret_recv_buf if in_buf else ex.ret_recv_pos
             for c in ex.ret_recv_n:  # one peer at a time: indices distinct within a peer, sums deterministic
                 if c:
-                    idx = ex.ret_recv_pos[off:off + c]
+                    idx = pos[off:off + c]
                     dk.index_add_(2, idx, _heads_view(got[off:off + c, 0]))
                     dv.index_add_(2, idx, _heads_view(got[off:off + c, 1]))
                 off += c
     # separate, contiguous tensors (never views of one buffer): the custom op may not return aliases
     cf = torch.contiguous_format
     dq = dq if dq.dtype == q.dtype and dq.is_contiguous() else dq.to(q.dtype, memory_format=cf)
+    if in_buf:
+        return dq, _own_rows(ex, dk, k.dtype), _own_rows(ex, dv, v.dtype)
     return dq, dk.to(k.dtype, copy=True, memory_format=cf), dv.to(v.dtype, copy=True, memory_format=cf)
+
+
+_MAX_RUN_COPIES = 4  # own runs converted one copy each; more runs: one gather (``_own_of_buf``)
+
+
+def _own_rows(ex: Exchange, g, dtype):
+    """``(B, H, L, D)`` in ``dtype``: the own tokens' rows of the buffer's gradient ``g``, one
+    converting copy per run."""
+    B, H, _, D = g.shape
+    out = g.new_empty((B, H, ex.length, D), dtype=dtype)
+    for b0, l0, n in ex.own_runs:
+        out[:, :, l0:l0 + n].copy_(g[:, :, b0:b0 + n])
+    return out
 
 
 def _own_of_buf(ex: Exchange, dkb, dvb):

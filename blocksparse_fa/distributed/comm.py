@@ -76,13 +76,16 @@ def all_to_all(x: torch.Tensor, send_splits, recv_splits, group, async_op: bool 
     return Pending(out, [work] if async_op else ())
 
 
-# How a step of messages travels: ``"p2p"``, one group of point-to-point sends and receives
-# (ranks without messages in the step take no part); ``"all_to_all"``, one ``all_to_all_single``
-# over the group on bytes packed per peer (every rank takes part in every step, which the
-# context-parallel calls guarantee: each step is reached by all ranks in the same order). NCCL's
-# grouped point-to-point step cost 134-165 us of host time against 74-79 us for the collective
-# (4 x H100, ``benchmarks/experiments/cp_profile.py p2p``). The environment variable
-# ``BSFA_CP_MESSAGES`` overrides it for experiments (read at import).
+# How a step of messages travels: ``"p2p"`` (default), one group of NCCL point-to-point sends and
+# receives (ranks without messages in the step take no part); ``"all_to_all"``, one
+# ``all_to_all_single`` over the group on bytes packed per peer (every rank takes part in every
+# step, which the context-parallel calls guarantee: each step is reached by all ranks in the same
+# order). The collective takes less host time per step (74-79 against 134-165 us on 4 x H100,
+# ``benchmarks/experiments/cp_profile.py p2p``), but the calls are not bound by the host (a CUDA
+# graph replay of them is no faster than the eager call), and interleaved on the same inputs the two
+# ran within noise of each other, p2p ahead on BigBird (5.53 against 5.85 ms fwd+bwd at 256K;
+# ``benchmarks/experiments/cp_graphs.py``). The environment variable ``BSFA_CP_MESSAGES`` selects
+# the transport (read at import, the same on every rank).
 MESSAGES = os.environ.get("BSFA_CP_MESSAGES", "p2p")
 if MESSAGES not in ("p2p", "all_to_all"):
     raise ValueError(f"BSFA_CP_MESSAGES must be 'p2p' or 'all_to_all', got {MESSAGES!r}")

@@ -120,8 +120,8 @@ class Exchange:
         own_runs: ``[(buf_start, own_start, n)]``: where the own tokens sit in ``buf``.
         ret_send_buf, ret_send_rem, ret_send_n: the fetched tokens' gradients returned to their
             owners (positions in ``buf`` / ``rem``, peer-major; counts per peer).
-        ret_recv_pos, ret_recv_n: gradients of own tokens other ranks fetched (own positions,
-            peer-major; counts per peer).
+        ret_recv_pos, ret_recv_buf, ret_recv_n: gradients of own tokens other ranks fetched (own
+            positions, the same in ``buf``, peer-major; counts per peer).
         gq_send_idx, gq_send_n, gq_recv_n: split rows' queries sent to the ranks that compute a
             part of them (own positions, peer-major) and received from their owners (peer-major;
             ``guest``'s rows are in that order).
@@ -156,7 +156,9 @@ class Exchange:
         self.ret_send_buf = _t(_positions(buf_tok, got_all), dev)
         self.ret_send_rem = _t(_positions(rem_tok, got_all), dev)
         self.ret_send_n = [len(t) for t in got]
-        self.ret_recv_pos = _t(_positions(own_tok, np.concatenate(sent)), dev)
+        recv_own = _positions(own_tok, np.concatenate(sent))
+        self.ret_recv_pos = _t(recv_own, dev)
+        self.ret_recv_buf = _t(own_in_buf[recv_own], dev)
         self.ret_recv_n = [len(t) for t in sent]
         # -- layouts ---------------------------------------------------------------------------
         # own split rows are left empty here: the guest launch computes every split row's part
