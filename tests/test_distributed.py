@@ -351,6 +351,28 @@ def test_messages_pair_up_and_pack_many_runs():
     assert packed > 0
 
 
+def test_returned_gradients_land_on_own_rows_of_the_buffer():
+    """The positions where returned dK/dV parts are added in buffer coordinates (zigzag: own tokens
+    in two runs of the buffer) are the buffer rows of the same own tokens, and the own rows copied
+    run by run give back the own-coordinate tensor."""
+    from blocksparse_fa.distributed.attention import _MAX_RUN_COPIES, _own_rows
+
+    mask = bsfa.causal() & (bsfa.window(24) | bsfa.global_tokens(16) | bsfa.random_blocks(2, block_size=16, seed=3))
+    plan, exs = _exchanges(mask, 512, 4, strategy="zigzag")
+    seen = 0
+    for ex in exs:
+        own_to_buf = torch.empty(ex.length, dtype=torch.int64)
+        for b0, l0, n in ex.own_runs:
+            own_to_buf[l0:l0 + n] = torch.arange(b0, b0 + n)
+        assert torch.equal(ex.ret_recv_buf, own_to_buf[ex.ret_recv_pos])
+        g = torch.randn(1, 2, ex.buf_len, 8, dtype=torch.float64)
+        got = _own_rows(ex, g, torch.float32)
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert torch.equal(got, g[:, :, own_to_buf].float())
+        seen += 1 < len(ex.own_runs) <= _MAX_RUN_COPIES and sum(ex.ret_recv_n) > 0
+    assert seen  # the run-by-run path is reached by this plan
+
+
 def test_plan_targets_balance_and_overlap():
     """The planner at 256K tokens on 4 and 8 ranks: zigzag balances causal exactly; sliding window,
     Longformer and documents stay contiguous and move little; the fetch is overlapped for causal

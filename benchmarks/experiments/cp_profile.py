@@ -24,7 +24,10 @@ host profile (cProfile, top functions) and every rank's device time by kernel ov
 
     torchrun --nproc-per-node 4 benchmarks/experiments/cp_profile.py train --family documents --backward auto gluon
 
-``gpu --cprofile N`` adds rank 0's cProfile of the context-parallel calls (top ``N`` functions).
+``gpu --cprofile N`` adds rank 0's cProfile of the context-parallel calls (top ``N`` functions),
+``gpu --ops N`` rank 0's host operators and launches (torch.profiler, top ``N`` by own time) for
+one GPU and for ``P``, ``gpu --trace DIR`` a CPU + CUDA timeline per rank; ``glue --cprofile N``
+rank 0's cProfile with the kernels stubbed.
 """
 
 from __future__ import annotations
