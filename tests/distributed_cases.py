@@ -8,6 +8,7 @@ timeout turns a desynchronised run into an error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from datetime import timedelta
@@ -63,10 +64,12 @@ def _run_case(case, rank, world, opts=None):
         start = sum(lengths[:rank])
         idx = torch.arange(start, start + lengths[rank])
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    out, lse = context_parallel_attention(ql, kl, vl, None if plan else case["mask"], plan=plan, dropout_p=p,
-                                          dropout_seed=case.get("dropout_seed", 5), return_lse=True,
-                                          overlap=case.get("overlap", False), backend=backend,
-                                          block_size=None if plan else case.get("block", 16), kernel_options=opts)
+    with _launch_order(case.get("first_event")) as order:
+        out, lse = context_parallel_attention(ql, kl, vl, None if plan else case["mask"], plan=plan, dropout_p=p,
+                                              dropout_seed=case.get("dropout_seed", 5), return_lse=True,
+                                              overlap=case.get("overlap", False), backend=backend,
+                                              block_size=None if plan else case.get("block", 16),
+                                              kernel_options=opts)
     loss = (out * do[:, :, idx]).sum()
     if case.get("lse_grad"):
         loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * 0.37).sum()
@@ -95,6 +98,8 @@ def _run_case(case, rank, world, opts=None):
         e = _max_err(a[fin], b[fin]) / max(1.0, b[fin].abs().max().item() if fin.any() else 1.0)
         if e > tol:
             errs.append(f"{name}: {e:.2e} > {tol:.0e}")
+    if case.get("first_event") and order[:1] != [case["first_event"]]:
+        errs.append(f"rank 0's forward events {order}: expected {case['first_event']!r} first")
     if case.get("exact_forward") and not torch.equal(got[0], want[0]):
         errs.append("out not bit-identical")
     if case.get("float64_reference"):
@@ -109,6 +114,34 @@ def _run_case(case, rank, world, opts=None):
                 errs.append(f"{name} vs float64 reference: {_max_err(a, b):.2e}")
     detail = f"{plan.strategy}, split rows {len(plan.split)}" + ("; " + "; ".join(errs) if errs else "")
     return case["name"], not errs, detail
+
+
+@contextlib.contextmanager
+def _launch_order(active):
+    """The forward's events in order (``"wait"``: the fetch completes, ``"launch"``: an attention
+    launch), recorded while ``active``."""
+    order = []
+    if not active:
+        yield order
+        return
+    from blocksparse_fa.distributed import attention as att
+
+    wait0, fwd0 = att._Fetch.wait, att._fwd
+
+    def wait(self):
+        if self.pending is not None:
+            order.append("wait")
+        return wait0(self)
+
+    def fwd(*a, **kw):
+        order.append("launch")
+        return fwd0(*a, **kw)
+
+    att._Fetch.wait, att._fwd = wait, fwd
+    try:
+        yield order
+    finally:
+        att._Fetch.wait, att._fwd = wait0, fwd0
 
 
 def run_error(case, rank, world):

@@ -437,6 +437,12 @@ CASES_2 = [
     dict(name="dropout split overlap", mask=LONGFORMER, N=200, p=0.25, split=1.5, overlap=True),
     dict(name="batch-dependent documents", mask=bsfa.causal() & bsfa.document(torch.stack(
         [_ids(150, [40, 110]), _ids(150, [70, 30, 50])])), N=150, B=2),
+    # rank 0 owns the global keys and fetches nothing: without overlap it completes its sends before
+    # its launch (NCCL's kernel would get no SM beside the attention kernel); with overlap it launches first
+    dict(name="send-only rank waits before launching", mask="causal & (window(12) | global_tokens(16))", N=200,
+         strategy="contiguous", first_event="wait"),
+    dict(name="send-only rank of an overlapped plan launches first", mask="causal & (window(12) | global_tokens(16))",
+         N=200, strategy="contiguous", overlap=True, first_event="launch"),
     dict(name="contiguous shards without a plan", mask="causal & window(40)", N=150, plan=False,
          lengths=[64, 86]),
     dict(name="float32", mask=LONGFORMER, N=200, split=1.5, dtype=torch.float32, tol=1e-5),

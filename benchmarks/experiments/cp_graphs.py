@@ -37,20 +37,26 @@ import blocksparse_fa as bsfa  # noqa: E402
 from blocksparse_fa.distributed import attention as att  # noqa: E402
 from blocksparse_fa.distributed import comm, context_parallel_attention, plan_context_parallel  # noqa: E402
 
-messages, max_runs = comm.MESSAGES, att._MAX_RUN_COPIES
+messages, max_runs, wait_sends = comm.MESSAGES, att._MAX_RUN_COPIES, att._WAIT_SENDS
+GROUPS = {"default": None}  # "high": a group whose NCCL streams have high priority (made in main)
+_call = dict(group=None)
 
 
 def _set(**kw):
     def setup():
         comm.MESSAGES = kw.get("messages", messages)
         att._MAX_RUN_COPIES = kw.get("max_runs", max_runs)
+        att._WAIT_SENDS = kw.get("wait_sends", wait_sends)
+        _call["group"] = GROUPS[kw.get("group", "default")]
     return setup
 
 
 # what ``--compare`` interleaves: the message transports, or the backward's own-key gradients
 # gathered whole in float32 (``gather``) against converted run by run (``runs``, the default)
 VARIANTS = {"transports": [("p2p", _set(messages="p2p")), ("all_to_all", _set(messages="all_to_all"))],
-            "own_rows": [("gather", _set(max_runs=0)), ("runs", _set())]}
+            "own_rows": [("gather", _set(max_runs=0)), ("runs", _set())],
+            "wait_sends": [("no_wait", _set(wait_sends=False)), ("wait", _set())],
+            "priority": [("default", _set()), ("high", _set(group="high"))]}
 
 
 def _slowest(x: float, dev) -> float:
@@ -102,10 +108,15 @@ def main():
     ap.add_argument("--passes", type=int, default=2, help="interleaved passes over the transports")
     ap.add_argument("--compare", default="transports", choices=sorted(VARIANTS))
     ap.add_argument("--no-graph", action="store_true", help="only the interleaved eager variants")
+    ap.add_argument("--overlap", default="auto", type=lambda x: x if x == "auto" else x == "true",
+                    help="the calls' overlap: auto (the plan's choice), true or false")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.compare == "priority":
+        GROUPS["high"] = dist.new_group(backend="nccl",
+                                        pg_options=dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
@@ -116,7 +127,7 @@ def main():
             mask = lead_masks(args.tokens)[pattern]
             plan = plan_context_parallel(mask, args.tokens, world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
                                          block_size=128)
-            row.update(strategy=plan.strategy, overlap=plan.overlap_auto)
+            row.update(strategy=plan.strategy, overlap=plan.overlap_auto if args.overlap == "auto" else args.overlap)
             q, k, v, do = _qkv(args.tokens, dev, torch.bfloat16)
             idx = plan.indices(rank, dev)
             ql, kl, vl, dl = (t[:, :, idx].contiguous() for t in (q, k, v, do))
@@ -124,12 +135,14 @@ def main():
 
             def fwd():
                 with torch.no_grad():
-                    return context_parallel_attention(ql, kl, vl, plan=plan, check=False)
+                    return context_parallel_attention(ql, kl, vl, plan=plan, check=False, overlap=args.overlap,
+                                                      group=_call["group"])
 
             def fb():
                 for t in (qg, kg, vg):
                     t.grad = None
-                out = context_parallel_attention(qg, kg, vg, plan=plan, check=False)
+                out = context_parallel_attention(qg, kg, vg, plan=plan, check=False, overlap=args.overlap,
+                                                 group=_call["group"])
                 out.backward(dl)
                 return out
 
@@ -147,7 +160,7 @@ def main():
             row["variants_max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
                                                for g in grads.values() for a, b in zip(g, first))
             del grads, first
-            comm.MESSAGES, att._MAX_RUN_COPIES = messages, max_runs
+            _set()()
             if args.no_graph:
                 row["T1_fb_ms"] = None
                 rows.append(row)

@@ -24,6 +24,12 @@ host profile (cProfile, top functions) and every rank's device time by kernel ov
 
     torchrun --nproc-per-node 4 benchmarks/experiments/cp_profile.py train --family documents --backward auto gluon
 
+``timeline`` (torchrun, NCCL): every rank's kernels over back-to-back fwd+bwd calls, eager and
+replayed from a CUDA graph, aligned across ranks by the end of an all-reduce before them; rank 0
+prints one call per rank (merged runs of kernels, idle gaps) to tell who waits for whom::
+
+    torchrun --nproc-per-node 4 benchmarks/experiments/cp_profile.py timeline --patterns longformer --json t.json
+
 ``gpu --cprofile N`` adds rank 0's cProfile of the context-parallel calls (top ``N`` functions),
 ``gpu --ops N`` rank 0's host operators and launches (torch.profiler, top ``N`` by own time) for
 one GPU and for ``P``, ``gpu --trace DIR`` a CPU + CUDA timeline per rank; ``glue --cprofile N``
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -521,6 +528,130 @@ def cmd_p2p(args):
     dist.destroy_process_group()
 
 
+def _short(name: str) -> str:
+    """A kernel's name without templates and arguments."""
+    n = name.split("(")[0] if not name.startswith("void ") else name[5:].split("(")[0]
+    n = re.sub(r"<.*", "", n)
+    return n.split("::")[-1][:48]
+
+
+def _kernel_list(prof, path: str) -> list:
+    """``[(name, start us, duration us, stream)]`` of a profile's device activities, from its chrome
+    trace (``path`` is overwritten), starts relative to the end of the first NCCL kernel (the anchor
+    all-reduce: it ends on every rank at about the same moment)."""
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        evs = json.load(f)["traceEvents"]
+    ks = sorted(((e["name"], float(e["ts"]), float(e.get("dur", 0)), e.get("args", {}).get("stream"))
+                 for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda x: x[1])
+    anchor = next(i for i, k in enumerate(ks) if "nccl" in k[0].lower())
+    t0 = ks[anchor][1] + ks[anchor][2]
+    return [(_short(n), round(ts - t0, 2), round(d, 2), st) for n, ts, d, st in ks[anchor + 1:]]
+
+
+def _timeline_text(per_rank: list, calls: int, which: int) -> str:
+    """Call ``which`` of ``calls`` on every rank: merged runs of kernels (same name, gaps < 3 us),
+    idle gaps >= 15 us, and per rank the call's span, busy time and NCCL time (us)."""
+    lines = []
+    spans = []
+    for r, ks in enumerate(per_rank):
+        if len(ks) % calls:
+            lines.append(f"rank {r}: {len(ks)} activities, not {calls} equal calls")
+            spans.append(None)
+            continue
+        m = len(ks) // calls
+        spans.append(ks[which * m:(which + 1) * m])
+    base = min(c[0][1] for c in spans if c)
+    for r, c in enumerate(spans):
+        if not c:
+            continue
+        end = max(s + d for _, s, d, _ in c)
+        busy, cur_s, cur_e = 0.0, None, None
+        for _, s, d, _ in c:  # union of intervals
+            if cur_e is None or s > cur_e:
+                busy += 0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = s, s + d
+            else:
+                cur_e = max(cur_e, s + d)
+        busy += cur_e - cur_s
+        nccl = sum(d for n, _, d, _ in c if "nccl" in n.lower())
+        lines.append(f"rank {r}: start {c[0][1] - base:8.1f}  span {end - c[0][1]:8.1f}  busy {busy:8.1f}  "
+                     f"nccl {nccl:7.1f}")
+        runs = []
+        for n, s, d, st in c:
+            if runs and runs[-1][0] == n and s - runs[-1][2] < 3:
+                runs[-1][2] = max(runs[-1][2], s + d)
+                runs[-1][3] += 1
+            else:
+                runs.append([n, s, s + d, 1, st])
+        prev = None
+        for n, s, e, cnt, st in runs:
+            if prev is not None and s - prev >= 15:
+                lines.append(f"      {'':>8} idle {s - prev:7.1f}")
+            lines.append(f"      {s - base:8.1f} {e - s:7.1f}  {n}{' x%d' % cnt if cnt > 1 else ''}  [s{st}]")
+            prev = e if prev is None else max(prev, e)
+    return "\n".join(lines)
+
+
+def cmd_timeline(args):
+    """Every rank's device activities over ``--calls`` back-to-back fwd+bwd calls (eager, then the
+    call replayed as a CUDA graph), aligned across ranks by an all-reduce that precedes them: who
+    waits for whom, and where the GPUs idle."""
+    import tempfile
+
+    from cp_graphs import _graph
+
+    cuda, rank, world, dev = _init()
+    assert cuda, "timeline needs GPUs"
+    out = dict(world=world, n=args.n, patterns={})
+    for pattern in args.patterns:
+        mask = lead_masks(args.n)[pattern]
+        plan = plan_context_parallel(mask, args.n, world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM,
+                                     block_size=128)
+        q, k, v, do = _qkv(args.n, dev, torch.bfloat16)
+        idx = plan.indices(rank, dev)
+        ql, kl, vl, dl = (t[:, :, idx].contiguous() for t in (q, k, v, do))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (ql, kl, vl))
+        del q, k, v, do
+
+        def fb():
+            for t in (qg, kg, vg):
+                t.grad = None
+            o = context_parallel_attention(qg, kg, vg, plan=plan, check=False)
+            o.backward(dl)
+            return o
+
+        modes = [("eager", fb)]
+        if not args.no_graph:
+            modes.append(("graph", _graph(fb, []).replay))
+        anchor = torch.zeros(1, device=dev)
+        res = {}
+        for mode, fn in modes:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                dist.all_reduce(anchor)
+                for _ in range(args.calls):
+                    fn()
+                torch.cuda.synchronize()
+            with tempfile.TemporaryDirectory() as d:
+                ks = _kernel_list(prof, os.path.join(d, "t.json"))
+            gathered = [None] * world
+            dist.all_gather_object(gathered, ks)
+            res[mode] = gathered
+            if rank == 0:
+                print(f"=== {pattern} {mode} ({plan.strategy}), call {args.calls // 2} of {args.calls}, us\n"
+                      + _timeline_text(gathered, args.calls, args.calls // 2), flush=True)
+        out["patterns"][pattern] = res
+        torch.cuda.empty_cache()
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
 def cmd_check(args):
     """Context parallel against one GPU (bf16, relative L2 of out, dq, dk, dv) with the default
     kernels and with ``kernel_options=dict(backward="triton")``: the default passes where its
@@ -599,6 +730,13 @@ def main():
     m.add_argument("--sizes", type=float, nargs="+", default=[0.0625, 1, 8])
     m.add_argument("--iters", type=int, default=50)
     m.set_defaults(fn=cmd_p2p)
+    tl = sub.add_parser("timeline", help="every rank's kernels over back-to-back fwd+bwd calls, aligned across ranks")
+    tl.add_argument("--patterns", nargs="+", default=["longformer", "bigbird"])
+    tl.add_argument("--tokens", "--n", dest="n", type=int, default=262144)
+    tl.add_argument("--calls", type=int, default=4)
+    tl.add_argument("--no-graph", action="store_true")
+    tl.add_argument("--json", default=None)
+    tl.set_defaults(fn=cmd_timeline)
     k = sub.add_parser("check", help="context parallel against one GPU, default kernels and the Triton backward")
     k.add_argument("--patterns", nargs="+", default=["sliding_window", "documents"])
     k.add_argument("--tokens", "--n", dest="n", type=int, default=65536)
