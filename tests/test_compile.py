@@ -162,3 +162,32 @@ def _run_mod(fn, ins, cap):
     out = fn(*ins, cap)
     do = torch.ones_like(out) * 0.5 + torch.linspace(0, 1, out.shape[-1])
     return (out, *torch.autograd.grad(out, ins, do))
+
+
+def test_compiled_backward_gets_no_logsumexp_gradient_it_does_not_need():
+    """Under AOT autograd the op's unused logsumexp output must reach the backward as None (not a
+    materialised zeros tensor folded into delta); asked for, its gradient arrives."""
+    from blocksparse_fa.ops import dispatch
+
+    seen = []
+    orig = dispatch.backward
+
+    def spy(*a, **kw):
+        seen.append(kw.get("dlse"))
+        return orig(*a, **kw)
+
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    dispatch.backward = spy
+    try:
+        f = torch.compile(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal()), fullgraph=True,
+                          backend="aot_eager")
+        f(q, k, v).sum().backward()
+        g = torch.compile(lambda q, k, v: bsfa.attention(q, k, v, mask=bsfa.causal(), return_lse=True),
+                          fullgraph=True, backend="aot_eager")
+        o, lse = g(q, k, v)
+        (o.sum() + lse.sum()).backward()
+    finally:
+        dispatch.backward = orig
+    assert len(seen) == 2
+    assert seen[0] is None
+    assert seen[1] is not None and seen[1].shape == (1, 2, 64)

@@ -10,8 +10,10 @@ For each shape it measures, side by side on the same inputs:
 
 for SDPA (``is_causal``, cuDNN or flash as torch picks), FlexAttention (compiled, block mask
 built once) and ours through every entry point: ``attention(mask=expression)``,
-``attention(mask=compile_mask(...))``, ``nn.BlockSparseAttention`` and ``attention_op``; plus our
-call replayed from a CUDA graph. ``--profile`` adds a cProfile of our eager call (top functions).
+``attention(mask=compile_mask(...))``, ``nn.BlockSparseAttention``, ``attention_op`` and
+``attention`` inside ``torch.compile(fullgraph=True)``; plus our call replayed from a CUDA graph.
+``--profile`` adds a cProfile of our eager and compiled calls (top functions by own time, then
+by cumulative time).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def main():
         do = torch.randn_like(q)
         lay = bsfa.compile_mask(mask, N, N, device="cuda")
         mod = bsfa.nn.BlockSparseAttention(mask)
+        compiled = torch.compile(lambda q, k, v: bsfa.attention(q, k, v, mask=mask), fullgraph=True)
         calls = {
             "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H),
             "flex_longformer": flex_fn(q, k, v, N, Hkv, H),
@@ -91,6 +94,7 @@ def main():
             "ours_layout": lambda: bsfa.attention(q, k, v, mask=lay),
             "ours_module": lambda: mod(q, k, v),
             "ours_op": lambda: bsfa.attention_op(q, k, v, mask),
+            "ours_compiled": lambda: compiled(q, k, v),
         }
         ref = None
         for name, f in calls.items():
@@ -109,16 +113,18 @@ def main():
             print(f"{str((B, H, Hkv, N, D)):28s} {name:16s} host {row['host_us']:8.1f} us  gpu {row['gpu_us']:8.1f} us",
                   flush=True)
         if args.profile:
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(50):
-                torch.autograd.grad(bsfa.attention(q, k, v, mask=mask), (q, k, v), do)
-            pr.disable()
-            torch.cuda.synchronize()
-            buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
-            print(buf.getvalue())
-            rows.append({"shape": [B, H, Hkv, N, D], "profile": buf.getvalue()})
+            for label, f in (("eager", lambda: bsfa.attention(q, k, v, mask=mask)), ("compiled", calls["ours_compiled"])):
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(50):
+                    torch.autograd.grad(f(), (q, k, v), do)
+                pr.disable()
+                torch.cuda.synchronize()
+                buf = io.StringIO()
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(30)
+                print(f"--- cProfile {label}, 50 fwd+bwd calls\n{buf.getvalue()}")
+                rows.append({"shape": [B, H, Hkv, N, D], "profile": label, "text": buf.getvalue()})
         try:
             replay = graph_of(lambda: torch.autograd.grad(bsfa.attention(q, k, v, mask=mask), (q, k, v), do))
             row = {"shape": [B, H, Hkv, N, D], "call": "ours_graph_replay", "host_us": host_us(replay),

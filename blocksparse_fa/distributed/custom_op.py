@@ -104,6 +104,7 @@ def _bwd_fake(q, k, v, out, lse, dout, dlse, plan, group, scale, dropout_p, seed
 def _setup_context(ctx, inputs, output):
     q, k, v, plan, group, scale, dropout_p, _, backend, overlap, _, kernel_options = inputs
     out, lse, seed = output
+    ctx.set_materialize_grads(False)  # unused outputs' gradients arrive as None, not zeros
     ctx.save_for_backward(q, k, v, out, lse, seed)
     ctx.args = (plan, group, scale, dropout_p)
     ctx.rest = (backend, overlap, kernel_options)

@@ -473,6 +473,9 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, handle, scale, dropout_p, seed, backend, rewrite, align, mask_tensors, slopes, softcap, bias,
      kernel_options) = inputs
     out, lse = output
+    # an output the graph does not use (the logsumexp unless asked for) gets None, not zeros: no
+    # zeros tensor to build and fold into the backward's delta
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, seed, slopes, softcap, bias, *mask_tensors)
     ctx.args = (handle, scale, dropout_p)
     ctx.backend, ctx.rewrite, ctx.align, ctx.kernel_options = backend, rewrite, align, kernel_options
