@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -26,17 +28,8 @@ import torch
 import blocksparse_fa as bsfa
 from blocksparse_fa.ops import custom_op, dispatch
 
-
-def host_us(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_path import host_us  # noqa: E402
 
 
 class _BodyTimer:
