@@ -645,10 +645,13 @@ def cmd_timeline(args):
                 print(f"=== {pattern} {mode} ({plan.strategy}), call {args.calls // 2} of {args.calls}, us\n"
                       + _timeline_text(gathered, args.calls, args.calls // 2), flush=True)
         out["patterns"][pattern] = res
+        del modes, fn  # the captured graph holds NCCL work: freed before the next pattern and the exit
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 
