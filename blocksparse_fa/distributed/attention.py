@@ -206,11 +206,12 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
     (``opts``: the call's kernel options, for every local launch; ``overlap``: bool or ``"auto"``)."""
     acc = _acc(q.dtype)
     ranks = ex.peers(group)
-    over = ex.overlap(overlap) and ex.fetches
+    plan_overlaps = ex.overlap(overlap)
+    over = plan_overlaps and ex.fetches
     saved = Saved()
     gpend, gq = _start_guest_q(ex, q, group, ranks)
     fetch = _Fetch(ex, k, v, group, ranks, over) if ex.has_kv else None
-    if fetch is not None and not ex.overlap(overlap) and _WAIT_SENDS:
+    if fetch is not None and not plan_overlaps and _WAIT_SENDS:
         # Before any launch: a rank that only sends (it fetches nothing) would start its kernels
         # at once, NCCL's kernel would get no SM until they end, and every receiver would wait
         # that long (0.66 ms of a 3.8-ms Longformer fwd+bwd on 4 GPUs). Receivers wait here anyway.
