@@ -245,3 +245,50 @@ def test_masked_lists_as_arithmetic_progressions(monkeypatch, deterministic):
     if deterministic:
         _check(mask, Lq=96, Lk=96, opts=opts)
     clear_cache()
+
+
+def test_persistent_gluon_forward_launch_geometry(monkeypatch):
+    """The Gluon forward runs persistent (a grid of at most one program per SM) where ``Lq`` is a
+    multiple of its 128-row tiles and every tensor is a 2-D row view; the view puts a head's rows
+    at ``b·rows_per_batch + h·rows_per_head`` and its columns at ``h·cols_per_head``. Otherwise one
+    program per query tile and head."""
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((grid, args, c)))
+
+    def run(q, k, cfg=GluonConfig()):
+        B, H, Lq, D = q.shape
+        s = Shapes(B, H, k.shape[1], Lq, k.shape[2], D)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, H, Lq, device=q.device)
+        t = torch.empty(1, dtype=torch.int32, device=q.device)
+        tb._gluon_fwd_run(q, k, k, out, lse, t, t, t, 0, 0, s, 0.1, "dense", cfg)
+        grid, args, consts = seen.pop()
+        return grid[0], consts["PERSISTENT"], args[-12:]
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k = torch.empty(2, 4, 256, 64, **meta), torch.empty(2, 2, 256, 64, **meta)
+    # heads stacked along rows: (rows per batch, rows per head, columns per head) of q, k, v, out
+    assert run(q, k) == (16, True, (1024, 256, 0, 512, 256, 0, 512, 256, 0, 1024, 256, 0))
+    # (B, L, H, D) memory viewed transposed: heads side by side in a row of H·D columns
+    qt, kt = torch.empty(2, 256, 4, 64, **meta).transpose(1, 2), torch.empty(2, 256, 2, 64, **meta).transpose(1, 2)
+    assert run(qt, kt) == (16, True, (256, 0, 64, 256, 0, 64, 256, 0, 64, 1024, 256, 0))
+    # broadcast kv heads (stride 0) read the same rows
+    assert run(q, k[:, :1].expand(2, 2, 256, 64))[1:] == (True, (1024, 256, 0, 512, 0, 0, 512, 0, 0, 1024, 256, 0))
+    # more items than SMs: one program per SM
+    assert run(torch.empty(1, 16, 4096, 64, **meta), torch.empty(1, 16, 4096, 64, **meta))[:2] == (132, True)
+    # a ragged Lq, a batch stride that is no whole number of rows, or persistent=False: one program per tile
+    assert run(torch.empty(2, 4, 200, 64, **meta), k)[:2] == (16, False)
+    odd = torch.empty_strided((2, 1, 256, 64), (256 * 64 + 8, 0, 64, 1), **meta)
+    assert run(odd, torch.empty(2, 1, 256, 64, **meta))[:2] == (4, False)
+    assert run(q, k, GluonConfig(persistent=False)) == (16, False, (0,) * 12)
+    # causal layouts keep one program per tile
+    t = torch.empty(1, dtype=torch.int32, device="meta")
+    s = Shapes(2, 4, 2, 256, 256, 64)
+    tb._gluon_fwd_run(q, k, k, torch.empty_like(q), torch.empty(2, 4, 256, device="meta"), t, t, t, 0, 0, s, 0.1,
+                      "causal", GluonConfig())
+    assert seen.pop()[2]["PERSISTENT"] is False

@@ -4,7 +4,7 @@ memory and the SASS opcode mix (``sass_probe.report``). Run it with the Triton o
 first on the path:
 
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
-        --stages 2 --causal --interval --no-pingpong --no-overlap --dtype bf16] [--ptx FILE]
+        --stages 2 --causal --interval --no-pingpong --no-overlap --persistent --dtype bf16] [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
         [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops
         --interval --out-f32]
@@ -28,13 +28,15 @@ from sass_probe import report  # noqa: E402
 
 
 def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
-                  consumer_regs=240, dtype="bf16", interval=False):
+                  consumer_regs=240, dtype="bf16", interval=False, persistent=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
 
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, INTERVAL=interval,
-                  PINGPONG=pingpong, OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+                  PINGPONG=pingpong, OVERLAP=overlap, PERSISTENT=persistent, M_MAJOR=persistent and interval,
+                  PRODUCER_REGS=producer_regs,
+                  CONSUMER_REGS=consumer_regs)
     types = {n: "*" + dtype for n in "QKVO"}
     types.update(LSE="*fp32", LO="*i32", HI="*i32", TILES="*i32", qk_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -47,7 +49,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
                       consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
-                      out_f32=False, direct=False):
+                      out_f32=False, direct=False, persistent=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
     ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored from the registers (``DIRECT_STORE``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -61,7 +63,7 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
         fn = bg._attn_bwd_dq_gluon
-        consts = {}
+        consts = dict(PERSISTENT=persistent, M_MAJOR=persistent and interval)
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ="fp32" if out_f32 else dtype, LSE="fp32", DELTA="fp32")
     consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, INTERVAL=interval,
@@ -86,6 +88,7 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--interval", action="store_true", help="one key interval per row (LO/HI tables)")
     ap.add_argument("--no-pingpong", action="store_true")
+    ap.add_argument("--persistent", action="store_true", help="forward / dQ: one program per SM looping over items")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--ptx", help="write the PTX here (setmaxnreg, barriers, wgmma waits)")
@@ -103,10 +106,12 @@ def main():
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
-                               interval=a.interval, out_f32=a.out_f32, direct=a.direct)
+                               interval=a.interval, out_f32=a.out_f32, direct=a.direct,
+                               persistent=a.persistent)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
-                           consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval)
+                           consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,
+                           persistent=a.persistent)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

@@ -545,20 +545,72 @@ if gluon is not None:
     # ------------------------------------------------------------------ dQ (deterministic)
 
     @gluon.jit
-    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                     off_m, kb0, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: both consumers' Q and dO tiles, then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through
-        the ring (ring position ``j`` holds key block ``kb0 + j``)."""
-        for c in gl.static_range(2):
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            _tma_load(q_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
-            _tma_load(do_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), do_smem.index(c))
-        for j in range(n_blocks):
-            s = j % STAGES
-            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [(kb0 + j) * BLOCK_N, 0], ready.index(s), k_smem.index(s))
-            _tma_load(v_desc, [(kb0 + j) * BLOCK_N, 0], ready.index(s), v_smem.index(s))
+    def _dq_item(t, TAB, n_prog, H, BH, LZB, LZH, q_len, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                 M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Work item ``t`` of the dQ kernel: ``(pid_bh, off_m, kb0, e1, e2, n_blocks, lse_base,
+        row_base)``, in the forward's order (``forward_gluon._item_tile``)."""
+        pid_m, pid_bh = _fg._item_tile(t, n_prog, BH, M_MAJOR)
+        if CAUSAL:  # longest rows first
+            pid_m = n_prog - 1 - pid_m
+        off_m = pid_m * (2 * BLOCK_M)
+        lse_base = pid_bh.to(gl.int64) * q_len
+        if INTERVAL:  # this row tile's key blocks from the table
+            z = ((pid_bh // H) * LZB + (pid_bh % H) * LZH).to(gl.int64)
+            row_base = z * q_len
+            tab = TAB + (z * n_prog + pid_m) * 4
+            kb0 = gl.load(tab)
+            e1 = gl.load(tab + 1) - kb0
+            e2 = gl.load(tab + 2) - kb0
+            n_blocks = gl.load(tab + 3) - kb0
+        else:
+            row_base = lse_base
+            kb0 = 0
+            e1 = 0
+            if CAUSAL:
+                e2 = off_m // BLOCK_N  # key blocks before the program's diagonal rows
+                n_blocks = e2 + (2 * BLOCK_M) // BLOCK_N
+            else:
+                e2 = kv_len // BLOCK_N
+                n_blocks = e2
+        return pid_bh, off_m, kb0, e1, e2, n_blocks, lse_base, row_base
+
+    @gluon.jit
+    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
+                     TAB, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items,
+                     n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                     M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: per work item both consumers' Q and dO tiles (once the consumers have released
+        the previous item's), then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring, whose
+        positions count on across items. ``*_rb``, ``*_rh``, ``*_ch``: where a batch·head's tiles lie
+        in the descriptors' 2-D views (zeros where a descriptor covers one batch·head)."""
+        rb = 0
+        it = 0
+        for t in range(first, n_items, gl.num_programs(0)):
+            pid_bh, off_m, kb0, e1, e2, n_blocks, lse_base, row_base = _dq_item(
+                t, TAB, n_prog, H, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
+            b = pid_bh // H
+            h = pid_bh % H
+            hk = h // G
+            for c in gl.static_range(2):
+                # a fresh barrier counts as having completed the phase before its first: the first
+                # wait on parity 1 does not block
+                mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
+                mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                _tma_load(q_desc, [b * q_rb + h * q_rh + off_m + c * BLOCK_M, h * q_ch], q_bar.index(c),
+                          q_smem.index(c))
+                _tma_load(do_desc, [b * do_rb + h * do_rh + off_m + c * BLOCK_M, h * do_ch], q_bar.index(c),
+                          do_smem.index(c))
+            k_row = b * k_rb + hk * k_rh + kb0 * BLOCK_N
+            v_row = b * v_rb + hk * v_rh + kb0 * BLOCK_N
+            for j in range(n_blocks):
+                g = rb + j
+                s = g % STAGES
+                mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                _tma_load(k_desc, [k_row + j * BLOCK_N, hk * k_ch], ready.index(s), k_smem.index(s))
+                _tma_load(v_desc, [v_row + j * BLOCK_N, hk * v_ch], ready.index(s), v_smem.index(s))
+            rb += n_blocks
+            it += 1
 
     @gluon.jit
     def _masked(p, off_m, kb, lo_r, hi_r, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -575,16 +627,17 @@ if gluon is not None:
         return gl.where(keep, p, 0.0)
 
     @gluon.jit
-    def _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r, off_m, qk_scale,
-                 C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _dq_step(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r, off_m,
+                 qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-        """Ring position ``j`` (key block ``kb0 + j``) for one consumer."""
-        s = j % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        """Step ``j`` of a work item (key block ``kb0 + j``, ring position and turn ``rb + j``) for one
+        consumer."""
+        s = (rb + j) % STAGES
+        mbarrier.wait(ready.index(s), ((rb + j) // STAGES) & 1)
         k = k_smem.index(s)
         zero = gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout)
         if PINGPONG:
-            mbarrier.wait(turn.index(C), j & 1)
+            mbarrier.wait(turn.index(C), (rb + j) & 1)
         sc = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         if PINGPONG:
@@ -602,8 +655,8 @@ if gluon is not None:
         return dq
 
     @gluon.jit
-    def _dq_step_overlap(dq, ds_prev, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
-                         hi_r, off_m, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
+    def _dq_step_overlap(dq, ds_prev, j, rb, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2, delta,
+                         lo_r, hi_r, off_m, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                          DS_SMEM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                          o_layout: gl.constexpr):
@@ -612,13 +665,13 @@ if gluon is not None:
         cores run the latter two; returns ``dS_j`` (with ``DS_SMEM``: stores it into the group's
         shared tile ``ds_c`` and returns ``ds_prev``). Releases the slot of block ``j - 1`` (at
         ``j == 0`` the deferred product is a zero dS against the valid ``K_0``)."""
-        s = j % STAGES
-        sp = gl.maximum(j - 1, 0) % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        s = (rb + j) % STAGES
+        sp = (rb + gl.maximum(j - 1, 0)) % STAGES
+        mbarrier.wait(ready.index(s), ((rb + j) // STAGES) & 1)
         k = k_smem.index(s)
         zero = gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout)
         if PINGPONG:
-            mbarrier.wait(turn.index(C), j & 1)
+            mbarrier.wait(turn.index(C), (rb + j) & 1)
         sc = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         if DS_SMEM:
@@ -645,149 +698,211 @@ if gluon is not None:
         return dq, ds16
 
     @gluon.jit
-    def _dq_consumer(dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready, empty,
-                     turn, off_m0, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale, DQP, stride_dqm,
-                     C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
-                     OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
-        """Consumer ``C``: query rows ``off_m0 + C·BLOCK_M ..`` against ring positions
-        ``0 .. n_blocks - 1`` (key blocks ``kb0 ..``), then dQ. Positions ``[e1, e2)`` are full;
+    def _dq_consumer(dq_desc, LSE, DELTA, LO, HI, TAB, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, q_empty,
+                     ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch, first, n_items,
+                     n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, C: gl.constexpr,
+                     CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
+                     PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
+        """Consumer ``C``: per work item, query rows ``off_m + C·BLOCK_M ..`` against steps
+        ``0 .. n_blocks - 1`` (key blocks ``kb0 ..``), then dQ. Steps ``[e1, e2)`` are full;
         ``CAUSAL``: the ``2·BLOCK_M / BLOCK_N`` after them are masked by the diagonal; ``INTERVAL``:
         those before and after them are masked against each row's interval ``[LO[r], HI[r])``
-        (``row_base + r``)."""
+        (``row_base + r``). Ring positions (and ping-pong turns) count on across items; the Q/dO
+        slots go back to the producer once the item's dQ has left Q's slot."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
-        off_m = off_m0 + C * BLOCK_M
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        lse = gl.load(LSE + lse_base + offs_m)
-        if INTERVAL:  # rows that keep no key: P = 0 in full steps too
-            lse = gl.where(lse == float("-inf"), float("inf"), lse)
-            lo_r = gl.load(LO + row_base + offs_m)
-            hi_r = gl.load(HI + row_base + offs_m)
-        else:
-            lo_r = 0
-            hi_r = 0
-        lse2 = lse * 1.4426950408889634
-        delta = gl.load(DELTA + lse_base + offs_m)
         q = q_smem.index(C)
         do = do_smem.index(C)
-        dq = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
+        N_DIAG: gl.constexpr = (2 * BLOCK_M) // BLOCK_N
         if PINGPONG:
             if C == 0:
                 mbarrier.arrive(turn.index(0))
-        mbarrier.wait(q_bar.index(C), 0)
-        N_DIAG: gl.constexpr = (2 * BLOCK_M) // BLOCK_N
-        if OVERLAP > 0:  # dQ of block j is issued with block j + 1's products (dS in registers or shared)
-            DS_SMEM: gl.constexpr = OVERLAP == 2
-            ds_c = ds_smem.index(C)
-            ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-            ds16 = gl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype, layout=ds_op)
-            if DS_SMEM:  # the first block's deferred product reads zeros
-                ds_c.store(gl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype, layout=s_layout))
-                fence_async_shared()
-                ds16 = 0
-            if INTERVAL:
-                for j in range(0, e1):
-                    dq, ds16 = _dq_step_overlap(dq, ds16, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn,
-                                                lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG, DS_SMEM,
-                                                BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            for j in range(e1, e2):
-                dq, ds16 = _dq_step_overlap(dq, ds16, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2,
-                                            delta, lo_r, hi_r, off_m, qk_scale, C, 0, PINGPONG, DS_SMEM, BLOCK_M,
-                                            BLOCK_N, STAGES, s_layout, o_layout)
-            if CAUSAL:
-                for u in gl.static_range(N_DIAG):
-                    dq, ds16 = _dq_step_overlap(dq, ds16, e2 + u, kb0, q, do, ds_c, k_smem, v_smem, ready, empty,
-                                                turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 1, PINGPONG,
-                                                DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            if INTERVAL:
-                for j in range(e2, n_blocks):
-                    dq, ds16 = _dq_step_overlap(dq, ds16, j, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn,
-                                                lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG, DS_SMEM,
-                                                BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            sl = (n_blocks - 1) % STAGES  # n_blocks >= 1
-            if DS_SMEM:
-                dq = warpgroup_mma(ds_c, k_smem.index(sl), dq, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        rb = 0
+        it = 0
+        for t in range(first, n_items, gl.num_programs(0)):
+            pid_bh, off_m0, kb0, e1, e2, n_blocks, lse_base, row_base = _dq_item(
+                t, TAB, n_prog, H, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
+            off_m = off_m0 + C * BLOCK_M
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            lse = gl.load(LSE + lse_base + offs_m)
+            if INTERVAL:  # rows that keep no key: P = 0 in full steps too
+                lse = gl.where(lse == float("-inf"), float("inf"), lse)
+                lo_r = gl.load(LO + row_base + offs_m)
+                hi_r = gl.load(HI + row_base + offs_m)
             else:
-                dq = warpgroup_mma(ds16, k_smem.index(sl), dq, is_async=True)
-                dq, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
-            mbarrier.arrive(empty.index(sl))
-        else:
-            if INTERVAL:
-                for j in range(0, e1):
-                    dq = _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
-                                  off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            for j in range(e1, e2):
-                dq = _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r, off_m,
-                              qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            if CAUSAL:
-                for u in gl.static_range(N_DIAG):
-                    dq = _dq_step(dq, e2 + u, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
-                                  hi_r, off_m, qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            if INTERVAL:
-                for j in range(e2, n_blocks):
-                    dq = _dq_step(dq, j, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
-                                  off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-        if DIRECT_STORE:  # dQ (DQP, any dtype) from the registers
-            _store_rows(DQP, stride_dqm, off_m, dq * sm_scale, o_layout, BLOCK_M, HEAD_DIM)
-        else:
-            # Q's slot is free (every product reading it has completed): stage dQ there
-            q.store((dq * sm_scale).to(q.dtype))
-            fence_async_shared()
-            _tma_store(dq_desc, [off_m, 0], q)
-            tma.store_wait(pendings=0)
+                lo_r = 0
+                hi_r = 0
+            lse2 = lse * 1.4426950408889634
+            delta = gl.load(DELTA + lse_base + offs_m)
+            dq = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
+            mbarrier.wait(q_bar.index(C), it & 1)
+            if OVERLAP > 0:  # dQ of block j is issued with block j + 1's products (dS in registers or shared)
+                DS_SMEM: gl.constexpr = OVERLAP == 2
+                ds_c = ds_smem.index(C)
+                ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                ds16 = gl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype, layout=ds_op)
+                if DS_SMEM:  # the first block's deferred product reads zeros
+                    ds_c.store(gl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype, layout=s_layout))
+                    fence_async_shared()
+                    ds16 = 0
+                if INTERVAL:
+                    for j in range(0, e1):
+                        dq, ds16 = _dq_step_overlap(dq, ds16, j, rb, kb0, q, do, ds_c, k_smem, v_smem, ready, empty,
+                                                    turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG,
+                                                    DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                for j in range(e1, e2):
+                    dq, ds16 = _dq_step_overlap(dq, ds16, j, rb, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn,
+                                                lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 0, PINGPONG, DS_SMEM,
+                                                BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                if CAUSAL:
+                    for u in gl.static_range(N_DIAG):
+                        dq, ds16 = _dq_step_overlap(dq, ds16, e2 + u, rb, kb0, q, do, ds_c, k_smem, v_smem, ready,
+                                                    empty, turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 1,
+                                                    PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                if INTERVAL:
+                    for j in range(e2, n_blocks):
+                        dq, ds16 = _dq_step_overlap(dq, ds16, j, rb, kb0, q, do, ds_c, k_smem, v_smem, ready, empty,
+                                                    turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG,
+                                                    DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                sl = (rb + n_blocks - 1) % STAGES  # n_blocks >= 1
+                if DS_SMEM:
+                    dq = warpgroup_mma(ds_c, k_smem.index(sl), dq, is_async=True)
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                else:
+                    dq = warpgroup_mma(ds16, k_smem.index(sl), dq, is_async=True)
+                    dq, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
+                mbarrier.arrive(empty.index(sl))
+            else:
+                if INTERVAL:
+                    for j in range(0, e1):
+                        dq = _dq_step(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                                      hi_r, off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                      o_layout)
+                for j in range(e1, e2):
+                    dq = _dq_step(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
+                                  off_m, qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                if CAUSAL:
+                    for u in gl.static_range(N_DIAG):
+                        dq = _dq_step(dq, e2 + u, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta,
+                                      lo_r, hi_r, off_m, qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                      o_layout)
+                if INTERVAL:
+                    for j in range(e2, n_blocks):
+                        dq = _dq_step(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                                      hi_r, off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                      o_layout)
+            pid_b = pid_bh // H
+            pid_h = pid_bh % H
+            if DIRECT_STORE:  # dQ (any dtype) from the registers
+                DQP = DQ + pid_b.to(gl.int64) * stride_dqb + pid_h.to(gl.int64) * stride_dqh
+                _store_rows(DQP, stride_dqm, off_m, dq * sm_scale, o_layout, BLOCK_M, HEAD_DIM)
+            else:
+                # Q's slot is free (every product reading it has completed): stage dQ there
+                q.store((dq * sm_scale).to(q.dtype))
+                fence_async_shared()
+                _tma_store(dq_desc, [pid_b * dq_rb + pid_h * dq_rh + off_m, pid_h * dq_ch], q)
+                tma.store_wait(pendings=0)
+            if PERSISTENT:  # Q's and dO's slots may take the next item's tiles
+                mbarrier.arrive(q_empty.index(C))
+            rb += n_blocks
+            it += 1
 
-    @gluon.jit(do_not_specialize=["q_len", "kv_len"])
+    @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
+                                  "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dq_rb", "dq_rh", "dq_ch"])
     def _attn_bwd_dq_gluon(Q, K, V, DO, DQ, LSE, DELTA, LO, HI, TAB,
                            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                            stride_dqb, stride_dqh, stride_dqm,
-                           H, G, q_len, kv_len, LZB, LZH, qk_scale, sm_scale,
+                           H, G, q_len, kv_len, LZB, LZH, qk_scale, sm_scale, n_prog, n_items,
+                           q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                           dq_rb, dq_rh, dq_ch,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                            OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False):
-        """Grid ``(Lq / (2·BLOCK_M), B·H)``, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q, or
-        float32 with ``DIRECT_STORE`` (written from the registers, as the dK/dV kernel's).
+                           INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
+                           PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False):
+        """1-D grid, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q, or float32 with
+        ``DIRECT_STORE`` (written from the registers, as the dK/dV kernel's). Work items:
+        ``n_prog = Lq / (2·BLOCK_M)`` row tiles of each of the ``B·H`` heads (``n_items``); program
+        ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the grid is ``n_items`` and the
+        descriptors cover the program's batch·head; with it (as ``forward_gluon._attn_fwd_gluon``)
+        about one program per SM, descriptors over whole tensors as 2-D row views (``*_rb``,
+        ``*_rh``, ``*_ch``: rows per batch, rows per head, columns per head of Q, dO, K, V, dQ).
 
         ``INTERVAL``: row ``r`` of layout instance ``z = b·LZB + h·LZH`` keeps keys
-        ``LO[z, r] <= k < HI[z, r]`` (int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``) gives program
+        ``LO[z, r] <= k < HI[z, r]`` (int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``) gives row tile
         ``pid`` its key blocks ``(first, f0, f1, end)``: it visits ``[first, end)`` (``end > first``),
         of which ``[f0, f1)`` every row keeps whole (rows that keep nothing excepted)."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_M) % BLOCK_N == 0, "causal needs BLOCK_N | 2·BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or STAGES >= 2, "OVERLAP needs 2+ stages")
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        if CAUSAL:  # longest rows first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        b = (pid_bh // H).to(gl.int64)
-        h = pid_bh % H
-        hk = (h // G).to(gl.int64)
-        h = h.to(gl.int64)
+        BH = n_items // n_prog
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
-                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-        do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[q_len, HEAD_DIM],
-                                             strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                             layout=q_layout)
-        DQP = DQ + b * stride_dqb + h * stride_dqh
-        if DIRECT_STORE:  # not read
-            dq_desc = q_desc
-        else:
-            dq_desc = tma.make_tensor_descriptor(DQP, shape=[q_len, HEAD_DIM], strides=[stride_dqm, 1],
+        if PERSISTENT:  # whole tensors as 2-D views
+            n_b = BH // H
+            n_hk = H // G
+            q_desc = tma.make_tensor_descriptor(Q, shape=[(n_b - 1) * q_rb + (H - 1) * q_rh + q_len,
+                                                          (H - 1) * q_ch + HEAD_DIM], strides=[stride_qm, 1],
+                                                block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+            do_desc = tma.make_tensor_descriptor(DO, shape=[(n_b - 1) * do_rb + (H - 1) * do_rh + q_len,
+                                                            (H - 1) * do_ch + HEAD_DIM], strides=[stride_dom, 1],
                                                  block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
-                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=kv_layout)
-        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
-                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=kv_layout)
+            if DIRECT_STORE:  # not read
+                dq_desc = q_desc
+            else:
+                dq_desc = tma.make_tensor_descriptor(DQ, shape=[(n_b - 1) * dq_rb + (H - 1) * dq_rh + q_len,
+                                                                (H - 1) * dq_ch + HEAD_DIM], strides=[stride_dqm, 1],
+                                                     block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+            k_desc = tma.make_tensor_descriptor(K, shape=[(n_b - 1) * k_rb + (n_hk - 1) * k_rh + kv_len,
+                                                          (n_hk - 1) * k_ch + HEAD_DIM], strides=[stride_kn, 1],
+                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+            v_desc = tma.make_tensor_descriptor(V, shape=[(n_b - 1) * v_rb + (n_hk - 1) * v_rh + kv_len,
+                                                          (n_hk - 1) * v_ch + HEAD_DIM], strides=[stride_vn, 1],
+                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+        else:  # one item: descriptors over its batch·head, the item's coordinates relative to them
+            pid_bh = gl.program_id(0) // n_prog
+            b = (pid_bh // H).to(gl.int64)
+            h = pid_bh % H
+            hk = (h // G).to(gl.int64)
+            h = h.to(gl.int64)
+            q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
+                                                strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                                layout=q_layout)
+            do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[q_len, HEAD_DIM],
+                                                 strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                                 layout=q_layout)
+            if DIRECT_STORE:  # not read
+                dq_desc = q_desc
+            else:
+                dq_desc = tma.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[q_len, HEAD_DIM],
+                                                     strides=[stride_dqm, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                                     layout=q_layout)
+            k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
+                                                strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                                layout=kv_layout)
+            v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
+                                                strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                                layout=kv_layout)
+            q_rb = 0
+            q_rh = 0
+            q_ch = 0
+            do_rb = 0
+            do_rh = 0
+            do_ch = 0
+            k_rb = 0
+            k_rh = 0
+            k_ch = 0
+            v_rb = 0
+            v_rh = 0
+            v_ch = 0
+            dq_rb = 0
+            dq_rh = 0
+            dq_ch = 0
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -799,46 +914,32 @@ if gluon is not None:
             ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64],
                                                                                                         dtype))
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(q_bar.index(c), count=1)
+            mbarrier.init(q_empty.index(c), count=1)
             mbarrier.init(turn.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
         fence_async_shared()
-
-        off_m = pid_m * (2 * BLOCK_M)
-        lse_base = pid_bh.to(gl.int64) * q_len
-        if INTERVAL:  # this row tile's key blocks from the table
-            z = ((pid_bh // H) * LZB + (pid_bh % H) * LZH).to(gl.int64)
-            row_base = z * q_len
-            tab = TAB + (z * gl.num_programs(0) + pid_m) * 4
-            kb0 = gl.load(tab)
-            e1 = gl.load(tab + 1) - kb0
-            e2 = gl.load(tab + 2) - kb0
-            n_blocks = gl.load(tab + 3) - kb0
-        else:
-            row_base = lse_base
-            kb0 = 0
-            e1 = 0
-            if CAUSAL:
-                e2 = off_m // BLOCK_N  # key blocks before the program's diagonal rows
-                n_blocks = e2 + (2 * BLOCK_M) // BLOCK_N
-            else:
-                e2 = kv_len // BLOCK_N
-                n_blocks = e2
+        first = gl.program_id(0)
         gl.warp_specialize([
-            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready,
-                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale, DQP,
-                            stride_dqm, 0, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, TAB, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
+                            q_empty, ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch,
+                            first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, 0, CAUSAL,
+                            INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                             DIRECT_STORE)),
-            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, ready,
-                            empty, turn, off_m, kb0, e1, e2, n_blocks, lse_base, row_base, qk_scale, sm_scale, DQP,
-                            stride_dqm, 1, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, TAB, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
+                            q_empty, ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch,
+                            first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, 1, CAUSAL,
+                            INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                             DIRECT_STORE)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                            off_m, kb0, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_empty, ready,
+                            empty, TAB, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                            first, n_items, n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR,
+                            BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -27,6 +27,12 @@ per layout, heaviest programs first); blocks that every row of the program keeps
 unmasked step, the others compare each key with the row's two bounds (held in registers). Rows
 that keep nothing give O = 0 and LSE = -inf, as ``kernels/forward.py``.
 
+``PERSISTENT``: a grid of about one program per SM, each walking work items (a query tile of one
+head) ``pid, pid + grid, ...`` as FlashAttention-3's persistent scheduler does; the producer loads
+the next item's Q and first K/V tiles while the consumers finish the current one, and O leaves
+through its own staging tile. Short items (windows, documents: ~10 key blocks each) otherwise pay
+a program's start and end on every tile.
+
 Output: ``O`` in Q's dtype and ``LSE`` (natural log, float32, ``(B·H, Lq)`` flat), as
 ``kernels/forward.py`` writes them. Rows past ``Lq`` are computed on zero-filled Q rows and
 clipped by the TMA store; ``Lk`` must be a multiple of ``BLOCK_N``.
@@ -78,24 +84,98 @@ def gluon_available() -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                      off_m, kb0, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: both consumers' Q tiles, then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the
-        ring (ring position ``j`` holds key block ``kb0 + j``)."""
-        for c in gl.static_range(2):
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [off_m + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
-        for j in range(n_blocks):
-            s = j % STAGES
-            # a fresh barrier counts as having completed the phase before its first: the first
-            # pass through the ring waits on parity 1 and does not block
-            free = ((j // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(s), free)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [(kb0 + j) * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
-            mbarrier.wait(v_empty.index(s), free)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [(kb0 + j) * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+    def _item_tile(t, n_prog, BH, M_MAJOR: gl.constexpr):
+        """``(pid_m, pid_bh)`` of work item ``t`` out of ``BH·n_prog``: head by head (``pid_m``
+        fastest) or, with ``M_MAJOR``, one row tile of every head before the next, dealt to the
+        programs in a snake order (every second complete pass over the grid's programs runs in
+        reverse), so that a program that drew a long tile draws a short one next."""
+        if M_MAJOR:
+            n_grid = gl.num_programs(0)
+            sweep = t // n_grid
+            if (sweep % 2 == 1) & ((sweep + 1) * n_grid <= BH * n_prog):
+                t = sweep * n_grid + (n_grid - 1 - t % n_grid)
+            pid_m = t // BH
+            pid_bh = t % BH
+        else:
+            pid_m = t % n_prog
+            pid_bh = t // n_prog
+        return pid_m, pid_bh
+
+    @gluon.jit
+    def _fwd_item(t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                  M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Work item ``t``: ``(pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base)``, in
+        :func:`_item_tile`'s order (with ``M_MAJOR`` the longest first: interval tables are sorted
+        heaviest first)."""
+        pid_m, pid_bh = _item_tile(t, n_prog, BH, M_MAJOR)
+        if CAUSAL:  # longest rows first
+            pid_m = n_prog - 1 - pid_m
+        if INTERVAL:
+            z = (pid_bh // H) * LZB + (pid_bh % H) * LZH
+            row_base = z.to(gl.int64) * (n_prog * (2 * BLOCK_M))
+            tab = TILES + (z.to(gl.int64) * n_prog + pid_m) * 5
+            off_m = gl.load(tab) * (2 * BLOCK_M)
+            kb0 = gl.load(tab + 1)
+            e1 = gl.load(tab + 2)
+            e2 = gl.load(tab + 3)
+            n_blocks = gl.load(tab + 4)
+            n_full = n_blocks
+        else:
+            row_base = 0
+            off_m = pid_m * (2 * BLOCK_M)
+            kb0 = 0
+            if CAUSAL:
+                n_full = pid_m  # key blocks before the diagonal one (BLOCK_N == 2 * BLOCK_M)
+                n_blocks = pid_m + 1
+            else:
+                n_full = kv_len // BLOCK_N
+                n_blocks = n_full
+            e1 = n_blocks
+            e2 = n_blocks
+        return pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base
+
+    @gluon.jit
+    def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                      v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog,
+                      H, G, BH, LZB, LZH, kv_len,
+                      CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: per work item both consumers' Q tiles (once the consumers have released the
+        previous item's), then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring. Ring
+        positions count on across items (position ``g`` uses slot ``g % STAGES``).
+
+        ``*_rb``, ``*_rh``, ``*_ch``: where a batch·head's tiles lie in the descriptor's 2-D view
+        (rows per batch, rows per head, columns per head; zeros where the descriptor covers one
+        batch·head)."""
+        rb = 0
+        it = 0
+        for t in range(first, n_items, gl.num_programs(0)):
+            pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
+                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
+            b = pid_bh // H
+            h = pid_bh % H
+            hk = h // G
+            q_row = b * q_rb + h * q_rh + off_m
+            k_row = b * k_rb + hk * k_rh + kb0 * BLOCK_N
+            v_row = b * v_rb + hk * v_rh + kb0 * BLOCK_N
+            for c in gl.static_range(2):
+                # a fresh barrier counts as having completed the phase before its first: the first
+                # wait on parity 1 does not block
+                mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
+                mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row + c * BLOCK_M, h * q_ch], q_bar.index(c), q_smem.index(c))
+            for j in range(n_blocks):
+                g = rb + j
+                s = g % STAGES
+                free = ((g // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(s), free)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [k_row + j * BLOCK_N, hk * k_ch], k_ready.index(s), k_smem.index(s))
+                mbarrier.wait(v_empty.index(s), free)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [v_row + j * BLOCK_N, hk * v_ch], v_ready.index(s), v_smem.index(s))
+            rb += n_blocks
+            it += 1
 
     @gluon.jit
     def _fwd_softmax(sc, m_i, l_i, off_m, kb, lo_r, hi_r, qk_scale, MASK: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -127,17 +207,17 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
-    def _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                  qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
+    def _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
+                  v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr):
-        """Ring position ``j`` (key block ``kb0 + j``) for one consumer, in order: S = Q·Kᵀ, softmax,
-        O += P·V, slot released."""
-        s = j % STAGES
-        ph = (j // STAGES) & 1
+        """Step ``j`` of a work item (key block ``kb0 + j``, ring position ``rb + j``, turn ``tb + j``)
+        for one consumer, in order: S = Q·Kᵀ, softmax, O += P·V, slot released."""
+        s = (rb + j) % STAGES
+        ph = ((rb + j) // STAGES) & 1
         mbarrier.wait(k_ready.index(s), ph)
         if PINGPONG:  # my turn to issue products: the other group has issued its previous step
-            mbarrier.wait(turn.index(C), j & 1)
+            mbarrier.wait(turn.index(C), (tb + j) & 1)
         sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
                            is_async=True)
@@ -156,23 +236,24 @@ if gluon is not None:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
-                          v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
+    def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready,
+                          k_empty, v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                           s_layout: gl.constexpr, o_layout: gl.constexpr):
         """Ring position ``j`` overlapped with the end of position ``j - 1`` (FlashAttention-3's
         intra-group pipelining): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} issued together, softmax of S_j
         while the second product runs; returns O rescaled for P_j and P_j (as the next product's
         operand)."""
-        s = j % STAGES
-        sp = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        g = rb + j
+        s = g % STAGES
+        sp = (g - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn.index(C), j & 1)
+            mbarrier.wait(turn.index(C), (tb + j) & 1)
         sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
                            is_async=True)
-        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(sp), ((g - 1) // STAGES) & 1)
         acc = warpgroup_mma(p16, v_smem.index(sp), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - C))
@@ -187,34 +268,35 @@ if gluon is not None:
         return acc, p16, m_i, l_i
 
     @gluon.jit
-    def _fwd_first(q, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
+    def _fwd_first(q, rb, tb, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
                    C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-        """Ring position 0 alone (the overlapped loop's start): S_0, its softmax, P_0 as an operand."""
-        mbarrier.wait(k_ready.index(0), 0)
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """Step 0 alone (the overlapped loop's start): S_0, its softmax, P_0 as an operand."""
+        s = rb % STAGES
+        mbarrier.wait(k_ready.index(s), (rb // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn.index(C), 0)
-        sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+            mbarrier.wait(turn.index(C), tb & 1)
+        sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
                            is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - C))
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(s))
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0, lo_r, hi_r, qk_scale, MASK, BLOCK_M, BLOCK_N,
                                           s_layout)
         p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         return p16, m_i, l_i
 
     @gluon.jit
-    def _fwd_last(acc, p16, n_blocks, v_smem, v_ready, v_empty, turn, C: gl.constexpr, PINGPONG: gl.constexpr,
+    def _fwd_last(acc, p16, n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C: gl.constexpr, PINGPONG: gl.constexpr,
                   STAGES: gl.constexpr):
-        """The overlapped loop's end: O += P·V of the last ring position ``n_blocks - 1``."""
-        last = n_blocks - 1
+        """The overlapped loop's end: O += P·V of the last step ``n_blocks - 1``."""
+        last = rb + n_blocks - 1
         sl = last % STAGES
         mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn.index(C), n_blocks & 1)
+            mbarrier.wait(turn.index(C), (tb + n_blocks) & 1)
         acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - C))
@@ -223,160 +305,217 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _fwd_consumer(o_desc, LSE, LO, HI, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                      off_m0, kb0, n_full, e1, e2, n_blocks, q_len, lse_base, row_base, qk_scale,
-                      C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
+    def _fwd_consumer(o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                      k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len,
+                      qk_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                      M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr):
-        """Consumer ``C`` (a warp group): query rows ``off_m0 + C·BLOCK_M ..``.
+        """Consumer ``C`` (a warp group): per work item, query rows ``off_m + C·BLOCK_M ..``.
 
         Dense / ``CAUSAL``: ``n_full`` full key blocks from block 0 (and, with ``CAUSAL``, the
-        diagonal block). ``INTERVAL``: ring positions ``0 .. n_blocks - 1`` hold key blocks
-        ``kb0 ..``; position 0 and positions ``[1, e1)`` and ``[e2, n_blocks)`` are masked against
-        each row's interval ``[LO[r], HI[r])`` (read once, ``row_base + r``), positions ``[e1, e2)``
-        are full for every row. Then O and LSE (rows that kept nothing: O = 0, LSE = -inf)."""
+        diagonal block). ``INTERVAL``: steps ``0 .. n_blocks - 1`` visit key blocks ``kb0 ..``;
+        step 0 and steps ``[1, e1)`` and ``[e2, n_blocks)`` are masked against each row's interval
+        ``[LO[r], HI[r])`` (read once per item, ``row_base + r``), steps ``[e1, e2)`` are full for
+        every row. Then O and LSE (rows that kept nothing: O = 0, LSE = -inf). Ring positions and
+        ping-pong turns count on across items; the Q slot is released to the producer once the
+        item's products are done, and with ``PERSISTENT`` O is staged in its own tile, whose TMA
+        store completes while the next item runs."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
-        off_m = off_m0 + C * BLOCK_M
         q = q_smem.index(C)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
-        if INTERVAL:  # the tables are padded to whole programs: no bounds check
-            rows = row_base + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            lo_r = gl.load(LO + rows)
-            hi_r = gl.load(HI + rows)
-        else:
-            lo_r = off_m
-            hi_r = off_m
+        o_buf = o_smem.index(C)
         if PINGPONG:
             if C == 0:  # group 0 takes the first turn
                 mbarrier.arrive(turn.index(0))
-        mbarrier.wait(q_bar.index(C), 0)
-        if INTERVAL:
-            if OVERLAP:
-                p16, m_i, l_i = _fwd_first(q, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn,
-                                           qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, s_layout, o_layout)
-                for j in range(1, e1):
-                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem,
-                                                           v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
-                                                           C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                                           o_layout)
-                for j in range(e1, e2):
-                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem,
-                                                           v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
-                                                           C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                                           o_layout)
-                for j in range(e2, n_blocks):
-                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem,
-                                                           v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale,
-                                                           C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                                           o_layout)
-                acc = _fwd_last(acc, p16, n_blocks, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
+        rb = 0
+        tb = 0
+        it = 0
+        for t in range(first, n_items, gl.num_programs(0)):
+            pid_bh, off_m0, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
+                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
+            off_m = off_m0 + C * BLOCK_M
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
+            if INTERVAL:  # the tables are padded to whole programs: no bounds check
+                rows = row_base + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                lo_r = gl.load(LO + rows)
+                hi_r = gl.load(HI + rows)
             else:
-                for j in range(0, e1):
-                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
-                                              v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
-                                              BLOCK_N, STAGES, s_layout, o_layout)
-                for j in range(e1, e2):
-                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
-                                              v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG, BLOCK_M,
-                                              BLOCK_N, STAGES, s_layout, o_layout)
-                for j in range(e2, n_blocks):
-                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
-                                              v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
-                                              BLOCK_N, STAGES, s_layout, o_layout)
-        elif OVERLAP:
-            # block 0 alone (masked when causal: the predicate is exact on any block), then blocks
-            # 1 .. n-1 each overlapped with the previous one's P·V, then the last P·V
-            p16, m_i, l_i = _fwd_first(q, 0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
-                                       C, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, s_layout, o_layout)
-            n_plain = n_blocks - CAUSAL
-            for j in range(1, n_plain):
-                acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, 0, off_m, lo_r, hi_r, k_smem, v_smem,
-                                                       k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0,
-                                                       PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-            if CAUSAL:
-                if n_full > 0:
-                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, n_full, 0, off_m, lo_r, hi_r,
+                lo_r = off_m
+                hi_r = off_m
+            mbarrier.wait(q_bar.index(C), it & 1)
+            if INTERVAL:
+                if OVERLAP:
+                    p16, m_i, l_i = _fwd_first(q, rb, tb, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty,
+                                               turn, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                               o_layout)
+                    for j in range(1, e1):
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r,
+                                                               k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                                               qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                               s_layout, o_layout)
+                    for j in range(e1, e2):
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r,
+                                                               k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                                               qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                               s_layout, o_layout)
+                    for j in range(e2, n_blocks):
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r,
+                                                               k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                                               qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                               s_layout, o_layout)
+                    acc = _fwd_last(acc, p16, n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
+                else:
+                    for j in range(0, e1):
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem,
+                                                  k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
+                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                    for j in range(e1, e2):
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem,
+                                                  k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG,
+                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                    for j in range(e2, n_blocks):
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem,
+                                                  k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
+                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            elif OVERLAP:
+                # block 0 alone (masked when causal: the predicate is exact on any block), then blocks
+                # 1 .. n-1 each overlapped with the previous one's P·V, then the last P·V
+                p16, m_i, l_i = _fwd_first(q, rb, tb, 0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn,
+                                           qk_scale, C, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                n_plain = n_blocks - CAUSAL
+                for j in range(1, n_plain):
+                    acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r,
                                                            k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                                           qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                           qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                                            s_layout, o_layout)
-            acc = _fwd_last(acc, p16, n_blocks, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
-        else:
-            for j in range(n_full):
-                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, 0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready,
-                                          k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                          s_layout, o_layout)
-            if CAUSAL:
-                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, n_full, 0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready,
-                                          v_ready, k_empty, v_empty, turn, qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N,
-                                          STAGES, s_layout, o_layout)
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        if INTERVAL:  # rows that kept nothing: O = 0 and LSE = -inf, as kernels/forward.py writes them
-            out = gl.where(gl.expand_dims(l_o == 0.0, 1), 0.0, acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1))
-        else:
-            out = acc / gl.expand_dims(l_o, 1)
-        # Q's slot is free (every product reading it has completed): stage O there for the TMA store
-        q.store(out.to(q.dtype))
-        fence_async_shared()
-        _tma_store(o_desc, [off_m, 0], q)
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        if INTERVAL:
-            empty = l_i == 0.0
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        else:
-            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-        gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < q_len)
+                if CAUSAL:
+                    if n_full > 0:
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, n_full, rb, tb, 0, off_m, lo_r,
+                                                               hi_r, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                                               turn, qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                               s_layout, o_layout)
+                acc = _fwd_last(acc, p16, n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
+            else:
+                for j in range(n_full):
+                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r, k_smem, v_smem,
+                                              k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG,
+                                              BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                if CAUSAL:
+                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, n_full, rb, tb, 0, off_m, lo_r, hi_r, k_smem, v_smem,
+                                              k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 1, PINGPONG,
+                                              BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+            if PERSISTENT:  # every product reading Q has completed: the producer may load the next item's
+                mbarrier.arrive(q_empty.index(C))
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            if INTERVAL:  # rows that kept nothing: O = 0 and LSE = -inf, as kernels/forward.py writes them
+                out = gl.where(gl.expand_dims(l_o == 0.0, 1), 0.0,
+                               acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1))
+            else:
+                out = acc / gl.expand_dims(l_o, 1)
+            if PERSISTENT:  # the previous item's O has left its staging tile
+                tma.store_wait(pendings=0)
+            # without PERSISTENT o_buf is Q's slot, free once every product reading it has completed
+            o_buf.store(out.to(q.dtype))
+            fence_async_shared()
+            pid_b = pid_bh // H
+            pid_h = pid_bh % H
+            _tma_store(o_desc, [pid_b * o_rb + pid_h * o_rh + off_m, pid_h * o_ch], o_buf)
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            if INTERVAL:
+                empty = l_i == 0.0
+                lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            else:
+                lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            gl.store(LSE + pid_bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+            rb += n_blocks
+            tb += n_blocks + OVERLAP
+            it += 1
         tma.store_wait(pendings=0)
 
-    @gluon.jit(do_not_specialize=["q_len", "kv_len"])
+    @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "k_rb", "k_rh",
+                                  "k_ch", "v_rb", "v_rh", "v_ch", "o_rb", "o_rh", "o_ch"])
     def _attn_fwd_gluon(Q, K, V, O, LSE, LO, HI, TILES,
                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                        H, G, LZB, LZH, q_len, kv_len, qk_scale,
+                        H, G, LZB, LZH, q_len, kv_len, n_prog, n_items, qk_scale,
+                        q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, o_rb, o_rh, o_ch,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
-                        OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Grid ``(cdiv(Lq, 2·BLOCK_M), B·H)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
-        1-warp producer. ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q;
-        ``qk_scale = scale · log2(e)``.
+                        OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, M_MAJOR: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer.
+        ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q; ``qk_scale = scale · log2(e)``.
+        Work items: ``n_prog = cdiv(Lq, 2·BLOCK_M)`` query tiles of each of the ``B·H`` heads
+        (``n_items``); program ``p`` runs items ``p, p + grid, ...``.
+
+        Without ``PERSISTENT`` the grid is ``n_items`` (one item per program, head by head), and
+        each program builds descriptors over its batch·head (rows past ``Lq`` clipped). With
+        ``PERSISTENT`` (``Lq`` a multiple of ``2·BLOCK_M``) the grid is about one program per SM:
+        the descriptors cover whole tensors as 2-D ``(rows, columns)`` views built once per program,
+        where batch·head ``(b, h)``'s rows start at ``b·*_rb + h·*_rh`` and its columns at
+        ``h·*_ch`` (``*_rb``: Q, K, V and O's rows per batch, and so on), and causal and interval
+        items run, with ``M_MAJOR``, one query tile of every head at a time (else head by head); the producer loads
+        an item's Q and first K/V while the consumers finish the item before.
 
         ``INTERVAL``: row ``r`` of layout instance ``z = b·LZB + h·LZH`` keeps keys
         ``LO[z, r] <= k < HI[z, r]`` (int32 ``(Z, P·2·BLOCK_M)`` for ``P`` programs per head);
-        ``TILES`` (int32 ``(Z, P, 5)``, heaviest programs first) gives program ``pid`` its
+        ``TILES`` (int32 ``(Z, P, 5)``, heaviest programs first) gives tile ``pid`` its
         ``(tile, kb0, e1, e2, n_blocks)``: query rows ``tile·2·BLOCK_M ..``, key blocks
-        ``kb0 .. kb0 + n_blocks - 1`` of which ring positions ``[e1, e2)`` are full for every row
+        ``kb0 .. kb0 + n_blocks - 1`` of which steps ``[e1, e2)`` are full for every row
         (``1 <= e1 <= e2 <= n_blocks``, ``n_blocks >= 1``). Otherwise LO/HI/TILES are not read."""
         gl.static_assert(not CAUSAL or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        if CAUSAL:  # longest rows first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        b = (pid_bh // H).to(gl.int64)
-        h = pid_bh % H
-        hk = (h // G).to(gl.int64)
-        h = h.to(gl.int64)
+        BH = n_items // n_prog
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
-                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
-                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=kv_layout)
-        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
-                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=kv_layout)
-        o_desc = tma.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[q_len, HEAD_DIM],
-                                            strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+        if PERSISTENT:  # whole tensors as 2-D views (zero strides of broadcast heads included)
+            n_b = BH // H
+            n_hk = H // G
+            q_desc = tma.make_tensor_descriptor(Q, shape=[(n_b - 1) * q_rb + (H - 1) * q_rh + q_len,
+                                                          (H - 1) * q_ch + HEAD_DIM], strides=[stride_qm, 1],
+                                                block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+            k_desc = tma.make_tensor_descriptor(K, shape=[(n_b - 1) * k_rb + (n_hk - 1) * k_rh + kv_len,
+                                                          (n_hk - 1) * k_ch + HEAD_DIM], strides=[stride_kn, 1],
+                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+            v_desc = tma.make_tensor_descriptor(V, shape=[(n_b - 1) * v_rb + (n_hk - 1) * v_rh + kv_len,
+                                                          (n_hk - 1) * v_ch + HEAD_DIM], strides=[stride_vn, 1],
+                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+            o_desc = tma.make_tensor_descriptor(O, shape=[(n_b - 1) * o_rb + (H - 1) * o_rh + q_len,
+                                                          (H - 1) * o_ch + HEAD_DIM], strides=[stride_om, 1],
+                                                block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
+        else:  # one item: descriptors over its batch·head, the item's coordinates relative to them
+            pid_bh = gl.program_id(0) // n_prog
+            b = (pid_bh // H).to(gl.int64)
+            h = pid_bh % H
+            hk = (h // G).to(gl.int64)
+            h = h.to(gl.int64)
+            q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
+                                                strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                                layout=q_layout)
+            k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
+                                                strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                                layout=kv_layout)
+            v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
+                                                strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                                layout=kv_layout)
+            o_desc = tma.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[q_len, HEAD_DIM],
+                                                strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                                layout=q_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        if PERSISTENT:
+            o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        else:
+            o_smem = q_smem
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -384,6 +523,7 @@ if gluon is not None:
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(q_bar.index(c), count=1)
+            mbarrier.init(q_empty.index(c), count=1)
             mbarrier.init(turn.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(s), count=1)
@@ -391,38 +531,31 @@ if gluon is not None:
             mbarrier.init(k_empty.index(s), count=2)  # both consumers release a slot's K ...
             mbarrier.init(v_empty.index(s), count=2)  # ... and its V
         fence_async_shared()
-
-        lse_base = pid_bh.to(gl.int64) * q_len
-        if INTERVAL:
-            z = (pid_bh // H) * LZB + (pid_bh % H) * LZH
-            n_prog = gl.num_programs(0)
-            row_base = z.to(gl.int64) * (n_prog * (2 * BLOCK_M))
-            t = TILES + (z.to(gl.int64) * n_prog + pid_m) * 5
-            off_m = gl.load(t) * (2 * BLOCK_M)
-            kb0 = gl.load(t + 1)
-            e1 = gl.load(t + 2)
-            e2 = gl.load(t + 3)
-            n_blocks = gl.load(t + 4)
-            n_full = n_blocks
-        else:
-            row_base = lse_base
-            off_m = pid_m * (2 * BLOCK_M)
-            kb0 = 0
-            if CAUSAL:
-                n_full = pid_m  # key blocks before the diagonal one (BLOCK_N == 2 * BLOCK_M)
-                n_blocks = pid_m + 1
-            else:
-                n_full = kv_len // BLOCK_N
-                n_blocks = n_full
-            e1 = n_blocks
-            e2 = n_blocks
+        if not PERSISTENT:  # coordinates relative to the item's batch·head
+            q_rb = 0
+            q_rh = 0
+            q_ch = 0
+            k_rb = 0
+            k_rh = 0
+            k_ch = 0
+            v_rb = 0
+            v_rh = 0
+            v_ch = 0
+            o_rb = 0
+            o_rh = 0
+            o_ch = 0
+        first = gl.program_id(0)
         gl.warp_specialize([
-            (_fwd_consumer, (o_desc, LSE, LO, HI, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                             turn, off_m, kb0, n_full, e1, e2, n_blocks, q_len, lse_base, row_base, qk_scale,
-                             0, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_fwd_consumer, (o_desc, LSE, LO, HI, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                             turn, off_m, kb0, n_full, e1, e2, n_blocks, q_len, lse_base, row_base, qk_scale,
-                             1, CAUSAL, INTERVAL, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                             v_empty, off_m, kb0, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                             v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
+                             LZH, q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                             v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
+                             LZH, q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first,
+                             n_items, n_prog, H, G, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M,
+                             BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

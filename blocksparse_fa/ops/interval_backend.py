@@ -211,7 +211,7 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
     128, ``Lk`` a multiple of the tiles' ``block_n`` and tensors that tensor descriptors address.
     Not chosen automatically yet: ``benchmarks/experiments/documents_gpu.py`` checks and times it."""
     from ..compiler.device_intervals import gluon_interval_tables
-    from .triton_backend import GluonConfig, _ensure_tma_allocator, _fg
+    from .triton_backend import GluonConfig, _gluon_fwd_run
 
     cfg = cfg or GluonConfig()
     why = select.hardware(q.device).gluon
@@ -225,7 +225,6 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
     lse = _new_like(q, shape=(s.B, s.H, s.Lq), dtype=torch.float32)
     if not select.tma_ok(q, k, v, out):
         raise ValueError("gluon_interval_forward: tensor descriptors need 16-byte aligned tensors and strides")
-    _ensure_tma_allocator(q.device)
     z = iv.lo.shape[0] * iv.lo.shape[1]
     lo, hi = iv.lo.view(z, s.Lq), iv.hi.view(z, s.Lq)
 
@@ -236,12 +235,7 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
     lo_p, hi_p, tiles = cached_table(iv, ("gluon", cfg.block_m, cfg.block_n), tables)
     lo, hi = (lo, hi) if lo_p is None else (lo_p, hi_p)
     zb, zh, _ = _strides(iv, s.Lk)
-    _fg._attn_fwd_gluon[(-(-s.Lq // (2 * cfg.block_m)), s.B * s.H)](
-        q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        s.H, s.G, zb, zh, s.Lq, s.Lk, scale * _LOG2E, HEAD_DIM=s.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages, CAUSAL=False, INTERVAL=True, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
-        PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+    _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, zb, zh, s, scale, "interval", cfg)
     return out, lse
 
 

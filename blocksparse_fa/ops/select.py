@@ -42,11 +42,13 @@ _16BIT = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class Hardware:
     """What a device can run: its type (``"cuda"``, ``"cpu"``, ``"meta"``), compute capability
-    (CUDA) and ``gluon``, the reason the Gluon Hopper kernels cannot run there (``""``: they can)."""
+    (CUDA), ``gluon``, the reason the Gluon Hopper kernels cannot run there (``""``: they can), and
+    ``sm_count``, its streaming multiprocessors (CUDA; the persistent kernels' grid)."""
 
     type: str
     capability: tuple | None = None
     gluon: str = "not a CUDA device"
+    sm_count: int = 0
 
     @property
     def hopper(self) -> bool:
@@ -81,8 +83,11 @@ def hardware(device: torch.device) -> Hardware:
         device = torch.device("cuda", torch.cuda.current_device())
     hw = _HW.get(device)
     if hw is None:
-        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        hw = _HW[device] = Hardware(device.type, cap, _gluon_unavailable(device))
+        cap, sms = None, 0
+        if device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        hw = _HW[device] = Hardware(device.type, cap, _gluon_unavailable(device), sms)
     return hw
 
 
