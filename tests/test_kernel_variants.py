@@ -286,6 +286,9 @@ def test_persistent_gluon_forward_launch_geometry(monkeypatch):
     odd = torch.empty_strided((2, 1, 256, 64), (256 * 64 + 8, 0, 64, 1), **meta)
     assert run(odd, torch.empty(2, 1, 256, 64, **meta))[:2] == (4, False)
     assert run(q, k, GluonConfig(persistent=False)) == (16, False, (0,) * 12)
+    # rows past int32 in a view (a slice of a much longer buffer): one program per tile
+    huge = torch.empty_strided((2, 4, 256, 64), (2**37, 256 * 64, 64, 1), **meta)
+    assert run(huge, k)[:2] == (16, False)
     # causal layouts keep one program per tile
     t = torch.empty(1, dtype=torch.int32, device="meta")
     s = Shapes(2, 4, 2, 256, 256, 64)

@@ -579,8 +579,10 @@ def _persistent_grid(tensors, n_items: int, allowed: bool):
     ``geometry``: the views' ``(rows per batch, rows per head, columns per head)`` flattened (zeros
     when not persistent), ``grid``: the programs."""
     views = [(0, 0, 0) if t is None else _row_view(t) for t in tensors] if allowed else [None]
+    # the kernels index the views' rows in int32
     persistent = all(vw is not None for vw in views) and all(
-        t.shape[0] * t.shape[1] * t.shape[2] < 2**31 for t in tensors if t is not None)
+        (t.shape[0] - 1) * vw[0] + (t.shape[1] - 1) * vw[1] + t.shape[2] < 2**31
+        for t, vw in zip(tensors, views) if t is not None)
     if not persistent:
         return False, [0] * (3 * len(tensors)), n_items
     dev = next(t.device for t in tensors if t is not None)
