@@ -311,6 +311,14 @@ def test_gluon_backward_float32_and_direct_stores(kind):
     assert ((base[0].float() - direct[0].float()).abs().max() / base[0].float().abs().max()).item() < 1e-2
 
 
+def _rand_heads(B, h, L, D, memory, g):
+    """Random bf16 ``(B, h, L, D)``: heads stacked along rows (``"bhld"`` memory) or a
+    ``(B, L, h, D)`` tensor viewed transposed (``"blhd"``)."""
+    if memory == "bhld":
+        return torch.randn(B, h, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return torch.randn(B, L, h, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("kind", ["dense", "causal", "window", "documents"])
@@ -326,13 +334,7 @@ def test_persistent_gluon_forward_equals_per_tile(kind, memory):
 
     B, H, Hkv, L, D = 2, 4, 2, 1024, 128
     g = torch.Generator(device="cuda").manual_seed(3)
-
-    def make(h):
-        if memory == "bhld":
-            return torch.randn(B, h, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        return torch.randn(B, L, h, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-
-    q, k, v = make(H), make(Hkv), make(Hkv)
+    q, k, v = (_rand_heads(B, h, L, D, memory, g) for h in (H, Hkv, Hkv))
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([128, 384, 256, 256]))
     mask = {"dense": bsfa.full(), "causal": bsfa.causal(), "window": bsfa.sliding_window(300),
             "documents": bsfa.causal() & bsfa.document(ids)}[kind]
@@ -367,13 +369,7 @@ def test_persistent_gluon_dq_equals_per_tile(kind, memory):
 
     B, H, Hkv, L, D = 2, 4, 2, 1024, 128
     g = torch.Generator(device="cuda").manual_seed(5)
-
-    def make(h):
-        if memory == "bhld":
-            return torch.randn(B, h, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        return torch.randn(B, L, h, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-
-    q, k, v, do = make(H), make(Hkv), make(Hkv), make(H)
+    q, k, v, do = (_rand_heads(B, h, L, D, memory, g) for h in (H, Hkv, Hkv, H))
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([128, 384, 256, 256]))
     mask = {"dense": bsfa.full(), "window": bsfa.sliding_window(300),
             "documents": bsfa.causal() & bsfa.document(ids)}[kind]

@@ -843,51 +843,28 @@ if gluon is not None:
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        if PERSISTENT:  # whole tensors as 2-D views
-            n_b = BH // H
-            n_hk = H // G
-            q_desc = tma.make_tensor_descriptor(Q, shape=[(n_b - 1) * q_rb + (H - 1) * q_rh + q_len,
-                                                          (H - 1) * q_ch + HEAD_DIM], strides=[stride_qm, 1],
-                                                block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-            do_desc = tma.make_tensor_descriptor(DO, shape=[(n_b - 1) * do_rb + (H - 1) * do_rh + q_len,
-                                                            (H - 1) * do_ch + HEAD_DIM], strides=[stride_dom, 1],
-                                                 block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-            if DIRECT_STORE:  # not read
-                dq_desc = q_desc
-            else:
-                dq_desc = tma.make_tensor_descriptor(DQ, shape=[(n_b - 1) * dq_rb + (H - 1) * dq_rh + q_len,
-                                                                (H - 1) * dq_ch + HEAD_DIM], strides=[stride_dqm, 1],
-                                                     block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-            k_desc = tma.make_tensor_descriptor(K, shape=[(n_b - 1) * k_rb + (n_hk - 1) * k_rh + kv_len,
-                                                          (n_hk - 1) * k_ch + HEAD_DIM], strides=[stride_kn, 1],
-                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-            v_desc = tma.make_tensor_descriptor(V, shape=[(n_b - 1) * v_rb + (n_hk - 1) * v_rh + kv_len,
-                                                          (n_hk - 1) * v_ch + HEAD_DIM], strides=[stride_vn, 1],
-                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-        else:  # one item: descriptors over its batch·head, the item's coordinates relative to them
-            pid_bh = gl.program_id(0) // n_prog
-            b = (pid_bh // H).to(gl.int64)
-            h = pid_bh % H
-            hk = (h // G).to(gl.int64)
-            h = h.to(gl.int64)
-            q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
-                                                strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                                layout=q_layout)
-            do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[q_len, HEAD_DIM],
-                                                 strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                                 layout=q_layout)
-            if DIRECT_STORE:  # not read
-                dq_desc = q_desc
-            else:
-                dq_desc = tma.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[q_len, HEAD_DIM],
-                                                     strides=[stride_dqm, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                                     layout=q_layout)
-            k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
-                                                strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                                layout=kv_layout)
-            v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
-                                                strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                                layout=kv_layout)
+        # one item per program: descriptors over its batch·head; persistent: over whole tensors
+        pid_bh = gl.program_id(0) // n_prog
+        b = (pid_bh // H).to(gl.int64)
+        h = pid_bh % H
+        hk = (h // G).to(gl.int64)
+        h = h.to(gl.int64)
+        n_b = BH // H
+        n_hk = H // G
+        q_desc = _fg._rows_desc(Q, stride_qb, stride_qh, stride_qm, b, h, q_rb, q_rh, q_ch, n_b, H, q_len,
+                                PERSISTENT, HEAD_DIM, BLOCK_M, q_layout)
+        do_desc = _fg._rows_desc(DO, stride_dob, stride_doh, stride_dom, b, h, do_rb, do_rh, do_ch, n_b, H, q_len,
+                                 PERSISTENT, HEAD_DIM, BLOCK_M, q_layout)
+        if DIRECT_STORE:  # not read
+            dq_desc = q_desc
+        else:
+            dq_desc = _fg._rows_desc(DQ, stride_dqb, stride_dqh, stride_dqm, b, h, dq_rb, dq_rh, dq_ch, n_b, H,
+                                     q_len, PERSISTENT, HEAD_DIM, BLOCK_M, q_layout)
+        k_desc = _fg._rows_desc(K, stride_kb, stride_kh, stride_kn, b, hk, k_rb, k_rh, k_ch, n_b, n_hk, kv_len,
+                                PERSISTENT, HEAD_DIM, BLOCK_N, kv_layout)
+        v_desc = _fg._rows_desc(V, stride_vb, stride_vh, stride_vn, b, hk, v_rb, v_rh, v_ch, n_b, n_hk, kv_len,
+                                PERSISTENT, HEAD_DIM, BLOCK_N, kv_layout)
+        if not PERSISTENT:  # coordinates relative to the item's batch·head
             q_rb = 0
             q_rh = 0
             q_ch = 0

@@ -84,6 +84,20 @@ def gluon_available() -> bool:
 if gluon is not None:
 
     @gluon.jit
+    def _rows_desc(base, stride_b, stride_h, stride_m, b, h, rb, rh, ch, n_b, n_h, length,
+                   PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, layout: gl.constexpr):
+        """A descriptor of ``(BLOCK, HEAD_DIM)`` tiles: over batch·head ``(b, h)`` of a ``(B, H, L, D)``
+        tensor (``length`` rows, past them clipped), or with ``PERSISTENT`` over the whole tensor as a
+        2-D row view (batch·head ``(b, h)`` at rows ``b·rb + h·rh ..``, columns ``h·ch ..``)."""
+        if PERSISTENT:
+            return tma.make_tensor_descriptor(base, shape=[(n_b - 1) * rb + (n_h - 1) * rh + length,
+                                                           (n_h - 1) * ch + HEAD_DIM], strides=[stride_m, 1],
+                                              block_shape=[BLOCK, HEAD_DIM], layout=layout)
+        else:
+            return tma.make_tensor_descriptor(base + b * stride_b + h * stride_h, shape=[length, HEAD_DIM],
+                                              strides=[stride_m, 1], block_shape=[BLOCK, HEAD_DIM], layout=layout)
+
+    @gluon.jit
     def _item_tile(t, n_prog, BH, M_MAJOR: gl.constexpr):
         """``(pid_m, pid_bh)`` of work item ``t`` out of ``BH·n_prog``: head by head (``pid_m``
         fastest) or, with ``M_MAJOR``, one row tile of every head before the next, dealt to the
@@ -474,39 +488,22 @@ if gluon is not None:
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        if PERSISTENT:  # whole tensors as 2-D views (zero strides of broadcast heads included)
-            n_b = BH // H
-            n_hk = H // G
-            q_desc = tma.make_tensor_descriptor(Q, shape=[(n_b - 1) * q_rb + (H - 1) * q_rh + q_len,
-                                                          (H - 1) * q_ch + HEAD_DIM], strides=[stride_qm, 1],
-                                                block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-            k_desc = tma.make_tensor_descriptor(K, shape=[(n_b - 1) * k_rb + (n_hk - 1) * k_rh + kv_len,
-                                                          (n_hk - 1) * k_ch + HEAD_DIM], strides=[stride_kn, 1],
-                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-            v_desc = tma.make_tensor_descriptor(V, shape=[(n_b - 1) * v_rb + (n_hk - 1) * v_rh + kv_len,
-                                                          (n_hk - 1) * v_ch + HEAD_DIM], strides=[stride_vn, 1],
-                                                block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-            o_desc = tma.make_tensor_descriptor(O, shape=[(n_b - 1) * o_rb + (H - 1) * o_rh + q_len,
-                                                          (H - 1) * o_ch + HEAD_DIM], strides=[stride_om, 1],
-                                                block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-        else:  # one item: descriptors over its batch·head, the item's coordinates relative to them
-            pid_bh = gl.program_id(0) // n_prog
-            b = (pid_bh // H).to(gl.int64)
-            h = pid_bh % H
-            hk = (h // G).to(gl.int64)
-            h = h.to(gl.int64)
-            q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_len, HEAD_DIM],
-                                                strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                                layout=q_layout)
-            k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[kv_len, HEAD_DIM],
-                                                strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                                layout=kv_layout)
-            v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[kv_len, HEAD_DIM],
-                                                strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                                layout=kv_layout)
-            o_desc = tma.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[q_len, HEAD_DIM],
-                                                strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                                layout=q_layout)
+        # one item per program: descriptors over its batch·head; persistent: over whole tensors
+        pid_bh = gl.program_id(0) // n_prog
+        b = (pid_bh // H).to(gl.int64)
+        h = pid_bh % H
+        hk = (h // G).to(gl.int64)
+        h = h.to(gl.int64)
+        n_b = BH // H
+        n_hk = H // G
+        q_desc = _rows_desc(Q, stride_qb, stride_qh, stride_qm, b, h, q_rb, q_rh, q_ch, n_b, H, q_len, PERSISTENT,
+                            HEAD_DIM, BLOCK_M, q_layout)
+        k_desc = _rows_desc(K, stride_kb, stride_kh, stride_kn, b, hk, k_rb, k_rh, k_ch, n_b, n_hk, kv_len,
+                            PERSISTENT, HEAD_DIM, BLOCK_N, kv_layout)
+        v_desc = _rows_desc(V, stride_vb, stride_vh, stride_vn, b, hk, v_rb, v_rh, v_ch, n_b, n_hk, kv_len,
+                            PERSISTENT, HEAD_DIM, BLOCK_N, kv_layout)
+        o_desc = _rows_desc(O, stride_ob, stride_oh, stride_om, b, h, o_rb, o_rh, o_ch, n_b, H, q_len, PERSISTENT,
+                            HEAD_DIM, BLOCK_M, q_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
         if PERSISTENT:
             o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
