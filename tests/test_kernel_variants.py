@@ -289,6 +289,10 @@ def test_persistent_gluon_forward_launch_geometry(monkeypatch):
     # rows past int32 in a view (a slice of a much longer buffer): one program per tile
     huge = torch.empty_strided((2, 4, 256, 64), (2**37, 256 * 64, 64, 1), **meta)
     assert run(huge, k)[:2] == (16, False)
+    # an unknown SM count: one program per tile
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 0))
+    assert run(q, k) == (16, False, (0,) * 12)
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
     # causal layouts keep one program per tile
     t = torch.empty(1, dtype=torch.int32, device="meta")
     s = Shapes(2, 4, 2, 256, 256, 64)

@@ -583,10 +583,10 @@ def _persistent_grid(tensors, n_items: int, allowed: bool):
     persistent = all(vw is not None for vw in views) and all(
         (t.shape[0] - 1) * vw[0] + (t.shape[1] - 1) * vw[1] + t.shape[2] < 2**31
         for t, vw in zip(tensors, views) if t is not None)
-    if not persistent:
+    sms = select.hardware(next(t.device for t in tensors if t is not None)).sm_count if persistent else 0
+    if sms <= 0:  # not persistent, or the SM count is unknown
         return False, [0] * (3 * len(tensors)), n_items
-    dev = next(t.device for t in tensors if t is not None)
-    return True, [x for vw in views for x in vw], min(n_items, select.hardware(dev).sm_count)
+    return True, [x for vw in views for x in vw], min(n_items, sms)
 
 
 def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
