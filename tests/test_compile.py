@@ -191,3 +191,26 @@ def test_compiled_backward_gets_no_logsumexp_gradient_it_does_not_need():
     assert len(seen) == 2
     assert seen[0] is None
     assert seen[1] is not None and seen[1].shape == (1, 2, 64)
+
+
+@pytest.mark.parametrize("form", ["instance", "fields"])
+def test_kernel_options_dict_with_a_config_compiles_fullgraph(form):
+    """``kernel_options={"gluon_bwd": GluonBwdConfig(...)}`` (or the config as a dict of its fields)
+    held outside a compiled function runs under ``fullgraph=True`` (Dynamo cannot pass a frozen
+    dataclass instance to a constant-result function: it crosses as its fields), with eager's
+    results; a misspelt field of the config is refused by name."""
+    from blocksparse_fa.ops.options import GluonBwdConfig
+
+    torch._dynamo.reset()
+    cfg = GluonBwdConfig(persistent=False)
+    opts = {"gluon_bwd": cfg if form == "instance" else {"persistent": False}, "deterministic": True}
+
+    def fn(q, k, v):
+        return bsfa.attention(q, k, v, mask=MASK, block_size=16, kernel_options=opts)
+
+    q, k, v = _qkv()
+    got = _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v)
+    for a, b in zip(got, _run(fn, q, k, v)):
+        assert rel_err(a, b) < 1e-6
+    with pytest.raises(ValueError, match=r"gluon_bwd has no field\(s\) \['persistant'\]"):
+        bsfa.attention(q, k, v, mask=MASK, block_size=16, kernel_options={"gluon_bwd": {"persistant": False}})

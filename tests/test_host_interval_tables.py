@@ -99,12 +99,16 @@ def test_tables_cover_the_mask(name, cfg):
     make, q_len, kv_len = COVER_MASKS[name]
     mask = make()
     layout = bsfa.compile_mask(mask, q_len, kv_len, 128)
-    lo, hi, kv_tab, q_tab, lzb, empty = tb._gluon_bwd_interval_tables(layout, cfg, CPU)
+    lo, hi, kv_tab, q_tab, lzb, empty, kv_ord = tb._gluon_bwd_interval_tables(layout, cfg, CPU)
     dense = mask.to_dense(q_len, kv_len)
     dense = dense.reshape(-1, *dense.shape[-2:])  # (Zb, Lq, Lk): one head per batch row
     assert lo.shape == (dense.shape[0], q_len) and lzb == (1 if dense.shape[0] > 1 else 0)
     for z in range(dense.shape[0]):
         _check_cover(dense[z], lo[z], hi[z], kv_tab[z, 0], q_tab[z, 0], cfg)
+        # the persistent dK/dV kernel's order: every key tile once, heaviest first
+        steps = (kv_tab[z, 0, :, 3] - kv_tab[z, 0, :, 0])[kv_ord[z].long()]
+        assert kv_ord.dtype == torch.int32 and sorted(kv_ord[z].tolist()) == list(range(kv_tab.shape[2]))
+        assert bool((steps[:-1] >= steps[1:]).all())
         if empty is None:
             assert bool(dense[z].any(1).all())
         else:

@@ -299,3 +299,43 @@ def test_persistent_gluon_forward_launch_geometry(monkeypatch):
     tb._gluon_fwd_run(q, k, k, torch.empty_like(q), torch.empty(2, 4, 256, device="meta"), t, t, t, 0, 0, s, 0.1,
                       "causal", GluonConfig())
     assert seen.pop()[2]["PERSISTENT"] is False
+
+
+def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
+    """The Gluon dK/dV kernel runs persistent where ``GluonBwdConfig.dkdv_persistent`` asks, the
+    layout is not causal and every tensor is a 2-D row view: at most one program per SM over
+    ``Lk / (2·block_n)`` key tiles of each batch·kv head, with the views' geometry of Q, dO, K, V,
+    dK, dV (dK/dV written from the registers need none); otherwise one program per key tile."""
+    from blocksparse_fa.ops.options import GluonBwdConfig
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((fn, grid, args, c)))
+
+    def run(q, k, cfg=GluonBwdConfig(dkdv_persistent=True), causal=False, grad_dtype=None):
+        B, H, Lq, D = q.shape
+        s = Shapes(B, H, k.shape[1], Lq, k.shape[2], D)
+        lse = torch.empty(B * H, Lq, device=q.device)
+        grads = [torch.empty(t.shape, dtype=grad_dtype or t.dtype, device=t.device) for t in (q, k, k)]
+        seen.clear()
+        tb._gluon_bwd_launch(q, k, k, q, grads, lse, lse, s, 0.1, causal, False, cfg)
+        fn, grid, args, consts = seen[0]
+        assert fn is tb._bg._attn_bwd_dkdv_gluon
+        return grid[0], consts["PERSISTENT"], args[-18:]
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k = torch.empty(2, 4, 256, 64, **meta), torch.empty(2, 2, 256, 64, **meta)
+    # 2 key tiles of 128 (block_n 64) x 2 batch rows x 2 kv heads; heads stacked along rows
+    assert run(q, k) == (8, True, (1024, 256, 0) * 2 + (512, 256, 0) * 4)
+    # (B, L, H, D) memory viewed transposed: heads side by side in a row; float32 dK/dV from the
+    # registers need no view
+    qt, kt = torch.empty(2, 256, 4, 64, **meta).transpose(1, 2), torch.empty(2, 256, 2, 64, **meta).transpose(1, 2)
+    assert run(qt, kt, grad_dtype=torch.float32) == (8, True, (256, 0, 64) * 4 + (0, 0, 0) * 2)
+    # more items than SMs: one program per SM
+    assert run(torch.empty(1, 16, 16384, 64, **meta), torch.empty(1, 16, 16384, 64, **meta))[:2] == (132, True)
+    # off by default, and for causal layouts: one program per key tile
+    assert run(q, k, GluonBwdConfig()) == (8, False, (0,) * 18)
+    assert run(q, k, GluonBwdConfig(dkdv_persistent=True), causal=True) == (8, False, (0,) * 18)

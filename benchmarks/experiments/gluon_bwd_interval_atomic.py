@@ -1,17 +1,15 @@
-"""The Gluon five-GEMM backward (dQ TMA-reduce-added in fp32 from the dK/dV programs, no dQ kernel)
-on one-key-interval-per-row layouts, against the deterministic dK/dV + dQ pair those layouts run
-by default. FlashAttention-4's SM90 backward runs windows this way (one kernel per 128 keys,
-atomic dQ); ours runs the five-GEMM kernel on dense and causal layouts only. The two kernel
-features compose in ``kernels/backward_gluon._attn_bwd_dkdv_gluon`` (``INTERVAL`` and
-``ATOMIC_DQ``; triton 3.6 at d 128: 229,976 B of shared memory, 11–15 spill reloads per step as
-the dense five-GEMM kernel's 5–15; d 64 none), but ``ops/select.py`` does not choose the pair, so
-this script launches it directly (``triton_backend._gluon_bwd_launch(atomic=True)`` with the
-layout's interval tables).
+"""The Gluon backward's variants on one-key-interval-per-row layouts (and one dense layout),
+launched directly (``triton_backend._gluon_bwd_launch`` with the layout's interval tables): the
+deterministic dK/dV + dQ pair with one program per tile, with the dQ kernel persistent, with both
+kernels persistent (the default on intervals, ``GluonBwdConfig``), and the five-GEMM kernel (dQ
+TMA-reduce-added in fp32 from the dK/dV programs, no dQ kernel; ``select`` runs it on dense and
+causal layouts only) with one program per tile and persistent. FlashAttention-4's SM90 backward
+runs windows the five-GEMM way (one kernel per 128 keys, atomic dQ).
 
 1. Checks against float64 (dQ, dK, dV; relative max error as a multiple of eager bf16's) on small
-   shapes: a window, documents with a one-token document, GQA, two batch rows, d 64 and 128, both
-   variants; gradients start poisoned (NaN).
-2. Backward times (``do_bench`` medians, passes taking turns) of both variants at 16K (H 16) and
+   shapes: a window, documents with a one-token document, GQA, two batch rows, d 64 and 128, every
+   variant; gradients start poisoned (NaN).
+2. Backward times (``do_bench`` medians, passes taking turns) of every variant (``VARIANTS``) at 16K (H 16) and
    64K (H 8 / Hkv 2): windows of 256, 1024 and 4096 keys and packed documents.
 
 Results: ``$OUT/gluon_bwd_interval_atomic.json`` and a table on stdout.
@@ -32,23 +30,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import blocksparse_fa as bsfa  # noqa: E402
-from blocksparse_fa.ops import triton_backend as tb  # noqa: E402
+from blocksparse_fa.ops import select, triton_backend as tb  # noqa: E402
 from blocksparse_fa.ops.options import GluonBwdConfig  # noqa: E402
 from blocksparse_fa.ops.validate import Shapes  # noqa: E402
 
 
-def gluon_interval_backward(q, k, v, out, lse, do, layout, s: Shapes, scale: float, atomic: bool):
+# label -> (atomic, config): the deterministic pair (one program per tile; the dQ kernel persistent;
+# both kernels persistent) and the five-GEMM kernel (one program per tile; persistent)
+VARIANTS = {"pair": (False, GluonBwdConfig(persistent=False, dkdv_persistent=False)),
+            "pair_pdq": (False, GluonBwdConfig(persistent=True, dkdv_persistent=False)),
+            "pair_p": (False, GluonBwdConfig(persistent=True, dkdv_persistent=True)),
+            "five_gemm": (True, GluonBwdConfig(dkdv_persistent=False)),
+            "five_gemm_p": (True, GluonBwdConfig(dkdv_persistent=True))}
+
+
+def gluon_interval_backward(q, k, v, out, lse, do, layout, s: Shapes, scale: float, atomic: bool,
+                            cfg: GluonBwdConfig | None = None):
     """``(dq, dk, dv)`` from the Gluon interval backward: the deterministic pair or, with
     ``atomic``, the five-GEMM dK/dV kernel (what ``triton_backward`` runs for its
     ``gluon:interval`` choice, with the atomic flag free)."""
-    cfg = GluonBwdConfig()
-    lo, hi, kv_tab, q_tab, lzb, empty = tb._gluon_bwd_interval_tables(layout, cfg, q.device)
-    if empty is not None:
-        lse = lse.masked_fill(empty, float("-inf"))
+    cfg = cfg or GluonBwdConfig()
+    intervals = None  # a dense layout: the kernels' dense mode
+    if select.layout_class(layout).kind != "dense":
+        lo, hi, kv_tab, q_tab, lzb, empty, kv_ord = tb._gluon_bwd_interval_tables(layout, cfg, q.device)
+        if empty is not None:
+            lse = lse.masked_fill(empty, float("-inf"))
+        intervals = (lo, hi, kv_tab, q_tab, lzb, 0, kv_ord)
     delta = tb.backward_delta(out, do, lse, s)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     tb._gluon_bwd_launch(q, k, v, do, grads, lse.contiguous(), delta, s, scale, False, atomic, cfg, layout,
-                         intervals=(lo, hi, kv_tab, q_tab, lzb, 0))
+                         intervals=intervals)
     return grads
 
 
@@ -70,15 +81,15 @@ def check(name, mask, B, H, Hkv, L, D) -> dict:
     ub = [t.clone().requires_grad_() for t in (q, k, v)]  # eager bf16 attention: the error scale
     eager = torch.autograd.grad(bsfa.reference_attention(*ub, mask, upcast=False), ub, do)
     rec = {"shape": [B, H, Hkv, L, D]}
-    for label, atomic in (("pair", False), ("five_gemm", True)):
-        got = gluon_interval_backward(q, k, v, out, lse, do, layout, s, scale, atomic)
+    for label, (atomic, cfg) in VARIANTS.items():
+        got = gluon_interval_backward(q, k, v, out, lse, do, layout, s, scale, atomic, cfg)
         torch.cuda.synchronize()
         rec[label] = {n: {"nan": bool(a.isnan().any()), "err_vs_eager": rel(a, r) / max(rel(e, r), 1e-12)}
                       for n, a, e, r in zip(("dq", "dk", "dv"), got, eager, ref)}
-    rec["pass"] = all(not x["nan"] and x["err_vs_eager"] <= 2.0 for lab in ("pair", "five_gemm")
+    rec["pass"] = all(not x["nan"] and x["err_vs_eager"] <= 2.0 for lab in VARIANTS
                       for x in rec[lab].values())
     print(f"check {name}: {'PASS' if rec['pass'] else 'FAIL'} "
-          + " ".join(f"{lab}:{n}={x['err_vs_eager']:.2f}" for lab in ("pair", "five_gemm")
+          + " ".join(f"{lab}:{n}={x['err_vs_eager']:.2f}" for lab in VARIANTS
                      for n, x in rec[lab].items()), flush=True)
     return rec
 
@@ -98,12 +109,14 @@ def main():
             ("window300_d128", bsfa.sliding_window(300), (2, 4, 2, 1024, 128)),
             ("window300_d64", bsfa.sliding_window(300), (1, 4, 4, 1024, 64)),
             ("documents_d128", bsfa.causal() & bsfa.document(ids), (1, 4, 1, 1024, 128)),
-            ("causal_window_d128", bsfa.causal() & bsfa.sliding_window(200), (1, 2, 2, 2048, 128))):
+            ("causal_window_d128", bsfa.causal() & bsfa.sliding_window(200), (1, 2, 2, 2048, 128)),
+            ("dense_gqa_d128", bsfa.full(), (2, 4, 2, 1024, 128))):
         res["checks"][name] = check(name, mask, *shape)
     cases = [(f"window_{w}", bsfa.sliding_window(w), 16384, 16, 16) for w in (256, 1024, 4096)]
     cases += [("documents", bsfa.causal() & bsfa.document(doc_ids(16384)), 16384, 16, 16),
               ("window_1024_64k", bsfa.sliding_window(1024), 65536, 8, 2),
-              ("documents_64k", bsfa.causal() & bsfa.document(doc_ids(65536)), 65536, 8, 2)]
+              ("documents_64k", bsfa.causal() & bsfa.document(doc_ids(65536)), 65536, 8, 2),
+              ("dense", bsfa.full(), 16384, 16, 16)]
     setups = {}
     for name, mask, n, h, hkv in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -112,18 +125,18 @@ def main():
         layout = bsfa.compile_mask(mask, n, n, 128, device="cuda")
         s = Shapes(1, h, hkv, n, n, 128)
         out, lse = tb.triton_forward(q, k, v, layout, s, 128 ** -0.5, 0.0, 0)
-        setups[name] = {lab: (lambda at=at, q=q, k=k, v=v, out=out, lse=lse, do=do, layout=layout, s=s:
-                              gluon_interval_backward(q, k, v, out, lse, do, layout, s, 128 ** -0.5, at))
-                        for lab, at in (("pair", False), ("five_gemm", True))}
+        setups[name] = {lab: (lambda at=at, c=c, q=q, k=k, v=v, out=out, lse=lse, do=do, layout=layout, s=s:
+                              gluon_interval_backward(q, k, v, out, lse, do, layout, s, 128 ** -0.5, at, c))
+                        for lab, (at, c) in VARIANTS.items()}
     for _ in range(a.passes):
         for name, fns in setups.items():
             for lab, fn in fns.items():
                 res["times"].setdefault(name, {}).setdefault(lab, []).append(do_bench(fn, warmup=25, rep=100))
-    print(f"{'case':18s} {'pair':>8s} {'5-GEMM':>8s} {'speed-up':>8s}   (backward ms, median of passes)")
+    print(f"{'case':18s} " + " ".join(f"{lab:>12s}" for lab in VARIANTS) + "   (backward ms, median of passes)")
     for name, t in res["times"].items():
         med = {lab: sorted(x)[len(x) // 2] for lab, x in t.items()}
         t["median"] = med
-        print(f"{name:18s} {med['pair']:8.3f} {med['five_gemm']:8.3f} {med['pair'] / med['five_gemm']:8.3f}")
+        print(f"{name:18s} " + " ".join(f"{med[lab]:12.3f}" for lab in VARIANTS))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gluon_bwd_interval_atomic.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -58,7 +58,7 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
 
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
-        consts = dict(ATOMIC_DQ=atomic)
+        consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval)
         g = "fp32" if out_f32 else dtype
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
@@ -68,7 +68,7 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
     consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, INTERVAL=interval,
                   DIRECT_STORE=out_f32 or direct)
-    ptrs.update(LO="i32", HI="i32", TAB="i32")
+    ptrs.update(LO="i32", HI="i32", TAB="i32", ORD="i32")
     types = {n: "*" + t for n, t in ptrs.items()}
     types.update(qk_scale="fp32", sm_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -88,7 +88,7 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--interval", action="store_true", help="one key interval per row (LO/HI tables)")
     ap.add_argument("--no-pingpong", action="store_true")
-    ap.add_argument("--persistent", action="store_true", help="forward / dQ: one program per SM looping over items")
+    ap.add_argument("--persistent", action="store_true", help="one program per SM looping over work items")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--ptx", help="write the PTX here (setmaxnreg, barriers, wgmma waits)")

@@ -609,6 +609,14 @@ def _visit_one(tab: torch.Tensor) -> torch.Tensor:
     return torch.cat([tab[..., :3], torch.maximum(tab[..., 3:], tab[..., :1] + 1)], -1).contiguous()
 
 
+def key_tile_order(kv_tab: torch.Tensor) -> torch.Tensor:
+    """The key tiles of a dK/dV table ``(Zb, 1, P, 4)`` (:func:`gluon_backward_tables`) heaviest
+    first (most query blocks; ties in tile order): int32 ``(Zb, P)``, a permutation per instance,
+    which the persistent dK/dV kernel deals out so that programs finish together."""
+    steps = (kv_tab[..., 3] - kv_tab[..., 0]).reshape(kv_tab.shape[0], -1)
+    return torch.argsort(-steps, dim=-1, stable=True).to(torch.int32).contiguous()
+
+
 def gluon_backward_tables(iv: DeviceIntervals, kv_len: int, cfg):
     """``(kv_tab, q_tab)``: the Gluon backward's interval tables for intervals ``iv`` (no id
     compare) and tiles ``cfg`` (:class:`~blocksparse_fa.ops.options.GluonBwdConfig`): per key tile

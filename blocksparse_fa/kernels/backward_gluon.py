@@ -5,7 +5,8 @@ API of triton 3.6 (the one ``kernels/forward_gluon.py`` uses). The per-row term
 ``delta = rowsum(dO ∘ O)`` comes from the usual preprocess (``backward._attn_bwd_preprocess``);
 probabilities are recomputed from the forward's logsumexp (natural log, float32, ``(B·H, Lq)``).
 
-``_attn_bwd_dkdv_gluon``: one program per ``2·BLOCK_N`` keys and batch·kv-head.
+``_attn_bwd_dkdv_gluon``: one program per ``2·BLOCK_N`` keys and batch·kv-head, or (``PERSISTENT``)
+one program per SM walking those work items, as ``_attn_bwd_dq_gluon`` and the forward do.
 
 - one producer warp loads both consumers' K and V tiles once, then walks the query blocks of every
   query head of the GQA group (``BLOCK_M`` rows per step) and TMA-loads Q and dO into a ring of
@@ -85,25 +86,86 @@ if gluon is not None:
     # ------------------------------------------------------------------ dK / dV (and atomic dQ)
 
     @gluon.jit
-    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                       off_n, i0, n_i, G, q_len, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr):
-        """One warp: both consumers' K/V tiles, then Q and dO of query blocks ``i0 .. i0+n_i-1`` of
-        every head of the group (rows ``g·Lq + i·BLOCK_M`` of the group's descriptor)."""
-        for c in gl.static_range(2):
-            mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [off_n + c * BLOCK_N, 0], kv_bar.index(c), k_smem.index(c))
-            _tma_load(v_desc, [off_n + c * BLOCK_N, 0], kv_bar.index(c), v_smem.index(c))
-        for t in range(G * n_i):
-            g = t // n_i
-            row = g * q_len + (i0 + t % n_i) * BLOCK_M
-            s = t % STAGES
-            # a fresh barrier counts as having completed the phase before its first: the first
-            # pass through the ring waits on parity 1 and does not block
-            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            _tma_load(q_desc, [row, 0], ready.index(s), q_smem.index(s))
-            _tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
+    def _dkdv_item(t, TAB, ORD, n_prog, BH, HKV, LZB, q_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                   M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Work item ``t`` of the dK/dV kernel: ``(b, hk, off_n, i0, n_i, f0, f1, z)`` (key tile
+        ``off_n ..`` of batch ``b``, kv head ``hk``, query blocks ``[i0, i0 + n_i)`` of which
+        ``[f0, f1)`` are full, layout instance ``z``), in ``forward_gluon._item_tile``'s order;
+        ``INTERVAL`` with ``M_MAJOR``: the ``pid_n``-th key tile is ``ORD[z, pid_n]`` (heaviest first)."""
+        pid_n, pid_bh = _fg._item_tile(t, n_prog, BH, M_MAJOR)
+        b = pid_bh // HKV
+        hk = pid_bh % HKV
+        if INTERVAL:  # this key tile's query blocks from the table
+            z = (b * LZB).to(gl.int64)
+            if M_MAJOR:
+                pid_n = gl.load(ORD + z * n_prog + pid_n)
+            tab = TAB + (z * n_prog + pid_n) * 4
+            i0 = gl.load(tab)
+            f0 = gl.load(tab + 1)
+            f1 = gl.load(tab + 2)
+            n_i = gl.load(tab + 3) - i0
+            off_n = pid_n * (2 * BLOCK_N)
+        else:
+            z = (b * 0).to(gl.int64)
+            off_n = pid_n * (2 * BLOCK_N)
+            if CAUSAL:  # query blocks from the one holding this tile's first key
+                i0 = off_n // BLOCK_M
+            else:
+                i0 = off_n * 0
+            n_i = q_len // BLOCK_M - i0
+            f0 = i0
+            f1 = i0 + n_i
+        return b, hk, off_n, i0, n_i, f0, f1, z
+
+    @gluon.jit
+    def _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, u, t, n_i, i0, b, hk, G, q_rb, q_rh, q_ch,
+                       do_rb, do_rh, do_ch, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """Step ``t`` of a work item at ring position ``u``: Q and dO of query block
+        ``i0 + t % n_i`` of the group's head ``t // n_i`` into slot ``u % STAGES``."""
+        g = t // n_i
+        # persistent: the whole tensors' row views; else the group's heads from their first
+        h = hk * G + g if PERSISTENT else g
+        m = (i0 + t % n_i) * BLOCK_M
+        s = u % STAGES
+        # a fresh barrier counts as having completed the phase before its first: the first
+        # pass through the ring waits on parity 1 and does not block
+        mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [b * q_rb + h * q_rh + m, h * q_ch], ready.index(s), q_smem.index(s))
+        _tma_load(do_desc, [b * do_rb + h * do_rh + m, h * do_ch], ready.index(s), do_smem.index(s))
+
+    @gluon.jit
+    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty, ready,
+                       empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                       first, n_items, n_prog, BH, HKV, G, LZB, q_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                       M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: per work item, the first ``STAGES`` steps' Q and dO (their slots free up as the
+        consumers finish the previous item), both consumers' K/V tiles once the consumers have
+        released the previous item's (stored dK/dV), then the other steps' Q and dO; ring
+        positions count on across items."""
+        tb = 0
+        it = 0
+        for item in range(first, n_items, gl.num_programs(0)):
+            b, hk, off_n, i0, n_i, f0, f1, z = _dkdv_item(item, TAB, ORD, n_prog, BH, HKV, LZB, q_len, CAUSAL, INTERVAL,
+                                                          M_MAJOR, BLOCK_M, BLOCK_N)
+            n_t = G * n_i
+            pre = gl.minimum(n_t, STAGES)
+            for t in range(0, pre):
+                _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
+                               q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES)
+            for c in gl.static_range(2):
+                mbarrier.wait(kv_empty.index(c), (it & 1) ^ 1)
+                mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                _tma_load(k_desc, [b * k_rb + hk * k_rh + off_n + c * BLOCK_N, hk * k_ch], kv_bar.index(c),
+                          k_smem.index(c))
+                _tma_load(v_desc, [b * v_rb + hk * v_rh + off_n + c * BLOCK_N, hk * v_ch], kv_bar.index(c),
+                          v_smem.index(c))
+            for t in range(pre, n_t):
+                _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
+                               q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES)
+            tb += n_t
+            it += 1
 
     @gluon.jit
     def _dq_tma_add(dq, dq_desc, dq_buf, row, col, DQ_BUFS: gl.constexpr):
@@ -221,7 +283,7 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
-    def _dkdv_step_overlap(dk, dv, ds_prev, t, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row,
+    def _dkdv_step_overlap(dk, dv, ds_prev, t, tb, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row,
                            delta_row, lo_row, hi_row, off_k, qk_scale, C: gl.constexpr, MASK: gl.constexpr,
                            INTERVAL: gl.constexpr,
                            PINGPONG: gl.constexpr, DS_SMEM: gl.constexpr,
@@ -233,10 +295,11 @@ if gluon is not None:
         returns ``dSᵀ_t`` (the next step's operand, in registers) or, with ``DS_SMEM``, stores it
         into the group's shared tile ``ds_c`` once the deferred product has read the previous one
         (fewer live registers) and returns ``ds_prev`` unchanged. The slot of step ``t - 1`` is
-        released here (its Q was read by the deferred product); at ``t == 0`` the deferred product
-        is a zero dSᵀ against the current (valid) Q, which adds exactly zero."""
+        released here (its Q was read by the deferred product); at a work item's first step
+        (``t == tb``) the deferred product is a zero dSᵀ against the current (valid) Q, which adds
+        exactly zero."""
         s = t % STAGES
-        sp = gl.maximum(t - 1, 0) % STAGES
+        sp = gl.maximum(t - 1, tb) % STAGES
         lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q = q_smem.index(s)
@@ -272,20 +335,26 @@ if gluon is not None:
         else:
             ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
             dk, dv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_prev, pt16))
-        mbarrier.arrive(empty.index(sp), pred=t > 0)
+        mbarrier.arrive(empty.index(sp), pred=t > tb)
         return dk, dv, ds16
 
     @gluon.jit
-    def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
-                       qk_scale, sm_scale, DKP, DVP, stride_dkn, stride_dvn, C: gl.constexpr, CAUSAL: gl.constexpr,
-                       INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr):
-        """Consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
-        ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV. ``CAUSAL``: the first
-        ``2·BLOCK_N / BLOCK_M`` blocks are masked; ``INTERVAL``: blocks outside ``[f0, f1)`` are
-        masked against each row's interval (``lo_row[r] <= k < hi_row[r]``, the same for every head)."""
+    def _dkdv_consumer_item(item, tb, it, dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem,
+                            do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn,
+                            n_prog, BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
+                            stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                            C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
+                            PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr,
+                            DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr):
+        """Work item ``item`` (:func:`_dkdv_item`, ring steps from ``tb``, its ``it``-th) for
+        consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
+        ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV; returns its steps.
+        ``CAUSAL``: the first ``2·BLOCK_N / BLOCK_M`` blocks are masked; ``INTERVAL``: blocks outside
+        ``[f0, f1)`` are masked against each row's interval (``LO[z, r] <= k < HI[z, r]``, the same
+        for every head). With ``PERSISTENT`` K's and V's slots go back to the producer once dK and dV
+        have left them."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -293,17 +362,25 @@ if gluon is not None:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_CHUNK, 16])
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        off_k = off_n + C * BLOCK_N
         k_c = k_smem.index(C)
         v_c = v_smem.index(C)
         ds_c = ds_smem.index(C)
+        dtype: gl.constexpr = k_c.dtype
+        b, hk, off_n, i0, n_i, f0, f1, z = _dkdv_item(item, TAB, ORD, n_prog, BH, HKV, LZB, q_len, CAUSAL, INTERVAL,
+                                                      M_MAJOR, BLOCK_M, BLOCK_N)
+        bh0 = b * H + hk * G
+        # the dQ buffer's rows: persistent over every head, else over the group's heads
+        hq0 = bh0 if PERSISTENT else bh0 * 0
+        if INTERVAL:
+            lo_row = LO + z * q_len
+            hi_row = HI + z * q_len
+        else:
+            lo_row = LO
+            hi_row = HI
+        off_k = off_n + C * BLOCK_N
         dk = gl.zeros([BLOCK_N, HEAD_DIM], dtype=gl.float32, layout=kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], dtype=gl.float32, layout=kv_layout)
-        dtype: gl.constexpr = k_c.dtype
-        if PINGPONG:
-            if C == 0:  # group 0 takes the first turn
-                mbarrier.arrive(turn.index(0))
-        mbarrier.wait(kv_bar.index(C), 0)
+        mbarrier.wait(kv_bar.index(C), it & 1)
         N_DIAG: gl.constexpr = (2 * BLOCK_N) // BLOCK_M  # causal: query blocks that cross the diagonal
         # query blocks [i0, i_full) masked (causal diagonal / interval lead), [i_full, i_tail) full,
         # [i_tail, i0 + n_i) masked (interval tail)
@@ -329,31 +406,31 @@ if gluon is not None:
                 bh = (bh0 + g).to(gl.int64)
                 lse_row = LSE + bh * q_len
                 delta_row = DELTA + bh * q_len
-                t0 = g * n_i - i0  # ring step of query block i: t0 + i
+                t0 = tb + g * n_i - i0  # ring step of query block i: t0 + i
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
-                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i0 + u, i0 + u, k_c, v_c, ds_c, q_smem,
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i0 + u, tb, i0 + u, k_c, v_c, ds_c, q_smem,
                                                           do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
                                                           hi_row, off_k, qk_scale, C, 1, INTERVAL, PINGPONG, DS_SMEM,
                                                           BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
                 if INTERVAL:
                     for i in range(i0, i_full):
-                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem,
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, i, k_c, v_c, ds_c, q_smem, do_smem,
                                                           ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
                                                           off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M,
                                                           BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
                 for i in range(i_full, i_tail):
-                    dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem, ready,
-                                                      empty, turn, lse_row, delta_row, lo_row, hi_row, off_k,
+                    dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, i, k_c, v_c, ds_c, q_smem, do_smem,
+                                                      ready, empty, turn, lse_row, delta_row, lo_row, hi_row, off_k,
                                                       qk_scale, C, 0, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
                                                       STAGES, s_layout, kv_layout, vec_layout)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
-                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, i, k_c, v_c, ds_c, q_smem, do_smem,
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, i, k_c, v_c, ds_c, q_smem, do_smem,
                                                           ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
                                                           off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M,
                                                           BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
-            last = G * n_i - 1  # the last step's dK, then its slot (n_i >= 1: the tables say so)
+            last = tb + G * n_i - 1  # the last step's dK, then its slot (n_i >= 1: the tables say so)
             sl = last % STAGES
             if DS_SMEM:
                 dk = warpgroup_mma(ds_c, q_smem.index(sl), dk, is_async=True)
@@ -367,69 +444,125 @@ if gluon is not None:
                 bh = (bh0 + g).to(gl.int64)
                 lse_row = LSE + bh * q_len
                 delta_row = DELTA + bh * q_len
-                t0 = g * n_i - i0
+                t0 = tb + g * n_i - i0
+                dq_row = (hq0 + g) * q_len  # this head's rows of the dQ buffer's descriptor
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
                         dk, dv = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_smem, v_smem, ds_smem, ds_bar, q_smem,
                                             do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
-                                            dq_smem, g * q_len, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
+                                            dq_smem, dq_row, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
                                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
                                             vec_layout, DQ_CHUNK, DQ_BUFS)
                 if INTERVAL:
                     for i in range(i0, i_full):
                         dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
-                                            g * q_len, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
+                                            dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
                                             DQ_CHUNK, DQ_BUFS)
                 for i in range(i_full, i_tail):
                     dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
-                                        empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, g * q_len,
+                                        empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row,
                                         off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
                                         BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
                         dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
-                                            g * q_len, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
+                                            dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
                                             DQ_CHUNK, DQ_BUFS)
-        if DIRECT_STORE:  # dK, dV (DKP, DVP, any dtype) from the registers
-            _store_rows(DKP, stride_dkn, off_k, dk * sm_scale, kv_layout, BLOCK_N, HEAD_DIM)
-            _store_rows(DVP, stride_dvn, off_k, dv, kv_layout, BLOCK_N, HEAD_DIM)
+        if DIRECT_STORE:  # dK, dV (any dtype) from the registers
+            b64 = b.to(gl.int64)
+            hk64 = hk.to(gl.int64)
+            _store_rows(DK + b64 * stride_dkb + hk64 * stride_dkh, stride_dkn, off_k, dk * sm_scale, kv_layout,
+                        BLOCK_N, HEAD_DIM)
+            _store_rows(DV + b64 * stride_dvb + hk64 * stride_dvh, stride_dvn, off_k, dv, kv_layout, BLOCK_N,
+                        HEAD_DIM)
         else:
             # every product reading this group's K and V slots has completed: stage dK, dV there
             k_c.store((dk * sm_scale).to(dtype))
             v_c.store(dv.to(dtype))
             fence_async_shared()
-            _tma_store(dk_desc, [off_k, 0], k_c)
-            _tma_store(dv_desc, [off_k, 0], v_c)
-        tma.store_wait(pendings=0)  # also covers the last dQ reduce-adds
+            _tma_store(dk_desc, [b * dk_rb + hk * dk_rh + off_k, hk * dk_ch], k_c)
+            _tma_store(dv_desc, [b * dv_rb + hk * dv_rh + off_k, hk * dv_ch], v_c)
+        tma.store_wait(pendings=0)  # also covers the item's last dQ reduce-adds
+        if PERSISTENT:  # K's and V's slots may take the next item's tiles
+            mbarrier.arrive(kv_empty.index(C))
+        return G * n_i
 
-    @gluon.jit(do_not_specialize=["q_len", "kv_len"])
-    def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, LO, HI, TAB,
+    @gluon.jit
+    def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
+                       ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog, BH,
+                       HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                       stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                       C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                       PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
+                       PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr,
+                       DIRECT_STORE: gl.constexpr):
+        """Consumer ``C`` (a warp group): its program's work items (:func:`_dkdv_consumer_item`);
+        ring steps (ping-pong turns, dSᵀ buffers) count on across them. One program per item runs
+        the item without the loop (fewer values live across the steps)."""
+        if PINGPONG:
+            if C == 0:  # group 0 takes the first turn
+                mbarrier.arrive(turn.index(0))
+        if PERSISTENT:
+            tb = 0
+            it = 0
+            for item in range(first, n_items, gl.num_programs(0)):
+                tb += _dkdv_consumer_item(
+                    item, tb, it, dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem,
+                    v_smem, ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G,
+                    LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                    stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ,
+                    PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS,
+                    DIRECT_STORE)
+                it += 1
+        else:
+            _dkdv_consumer_item(
+                first, 0, 0, dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
+                ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G, LZB, q_len,
+                qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR,
+                PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)
+
+    @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
+                                  "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dk_rb", "dk_rh", "dk_ch",
+                                  "dv_rb", "dv_rh", "dv_ch"])
+    def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, LO, HI, TAB, ORD,
                              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                             H, G, q_len, kv_len, LZB, qk_scale, sm_scale,
+                             H, G, q_len, kv_len, LZB, qk_scale, sm_scale, n_prog, n_items,
+                             q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                             dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False):
-        """Grid ``(Lk / (2·BLOCK_N), B·H // G)``, 4 warps (consumer 0) plus a 4-warp consumer 1 and a
-        1-warp producer. ``Q/DO (B, H, Lq, D)`` with the heads of a group adjacent
-        (``stride_qh == Lq·stride_qm``, likewise dO), ``K/V/DK/DV (B, H // G, Lk, D)``,
+                             INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
+                             PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False):
+        """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
+        items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
+        (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
+        grid is ``n_items`` and the descriptors cover the program's batch and kv head (Q and dO:
+        the group's heads, which must then be adjacent, ``stride_qh == Lq·stride_qm``, likewise dO);
+        with it about one program per SM, descriptors over whole tensors as 2-D row views
+        (``*_rb``, ``*_rh``, ``*_ch``: rows per batch, rows per head, columns per head of Q, dO, K,
+        V, dK, dV; as ``forward_gluon._attn_fwd_gluon``'s). ``K/V/DK/DV (B, H // G, Lk, D)``,
         ``LSE/DELTA (B·H, Lq)`` float32, ``DQA (B·H, Lq, D)`` float32, contiguous and zeroed (used
         only with ``ATOMIC_DQ``: dQ/scale is TMA-reduce-added there in tiles of
-        ``BLOCK_M × HEAD_DIM / 2``);
-        ``qk_scale = scale · log2(e)``.
+        ``BLOCK_M × HEAD_DIM / 2``); ``qk_scale = scale · log2(e)``.
 
         ``INTERVAL``: row ``r`` of batch ``b`` keeps keys ``LO[z, r] <= k < HI[z, r]`` for every
-        head (``z = b·LZB``, ``LZB`` 0 or 1; int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``, ``P``
-        the grid's first dimension) gives program ``pid`` its query blocks ``(first, f0, f1, end)``:
-        it visits ``[first, end)`` (``end > first``), of which ``[f0, f1)`` every row keeps whole
-        (rows that keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read.
+        head (``z = b·LZB``, ``LZB`` 0 or 1; int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, n_prog, 4)``)
+        gives key tile ``pid_n`` its query blocks ``(first, f0, f1, end)``: it visits
+        ``[first, end)`` (``end > first``), of which ``[f0, f1)`` every row keeps whole (rows that
+        keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read.
+        ``M_MAJOR`` (persistent interval mode): items in ``forward_gluon._item_tile``'s
+        key-tile-major snake order over the key tiles of ``ORD`` (int32 ``(Z, n_prog)``, a
+        permutation per instance: heaviest first).
 
         ``DIRECT_STORE``: dK and dV are written from the registers (not staged in shared memory for a
         TMA store); needed where DK/DV are float32 (partial sums), and fewer values stay live across
@@ -438,37 +571,61 @@ if gluon is not None:
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
         DQ_CHUNK: gl.constexpr = HEAD_DIM // 2  # ATOMIC_DQ: dQ columns per consumer group
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        hkv = H // G
-        b = pid_bh // hkv
-        hk = pid_bh % hkv
-        b64 = b.to(gl.int64)
-        hk64 = hk.to(gl.int64)
+        HKV = H // G
+        BH = n_items // n_prog
+        n_b = BH // HKV
+        # one item per program: descriptors over its batch and kv head; persistent: whole tensors
+        pid_bh = gl.program_id(0) // n_prog
+        b64 = (pid_bh // HKV).to(gl.int64)
+        hk64 = (pid_bh % HKV).to(gl.int64)
+        g0 = hk64 * G
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-        g0 = (hk * G).to(gl.int64)
-        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + g0 * stride_qh, shape=[G * q_len, HEAD_DIM],
-                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-        do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + g0 * stride_doh, shape=[G * q_len, HEAD_DIM],
-                                             strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                             layout=q_layout)
-        k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hk64 * stride_kh, shape=[kv_len, HEAD_DIM],
-                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
-        v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hk64 * stride_vh, shape=[kv_len, HEAD_DIM],
-                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
-        DKP = DK + b64 * stride_dkb + hk64 * stride_dkh
-        DVP = DV + b64 * stride_dvb + hk64 * stride_dvh
+        if PERSISTENT:
+            q_desc = _fg._rows_desc(Q, stride_qb, stride_qh, stride_qm, b64, g0, q_rb, q_rh, q_ch, n_b, H, q_len,
+                                    PERSISTENT, HEAD_DIM, BLOCK_M, q_layout)
+            do_desc = _fg._rows_desc(DO, stride_dob, stride_doh, stride_dom, b64, g0, do_rb, do_rh, do_ch, n_b, H,
+                                     q_len, PERSISTENT, HEAD_DIM, BLOCK_M, q_layout)
+        else:  # the group's heads, stacked: head g of the group at rows g·Lq ..
+            q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + g0 * stride_qh, shape=[G * q_len, HEAD_DIM],
+                                                strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                                layout=q_layout)
+            do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + g0 * stride_doh, shape=[G * q_len, HEAD_DIM],
+                                                 strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                                 layout=q_layout)
+            q_rb = 0
+            q_rh = q_len
+            q_ch = 0
+            do_rb = 0
+            do_rh = q_len
+            do_ch = 0
+        k_desc = _fg._rows_desc(K, stride_kb, stride_kh, stride_kn, b64, hk64, k_rb, k_rh, k_ch, n_b, HKV, kv_len,
+                                PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
+        v_desc = _fg._rows_desc(V, stride_vb, stride_vh, stride_vn, b64, hk64, v_rb, v_rh, v_ch, n_b, HKV, kv_len,
+                                PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
         if DIRECT_STORE:  # not read
             dk_desc = k_desc
             dv_desc = v_desc
         else:
-            dk_desc = tma.make_tensor_descriptor(DKP, shape=[kv_len, HEAD_DIM], strides=[stride_dkn, 1],
-                                                 block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
-            dv_desc = tma.make_tensor_descriptor(DVP, shape=[kv_len, HEAD_DIM], strides=[stride_dvn, 1],
-                                                 block_shape=[BLOCK_N, HEAD_DIM], layout=k_layout)
+            dk_desc = _fg._rows_desc(DK, stride_dkb, stride_dkh, stride_dkn, b64, hk64, dk_rb, dk_rh, dk_ch, n_b, HKV,
+                                     kv_len, PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
+            dv_desc = _fg._rows_desc(DV, stride_dvb, stride_dvh, stride_dvn, b64, hk64, dv_rb, dv_rh, dv_ch, n_b, HKV,
+                                     kv_len, PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
+        if not PERSISTENT:  # coordinates relative to the item's batch and kv head
+            k_rb = 0
+            k_rh = 0
+            k_ch = 0
+            v_rb = 0
+            v_rh = 0
+            v_ch = 0
+            dk_rb = 0
+            dk_rh = 0
+            dk_ch = 0
+            dv_rb = 0
+            dv_rh = 0
+            dv_ch = 0
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
@@ -482,24 +639,31 @@ if gluon is not None:
                                                                                                         dtype))
         # ATOMIC_DQ: per consumer group DQ_BUFS fp32 tiles (two where they take at most 16 KB each),
         # reduce-added into DQA through a descriptor over the group's heads (rows g·Lq + i·BLOCK_M)
+        # or, persistent, over every head (rows (b·H + h)·Lq + i·BLOCK_M)
         DQ_BUFS: gl.constexpr = 2 if BLOCK_M * DQ_CHUNK <= 4096 else 1
         if ATOMIC_DQ:
             dqs_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_CHUNK], gl.float32)
             dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, BLOCK_M, DQ_CHUNK], dqs_layout)
-            dq_desc = tma.make_tensor_descriptor(DQA + (b64 * H + g0) * q_len * HEAD_DIM,
-                                                 shape=[G * q_len, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                                 block_shape=[BLOCK_M, DQ_CHUNK], layout=dqs_layout)
+            if PERSISTENT:
+                dq_desc = tma.make_tensor_descriptor(DQA, shape=[BH * G * q_len, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                                     block_shape=[BLOCK_M, DQ_CHUNK], layout=dqs_layout)
+            else:
+                dq_desc = tma.make_tensor_descriptor(DQA + (b64 * H + g0) * q_len * HEAD_DIM,
+                                                     shape=[G * q_len, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                                     block_shape=[BLOCK_M, DQ_CHUNK], layout=dqs_layout)
         else:  # not read
             dq_smem = 0
             dq_desc = 0
         # ATOMIC_DQ: dS buffer b written by both groups (b), read by both groups' products (2 + b)
         ds_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(kv_bar.index(c), count=1)
+            mbarrier.init(kv_empty.index(c), count=1)
             mbarrier.init(turn.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
@@ -507,39 +671,24 @@ if gluon is not None:
         for s in gl.static_range(4):
             mbarrier.init(ds_bar.index(s), count=2)
         fence_async_shared()
-
-        off_n = pid_n * (2 * BLOCK_N)
-        if INTERVAL:  # this key tile's query blocks from the table
-            z = (b * LZB).to(gl.int64)
-            tab = TAB + (z * gl.num_programs(0) + pid_n) * 4
-            i0 = gl.load(tab)
-            f0 = gl.load(tab + 1)
-            f1 = gl.load(tab + 2)
-            n_i = gl.load(tab + 3) - i0
-            lo_row = LO + z * q_len
-            hi_row = HI + z * q_len
-        else:
-            if CAUSAL:  # query blocks from the one holding this tile's first key
-                i0 = off_n // BLOCK_M
-            else:
-                i0 = 0
-            n_i = q_len // BLOCK_M - i0
-            f0 = i0
-            f1 = i0 + n_i
-            lo_row = LO
-            hi_row = HI
-        bh0 = b * H + hk * G
+        first = gl.program_id(0)
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
-                              ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
-                              qk_scale, sm_scale, DKP, DVP, stride_dkn, stride_dvn, 0, CAUSAL, INTERVAL, ATOMIC_DQ,
-                              PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, lo_row, hi_row, q_smem, do_smem, k_smem, v_smem,
-                              ds_smem, dq_smem, ds_bar, kv_bar, ready, empty, turn, off_n, i0, n_i, f0, f1, bh0, G, q_len,
-                              qk_scale, sm_scale, DKP, DVP, stride_dkn, stride_dvn, 1, CAUSAL, INTERVAL, ATOMIC_DQ,
-                              PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
-                              empty, off_n, i0, n_i, G, q_len, BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
+                              ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
+                              BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
+                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                              0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
+                              ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
+                              BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
+                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                              1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
+                              ready, empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb,
+                              v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, q_len, CAUSAL, INTERVAL, M_MAJOR,
+                              PERSISTENT, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ------------------------------------------------------------------ dQ (deterministic)

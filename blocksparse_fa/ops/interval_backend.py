@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..compiler.device_intervals import (DeviceIntervals, cached_table, col_tables, gluon_backward_tables,
-                                         interval_spec, row_tables)
+                                         interval_spec, key_tile_order, row_tables)
 from . import select
 from .dispatch import lse_dtype
 from .options import DEFAULT_OPTIONS, decode_options
@@ -271,11 +271,12 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     if not select.tma_ok(q, k, v, dout, *grads):
         raise ValueError("gluon_interval_backward: tensor descriptors need 16-byte aligned tensors and strides")
     zb = iv.lo.shape[0]
-    kv_tab, q_tab = cached_table(iv, ("gluon_bwd", s.Lk, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n),
-                                 lambda: gluon_backward_tables(iv, s.Lk, cfg))
+    key = ("gluon_bwd", s.Lk, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n)
+    kv_tab, q_tab = cached_table(iv, key, lambda: gluon_backward_tables(iv, s.Lk, cfg))
+    kv_ord = cached_table(iv, key + ("order", ), lambda: key_tile_order(kv_tab))
     lo, hi = iv.lo.view(zb, s.Lq), iv.hi.view(zb, s.Lq)
     _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, False, False, cfg,
-                      intervals=(lo, hi, kv_tab, q_tab, 1 if zb > 1 else 0, 0))
+                      intervals=(lo, hi, kv_tab, q_tab, 1 if zb > 1 else 0, 0, kv_ord))
     return grads
 
 

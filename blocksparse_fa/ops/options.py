@@ -90,9 +90,12 @@ class GluonBwdConfig:
 
     ``persistent``: the dQ kernel runs one program per SM over every head's row tiles, as
     :class:`GluonConfig`'s (dense and one-interval-per-row layouts, tensors that are 2-D row views;
-    otherwise one program per row tile and head). Off by default: on the H100 it sped windows of
-    1024 up (fwd+bwd 1.06-1.12x at 16K and 64K) but slowed 16K documents (0.96x) and a window of 256
-    (0.86x), where its dQ store and the next tile's Q/dO load are not overlapped."""
+    otherwise one program per row tile and head). ``dkdv_persistent``: the same for the dK/dV
+    kernel over every kv head's key tiles, heaviest first on interval layouts; its producer loads a
+    tile's first Q/dO steps while the consumers store the previous tile's dK and dV. None (the
+    default): on one-interval-per-row layouts only (windows, documents, prefix-LM), where their
+    tiles are short; on dense layouts the persistent loops keep more values live across the steps
+    (more spilling) and ran slower (``benchmarks/NOTES.md``, "Persistent backward")."""
 
     block_m: int = 64
     block_n: int = 64
@@ -107,7 +110,8 @@ class GluonBwdConfig:
     dq_pingpong: bool = False
     dq_overlap: int = 0
     direct_store: bool = False
-    persistent: bool = False
+    persistent: bool | None = None
+    dkdv_persistent: bool | None = None
 
     def __post_init__(self):
         for name in ("overlap", "dq_overlap"):
@@ -285,15 +289,13 @@ def decode_options(text: str) -> KernelOptions:
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"kernel_options: not an encoded KernelOptions: {text!r}")
-    for name, cls in _CONFIGS.items():
-        if isinstance(data.get(name), dict):
-            data[name] = cls(**data[name])
     return as_options(data)
 
 
 def as_options(kernel_options) -> KernelOptions:
     """``kernel_options`` (a :class:`KernelOptions`, a ``dict`` of its fields, the string of
-    :meth:`KernelOptions.encode`, or None) validated.
+    :meth:`KernelOptions.encode`, or None) validated. In a dict, a config option (``gluon_fwd``,
+    ``gluon_bwd``, ``*_tiles``) may be its class's instance or a dict of its fields.
 
     Raises:
         ValueError: an unknown field (the message lists the known ones) or a bad value.
@@ -313,6 +315,14 @@ def as_options(kernel_options) -> KernelOptions:
         unknown = sorted(set(kernel_options) - _FIELDS)
         if unknown:
             raise ValueError(f"kernel_options: unknown option(s) {unknown}; expected some of {sorted(_FIELDS)}")
-        return KernelOptions(**kernel_options)
+        data = dict(kernel_options)
+        for name, cls in _CONFIGS.items():  # a config given as a dict of its fields
+            if isinstance(data.get(name), dict):
+                known = {f.name for f in fields(cls)}
+                bad = sorted(set(data[name]) - known)
+                if bad:
+                    raise ValueError(f"kernel_options: {name} has no field(s) {bad}; expected some of {sorted(known)}")
+                data[name] = cls(**data[name])
+        return KernelOptions(**data)
     raise TypeError(f"kernel_options must be a KernelOptions, a dict of its fields, an encoded string or None, "
                     f"got {type(kernel_options).__name__}")

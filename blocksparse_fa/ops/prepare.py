@@ -11,6 +11,7 @@ Which backend runs a request (:func:`resolve_backend`), the queries' alignment
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -187,10 +188,20 @@ def constant_result(fn):
     return fn
 
 
-@constant_result
 def encoded_options(kernel_options) -> str:
     """The canonical string of ``kernel_options`` (:meth:`~blocksparse_fa.KernelOptions.encode`), an
     argument of the custom ops: a trace-time constant under ``torch.compile``."""
+    if isinstance(kernel_options, dict):
+        # Dynamo hands a constant-result function plain values only, not frozen dataclass
+        # instances: a dict's config options (GluonBwdConfig, ...) cross as dicts of their fields
+        kernel_options = {k: ({f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+                              if dataclasses.is_dataclass(v) else v) for k, v in kernel_options.items()}
+    return _encoded_constant(kernel_options)
+
+
+@constant_result
+def _encoded_constant(kernel_options) -> str:
+    """:func:`encoded_options` once a dict holds plain values."""
     # Dynamo hands a KernelOptions built inside the traced function over without its fields (an
     # empty instance dict): refuse it rather than run the defaults.
     if isinstance(kernel_options, str):

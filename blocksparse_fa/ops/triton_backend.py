@@ -123,39 +123,50 @@ def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
 
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None) -> None:
-    """The Gluon backward into ``grads``: the dK/dV kernel (grid ``(Lk / (2·block_n), B·H // G)``),
-    then the dQ kernel (one program per row tile and head, or persistent: ``GluonBwdConfig.persistent``)
-    or, with ``atomic``, ``_dq_finish``
+    """The Gluon backward into ``grads``: the dK/dV kernel (one program per ``2·block_n`` keys and
+    batch·kv head, or persistent: ``GluonBwdConfig.dkdv_persistent``), then the dQ kernel (one
+    program per row tile and head, or persistent: ``GluonBwdConfig.persistent``) or, with
+    ``atomic``, ``_dq_finish``
     on the fp32 buffer (zeroed, contiguous) the dK/dV kernel TMA-reduce-added dQ to. Gradients in
     the inputs' dtype go out through TMA; float32 ones (partial sums, ``grad_dtype``) are written
     from the registers (``DIRECT_STORE``; for any dtype with ``cfg.direct_store``).
 
-    ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh)``: the rows'
-    intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``compiler/device_intervals.gluon_backward_tables``:
-    device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`) and the instance
-    strides (dK/dV needs ``lzh == 0``: one interval per row for every head)."""
+    ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)``: the
+    rows' intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``compiler/device_intervals.gluon_backward_tables``:
+    device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`), the instance
+    strides (dK/dV needs ``lzh == 0``: one interval per row for every head) and the key tiles
+    heaviest first (``device_intervals.key_tile_order``; read by the persistent dK/dV kernel)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
-    lo, hi, kv_tab, q_tab, lzb, lzh = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0)
+    lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
     dq, dk, dv = grads
     qk = scale * _LOG2E
-    # the dK/dV kernel reads Q and dO of a GQA group through one descriptor over its heads
-    qg, dog = q, dout
-    if s.G > 1:
-        qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
            else _placeholder(torch.float32, q.device))
     if dk.dtype != dv.dtype:
         raise ValueError(f"Gluon backward: dK and dV must share a dtype, got {dk.dtype}, {dv.dtype}")
-    _launch(_bg._attn_bwd_dkdv_gluon, (s.Lk // (2 * cfg.block_n), s.B * s.Hkv), (
-        qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab,
+    direct = cfg.direct_store or dk.dtype == torch.float32
+    n_prog = s.Lk // (2 * cfg.block_n)
+    n_items = n_prog * s.B * s.Hkv
+    # as the forward's: causal keeps one program per tile; the dQ buffer's rows are int32 too
+    # GluonBwdConfig: persistent kernels by default on interval layouts only
+    auto = intervals is not None
+    persistent, geo, grid = _persistent_grid((q, dout, k, v, None if direct else dk, None if direct else dv), n_items,
+                                             _on(cfg.dkdv_persistent, auto) and not causal
+                                             and s.B * s.H * s.Lq < 2**31)
+    qg, dog = q, dout
+    if s.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
+        qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
+    _launch(_bg._attn_bwd_dkdv_gluon, (grid, ), (
+        qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab, kv_ord,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        s.H, s.G, s.Lq, s.Lk, lzb, qk, scale), 35, q.device, HEAD_DIM=s.D, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic, PINGPONG=cfg.pingpong,
-        OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        INTERVAL=intervals is not None, DIRECT_STORE=cfg.direct_store or dk.dtype == torch.float32, num_warps=4)
+        s.H, s.G, s.Lq, s.Lk, lzb, qk, scale, n_prog, n_items, *geo), 36, q.device, HEAD_DIM=s.D,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
+        PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
+        PERSISTENT=persistent, M_MAJOR=persistent and intervals is not None and _M_MAJOR, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -166,7 +177,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     direct = cfg.direct_store or dq.dtype == torch.float32
     # as the forward's: causal keeps one program per tile; dQ written directly needs no view
     persistent, geo, grid = _persistent_grid((q, dout, k, v, None if direct else dq), n_items,
-                                             cfg.persistent and not causal)
+                                             _on(cfg.persistent, auto) and not causal)
     _launch(_bg._attn_bwd_dq_gluon, (grid, ), (
         q, k, v, dout, dq, lse, delta, lo, hi, q_tab,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -548,18 +559,19 @@ def _gluon_interval_tables(layout: BlockLayout, cfg: "GluonConfig", device):
 
 
 def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device):
-    """``(LO, HI, KV_TAB, Q_TAB, LZB, EMPTY)``: the Gluon backward's interval mode on a layout whose
+    """``(LO, HI, KV_TAB, Q_TAB, LZB, EMPTY, KV_ORD)``: the Gluon backward's interval mode on a layout whose
     rows keep one key interval, the same for every head (``ops/select.layout_class``), built once
     per layout, tiles and device from its host intervals with the device-interval path's table
     code (``compiler/device_intervals.gluon_backward_tables``). ``LO/HI`` int32 ``(Zb, Lq)`` (one row
     per batch row of the layout: ``Zb`` 1 or B, ``LZB`` its instance stride); ``EMPTY``: bool
-    ``(Zb, 1, Lq)`` of the rows that keep nothing, or None where every row keeps a key."""
+    ``(Zb, 1, Lq)`` of the rows that keep nothing, or None where every row keeps a key; ``KV_ORD``:
+    the key tiles heaviest first (``compiler/device_intervals.key_tile_order``)."""
     key = ("gluon_bwd_interval", device, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n)
     hit = layout.cache.get(key)
     if hit is not None:
         return hit
     from ..compiler.device_intervals import DeviceIntervals
-    from ..compiler.device_intervals import gluon_backward_tables
+    from ..compiler.device_intervals import gluon_backward_tables, key_tile_order
 
     bm, hm = layout.batch_shape or (1, 1)
     # instance z = b·hm + h (row_interval); every head's intervals are head 0's (layout_class)
@@ -568,8 +580,13 @@ def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device)
     kv_tab, q_tab = gluon_backward_tables(iv, layout.kv_len, cfg)
     empty = lo >= hi
     out = layout.cache[key] = (iv.lo.view(bm, -1), iv.hi.view(bm, -1), kv_tab, q_tab, 1 if bm > 1 else 0,
-                               torch.from_numpy(empty).to(device) if empty.any() else None)
+                               torch.from_numpy(empty).to(device) if empty.any() else None, key_tile_order(kv_tab))
     return out
+
+
+def _on(flag: bool | None, auto: bool) -> bool:
+    """A kernel option that is True, False or None (then ``auto``)."""
+    return auto if flag is None else flag
 
 
 def _persistent_grid(tensors, n_items: int, allowed: bool):
@@ -884,10 +901,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     if choice.family == "gluon":
         cfg, intervals = opts.gluon_bwd or GluonBwdConfig(), None
         if choice.mode == "interval":
-            lo, hi, kv_tab, q_tab, lzb, empty = _gluon_bwd_interval_tables(layout, cfg, dev)
+            lo, hi, kv_tab, q_tab, lzb, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
             if empty is not None:  # the kernels skip rows by a -inf logsumexp; a rewrite's part
                 lse = lse.masked_fill(empty, float("-inf"))  # gets the whole mask's
-            intervals = (lo, hi, kv_tab, q_tab, lzb, 0)
+            intervals = (lo, hi, kv_tab, q_tab, lzb, 0, kv_ord)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
                           choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals)
         return grads
