@@ -86,6 +86,14 @@ if gluon is not None:
     # ------------------------------------------------------------------ dK / dV (and atomic dQ)
 
     @gluon.jit
+    def _load_pair(desc_a, desc_b, bar, smem_a, smem_b, row_a, col_a, row_b, col_b):
+        """Two TMA tile loads (``desc_a`` at ``[row_a, col_a]`` into ``smem_a``, likewise b) that
+        complete one phase of the mbarrier ``bar``."""
+        mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
+        _tma_load(desc_a, [row_a, col_a], bar, smem_a)
+        _tma_load(desc_b, [row_b, col_b], bar, smem_b)
+
+    @gluon.jit
     def _dkdv_item(t, TAB, ORD, n_prog, BH, HKV, LZB, q_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                    M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """Work item ``t`` of the dK/dV kernel: ``(b, hk, off_n, i0, n_i, f0, f1, z)`` (key tile
@@ -130,9 +138,8 @@ if gluon is not None:
         # a fresh barrier counts as having completed the phase before its first: the first
         # pass through the ring waits on parity 1 and does not block
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        _tma_load(q_desc, [b * q_rb + h * q_rh + m, h * q_ch], ready.index(s), q_smem.index(s))
-        _tma_load(do_desc, [b * do_rb + h * do_rh + m, h * do_ch], ready.index(s), do_smem.index(s))
+        _load_pair(q_desc, do_desc, ready.index(s), q_smem.index(s), do_smem.index(s), b * q_rb + h * q_rh + m,
+                   h * q_ch, b * do_rb + h * do_rh + m, h * do_ch)
 
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty, ready,
@@ -156,11 +163,9 @@ if gluon is not None:
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES)
             for c in gl.static_range(2):
                 mbarrier.wait(kv_empty.index(c), (it & 1) ^ 1)
-                mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                _tma_load(k_desc, [b * k_rb + hk * k_rh + off_n + c * BLOCK_N, hk * k_ch], kv_bar.index(c),
-                          k_smem.index(c))
-                _tma_load(v_desc, [b * v_rb + hk * v_rh + off_n + c * BLOCK_N, hk * v_ch], kv_bar.index(c),
-                          v_smem.index(c))
+                _load_pair(k_desc, v_desc, kv_bar.index(c), k_smem.index(c), v_smem.index(c),
+                           b * k_rb + hk * k_rh + off_n + c * BLOCK_N, hk * k_ch,
+                           b * v_rb + hk * v_rh + off_n + c * BLOCK_N, hk * v_ch)
             for t in range(pre, n_t):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES)
@@ -744,20 +749,17 @@ if gluon is not None:
                 # a fresh barrier counts as having completed the phase before its first: the first
                 # wait on parity 1 does not block
                 mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
-                mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                _tma_load(q_desc, [b * q_rb + h * q_rh + off_m + c * BLOCK_M, h * q_ch], q_bar.index(c),
-                          q_smem.index(c))
-                _tma_load(do_desc, [b * do_rb + h * do_rh + off_m + c * BLOCK_M, h * do_ch], q_bar.index(c),
-                          do_smem.index(c))
+                _load_pair(q_desc, do_desc, q_bar.index(c), q_smem.index(c), do_smem.index(c),
+                           b * q_rb + h * q_rh + off_m + c * BLOCK_M, h * q_ch,
+                           b * do_rb + h * do_rh + off_m + c * BLOCK_M, h * do_ch)
             k_row = b * k_rb + hk * k_rh + kb0 * BLOCK_N
             v_row = b * v_rb + hk * v_rh + kb0 * BLOCK_N
             for j in range(n_blocks):
                 g = rb + j
                 s = g % STAGES
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                _tma_load(k_desc, [k_row + j * BLOCK_N, hk * k_ch], ready.index(s), k_smem.index(s))
-                _tma_load(v_desc, [v_row + j * BLOCK_N, hk * v_ch], ready.index(s), v_smem.index(s))
+                _load_pair(k_desc, v_desc, ready.index(s), k_smem.index(s), v_smem.index(s), k_row + j * BLOCK_N,
+                           hk * k_ch, v_row + j * BLOCK_N, hk * v_ch)
             rb += n_blocks
             it += 1
 
