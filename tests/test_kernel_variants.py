@@ -201,6 +201,11 @@ def test_gluon_backward_config_schedules_validated():
         GluonBwdConfig(overlap=1, stages=1)
     with pytest.raises(ValueError, match="dq_overlap=2 needs dq_stages >= 2"):
         GluonBwdConfig(dq_overlap=2, dq_stages=1)
+    # the persistent kernels: on, off, or None (on for one-interval layouts); nothing else
+    assert GluonBwdConfig().persistent is None and GluonBwdConfig().dkdv_persistent is None
+    for name in ("persistent", "dkdv_persistent"):
+        with pytest.raises(ValueError, match=rf"{name}=1\): expected True, False or None"):
+            GluonBwdConfig(**{name: 1})
 
 
 def test_tma_allocator_set_in_every_thread():
@@ -315,15 +320,15 @@ def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
     seen = []
     monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((fn, grid, args, c)))
 
-    def run(q, k, cfg=GluonBwdConfig(dkdv_persistent=True), causal=False, grad_dtype=None):
+    def run(q, k, cfg=GluonBwdConfig(dkdv_persistent=True), causal=False, grad_dtype=None, intervals=None):
         B, H, Lq, D = q.shape
         s = Shapes(B, H, k.shape[1], Lq, k.shape[2], D)
         lse = torch.empty(B * H, Lq, device=q.device)
         grads = [torch.empty(t.shape, dtype=grad_dtype or t.dtype, device=t.device) for t in (q, k, k)]
         seen.clear()
-        tb._gluon_bwd_launch(q, k, k, q, grads, lse, lse, s, 0.1, causal, False, cfg)
+        tb._gluon_bwd_launch(q, k, k, q, grads, lse, lse, s, 0.1, causal, False, cfg, intervals=intervals)
         fn, grid, args, consts = seen[0]
-        assert fn is tb._bg._attn_bwd_dkdv_gluon
+        assert fn is tb._bg._attn_bwd_dkdv_gluon and seen[1][0] is tb._bg._attn_bwd_dq_gluon
         return grid[0], consts["PERSISTENT"], args[-18:]
 
     meta = dict(device="meta", dtype=torch.bfloat16)
@@ -336,6 +341,11 @@ def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
     assert run(qt, kt, grad_dtype=torch.float32) == (8, True, (256, 0, 64) * 4 + (0, 0, 0) * 2)
     # more items than SMs: one program per SM
     assert run(torch.empty(1, 16, 16384, 64, **meta), torch.empty(1, 16, 16384, 64, **meta))[:2] == (132, True)
-    # off by default, and for causal layouts: one program per key tile
+    # by default on for interval layouts (both kernels; key tiles in the heaviest-first order), off
+    # for dense ones, and for causal layouts: one program per key tile
+    t = torch.empty(1, dtype=torch.int32, device="meta")
+    assert run(q, k, GluonBwdConfig(), intervals=(t, t, t, t, 0, 0, t))[:2] == (8, True)
+    assert seen[0][3]["M_MAJOR"] and seen[1][3]["PERSISTENT"]
     assert run(q, k, GluonBwdConfig()) == (8, False, (0,) * 18)
+    assert not seen[1][3]["PERSISTENT"]
     assert run(q, k, GluonBwdConfig(dkdv_persistent=True), causal=True) == (8, False, (0,) * 18)

@@ -117,6 +117,10 @@ class GluonBwdConfig:
         for name in ("overlap", "dq_overlap"):
             if getattr(self, name) not in (0, 1, 2):
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected 0, 1 or 2")
+        for name in ("persistent", "dkdv_persistent"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"GluonBwdConfig({name}={value!r}): expected True, False or None")
         for name in ("stages", "dq_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected at least 1")
