@@ -288,6 +288,20 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
+    def _last_deferred(acc, ds_c, ds16, op, empty, sl, DS_SMEM: gl.constexpr):
+        """The deferred product of an overlapped loop's last step, ``acc += dS·op`` (dS from the
+        group's shared tile ``ds_c`` with ``DS_SMEM``, else ``ds16`` in registers), then slot ``sl``
+        back to the producer."""
+        if DS_SMEM:
+            acc = warpgroup_mma(ds_c, op, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        else:
+            acc = warpgroup_mma(ds16, op, acc, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds16))
+        mbarrier.arrive(empty.index(sl))
+        return acc
+
+    @gluon.jit
     def _dkdv_step_overlap(dk, dv, ds_prev, t, tb, i, k_c, v_c, ds_c, q_smem, do_smem, ready, empty, turn, lse_row,
                            delta_row, lo_row, hi_row, off_k, qk_scale, C: gl.constexpr, MASK: gl.constexpr,
                            INTERVAL: gl.constexpr,
@@ -435,15 +449,8 @@ if gluon is not None:
                                                           ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
                                                           off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M,
                                                           BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
-            last = tb + G * n_i - 1  # the last step's dK, then its slot (n_i >= 1: the tables say so)
-            sl = last % STAGES
-            if DS_SMEM:
-                dk = warpgroup_mma(ds_c, q_smem.index(sl), dk, is_async=True)
-                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-            else:
-                dk = warpgroup_mma(ds16, q_smem.index(sl), dk, is_async=True)
-                dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
-            mbarrier.arrive(empty.index(sl))
+            sl = (tb + G * n_i - 1) % STAGES  # the last step's dK, then its slot (n_i >= 1: the tables say so)
+            dk = _last_deferred(dk, ds_c, ds16, q_smem.index(sl), empty, sl, DS_SMEM)
         else:
             for g in range(G):
                 bh = (bh0 + g).to(gl.int64)
@@ -919,13 +926,7 @@ if gluon is not None:
                                                     turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG,
                                                     DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
                 sl = (rb + n_blocks - 1) % STAGES  # n_blocks >= 1
-                if DS_SMEM:
-                    dq = warpgroup_mma(ds_c, k_smem.index(sl), dq, is_async=True)
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                else:
-                    dq = warpgroup_mma(ds16, k_smem.index(sl), dq, is_async=True)
-                    dq, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
-                mbarrier.arrive(empty.index(sl))
+                dq = _last_deferred(dq, ds_c, ds16, k_smem.index(sl), empty, sl, DS_SMEM)
             else:
                 if INTERVAL:
                     for j in range(0, e1):
