@@ -97,6 +97,28 @@ def test_bounds_and_tables_equal_the_torch_construction(case):
             assert all(_same(a, b) for a, b in zip(g1, g0))
 
 
+@pytest.mark.parametrize("case", ["lq_lt_lk_top_left", "many_documents", "batch_runs", "per_head_window"])
+def test_backward_tables_and_key_order_in_one_launch_each(case):
+    """The Gluon backward's tables with every tile visiting a block (``visit_one``) and the key
+    tiles heaviest first, from the Triton kernels, equal the torch construction (ties included)."""
+    mask, lq, lk, align = CASES[case]()
+    iv = di.interval_spec(mask, lq, lk, align).bounds("cpu", fast=False)
+    changed = False
+    for bm, bn in ((16, 32), (32, 16), (16, 128)):
+        got = di.col_tables(iv, lk, bm, bn, fast=True, visit_one=True)
+        want = di.col_tables(iv, lk, bm, bn, fast=False, visit_one=True)
+        assert _same(got, want) and _same(want, di._visit_one(di.col_tables(iv, lk, bm, bn, fast=False)))
+        changed |= not torch.equal(want, di.col_tables(iv, lk, bm, bn, fast=False))
+        assert _same(di.row_tables(iv, bm, bn, fast=True, visit_one=True),
+                     di.row_tables(iv, bm, bn, fast=False, visit_one=True))
+        order = di.key_tile_order(want[:, :1], fast=True)
+        assert _same(order, di.key_tile_order(want[:, :1], fast=False))
+        steps = (want[:, 0, :, 3] - want[:, 0, :, 0]).gather(1, order.long())
+        assert bool((steps[:, :-1] >= steps[:, 1:]).all())
+    if case == "lq_lt_lk_top_left":  # key tiles past the last row's keys: one masked step each
+        assert changed
+
+
 def test_random_packings_and_block_sizes(monkeypatch):
     """Many packings (lengths 1..60, ids that recur or not), row blocks of 16 or 32, walks of 8 or 64."""
     for seed in range(4):

@@ -511,22 +511,26 @@ def _full(a, e, rows: int, block_n: int, first, end):
     return f0, torch.maximum(torch.minimum(f1, end), f0)
 
 
-def row_tables(iv: DeviceIntervals, block_m: int, block_n: int, fast: bool | None = None) -> torch.Tensor:
+def row_tables(iv: DeviceIntervals, block_m: int, block_n: int, fast: bool | None = None,
+               visit_one: bool = False) -> torch.Tensor:
     """Per row tile of ``block_m`` rows, in key tiles of ``block_n``: ``(first, f0, f1, end)`` int32
     ``(Zb, Zh, T, 4)``. The tile visits key tiles ``[first, end)`` (those holding a key some row
     may keep); every row of it keeps all of tiles ``[f0, f1)`` (inside, possibly empty: ``f0 = f1``),
     the others need the element test. Rows that keep nothing take no part (the kernels output
-    zeros for them); padding rows past ``Lq`` neither. ``fast``: as in :func:`col_tables`."""
+    zeros for them); padding rows past ``Lq`` neither. ``fast``: as in :func:`col_tables`;
+    ``visit_one``: every tile visits at least one key tile (:func:`_visit_one`)."""
     if _triton_tables(iv.lo, fast, block_m):
         from ..kernels.interval_tables import row_tables as triton_row_tables
 
-        return triton_row_tables(iv.lo, iv.hi, iv.ilo, iv.ihi, block_m, block_n)
+        return triton_row_tables(iv.lo, iv.hi, iv.ilo, iv.ihi, block_m, block_n, visit_one)
     first, end = _visited(iv.lo, iv.hi, block_m, block_n)
     f0, f1 = _full(*_inner_or_far(iv.lo, iv.hi, iv.ilo, iv.ihi), block_m, block_n, first, end)
-    return torch.stack([first, f0, f1, end], dim=-1).to(torch.int32).contiguous()
+    tab = torch.stack([first, f0, f1, end], dim=-1).to(torch.int32).contiguous()
+    return _visit_one(tab) if visit_one else tab
 
 
-def col_tables(iv: DeviceIntervals, kv_len: int, block_m: int, block_n: int, fast: bool | None = None) -> torch.Tensor:
+def col_tables(iv: DeviceIntervals, kv_len: int, block_m: int, block_n: int, fast: bool | None = None,
+               visit_one: bool = False) -> torch.Tensor:
     """Per key tile of ``block_n`` keys, in row tiles of ``block_m``: ``(first, f0, f1, end)`` int32
     ``(Zb, Zh, C, 4)``: the tile's dK/dV visit row tiles ``[first, end)`` (a superset of the rows
     that keep one of its keys: exact where the bounds grow with the row, as for every mask of
@@ -535,11 +539,12 @@ def col_tables(iv: DeviceIntervals, kv_len: int, block_m: int, block_n: int, fas
 
     ``fast``: through the Triton kernels of ``kernels/interval_tables.py`` (two launches) or the
     torch operations here (the reference); None: Triton on CUDA devices. Both give the same table
-    (a power-of-two ``block_m`` is needed for Triton; others take the torch operations)."""
+    (a power-of-two ``block_m`` is needed for Triton; others take the torch operations).
+    ``visit_one``: as in :func:`row_tables`."""
     if _triton_tables(iv.lo, fast, block_m):
         from ..kernels.interval_tables import col_tables as triton_col_tables
 
-        return triton_col_tables(iv.lo, iv.hi, iv.ilo, iv.ihi, kv_len, block_m, block_n)
+        return triton_col_tables(iv.lo, iv.hi, iv.ilo, iv.ihi, kv_len, block_m, block_n, visit_one)
     lo, hi = iv.lo.long(), iv.hi.long()
     empty = lo >= hi
     hi_env = torch.cummax(torch.where(empty, 0, hi), dim=-1).values  # non-decreasing, >= hi
@@ -562,7 +567,8 @@ def col_tables(iv: DeviceIntervals, kv_len: int, block_m: int, block_n: int, fas
         r1 = torch.where(n0 + block_n > kv_len, r0, r1)
     f0 = torch.minimum(torch.maximum(r0, first), end)
     f1 = torch.maximum(torch.minimum(r1, end), f0)
-    return torch.stack([first, f0, f1, end], dim=-1).to(torch.int32).contiguous()
+    tab = torch.stack([first, f0, f1, end], dim=-1).to(torch.int32).contiguous()
+    return _visit_one(tab) if visit_one else tab
 
 
 def gluon_interval_tables(lo: torch.Tensor, hi: torch.Tensor, block_m: int, block_n: int, fast: bool | None = None):
@@ -609,10 +615,15 @@ def _visit_one(tab: torch.Tensor) -> torch.Tensor:
     return torch.cat([tab[..., :3], torch.maximum(tab[..., 3:], tab[..., :1] + 1)], -1).contiguous()
 
 
-def key_tile_order(kv_tab: torch.Tensor) -> torch.Tensor:
+def key_tile_order(kv_tab: torch.Tensor, fast: bool | None = None) -> torch.Tensor:
     """The key tiles of a dK/dV table ``(Zb, 1, P, 4)`` (:func:`gluon_backward_tables`) heaviest
     first (most query blocks; ties in tile order): int32 ``(Zb, P)``, a permutation per instance,
-    which the persistent dK/dV kernel deals out so that programs finish together."""
+    which the persistent dK/dV kernel deals out so that programs finish together. ``fast``: one
+    Triton launch (``kernels/interval_tables._tile_order``) or the torch sort; None: Triton on CUDA."""
+    if kv_tab.is_cuda if fast is None else fast:
+        from ..kernels.interval_tables import tile_order
+
+        return tile_order(kv_tab)
     steps = (kv_tab[..., 3] - kv_tab[..., 0]).reshape(kv_tab.shape[0], -1)
     return torch.argsort(-steps, dim=-1, stable=True).to(torch.int32).contiguous()
 
@@ -626,5 +637,5 @@ def gluon_backward_tables(iv: DeviceIntervals, kv_len: int, cfg):
     (:func:`~blocksparse_fa.compiler.device_intervals.row_tables`), int32 ``(Zb, Zh, P, 4)``, every
     tile visiting at least one block. Shared by the device-interval path and compiled layouts
     (``ops/triton_backend._gluon_bwd_interval_tables``)."""
-    return (_visit_one(col_tables(iv, kv_len, cfg.block_m, 2 * cfg.block_n)),
-            _visit_one(row_tables(iv, 2 * cfg.dq_block_m, cfg.dq_block_n)))
+    return (col_tables(iv, kv_len, cfg.block_m, 2 * cfg.block_n, visit_one=True),
+            row_tables(iv, 2 * cfg.dq_block_m, cfg.dq_block_n, visit_one=True))

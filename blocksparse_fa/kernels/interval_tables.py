@@ -16,7 +16,8 @@ and the like, and the interval kernels' per-tile ranges, as torch operations (th
   its keys and those that keep it whole, from per-row-tile summaries (a first and a last tile by
   reduction over the summaries, then the exact row inside the tile);
 * :func:`_gluon_tiles` then :func:`_gluon_order`: the Gluon forward's programs, heaviest first
-  (each program's rank counted over all programs: the order of a stable descending sort).
+  (each program's rank counted over all programs: the order of a stable descending sort);
+  :func:`_tile_order` the same order of a backward table's key tiles.
 
 Integer division here is floor division whatever the sign (``//`` on Triton integers truncates).
 Lengths, counts and offsets are not specialised on (``do_not_specialize``): the tables of a
@@ -225,14 +226,17 @@ def _store4(OUT, z, t, n_tiles, a, b, c, d):
 
 @triton.jit(do_not_specialize=["q_len", "n_tiles"])
 def _row_tables(LO, HI, ILO, IHI, OUT, q_len, n_tiles, INNER: tl.constexpr, ROWS: tl.constexpr,
-                TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``OUT[z, t] = (first, f0, f1, end)`` of row tiles ``t`` of ``ROWS`` rows, in key tiles of ``BLOCK_N``."""
+                TILES: tl.constexpr, BLOCK_N: tl.constexpr, VISIT_ONE: tl.constexpr):
+    """``OUT[z, t] = (first, f0, f1, end)`` of row tiles ``t`` of ``ROWS`` rows, in key tiles of
+    ``BLOCK_N`` (with ``VISIT_ONE``, ``end`` at least ``first + 1``: ``device_intervals._visit_one``)."""
     z = tl.program_id(1)
     t = tl.program_id(0) * TILES + tl.arange(0, TILES)
     valid, lo, hi, ilo, ihi = _tile_rows(LO, HI, ILO, IHI, z, t, q_len, INNER, ROWS)
     first, end = _visited(valid, lo, hi, BLOCK_N)
     ia, ie = _inner_or_far(valid, lo, hi, ilo, ihi)
     f0, f1 = _full(ia, ie, first, end, BLOCK_N)
+    if VISIT_ONE:
+        end = tl.maximum(end, first + 1)
     _store4(OUT, z, t, n_tiles, first, f0, f1, end)
 
 
@@ -257,10 +261,11 @@ def _col_summary(LO, HI, ILO, IHI, SUM, q_len, n_tiles, kv_len, INNER: tl.conste
 
 @triton.jit(do_not_specialize=["q_len", "n_row_tiles", "kv_len", "n_tiles"])
 def _col_tables(LO, HI, SUM, OUT, q_len, n_row_tiles, kv_len, n_tiles, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                COLS: tl.constexpr, CHUNK: tl.constexpr):
+                COLS: tl.constexpr, CHUNK: tl.constexpr, VISIT_ONE: tl.constexpr):
     """``OUT[z, c] = (first, f0, f1, end)`` of key tiles ``c`` of ``BLOCK_N`` keys, in row tiles of
     ``ROWS`` (``device_intervals.col_tables``: its ``searchsorted`` on monotone envelopes are the
-    first or last row tile whose summary passes, then the first or last row inside that tile)."""
+    first or last row tile whose summary passes, then the first or last row inside that tile;
+    ``VISIT_ONE`` as in :func:`_row_tables`)."""
     z = tl.program_id(1)
     c = tl.program_id(0) * COLS + tl.arange(0, COLS)
     n0 = c.to(tl.int64) * BLOCK_N
@@ -304,6 +309,8 @@ def _col_tables(LO, HI, SUM, OUT, q_len, n_row_tiles, kv_len, n_tiles, ROWS: tl.
     r1 = tl.where(n1 > kv_len, r0, r1)  # the ragged last key tile is never full
     f0 = tl.minimum(tl.maximum(r0, first), end)
     f1 = tl.maximum(tl.minimum(r1, end), f0)
+    if VISIT_ONE:
+        end = tl.maximum(end, first + 1)
     _store4(OUT, z, c, n_tiles, first, f0, f1, end)
 
 
@@ -361,6 +368,26 @@ def _gluon_order(TMP, KEY, TILES, n_prog, BLOCK: tl.constexpr, CHUNK: tl.constex
     tl.store(dst, p, mask=m)
     for i in tl.static_range(4):
         tl.store(dst + 1 + i, tl.load(src + i, mask=m, other=0), mask=m)
+
+
+@triton.jit(do_not_specialize=["n_tiles"])
+def _tile_order(TAB, ORD, n_tiles, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """``ORD[z, rank(c)] = c`` for the tiles ``c`` of a ``(first, f0, f1, end)`` table ``TAB[z]``:
+    ``rank(c)`` counts the tiles with more steps (``end - first``) and those before ``c`` with as
+    many (a stable sort, heaviest first: ``device_intervals.key_tile_order``)."""
+    z = tl.program_id(1)
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = c < n_tiles
+    base = TAB + z.to(tl.int64) * n_tiles * 4
+    steps = tl.load(base + c * 4 + 3, mask=m, other=0) - tl.load(base + c * 4, mask=m, other=0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for k in range(0, n_tiles, CHUNK):
+        o = k + tl.arange(0, CHUNK)
+        mo = o < n_tiles
+        other = (tl.load(base + o * 4 + 3, mask=mo, other=0) - tl.load(base + o * 4, mask=mo, other=0))[None, :]
+        before = ((other > steps[:, None]) | ((other == steps[:, None]) & (o[None, :] < c[:, None]))) & mo[None, :]
+        rank += tl.sum(before.to(tl.int32), 1)
+    tl.store(ORD + z.to(tl.int64) * n_tiles + rank, c, mask=m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -453,8 +480,9 @@ def document_bounds(ids, q_len: int, zb: int, zh: int, q_off: int, doc_off: int,
     return lo, hi, ilo, ihi, qid, kid
 
 
-def row_tables(lo, hi, ilo, ihi, block_m: int, block_n: int):
-    """``(Zb, Zh, T, 4)`` int32: ``device_intervals.row_tables`` (``block_m`` a power of two)."""
+def row_tables(lo, hi, ilo, ihi, block_m: int, block_n: int, visit_one: bool = False):
+    """``(Zb, Zh, T, 4)`` int32: ``device_intervals.row_tables`` (``block_m`` a power of two; with
+    ``visit_one``, every tile visits at least one block: ``device_intervals._visit_one``)."""
     import torch
 
     zb, zh, q_len = lo.shape
@@ -464,12 +492,13 @@ def row_tables(lo, hi, ilo, ihi, block_m: int, block_n: int):
     inner = ilo is not None
     _launch(_row_tables, (triton.cdiv(n_tiles, tiles), zb * zh),
             (lo, hi, ilo if inner else lo, ihi if inner else hi, out, q_len, n_tiles),
-            INNER=inner, ROWS=block_m, TILES=tiles, BLOCK_N=block_n, num_warps=4)
+            INNER=inner, ROWS=block_m, TILES=tiles, BLOCK_N=block_n, VISIT_ONE=visit_one, num_warps=4)
     return out
 
 
-def col_tables(lo, hi, ilo, ihi, kv_len: int, block_m: int, block_n: int):
-    """``(Zb, Zh, C, 4)`` int32: ``device_intervals.col_tables`` (``block_m`` a power of two)."""
+def col_tables(lo, hi, ilo, ihi, kv_len: int, block_m: int, block_n: int, visit_one: bool = False):
+    """``(Zb, Zh, C, 4)`` int32: ``device_intervals.col_tables`` (``block_m`` a power of two;
+    ``visit_one`` as in :func:`row_tables`)."""
     import torch
 
     zb, zh, q_len = lo.shape
@@ -486,7 +515,19 @@ def col_tables(lo, hi, ilo, ihi, kv_len: int, block_m: int, block_n: int):
     cols = COLS
     _launch(_col_tables, (triton.cdiv(n_tiles, cols), z),
             (lo, hi, summary, out, q_len, n_row_tiles, kv_len, n_tiles),
-            ROWS=block_m, BLOCK_N=block_n, COLS=cols, CHUNK=CHUNK, num_warps=4)
+            ROWS=block_m, BLOCK_N=block_n, COLS=cols, CHUNK=CHUNK, VISIT_ONE=visit_one, num_warps=4)
+    return out
+
+
+def tile_order(tab):
+    """int32 ``(Z, C)``: ``device_intervals.key_tile_order`` of a table ``(Z, .., C, 4)`` (one launch)."""
+    import torch
+
+    z, n_tiles = tab.shape[0], tab.shape[-2]
+    tab = tab.reshape(z, n_tiles, 4).contiguous()
+    out = torch.empty((z, n_tiles), dtype=torch.int32, device=tab.device)
+    _launch(_tile_order, (triton.cdiv(n_tiles, ORDER), z), (tab, out, n_tiles), BLOCK=ORDER, CHUNK=CHUNK,
+            num_warps=4)
     return out
 
 

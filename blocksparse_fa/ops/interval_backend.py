@@ -36,7 +36,7 @@ from ..compiler.device_intervals import (DeviceIntervals, cached_table, col_tabl
                                          interval_spec, key_tile_order, row_tables)
 from . import select
 from .dispatch import lse_dtype
-from .options import DEFAULT_OPTIONS, decode_options
+from .options import DEFAULT_OPTIONS, as_options, decode_options
 from .validate import Shapes, check_qkv
 
 __all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward",
@@ -412,6 +412,44 @@ def _check_intervals(iv: DeviceIntervals, s: Shapes, device) -> None:
         raise ValueError(f"interval tensor kid must have shape (1 or {zb}, {s.Lk}), got {tuple(iv.kid.shape)}")
 
 
+def _forward(q, k, v, iv: DeviceIntervals, scale: float, dropout_p: float, seed: int, backend: str,
+             opts=DEFAULT_OPTIONS):
+    """``(out, lse)`` of the kernels :mod:`~blocksparse_fa.ops.select` chooses (the body of
+    ``interval_fwd`` and of the eager autograd function)."""
+    from .api import resolve_backend
+
+    s = check_qkv(q, k, v)
+    _check_intervals(iv, s, q.device)
+    if resolve_backend(backend, q.device, q.dtype) == "triton":
+        choice = forward_choice(q, k, v, iv, s, dropout_p, opts)
+        select.note("forward", choice)
+        if choice.family == "gluon":
+            return gluon_interval_forward(q, k, v, iv, s, scale, opts.gluon_fwd)
+        return triton_interval_forward(q, k, v, iv, s, scale, dropout_p, seed)
+    select.note("forward", "torch:interval")
+    o, lse = torch_interval_forward(q, k, v, iv, s, scale, dropout_p, seed)
+    return torch.empty_like(q).copy_(o), lse.to(lse_dtype(q.dtype))
+
+
+def _backward_grads(q, k, v, out, lse, dout, dlse, iv: DeviceIntervals, scale: float, dropout_p: float, seed: int,
+                    backend: str, opts=DEFAULT_OPTIONS):
+    """``(dq, dk, dv)`` (the body of ``interval_bwd`` and of the eager autograd function)."""
+    from .api import resolve_backend
+
+    s = check_qkv(q, k, v)
+    if resolve_backend(backend, q.device, q.dtype) == "triton":
+        if q.is_cuda and not select.tma_ok(dout) and select.tma_ok(q):
+            dout = dout.contiguous()  # an upstream layout of dO must not change the kernel choice
+        choice = backward_choice(q, k, v, dout, iv, s, dropout_p, opts)
+        select.note("backward", choice)
+        if choice.family == "gluon":
+            return gluon_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, opts.gluon_bwd)
+        return triton_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, seed)
+    select.note("backward", "torch:interval")
+    g = torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, seed)
+    return tuple(torch.empty_like(t).copy_(d) for t, d in zip((q, k, v), g))
+
+
 @torch.library.custom_op("blocksparse_fa::interval_fwd", mutates_args=())
 def interval_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  ilo: torch.Tensor | None, ihi: torch.Tensor | None, qid: torch.Tensor | None,
@@ -420,20 +458,8 @@ def interval_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Te
     """Forward: ``(out, lse)``: out shaped and strided like q, in q's dtype; lse ``(B, H, Lq)``
     float32 (float64 for float64 inputs). ``seed``: an int64 CPU scalar tensor with dropout, else
     None. ``kernel_options``: the encoded :class:`~blocksparse_fa.KernelOptions`."""
-    from .api import resolve_backend
-
-    s = check_qkv(q, k, v)
-    iv = _intervals(lo, hi, ilo, ihi, qid, kid)
-    _check_intervals(iv, s, q.device)
-    if resolve_backend(backend, q.device, q.dtype) == "triton":
-        choice = forward_choice(q, k, v, iv, s, dropout_p, decode_options(kernel_options))
-        select.note("forward", choice)
-        if choice.family == "gluon":
-            return gluon_interval_forward(q, k, v, iv, s, scale, decode_options(kernel_options).gluon_fwd)
-        return triton_interval_forward(q, k, v, iv, s, scale, dropout_p, _seed(seed))
-    select.note("forward", "torch:interval")
-    o, lse = torch_interval_forward(q, k, v, iv, s, scale, dropout_p, _seed(seed))
-    return torch.empty_like(q).copy_(o), lse.to(lse_dtype(q.dtype))
+    return _forward(q, k, v, _intervals(lo, hi, ilo, ihi, qid, kid), scale, dropout_p, _seed(seed), backend,
+                    decode_options(kernel_options))
 
 
 @interval_fwd.register_fake
@@ -449,22 +475,8 @@ def interval_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                  kernel_options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped, strided and typed like q, k, v. ``dlse``: the gradient of
     the returned logsumexp (None: none)."""
-    from .api import resolve_backend
-
-    s = check_qkv(q, k, v)
-    iv = _intervals(lo, hi, ilo, ihi, qid, kid)
-    if resolve_backend(backend, q.device, q.dtype) == "triton":
-        opts = decode_options(kernel_options)
-        if q.is_cuda and not select.tma_ok(dout) and select.tma_ok(q):
-            dout = dout.contiguous()  # an upstream layout of dO must not change the kernel choice
-        choice = backward_choice(q, k, v, dout, iv, s, dropout_p, opts)
-        select.note("backward", choice)
-        if choice.family == "gluon":
-            return gluon_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, opts.gluon_bwd)
-        return triton_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, _seed(seed))
-    select.note("backward", "torch:interval")
-    g = torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, _seed(seed))
-    return tuple(torch.empty_like(t).copy_(d) for t, d in zip((q, k, v), g))
+    return _backward_grads(q, k, v, out, lse, dout, dlse, _intervals(lo, hi, ilo, ihi, qid, kid), scale, dropout_p,
+                           _seed(seed), backend, decode_options(kernel_options))
 
 
 @interval_bwd.register_fake
@@ -479,6 +491,8 @@ def _seed(seed) -> int:
 
 def _setup_context(ctx, inputs, output):
     q, k, v, lo, hi, ilo, ihi, qid, kid, scale, dropout_p, seed, backend, kernel_options = inputs
+    # an unused logsumexp (or output) gets None, not zeros: no zeros tensor folded into delta
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, output[0], output[1], lo, hi, ilo, ihi, qid, kid, seed)
     ctx.scale, ctx.dropout_p, ctx.backend, ctx.kernel_options = scale, dropout_p, backend, kernel_options
 
@@ -494,6 +508,28 @@ def _backward(ctx, dout, dlse):
 
 
 interval_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _IntervalAttention(torch.autograd.Function):
+    """Eager autograd around the same bodies as the custom ops, without their dispatch (a
+    ``torch.library`` custom op costs hundreds of microseconds of host time per call on the GPU
+    machines, more than the kernels of a short step); compiled graphs keep the custom ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, iv, scale, dropout_p, seed, backend, opts):
+        ctx.set_materialize_grads(False)  # an unused logsumexp brings no gradient work
+        out, lse = _forward(q, k, v, iv, scale, dropout_p, seed, backend, opts)
+        ctx.save_for_backward(q, k, v, out, lse, *iv)
+        ctx.args = (scale, dropout_p, seed, backend, opts)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *ivt = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward_grads(q, k, v, out, lse, dout, dlse, DeviceIntervals(*ivt), *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -526,10 +562,22 @@ def interval_attention(q, k, v, iv: DeviceIntervals, scale: float, backend: str 
     (lse float32 and differentiable), else ``out``, shaped and strided like q. ``dropout_seed``:
     an int, an int64 scalar tensor or None (drawn from torch's RNG, inside a compiled graph too).
     ``kernel_options``: as in :func:`blocksparse_fa.attention`."""
-    from .custom_op import _encoded, _seed_tensor
+    if torch.compiler.is_compiling():  # the custom ops: opaque calls of the graph
+        from .prepare import encoded_options, seed_tensor
 
-    seed = _seed_tensor(dropout_p, dropout_seed)
-    out, lse = interval_fwd(q, k, v, *iv, float(scale), float(dropout_p), seed, backend, _encoded(kernel_options))
+        seed = seed_tensor(dropout_p, dropout_seed)
+        out, lse = interval_fwd(q, k, v, *iv, float(scale), float(dropout_p), seed, backend,
+                                encoded_options(kernel_options))
+    else:
+        from .prepare import draw_seed
+
+        if isinstance(dropout_seed, torch.Tensor):
+            dropout_seed = int(dropout_seed.to(device="cpu", dtype=torch.int64).reshape(()))
+        seed, opts = draw_seed(dropout_p, dropout_seed), as_options(kernel_options)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = _IntervalAttention.apply(q, k, v, iv, float(scale), float(dropout_p), seed, backend, opts)
+        else:
+            out, lse = _forward(q, k, v, iv, float(scale), float(dropout_p), seed, backend, opts)
     return (out, lse.float()) if return_lse else out
 
 
