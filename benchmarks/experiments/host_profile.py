@@ -2,7 +2,7 @@
 
 For each mask of ``bench.py`` named (default: packed documents with CPU ids and a sliding window of
 1024, 16K, H 16, d 128, bf16) and each entry point (``bsfa.attention`` eager, and inside
-``torch.compile(fullgraph=True)``): the host time to issue one fwd+bwd while the GPU is busy
+``torch.compile(fullgraph=True)``): the host time to launch one fwd+bwd while the GPU is busy
 (``host_path.host_us``), the GPU time (``do_bench`` median), the CUDA kernels one step launches
 (``torch.profiler``: names and counts) with the number of aten operations, and a cProfile of 50
 steps (top functions by own and by cumulative time).
