@@ -6,12 +6,16 @@ autograd (forward with grad, forward under no_grad, forward+backward), the same 
 ``autograd.Function`` and, for scale, ``torch.cuda.current_stream()`` and ``torch.empty_like``.
 Microseconds per call, 3,000 calls after 100 warm-ups.
 
-    python benchmarks/experiments/custom_op_cost.py
+    PYTHONPATH=. python benchmarks/experiments/custom_op_cost.py
 """
 
-import time
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_path import host_us  # noqa: E402
 
 
 def _body(x):
@@ -64,16 +68,10 @@ class _Fn(torch.autograd.Function):
         return torch.empty_like(go), None
 
 
-def per_call_us(fn, n: int = 3000) -> float:
+def per_call_us(fn) -> float:
     for _ in range(100):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
+    return host_us(fn, 3000)
 
 
 def main():
