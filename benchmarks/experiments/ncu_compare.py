@@ -1,8 +1,14 @@
-"""Profile ours vs FlexAttention (forward + backward, same inputs) under Nsight Compute and print a
-side-by-side table per kernel: time, registers, spills, occupancy, issue-slot use and stall reasons.
+"""Profile ours vs FlexAttention and FlashAttention-4 (forward + backward, same inputs) under Nsight
+Compute and print a side-by-side table per kernel: time, registers, spills, occupancy, issue-slot
+use and stall reasons.
 
     PYTHONPATH=. python benchmarks/experiments/ncu_compare.py --patterns document_causal sliding_window_1024 [--out DIR]
-        [--impls ours flex 'ours:{"deterministic": true}' 'ours:{"gluon_bwd": {"stages": 3}}']
+        [--impls ours flex flex_flash fa4 'ours:{"deterministic": true}' 'ours:{"gluon_bwd": {"stages": 3}}']
+
+``flex``: Flex-Triton; ``flex_flash``: Flex with ``kernel_options={"BACKEND": "FLASH"}``; ``fa4``:
+``flash_attn.cute`` (``flash_attn_func`` with ``causal`` / ``window_size``, ``flash_attn_varlen_func``
+for documents: ``bench.fa4_form``), which needs the peers installed (``../shared/peers/README.md``;
+source ``.peers/install_fa4.sh`` first).
 """
 
 from __future__ import annotations
@@ -70,12 +76,27 @@ def worker(pattern: str, impl: str, n: int, d: int) -> None:
             if "gluon_bwd" in opts:
                 opts["gluon_bwd"] = GluonBwdConfig(**opts["gluon_bwd"])
         fwd = lambda: bsfa.attention(q, k, v, mask=lay, kernel_options=opts)
-    else:
+    elif impl == "fa4":  # (B, L, H, D) leaves, or (total, H, D) for varlen
+        import peers
+
+        form = bench.fa4_form(pattern, n)
+        if isinstance(form, str):
+            raise SystemExit(f"fa4: {form}")
+        q, k, v, do = (t.detach().transpose(1, 2).contiguous() for t in (q, k, v, do))
+        if "varlen" in form:
+            q, k, v, do = (t[0].clone() for t in (q, k, v, do))
+            cu, longest = peers.cu_seqlens_from_ids(form["varlen"].to("cuda"))
+            fwd = lambda: peers.fa4_varlen(q, k, v, cu, longest)
+        else:
+            fwd = lambda: peers.fa4_dense(q, k, v, form.get("causal", False), form.get("window"))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    else:  # "flex" (Triton backend) or "flex_flash"
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         flex = torch.compile(flex_attention, dynamic=False)
         bm = None if mm is None else create_block_mask(mm, None, None, n, n, device="cuda", _compile=True)
-        fwd = lambda: flex(q, k, v, block_mask=bm)
+        ko = {"BACKEND": "FLASH"} if impl == "flex_flash" else None
+        fwd = lambda: flex(q, k, v, block_mask=bm, kernel_options=ko)
     for _ in range(3):
         torch.autograd.grad(fwd(), (q, k, v), do)
     torch.cuda.synchronize()
