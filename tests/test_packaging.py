@@ -101,13 +101,8 @@ def test_networkx_and_matplotlib_are_optional_extras():
 # ------------------------------------------------------------------------------------------------
 PKG = ROOT / "blocksparse_fa"
 
-# Edges that still close an import cycle, each to be dropped with its cycle: ops/interval_backend.py
-# takes resolve_backend and the seed and options helpers from ops.api and ops.custom_op (inside its
-# functions), which reach it through ops.route; they live in ops.prepare, below all three.
-_CYCLE_PENDING = {
-    ("blocksparse_fa.ops.interval_backend", "blocksparse_fa.ops.api"),
-    ("blocksparse_fa.ops.interval_backend", "blocksparse_fa.ops.custom_op"),
-}
+# Edges that still close an import cycle, each to be dropped with its cycle (none at present).
+_CYCLE_PENDING: set = set()
 
 
 def _modules() -> dict:

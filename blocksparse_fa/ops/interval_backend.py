@@ -37,6 +37,7 @@ from ..compiler.device_intervals import (DeviceIntervals, cached_table, col_tabl
 from . import select
 from .dispatch import lse_dtype
 from .options import DEFAULT_OPTIONS, as_options, decode_options
+from .prepare import draw_seed, encoded_options, resolve_backend, seed_tensor
 from .validate import Shapes, check_qkv
 
 __all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward",
@@ -416,8 +417,6 @@ def _forward(q, k, v, iv: DeviceIntervals, scale: float, dropout_p: float, seed:
              opts=DEFAULT_OPTIONS):
     """``(out, lse)`` of the kernels :mod:`~blocksparse_fa.ops.select` chooses (the body of
     ``interval_fwd`` and of the eager autograd function)."""
-    from .api import resolve_backend
-
     s = check_qkv(q, k, v)
     _check_intervals(iv, s, q.device)
     if resolve_backend(backend, q.device, q.dtype) == "triton":
@@ -434,8 +433,6 @@ def _forward(q, k, v, iv: DeviceIntervals, scale: float, dropout_p: float, seed:
 def _backward_grads(q, k, v, out, lse, dout, dlse, iv: DeviceIntervals, scale: float, dropout_p: float, seed: int,
                     backend: str, opts=DEFAULT_OPTIONS):
     """``(dq, dk, dv)`` (the body of ``interval_bwd`` and of the eager autograd function)."""
-    from .api import resolve_backend
-
     s = check_qkv(q, k, v)
     if resolve_backend(backend, q.device, q.dtype) == "triton":
         if q.is_cuda and not select.tma_ok(dout) and select.tma_ok(q):
@@ -563,14 +560,10 @@ def interval_attention(q, k, v, iv: DeviceIntervals, scale: float, backend: str 
     an int, an int64 scalar tensor or None (drawn from torch's RNG, inside a compiled graph too).
     ``kernel_options``: as in :func:`blocksparse_fa.attention`."""
     if torch.compiler.is_compiling():  # the custom ops: opaque calls of the graph
-        from .prepare import encoded_options, seed_tensor
-
         seed = seed_tensor(dropout_p, dropout_seed)
         out, lse = interval_fwd(q, k, v, *iv, float(scale), float(dropout_p), seed, backend,
                                 encoded_options(kernel_options))
     else:
-        from .prepare import draw_seed
-
         if isinstance(dropout_seed, torch.Tensor):
             dropout_seed = int(dropout_seed.to(device="cpu", dtype=torch.int64).reshape(()))
         seed, opts = draw_seed(dropout_p, dropout_seed), as_options(kernel_options)
