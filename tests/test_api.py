@@ -448,3 +448,30 @@ def test_mask_mod_callable_as_mask():
                lambda q, k, v: bsfa.scaled_dot_product_attention(q, k, v, mask=doc_causal, block_size=16),
                lambda q, k, v: bsfa.nn.BlockSparseAttention(doc_causal, block_size=16)(q, k, v)):
         _assert_same(_grads(fn, (q, k, v)), ref, 1e-10)
+
+
+@pytest.mark.parametrize("which", ["layout", "documents"])
+def test_second_derivatives_exact_on_torch_refused_on_triton(which):
+    """A backward with ``create_graph=True``: the PyTorch backend's gradients are differentiable
+    and give float64's second derivatives; the Triton kernels' are not, and such a call is refused
+    by name instead of silently dropping attention's part of the second derivative."""
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([20, 30, 14]))
+    mask = (bsfa.causal() & (bsfa.window(16) | bsfa.global_tokens(4)) if which == "layout"
+            else bsfa.causal() & bsfa.document(ids))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+
+    def second(fn):
+        out = fn(q, k, v)
+        dq = torch.autograd.grad((out * out).sum(), q, create_graph=True)[0]
+        return torch.autograd.grad((dq * dq).sum(), (k, v))
+
+    got = second(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch", block_size=16))
+    want = second(lambda q, k, v: bsfa.reference_attention(q, k, v, mask=mask))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-10
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = bsfa.attention(q32, k32, v32, mask=mask, backend="triton", block_size=16)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(out.sum(), q32, create_graph=True)
+    assert torch.autograd.grad(out.sum(), q32)[0].isfinite().all()  # a plain backward still runs

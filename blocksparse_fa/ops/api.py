@@ -58,6 +58,8 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
             (:func:`blocksparse_fa.ops.dense.prefer_dense`) expects it to be faster (short
             sequences, layouts that keep most blocks), PyTorch's fused SDPA over the materialised
             mask, which is exact too. :func:`blocksparse_fa.ops.last_backend` says which one ran.
+            Second derivatives (a backward with ``create_graph=True``) need ``"torch"``: the
+            Triton kernels refuse such a backward.
         block_size: layout block size when ``mask`` is compiled here (default 128).
         rewrite: allow the compiler's exact rewrites (e.g. Sparse Transformer strided masks as a
             band plus a residue-regrouped part, merged); they apply without dropout.

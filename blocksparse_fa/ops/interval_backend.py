@@ -35,7 +35,7 @@ import torch
 from ..compiler.device_intervals import (DeviceIntervals, cached_table, col_tables, gluon_backward_tables,
                                          interval_spec, key_tile_order, row_tables)
 from . import select
-from .dispatch import lse_dtype
+from .dispatch import check_differentiable_backward, lse_dtype
 from .options import DEFAULT_OPTIONS, as_options, decode_options
 from .prepare import draw_seed, encoded_options, resolve_backend, seed_tensor
 from .validate import Shapes, check_qkv
@@ -523,6 +523,7 @@ class _IntervalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *ivt = ctx.saved_tensors
+        check_differentiable_backward(resolve_backend(ctx.args[3], q.device, q.dtype))
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = _backward_grads(q, k, v, out, lse, dout, dlse, DeviceIntervals(*ivt), *ctx.args)
