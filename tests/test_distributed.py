@@ -527,3 +527,24 @@ def test_four_ranks_all_to_all_messages(tmp_path, monkeypatch):
     left out of a collective (a missed step would hang and time out)."""
     monkeypatch.setenv("BSFA_CP_MESSAGES", "all_to_all")
     _check_results(_run(4, CASES_4, tmp_path), CASES_4, 4)
+
+
+def test_second_derivatives_refused_by_name():
+    """A backward with ``create_graph=True`` through context parallelism is refused (its messages
+    and kernels record no graph), not answered with a second derivative missing attention's part."""
+    import torch.distributed as dist
+
+    from blocksparse_fa.distributed import context_parallel_attention, plan_context_parallel
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        plan = plan_context_parallel("causal", 64, 1, block_size=16)
+        out = context_parallel_attention(q, k, v, "causal", plan=plan)
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            torch.autograd.grad(out.sum(), q, create_graph=True)
+        out = context_parallel_attention(q, k, v, "causal", plan=plan)
+        assert torch.autograd.grad(out.sum(), q)[0].isfinite().all()
+    finally:
+        dist.destroy_process_group()

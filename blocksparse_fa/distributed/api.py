@@ -36,6 +36,9 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if torch.is_grad_enabled():  # create_graph=True: the messages and kernels record no graph
+            raise RuntimeError("context_parallel_attention: a backward with create_graph=True (second derivatives) "
+                               "is not supported")
         q, k, v, out, lse = ctx.saved_tensors
         ex, saved, scale, dropout_p, seed, backend, group, overlap, opts = ctx.extra
         if dout is None:
