@@ -14,6 +14,7 @@ gradients are summed on the way back), a mask that does not depend on the head, 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..ops import dispatch
 from ..ops.options import as_options
@@ -65,6 +66,7 @@ class _SeqToHead(torch.autograd.Function):
         return _seq_to_head(x, ex, group)
 
     @staticmethod
+    @once_differentiable  # a message: differentiating the backward again is refused, not skipped
     def backward(ctx, g):
         return _head_to_seq(g.contiguous(), ctx.ex, ctx.group), None, None
 
@@ -76,6 +78,7 @@ class _HeadToSeq(torch.autograd.Function):
         return _head_to_seq(x, ex, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return _seq_to_head(g.contiguous(), ctx.ex, ctx.group), None, None
 
