@@ -475,3 +475,33 @@ def test_second_derivatives_exact_on_torch_refused_on_triton(which):
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.grad(out.sum(), q32, create_graph=True)
     assert torch.autograd.grad(out.sum(), q32)[0].isfinite().all()  # a plain backward still runs
+
+
+@pytest.mark.parametrize("which", ["layout", "documents"])
+def test_autocast_casts_inputs_as_for_sdpa(which):
+    """Inside ``torch.autocast`` the entry points cast q, k, v as autocast casts SDPA's inputs (a
+    float32 QK-norm beside a bf16 v included) and run with autocast off: the results of the same
+    call on bf16 inputs outside the region, bit for bit, eager (backward inside the region too) and
+    compiled; float32 gradients reach float32 leaves. Outside a region nothing is cast."""
+    ids = torch.repeat_interleave(torch.arange(2), torch.tensor([30, 34]))
+    mask = bsfa.causal() if which == "layout" else bsfa.causal() & bsfa.document(ids)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g).requires_grad_() for _ in range(3))
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    want = bsfa.attention(qb, kb, vb, mask=mask, backend="torch")
+    want_g = torch.autograd.grad(want.float().sum(), (qb, kb, vb))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = bsfa.attention(q, k, v, mask=mask, backend="torch")
+        got_g = torch.autograd.grad(got.float().sum(), (q, k, v))
+        op = bsfa.attention_op(q, k, v, mask, backend="torch")
+        mixed = bsfa.attention(q, k, vb, mask=mask, backend="torch")
+        sdpa = bsfa.scaled_dot_product_attention(q, k, v, mask=mask, backend="torch")
+        compiled = torch.compile(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"),
+                                 backend="aot_eager", fullgraph=True)(q, k, v)
+    for out in (got, op, mixed, sdpa, compiled):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    for a, b in zip(got_g, want_g):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float())
+    assert bsfa.attention(q, k, v, mask=mask, backend="torch").dtype == torch.float32
+    with pytest.raises((TypeError, ValueError)):
+        bsfa.attention(q, k, vb, mask=mask, backend="torch")  # mixed dtypes outside a region: refused

@@ -13,7 +13,7 @@ from ..mask.dsl import parse
 from ..ops.prepare import draw_seed, resolve_backend, seed_tensor
 from ..ops.dispatch import pad_head_dims, slice_head_dim
 from ..ops.options import as_options
-from ..ops.validate import MAX_HEAD_DIM, check_qkv, check_scalars
+from ..ops.validate import MAX_HEAD_DIM, check_qkv, check_scalars, like_sdpa_under_autocast, without_autocast
 from .attention import cp_backward, cp_forward
 from .comm import check_call, init_group, resolve_group
 from .exchange import exchange_for
@@ -43,8 +43,9 @@ class _CPAttention(torch.autograd.Function):
         ex, saved, scale, dropout_p, seed, backend, group, overlap, opts = ctx.extra
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = cp_backward(ex, q, k, v, out, lse, dout, dlse, saved, scale, dropout_p, seed, backend, group,
-                                 overlap, opts)
+        with without_autocast(q.device):
+            dq, dk, dv = cp_backward(ex, q, k, v, out, lse, dout, dlse, saved, scale, dropout_p, seed, backend,
+                                     group, overlap, opts)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -69,6 +70,7 @@ def _default_plan(mask, block_size, group, world: int, length: int, device) -> C
     return plan
 
 
+@like_sdpa_under_autocast
 def context_parallel_attention(q, k, v, mask=None, *, plan: ContextParallelPlan | None = None, group=None,
                                scale=None, dropout_p: float = 0.0, dropout_seed=None, return_lse: bool = False,
                                backend: str = "auto", block_size=None, overlap="auto", check: bool = True,

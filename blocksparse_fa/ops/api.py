@@ -20,11 +20,13 @@ from .prepare import BACKENDS, draw_seed, layout_for, resolve_backend, triton_av
 from .prepare import as_mask, check_align, check_mask_for, interpreter_enabled  # noqa: F401  (importable here too)
 from .route import device_intervals, run
 from .route import takes_dense_path  # noqa: F401  (importable here too)
-from .validate import bool_mask_to_mask, check_qkv, check_scalars, flatten_batch, unflatten_batch
+from .validate import (bool_mask_to_mask, check_qkv, check_scalars, flatten_batch, like_sdpa_under_autocast,
+                       unflatten_batch)
 
 __all__ = ["attention", "BACKENDS", "resolve_backend", "layout_for", "draw_seed", "triton_available"]
 
 
+@like_sdpa_under_autocast
 def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
               return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
               enable_gqa: bool = True, align: str | None = None, score_mod=None, kernel_options=None):
@@ -88,7 +90,9 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
         Meta tensors give meta outputs of the right shapes (nothing is computed).
 
     Under ``torch.compile`` the call becomes the custom op ``blocksparse_fa::attention_fwd``
-    (see :func:`blocksparse_fa.attention_op`).
+    (see :func:`blocksparse_fa.attention_op`). Inside ``torch.autocast``, q, k and v are cast as
+    autocast casts SDPA's inputs (to the region's dtype; float64 stays), and the kernels run with
+    their own accumulation precision; every entry point does the same.
     """
     q4, k4, v4, lead = flatten_batch(q, k, v)
     s = check_qkv(q4, k4, v4, dv_ok=True)

@@ -99,7 +99,7 @@ from .options import as_options, decode_options
 from .prepare import (check_align, check_mask_for, constant_result, draw_seed, encoded_options, resolve_backend,
                       seed_tensor)
 from .route import device_intervals, run
-from .validate import check_layout, check_qkv, check_scalars
+from .validate import check_layout, check_qkv, check_scalars, like_sdpa_under_autocast
 
 _encoded, _seed_tensor = encoded_options, seed_tensor  # their names here before ops/prepare.py held them
 
@@ -499,6 +499,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------
 # the public entry point
 # ------------------------------------------------------------------------------------------------
+@like_sdpa_under_autocast
 def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout_seed=None,
                  return_lse: bool = False, backend: str = "auto", block_size=None, rewrite: bool = True,
                  align: str | None = None, score_mod=None, kernel_options=None):

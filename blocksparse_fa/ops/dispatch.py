@@ -26,7 +26,7 @@ from ..compiler.layout import BlockLayout
 from ..compiler.rewrite import residue_permutation
 from . import select
 from .options import DEFAULT_OPTIONS, KernelOptions
-from .validate import Shapes
+from .validate import Shapes, without_autocast
 
 __all__ = ["forward", "backward", "apply", "lse_dtype", "last_backend", "note_backend", "score_grad_buffers",
            "pad_head_dims", "slice_head_dim"]
@@ -274,8 +274,9 @@ class _Attention(torch.autograd.Function):
         if mod is not None:
             mod = replace(mod, slopes=slopes if slopes is not None else mod.slopes, bias=bias)
             grads = score_grad_buffers(mod, ctx.needs_input_grad[3], ctx.needs_input_grad[4], q.dtype, q.device)
-        dq, dk, dv = backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse, use_rewrite=ctx.use_rewrite,
-                              score_mod=mod, score_grads=grads, opts=ctx.opts)
+        with without_autocast(q.device):
+            dq, dk, dv = backward(q, k, v, out, lse, dout, *ctx.args, dlse=dlse, use_rewrite=ctx.use_rewrite,
+                                  score_mod=mod, score_grads=grads, opts=ctx.opts)
         dsl, db = grads or (None, None)
         return (dq, dk, dv, None if dsl is None else dsl.to(slopes.dtype), None if db is None else db.to(bias.dtype),
                 None, None, None, None, None, None, None, None, None)

@@ -38,7 +38,7 @@ from . import select
 from .dispatch import check_differentiable_backward, lse_dtype
 from .options import DEFAULT_OPTIONS, as_options, decode_options
 from .prepare import draw_seed, encoded_options, resolve_backend, seed_tensor
-from .validate import Shapes, check_qkv
+from .validate import Shapes, check_qkv, without_autocast
 
 __all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward",
            "gluon_interval_backward"]
@@ -526,7 +526,8 @@ class _IntervalAttention(torch.autograd.Function):
         check_differentiable_backward(resolve_backend(ctx.args[3], q.device, q.dtype))
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward_grads(q, k, v, out, lse, dout, dlse, DeviceIntervals(*ivt), *ctx.args)
+        with without_autocast(q.device):
+            dq, dk, dv = _backward_grads(q, k, v, out, lse, dout, dlse, DeviceIntervals(*ivt), *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -16,7 +16,7 @@ from ..mask.expr import Mask
 from ..mask.primitives import causal, sliding_window, window
 from ..mask.score import bias
 from .api import as_mask, attention, check_align
-from .validate import _check_tensor, bool_mask_to_mask
+from .validate import _check_tensor, bool_mask_to_mask, like_sdpa_under_autocast
 
 __all__ = ["scaled_dot_product_attention", "top_left_causal"]
 
@@ -71,6 +71,7 @@ def _broadcast_heads(q, k, v, enable_gqa: bool):
     return q, k, v, tuple(lead), H
 
 
+@like_sdpa_under_autocast
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale=None, enable_gqa: bool = False, *, mask=None, backend: str = "auto",
                                  block_size=None, align: str | None = None, kernel_options=None):

@@ -7,6 +7,7 @@ and boolean masks in SDPA's broadcasting convention (:func:`bool_mask_to_mask`).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
@@ -44,6 +45,34 @@ def _check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
+
+
+def like_sdpa_under_autocast(fn):
+    """Entry-point decorator for ``fn(q, k, v, ...)``: inside an autocast region enabled for the
+    inputs' device type, q, k and v are cast as autocast casts the inputs of PyTorch's SDPA
+    (floating tensors other than float64 go to the region's dtype; a differentiable cast, so
+    gradients return in the inputs' dtypes), and the call runs with autocast off: the kernels and
+    the PyTorch backend keep their own accumulation precision. Outside such a region, ``fn``
+    as is."""
+
+    @functools.wraps(fn)
+    def call(q, k, v, *args, **kwargs):
+        dev = q.device.type if isinstance(q, torch.Tensor) else None
+        if dev is None or dev == "meta" or not torch.is_autocast_enabled(dev):
+            return fn(q, k, v, *args, **kwargs)
+        dt = torch.get_autocast_dtype(dev)
+        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                   and t.dtype not in (dt, torch.float64) else t for t in (q, k, v))
+        with torch.autocast(dev, enabled=False):
+            return fn(q, k, v, *args, **kwargs)
+
+    return call
+
+
+def without_autocast(device: torch.device):
+    """A context with autocast off for ``device``'s type (the backward of our autograd functions:
+    on CPU it runs on the caller's thread, possibly inside an autocast region)."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def check_qkv(q, k, v, dv_ok: bool = False) -> Shapes:

@@ -21,7 +21,7 @@ from ..mask.expr import ALIGNS, Mask
 from ..mask.primitives import _tracing
 from . import dispatch
 from .interval_backend import interval_attention
-from .validate import check_qkv, check_scalars
+from .validate import check_qkv, check_scalars, like_sdpa_under_autocast
 
 __all__ = ["varlen_attention"]
 
@@ -101,6 +101,7 @@ def _bounds(terms, cu_q, cu_k, total_q: int, align: str, device) -> DeviceInterv
     return DeviceIntervals(lo, hi, None, None, None, None)
 
 
+@like_sdpa_under_autocast
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, mask=None, *,
                      scale=None, dropout_p: float = 0.0, dropout_seed=None, align: str = "bottom_right",
                      backend: str = "auto", return_lse: bool = False, kernel_options=None):
