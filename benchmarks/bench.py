@@ -43,7 +43,8 @@ import harness  # noqa: E402
 import peers  # noqa: E402
 
 # in run order: the masks every peer can express first
-MASKS = ["causal", "document_causal", "sliding_window_1024", "dense", "longformer", "bigbird", "strided_256"]
+MASKS = ["causal", "document_causal", "sliding_window_1024", "dense", "longformer", "bigbird", "strided_256",
+         "sinks_window_1024"]
 PATTERNS = MASKS  # the name the experiments use
 # text after this marker in docs/benchmarks.md is written by hand and kept when the page is regenerated
 HAND_MARKER = "<!-- hand-written below: kept by bench.py -->"
@@ -87,6 +88,10 @@ def make_case(name: str, n: int, device="cuda"):
         return bsfa.sliding_window(w), lambda b, h, q, k: (q >= k) & (q - k < w)
     if name == "longformer":
         return bsfa.load_pattern("longformer"), lambda b, h, q, k: ((q - k).abs() <= 256) | (q < 64) | (k < 64)
+    if name.startswith("sinks_window_"):  # 4 attention-sink tokens and a causal window of W (StreamingLLM)
+        w = int(name.rsplit("_", 1)[1])
+        return bsfa.load_pattern("streaming_llm", window=w), \
+            lambda b, h, q, k: (q >= k) & ((q - k < w) | (k < 4))
     if name == "bigbird":
         m = bsfa.load_pattern("bigbird")
         rb = [leaf for leaf in m.leaves() if leaf.name == "random_blocks"][0]
@@ -118,6 +123,8 @@ def fa4_form(name: str, n: int):
         return {"varlen": doc_ids(n)}
     if name == "longformer":
         return "n/a (no global tokens)"
+    if name.startswith("sinks_window_"):
+        return "n/a (no sink tokens)"
     if name == "bigbird":
         return "n/a (no global tokens, random blocks)"
     return "n/a (no strided mask)"

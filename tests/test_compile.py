@@ -214,3 +214,17 @@ def test_kernel_options_dict_with_a_config_compiles_fullgraph(form):
         assert rel_err(a, b) < 1e-6
     with pytest.raises(ValueError, match=r"gluon_bwd has no field\(s\) \['persistant'\]"):
         bsfa.attention(q, k, v, mask=MASK, block_size=16, kernel_options={"gluon_bwd": {"persistant": False}})
+
+
+def test_one_compiled_function_with_masks_differing_in_integers():
+    """Masks that differ only in integers (a window per layer) through one compiled function: each
+    is read as its text, a constant, so none is traced as a symbol (fullgraph holds) and every call
+    gives that mask's result."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 96, 16)
+    fn = torch.compile(lambda q, m: bsfa.attention(q, q, q, mask=m, backend="torch"), backend="aot_eager",
+                       fullgraph=True)
+    for mask in (bsfa.causal() & bsfa.sliding_window(40), bsfa.causal() & bsfa.sliding_window(24),
+                 bsfa.causal() & bsfa.sliding_window(8), bsfa.sliding_window(40), bsfa.sliding_window(24),
+                 bsfa.parse("causal & (sliding_window(16) | global_tokens(3))")):
+        assert torch.equal(fn(q, mask), bsfa.attention(q, q, q, mask=mask, backend="torch")), str(mask)

@@ -28,6 +28,7 @@ def _masks():
         "bigbird": bsfa.causal() & bsfa.load_pattern("bigbird", window=128, n_global=64),
         "documents": bsfa.causal() & bsfa.document(ids),
         "strided": bsfa.parse("causal & (sliding_window(16) | strided(16))"),
+        "sinks": bsfa.parse("causal & (sliding_window(256) | global_tokens(4))"),
     }
 
 
@@ -393,3 +394,29 @@ def test_persistent_gluon_backward_equals_per_tile(kind, memory, which):
         assert torch.equal(dk1, dk0) and torch.equal(dv1, dv0)
         assert not dq1.isnan().any()
         torch.testing.assert_close(dq1, dq0, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("text,opts", [("causal & (sliding_window(256) | global_tokens(4))", None),
+                                       ("window(128) | global_tokens(32)", {"global_split": True}),
+                                       ("causal & (sliding_window(256) | global_tokens(64))", {"global_split": True})])
+def test_global_split_on_gpu(text, opts):
+    """Global tokens split into a band (Gluon), the global rows and keys: outputs and gradients
+    within twice the whole mask's bfloat16 error against float64 (sinks split by default)."""
+    mask = bsfa.parse(text)
+    q, k, v = _qkv(D=128)
+    do = torch.randn_like(q)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = bsfa.attention(*ref, mask=mask, backend="torch")
+    want = [out.detach()] + list(torch.autograd.grad(out, ref, do.double()))
+    res = {}
+    for label, kw in (("whole", {"global_split": False}), ("split", opts)):
+        with bsfa.ops.select.record() as ran:
+            out = bsfa.attention(q, k, v, mask=mask, kernel_options=kw)
+            res[label] = [out.detach()] + list(torch.autograd.grad(out, (q, k, v), do))
+        res[label + "_ran"] = ran
+    assert ("forward", "global_split") in res["split_ran"] and ("backward", "global_split") in res["split_ran"]
+    assert ("forward", "global_split") not in res["whole_ran"]
+    for a, b, r in zip(res["split"], res["whole"], want):
+        err_split = (a.double() - r).norm() / r.norm()
+        err_whole = (b.double() - r).norm() / r.norm()
+        assert err_split < 2 * max(err_whole, 1e-3), (err_split, err_whole)

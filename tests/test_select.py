@@ -13,6 +13,7 @@ import torch
 import blocksparse_fa as bsfa
 from blocksparse_fa.ops import select
 from blocksparse_fa.ops import triton_backend as tb
+from blocksparse_fa.ops.merge import merge_attention
 from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
 from blocksparse_fa.ops.select import Hardware, LayoutClass, choose_backward, choose_forward
 from blocksparse_fa.ops.torch_backend import torch_backward, torch_forward
@@ -326,8 +327,16 @@ def hopper(monkeypatch):
     monkeypatch.setattr(select, "hardware", lambda device: HOPPER)
     monkeypatch.setattr(select, "tma_ok", lambda *ts: True)
 
-    def fwd(q, k, v, out, lse, s, scale, case, cfg, layout=None):
+    def fwd(q, k, v, out, lse, s, scale, case, cfg, layout=None, global_keys=(0, False)):
         o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
+        g, causal = global_keys
+        if g:  # the global keys folded into the interval forward: merged here as the kernel does
+            kg, vg = (t[:, :, :g].repeat_interleave(s.H // s.Hkv, 1).float() for t in (k, v))
+            sc = q.float() @ kg.transpose(-1, -2) * scale
+            if causal:
+                sc = sc.masked_fill(torch.arange(g) > torch.arange(q.shape[2])[:, None], float("-inf"))
+            lg = torch.logsumexp(sc, -1)
+            o, l = merge_attention([(o, l), ((torch.softmax(sc, -1) @ vg).to(o.dtype), lg)])
         out.copy_(o)
         lse.copy_(l)
 
@@ -368,6 +377,9 @@ MASKS = {
                                 "triton:interval"),
     "longformer": (lambda: bsfa.window(16) | bsfa.global_tokens(8), "triton:blocks", "triton:blocks"),
     "strided": (lambda: bsfa.parse("causal & (sliding_window(16) | strided(16))"), "triton:blocks", "triton:blocks"),
+    # attention sinks: the band on the interval kernels with the global keys folded into its forward
+    "sinks": (lambda: bsfa.parse("causal & (sliding_window(48) | global_tokens(4))"), "gluon:interval",
+              "triton:blocks", "global_split"),
 }
 
 
@@ -391,7 +403,7 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
     """Eager ``attention``, ``torch.compile(fullgraph=True)`` of it (the custom op under AOT
     autograd: its backward receives a materialised logsumexp gradient), a precompiled layout, and a
     compiled ``nn.BlockSparseAttention`` all run the kernels the choice names, and agree."""
-    make, fwd, bwd = MASKS[name]
+    make, fwd, bwd, *rewrite = MASKS[name]
     mask = make()
     q, k, v = _inputs()
     kw = dict(backend="triton", block_size=128)
@@ -405,6 +417,8 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
                                 backend="aot_eager", fullgraph=True),
     }
     want = [("forward", fwd), ("backward", bwd)]
+    if rewrite:  # the split notes itself before its parts' kernels
+        want = [("forward", rewrite[0]), ("forward", fwd), ("backward", rewrite[0]), ("backward", bwd)]
     results = {}
     for path, fn in paths.items():
         ran, out, grads = _run(fn, q, k, v)
@@ -416,7 +430,7 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
         for a, b in zip(results[path], results["eager"]):
             assert rel_err(a, b) < 1e-2, path
     ex = bsfa.explain(q, k, v, mask=mask, **kw)
-    assert (ex.backend, ex.forward, ex.backward) == ("triton", fwd, bwd)
+    assert (ex.backend, ex.forward, ex.backward, ex.rewrite) == ("triton", fwd, bwd, (rewrite or [None])[0])
 
 
 @pytest.mark.interpreter

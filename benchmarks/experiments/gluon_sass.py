@@ -28,7 +28,8 @@ from sass_probe import report  # noqa: E402
 
 
 def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
-                  consumer_regs=240, dtype="bf16", interval=False, persistent=False):
+                  consumer_regs=240, dtype="bf16", interval=False, persistent=False, global_keys=0,
+                  global_causal=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
@@ -36,7 +37,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, INTERVAL=interval,
                   PINGPONG=pingpong, OVERLAP=overlap, PERSISTENT=persistent, M_MAJOR=persistent and interval,
                   PRODUCER_REGS=producer_regs,
-                  CONSUMER_REGS=consumer_regs)
+                  CONSUMER_REGS=consumer_regs, GLOBAL_KEYS=global_keys, GLOBAL_CAUSAL=global_causal)
     types = {n: "*" + dtype for n in "QKVO"}
     types.update(LSE="*fp32", LO="*i32", HI="*i32", TILES="*i32", qk_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -90,6 +91,8 @@ def main():
     ap.add_argument("--no-pingpong", action="store_true")
     ap.add_argument("--persistent", action="store_true", help="one program per SM looping over work items")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--global-keys", type=int, default=0, help="forward, interval: g global keys (GLOBAL_KEYS)")
+    ap.add_argument("--global-causal", action="store_true", help="forward: the global keys only up to the row")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--ptx", help="write the PTX here (setmaxnreg, barriers, wgmma waits)")
     ap.add_argument("--bwd", choices=["dkdv", "dq"], help="a backward kernel instead of the forward")
@@ -111,7 +114,7 @@ def main():
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,
-                           persistent=a.persistent)
+                           persistent=a.persistent, global_keys=a.global_keys, global_causal=a.global_causal)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

@@ -27,6 +27,10 @@ per layout, heaviest programs first); blocks that every row of the program keeps
 unmasked step, the others compare each key with the row's two bounds (held in registers). Rows
 that keep nothing give O = 0 and LSE = -inf, as ``kernels/forward.py``.
 
+``GLOBAL_KEYS`` ``g`` (interval mode): every row also keeps the first ``g`` keys (attention sinks
+beside a band, ``compiler/globals.py``): each item visits their block(s) first, masked by ``k < g``
+(``GLOBAL_CAUSAL``: and ``k <=`` the row), then its band, so that one pass computes both.
+
 ``PERSISTENT``: a grid of about one program per SM, each walking work items (a query tile of one
 head) ``pid, pid + grid, ...`` as FlashAttention-3's persistent scheduler does; the producer loads
 the next item's Q and first K/V tiles while the consumers finish the current one, and O leaves
@@ -149,14 +153,29 @@ if gluon is not None:
         return pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base
 
     @gluon.jit
+    def _fwd_load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, g, k_row, v_row, k_col, v_col,
+                     STAGES: gl.constexpr):
+        """Ring position ``g``: K and V rows ``k_row`` / ``v_row`` into slot ``g % STAGES`` once the
+        consumers have released it."""
+        s = g % STAGES
+        free = ((g // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(s), free)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [k_row, k_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), free)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [v_row, v_col], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
     def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
                       v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog,
                       H, G, BH, LZB, LZH, kv_len,
                       CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_PRE: gl.constexpr):
         """One warp: per work item both consumers' Q tiles (once the consumers have released the
-        previous item's), then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring. Ring
-        positions count on across items (position ``g`` uses slot ``g % STAGES``).
+        previous item's), then the global keys' ``N_PRE`` blocks ``0 ..`` (interval mode with global
+        keys) and K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring. Ring positions count on
+        across items (position ``g`` uses slot ``g % STAGES``).
 
         ``*_rb``, ``*_rh``, ``*_ch``: where a batch·head's tiles lie in the descriptor's 2-D view
         (rows per batch, rows per head, columns per head; zeros where the descriptor covers one
@@ -178,17 +197,13 @@ if gluon is not None:
                 mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
                 mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
                 _tma_load(q_desc, [q_row + c * BLOCK_M, h * q_ch], q_bar.index(c), q_smem.index(c))
+            for j in gl.static_range(N_PRE):  # the global keys' blocks
+                _fwd_load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, rb + j,
+                             k_row + (j - kb0) * BLOCK_N, v_row + (j - kb0) * BLOCK_N, hk * k_ch, hk * v_ch, STAGES)
             for j in range(n_blocks):
-                g = rb + j
-                s = g % STAGES
-                free = ((g // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(s), free)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [k_row + j * BLOCK_N, hk * k_ch], k_ready.index(s), k_smem.index(s))
-                mbarrier.wait(v_empty.index(s), free)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [v_row + j * BLOCK_N, hk * v_ch], v_ready.index(s), v_smem.index(s))
-            rb += n_blocks
+                _fwd_load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, rb + N_PRE + j,
+                             k_row + j * BLOCK_N, v_row + j * BLOCK_N, hk * k_ch, hk * v_ch, STAGES)
+            rb += N_PRE + n_blocks
             it += 1
 
     @gluon.jit
@@ -197,7 +212,8 @@ if gluon is not None:
         """Online softmax of the scores ``sc`` of key block ``kb``: ``(p, m_new, l_new, alpha)``.
         ``MASK``: 0 every key kept; 1 causal (the diagonal block: keys after the query dropped);
         2 interval (row ``r`` keeps keys ``lo_r[r] <= k < hi_r[r]``; a row may keep none of the
-        block, or none so far, so the running max may be -inf)."""
+        block, or none so far, so the running max may be -inf); ``3 + 2·g + c``: the global keys
+        ``k < g``, with ``c = 1`` only those ``<=`` the row."""
         if MASK == 0:
             m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
             p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
@@ -207,9 +223,17 @@ if gluon is not None:
             if MASK == 1:
                 offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1)
-            else:
+            elif MASK == 2:
                 n2 = gl.expand_dims(offs_n, 0)
                 keep = (n2 >= gl.expand_dims(lo_r, 1)) & (n2 < gl.expand_dims(hi_r, 1))
+            else:
+                offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                n2 = gl.expand_dims(offs_n, 0)
+                m2 = gl.expand_dims(offs_m, 1)
+                if (MASK - 3) % 2 == 1:
+                    keep = (n2 < (MASK - 3) // 2) & (n2 <= m2)
+                else:
+                    keep = (n2 < (MASK - 3) // 2) & (m2 >= 0)
             sc = gl.where(keep, sc * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sc, 1))
             if MASK == 1:  # the diagonal key is always kept: m_new is finite
@@ -324,14 +348,16 @@ if gluon is not None:
                       qk_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                       M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      STAGES: gl.constexpr, GLOBAL_KEYS: gl.constexpr, GLOBAL_CAUSAL: gl.constexpr):
         """Consumer ``C`` (a warp group): per work item, query rows ``off_m + C·BLOCK_M ..``.
 
         Dense / ``CAUSAL``: ``n_full`` full key blocks from block 0 (and, with ``CAUSAL``, the
         diagonal block). ``INTERVAL``: steps ``0 .. n_blocks - 1`` visit key blocks ``kb0 ..``;
         step 0 and steps ``[1, e1)`` and ``[e2, n_blocks)`` are masked against each row's interval
         ``[LO[r], HI[r])`` (read once per item, ``row_base + r``), steps ``[e1, e2)`` are full for
-        every row. Then O and LSE (rows that kept nothing: O = 0, LSE = -inf). Ring positions and
+        every row; with ``GLOBAL_KEYS`` ``g > 0`` the item first visits the global keys' ``N_PRE``
+        blocks ``0 ..``, keeping keys ``k < g`` (and ``k <=`` the row with ``GLOBAL_CAUSAL``): the
+        band's steps then count from ``N_PRE``. Then O and LSE (rows that kept nothing: O = 0, LSE = -inf). Ring positions and
         ping-pong turns count on across items; the Q slot is released to the producer once the
         item's products are done, and with ``PERSISTENT`` O is staged in its own tile, whose TMA
         store completes while the next item runs."""
@@ -339,6 +365,8 @@ if gluon is not None:
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
+        N_PRE: gl.constexpr = (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N
+        PMASK: gl.constexpr = 3 + 2 * GLOBAL_KEYS + GLOBAL_CAUSAL  # the global keys' steps (_fwd_softmax)
         q = q_smem.index(C)
         o_buf = o_smem.index(C)
         if PINGPONG:
@@ -363,37 +391,58 @@ if gluon is not None:
                 hi_r = off_m
             mbarrier.wait(q_bar.index(C), it & 1)
             if INTERVAL:
+                kbb = kb0 - N_PRE  # step j >= N_PRE visits key block kbb + j
                 if OVERLAP:
-                    p16, m_i, l_i = _fwd_first(q, rb, tb, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty,
-                                               turn, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                               o_layout)
-                    for j in range(1, e1):
-                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r,
-                                                               k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                                               qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                               s_layout, o_layout)
-                    for j in range(e1, e2):
-                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r,
+                    if N_PRE > 0:  # the global keys' blocks first
+                        p16, m_i, l_i = _fwd_first(q, rb, tb, 0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty,
+                                                   turn, qk_scale, C, PMASK, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                   s_layout, o_layout)
+                        for j in range(1, N_PRE):
+                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r,
+                                                                   hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                                                   v_empty, turn, qk_scale, C, PMASK, PINGPONG, BLOCK_M,
+                                                                   BLOCK_N, STAGES, s_layout, o_layout)
+                        for j in range(N_PRE, N_PRE + e1):
+                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r,
+                                                                   hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                                                   v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
+                                                                   BLOCK_N, STAGES, s_layout, o_layout)
+                    else:
+                        p16, m_i, l_i = _fwd_first(q, rb, tb, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready,
+                                                   k_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
+                                                   s_layout, o_layout)
+                        for j in range(1, e1):
+                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r,
+                                                                   hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                                                   v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
+                                                                   BLOCK_N, STAGES, s_layout, o_layout)
+                    for j in range(N_PRE + e1, N_PRE + e2):
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r,
                                                                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                                                qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                                                s_layout, o_layout)
-                    for j in range(e2, n_blocks):
-                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r,
+                    for j in range(N_PRE + e2, N_PRE + n_blocks):
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r,
                                                                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                                                qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                                                s_layout, o_layout)
-                    acc = _fwd_last(acc, p16, n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
+                    acc = _fwd_last(acc, p16, N_PRE + n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C, PINGPONG,
+                                    STAGES)
                 else:
-                    for j in range(0, e1):
-                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem,
+                    for j in range(0, N_PRE):
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r, k_smem, v_smem,
+                                                  k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, PMASK,
+                                                  PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                    for j in range(N_PRE, N_PRE + e1):
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-                    for j in range(e1, e2):
-                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem,
+                    for j in range(N_PRE + e1, N_PRE + e2):
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-                    for j in range(e2, n_blocks):
-                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem,
+                    for j in range(N_PRE + e2, N_PRE + n_blocks):
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
             elif OVERLAP:
@@ -446,8 +495,8 @@ if gluon is not None:
             else:
                 lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
             gl.store(LSE + pid_bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
-            rb += n_blocks
-            tb += n_blocks + OVERLAP
+            rb += N_PRE + n_blocks
+            tb += N_PRE + n_blocks + OVERLAP
             it += 1
         tma.store_wait(pendings=0)
 
@@ -461,7 +510,8 @@ if gluon is not None:
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, M_MAJOR: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, GLOBAL_KEYS: gl.constexpr = 0,
+                        GLOBAL_CAUSAL: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer.
         ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q; ``qk_scale = scale · log2(e)``.
         Work items: ``n_prog = cdiv(Lq, 2·BLOCK_M)`` query tiles of each of the ``B·H`` heads
@@ -481,9 +531,14 @@ if gluon is not None:
         ``TILES`` (int32 ``(Z, P, 5)``, heaviest programs first) gives tile ``pid`` its
         ``(tile, kb0, e1, e2, n_blocks)``: query rows ``tile·2·BLOCK_M ..``, key blocks
         ``kb0 .. kb0 + n_blocks - 1`` of which steps ``[e1, e2)`` are full for every row
-        (``1 <= e1 <= e2 <= n_blocks``, ``n_blocks >= 1``). Otherwise LO/HI/TILES are not read."""
+        (``1 <= e1 <= e2 <= n_blocks``, ``n_blocks >= 1``). Otherwise LO/HI/TILES are not read.
+
+        ``GLOBAL_KEYS`` ``g > 0`` (interval mode): every row also keeps the keys ``k < g`` (with
+        ``GLOBAL_CAUSAL`` those ``<=`` the row), visited as the first ``cdiv(g, BLOCK_N)`` steps of
+        every item; the band's intervals must not hold them (``compiler/globals.py``)."""
         gl.static_assert(not CAUSAL or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
+        gl.static_assert(GLOBAL_KEYS == 0 or INTERVAL, "global keys need the interval mode")
         BH = n_items // n_prog
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -546,13 +601,13 @@ if gluon is not None:
             (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                              v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
                              LZH, q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL)),
             (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                              v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
                              LZH, q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                              k_empty, v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first,
                              n_items, n_prog, H, G, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M,
-                             BLOCK_N, STAGES)),
+                             BLOCK_N, STAGES, (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

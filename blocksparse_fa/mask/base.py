@@ -217,6 +217,8 @@ class Primitive(Mask):
         self._params = tuple(params)
         self._shapes = tuple(shapes) if any(shapes) else None
         self._fp = None
+        if type(self).__init__ is Primitive.__init__:  # complete now: its text (Mask.__str__) once
+            str(self)
 
     # parameters by name
     def __getattr__(self, item):
@@ -279,7 +281,7 @@ class Primitive(Mask):
         new = object.__new__(type(self))
         for cls in type(self).__mro__:
             for slot in getattr(cls, "__slots__", ()):
-                if slot in ("_cached_key", "_cached_hash") or not hasattr(self, slot):
+                if slot in ("_cached_key", "_cached_hash", "_cached_text") or not hasattr(self, slot):
                     continue
                 object.__setattr__(new, slot, getattr(self, slot))
         new._params = params

@@ -108,7 +108,7 @@ class Mask:
     travel by the names the text gives them). Expressions nest at most ``MAX_DEPTH - 1`` levels.
     """
 
-    __slots__ = ("_cached_key", "_cached_hash")
+    __slots__ = ("_cached_key", "_cached_hash", "_cached_text")
 
     # ---- algebra -------------------------------------------------------------------------
     def __and__(self, other: "Mask") -> "Mask":
@@ -218,7 +218,14 @@ class Mask:
         return out
 
     def __str__(self) -> str:
-        return self._text(self._names())
+        # computed once (expressions are immutable) and, for operators and most primitives, when
+        # built: under torch.compile a mask is then read as its text, a constant, so that one compiled
+        # function called with masks whose integers differ never traces those integers as symbols
+        try:
+            return self._cached_text
+        except AttributeError:
+            self._cached_text = self._text(self._names())
+            return self._cached_text
 
     def __repr__(self) -> str:
         return f"Mask({str(self)!r})"
@@ -349,6 +356,7 @@ class _NAry(Mask):
             _as_mask(c, self._OP)
         self._depth = _check_depth(children)
         self._children = children
+        str(self)
 
     @property
     def depth(self) -> int:
@@ -413,6 +421,7 @@ class Not(Mask):
     def __init__(self, child: Mask):
         self._child = _as_mask(child, "~")
         self._depth = _check_depth((self._child,))
+        str(self)
 
     @property
     def depth(self) -> int:

@@ -90,6 +90,31 @@ def _rewrite(layout: BlockLayout, dropout_p: float, use_rewrite: bool, score_mod
     return rw if (rw is not None and use_rewrite and dropout_p == 0.0 and score_mod is None) else None
 
 
+def _global_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, use_rewrite: bool,
+                  score_mod, opts: KernelOptions, partial_dtypes: bool = False):
+    """The layout's :class:`~blocksparse_fa.compiler.globals.GlobalSplit` where the call runs it
+    (``select.choose_global_split``), else None."""
+    if backend != "triton" or not use_rewrite or opts.global_split is False or layout.rewrite is not None:
+        return None
+    from ..compiler.compile import compile_mask
+    from ..compiler.globals import global_split
+    from .triton_backend import forward_choice
+
+    gs = global_split(layout, compile_mask)
+    if gs is None:
+        return None
+    key = ("global_split_choice", s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None, partial_dtypes,
+           select.tma_ok(q, k, v))
+    ok = layout.cache.get(key)
+    if ok is None:
+        band = forward_choice(q, k, v, gs.band, s, 0.0, opts)
+        ok = layout.cache[key] = select.choose_global_split(
+            band, s, q.dtype, opts, n_global=gs.g, long_rows=gs.rows is not None or gs.rows_full,
+            dropout=dropout_p > 0.0,
+            score_mod=score_mod is not None, partial_dtypes=partial_dtypes)
+    return gs if ok else None
+
+
 def _residue_ok(rw, s: Shapes, dtype: torch.dtype, opts: KernelOptions) -> bool:
     from .residue import residue_applies
 
@@ -196,7 +221,13 @@ def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: fl
     validated :class:`~blocksparse_fa.mask.score.ScoreMod` or None. ``opts``: the call's
     :class:`~blocksparse_fa.ops.options.KernelOptions`."""
     rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
-    if rw is not None:
+    gs = _global_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod, opts, out_dtype is not None)
+    if gs is not None:
+        from .globals import split_forward
+
+        select.note("forward", "global_split")
+        out, lse = split_forward(q, k, v, gs, s, scale, opts, _fwd_one)
+    elif rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_forward
 
@@ -218,7 +249,13 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
     :func:`score_grad_buffers` (None each) that the gradients of its slopes and bias are added to.
     ``opts``: the call's kernel options."""
     rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
-    if rw is not None:
+    gs = _global_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod, opts, grad_dtype is not None)
+    if gs is not None:
+        from .globals import split_backward
+
+        select.note("backward", "global_split")
+        dq, dk, dv = split_backward(q, k, v, out, lse, dout, gs, s, scale, dlse, opts)
+    elif rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_backward
 

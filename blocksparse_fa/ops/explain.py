@@ -36,7 +36,8 @@ class Explanation:
             one entry per part joined by ``" + "``.
         backward: the backward kernels in the same form (None: no gradient is needed).
         rewrite: ``"residue"`` (the strided rewrite on class views), ``"parts"`` (on permuted
-            copies) or None.
+            copies), ``"global_split"`` (global tokens as a band, the first rows and the global
+            keys, ``compiler/globals.py``) or None.
         layout: the compiled layout's class (None on the PyTorch backend).
         kernels: the GPU kernels launched, forward then backward, as a profiler names them.
     """
@@ -128,22 +129,36 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
     from .triton_backend import backward_choice, forward_choice
 
     rw = dispatch._rewrite(layout, dropout_p, rewrite, score_mod)
-    if rw is not None:
+    gs = dispatch._global_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts)
+    extra = ()
+    if gs is not None:
+        from .globals import _fold_global_keys, _rows_opts
+
+        parts, how = [(gs.band, s, (q4, k4, v4), opts)], "global_split"
+        if gs.rows is not None:
+            rs = type(s)(s.B, s.H, s.Hkv, gs.g, s.Lk, s.D)
+            parts.append((gs.rows, rs, (q4[:, :, :gs.g], k4, v4), _rows_opts(opts)))
+        extra = ("_global_rows_fwd",) if gs.rows_full else ()
+        extra += () if _fold_global_keys(q4, k4, v4, gs, s, opts) else ("_global_keys_fwd",)
+        if needs_grad:
+            extra += ("_global_rows_bwd",) if gs.rows_full else ()
+            extra += ("_global_keys_bwd",)
+    elif rw is not None:
         if dispatch._residue_ok(rw, s, q4.dtype, opts):
             from .residue import _class_shapes, class_view
 
             cs, cm = _class_shapes(rw, s)
             views = [class_view(t.contiguous(), rw.stride, cm) for t in (q4, k4, v4)]
-            parts = [(rw.band, s, (q4, k4, v4)), (rw.cls, cs, views)]
+            parts = [(rw.band, s, (q4, k4, v4), opts), (rw.cls, cs, views, opts)]
             how = "residue"
         else:
-            parts = [(lay, s, (q4, k4, v4)) for lay, _, _ in dispatch._part_layouts(rw, s, q4.device, s.Lq)]
+            parts = [(lay, s, (q4, k4, v4), opts) for lay, _, _ in dispatch._part_layouts(rw, s, q4.device, s.Lq)]
             how = "parts"
     else:
-        parts, how = [(layout, s, (q4, k4, v4))], None
-    fwd = [forward_choice(*ts, lay, ps, dropout_p, opts, score_mod=score_mod) for lay, ps, ts in parts]
-    bwd = [backward_choice(*ts, ts[0], lay, ps, dropout_p, opts, accumulate=i > 0 and how == "residue",
-                           score_mod=score_mod) for i, (lay, ps, ts) in enumerate(parts)] if needs_grad else []
-    kernels = tuple(dict.fromkeys(kn for c in (*fwd, *bwd) for kn in c.kernels))
+        parts, how = [(layout, s, (q4, k4, v4), opts)], None
+    fwd = [forward_choice(*ts, lay, ps, dropout_p, po, score_mod=score_mod) for lay, ps, ts, po in parts]
+    bwd = [backward_choice(*ts, ts[0], lay, ps, dropout_p, po, accumulate=i > 0 and how in ("residue", "global_split"),
+                           score_mod=score_mod) for i, (lay, ps, ts, po) in enumerate(parts)] if needs_grad else []
+    kernels = tuple(dict.fromkeys([kn for c in (*fwd, *bwd) for kn in c.kernels] + list(extra)))
     return Explanation("triton", " + ".join(map(str, fwd)), " + ".join(map(str, bwd)) if bwd else None, how,
                        select.layout_class(layout), kernels)

@@ -139,7 +139,7 @@ _CHOICES = {
     "fwd_other": ("load", "prefetch"),
     "band_backward": ("partial", "flex"),
 }
-_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic")
+_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic", "global_split")
 _CONFIGS = {"gluon_fwd": GluonConfig, "gluon_bwd": GluonBwdConfig, "fwd_tiles": TileConfig,
             "dkdv_tiles": TileConfig, "dq_tiles": TileConfig, "atomic_tiles": TileConfig}
 
@@ -194,6 +194,12 @@ class KernelOptions:
         split_chunk: force the work-list chunk that splits long rows/columns (None: the default).
         residue_gqa: grouped-query inputs of a rewritten strided mask run on class views (True) or
             on permuted copies (False).
+        global_split: masks with ``g`` global tokens whose other keys form one band per row
+            (Longformer's ``window(w) | global_tokens(g)``, attention sinks ``causal &
+            (sliding_window(w) | global_tokens(s))``) run as the band on the interval kernels,
+            the first ``g`` rows and the global keys (``compiler/globals.py``). None (default):
+            where the band runs the Gluon interval forward (Hopper); True: wherever the Triton
+            backend runs; False: never (the whole mask on the block kernels).
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
             run bounds (True) rather than by comparing ids.
         fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles
@@ -222,6 +228,7 @@ class KernelOptions:
     masked_stages: int | None = None
     split_chunk: float | None = None
     residue_gqa: bool = True
+    global_split: bool | None = None
     document_runs: bool = True
     fwd_tiles: TileConfig | None = None
     dkdv_tiles: TileConfig | None = None

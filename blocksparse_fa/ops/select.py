@@ -34,7 +34,7 @@ from .options import GluonBwdConfig, GluonConfig, KernelOptions
 from .validate import Shapes
 
 __all__ = ["Hardware", "LayoutClass", "Choice", "hardware", "layout_class", "choose_forward", "choose_backward",
-           "tma_ok", "record", "note"]
+           "choose_global_split", "tma_ok", "record", "note"]
 
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -221,6 +221,42 @@ class Choice:
 
     def __str__(self) -> str:
         return f"{self.family}:{self.mode}"
+
+
+_SPLIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+AUTO_GLOBAL_SPLIT_MAX = 16
+"""Largest number of global tokens split off under ``global_split=None`` (attention sinks are a few
+tokens; 64 sinks before a causal window of 1024 ran slower split than whole on the H100)."""
+
+
+def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: KernelOptions, *, n_global: int,
+                        long_rows: bool, dropout: bool = False, score_mod: bool = False,
+                        partial_dtypes: bool = False) -> bool:
+    """Whether a mask that splits into a band, its first rows and its global keys
+    (``compiler/globals.py``) runs as those parts (pure).
+
+    Args:
+        band: :func:`choose_forward`'s choice for the band's layout.
+        s: shapes; dtype: q's dtype; opts: the call's kernel options.
+        n_global: ``g``, the number of global tokens.
+        long_rows: the first ``g`` rows keep keys past the global ones (Longformer; not attention
+            sinks under ``causal``), so that they run as a part of their own.
+        dropout, score_mod: attention dropout / a score modifier (the parts would see other
+            positions: never split).
+        partial_dtypes: the caller asked for float32 outputs or gradients (context parallelism's
+            partial results: never split).
+
+    ``global_split=None`` splits where the band runs the Gluon interval forward, the first rows need
+    no part of their own and ``g <= AUTO_GLOBAL_SPLIT_MAX``. H100 (16K, H 16, d 128, fwd / fwd+bwd
+    ms, split against whole; ``benchmarks/NOTES.md``, "Global tokens"): 4 sinks and a causal window
+    of 1024 0.322 / 1.559 against 0.492 / 1.885, of 4096 0.903 / 3.999 against 1.165 / 5.006 (the
+    global keys folded into the band's Gluon forward); in an earlier run 64 sinks 0.602 / 1.912
+    against 0.464 / 1.848 and Longformer (64 global rows over 16K keys) 0.636 / 2.054 against 0.453
+    / 1.698, both with a second pass for the global keys."""
+    if dropout or score_mod or partial_dtypes or opts.global_split is False or dtype not in _SPLIT_DTYPES:
+        return False
+    return opts.global_split is True or (band.family == "gluon" and band.mode == "interval" and not long_rows
+                                         and n_global <= AUTO_GLOBAL_SPLIT_MAX)
 
 
 def tma_ok(*ts: torch.Tensor) -> bool:

@@ -630,12 +630,14 @@ def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shapes, scale: float, case: str,
-                   cfg: GluonConfig) -> None:
+                   cfg: GluonConfig, global_keys: tuple = (0, False)) -> None:
     """Launch ``kernels/forward_gluon._attn_fwd_gluon`` in mode ``case`` (``"dense"``, ``"causal"``,
     ``"interval"`` with its ``lo``/``hi``/``tiles`` tables): persistent (one program per SM) for
     dense and interval layouts where ``cfg.persistent`` and the tensors allow it
     (:class:`~blocksparse_fa.ops.options.GluonConfig`), else one program per query tile and head.
-    Persistent interval items run one query tile of every head at a time, heaviest first."""
+    Persistent interval items run one query tile of every head at a time, heaviest first.
+    ``global_keys``: ``(g, causal)``, interval mode only: every row also keeps the keys ``< g``
+    (``<=`` the row with ``causal``), visited first in every item (``compiler/globals.py``)."""
     _ensure_tma_allocator(q.device)
     rows = 2 * cfg.block_m
     n_prog = _cdiv(s.Lq, rows)
@@ -650,11 +652,11 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=case == "causal",
         INTERVAL=case == "interval", PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
         M_MAJOR=persistent and case == "interval" and _M_MAJOR, PRODUCER_REGS=cfg.producer_regs,
-        CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+        CONSUMER_REGS=cfg.consumer_regs, GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], num_warps=4)
 
 
 def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: GluonConfig,
-                  layout: BlockLayout | None = None) -> None:
+                  layout: BlockLayout | None = None, global_keys: tuple = (0, False)) -> None:
     """The Gluon forward (``kernels/forward_gluon.py``, :func:`_gluon_fwd_run`); ``case``: the chosen
     mode (``"dense"``, ``"causal"``, ``"interval"``; the last needs ``layout``)."""
     if case == "interval":
@@ -663,7 +665,7 @@ def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: Gl
     else:
         lo = hi = tiles = _placeholder(torch.int32, q.device)
         lzb = lzh = 0
-    _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg)
+    _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg, global_keys)
 
 
 def forward_choice(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, opts: KernelOptions,
@@ -677,11 +679,12 @@ def forward_choice(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, op
 
 
 def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: float, seed: int,
-                   out_dtype=None, score_mod=None, opts: KernelOptions = DEFAULT_OPTIONS):
+                   out_dtype=None, score_mod=None, opts: KernelOptions = DEFAULT_OPTIONS, global_keys=None):
     """Forward kernel; returns ``out (B, H, Lq, D)`` (q's dtype, or ``out_dtype``: float32 keeps a
     partial result exact for a later merge) and ``lse (B, H, Lq)`` float32. ``score_mod``: a
     :class:`~blocksparse_fa.mask.score.ScoreMod` or None; ``opts``: the call's kernel options. The
-    kernel is :func:`~blocksparse_fa.ops.select.choose_forward`'s."""
+    kernel is :func:`~blocksparse_fa.ops.select.choose_forward`'s. ``global_keys``: ``(g, causal)``
+    folded into the Gluon interval forward (``ops/globals.py``; the choice must be that kernel)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dev = q.device
     odt = None if out_dtype in (None, q.dtype) else out_dtype
@@ -689,8 +692,11 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
     choice = forward_choice(q, k, v, layout, s, dropout_p, opts, out_dtype, score_mod)
     select.note("forward", choice)
+    if global_keys is not None and (choice.family, choice.mode) != ("gluon", "interval"):
+        raise ValueError(f"triton_forward: global_keys need the Gluon interval forward, the choice is {choice}")
     if choice.family == "gluon":
-        _gluon_launch(q, k, v, out, lse, s, scale, choice.mode, opts.gluon_fwd or GluonConfig(), layout)
+        _gluon_launch(q, k, v, out, lse, s, scale, choice.mode, opts.gluon_fwd or GluonConfig(), layout,
+                      global_keys or (0, False))
         return out, lse
     if choice.family == "triton_dense":
         _dense_launch(q, k, v, out, lse, s, scale, choice.mode == "ws")

@@ -1,0 +1,116 @@
+"""Masks with global tokens as a band, the first rows and the global keys (``compiler/globals.py``,
+``ops/globals.py``, ``kernels/globals.py``): which masks split, the kernel choice, and outputs and
+all gradients against the float64 reference through the Triton interpreter."""
+
+import numpy as np
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.compiler.globals import split_parts
+from blocksparse_fa.ops import select
+from blocksparse_fa.ops.options import KernelOptions
+from blocksparse_fa.ops.validate import Shapes
+from conftest import rel_err
+
+pytestmark = pytest.mark.interpreter
+
+LONGFORMER = "window(20) | global_tokens(8)"
+SINKS = "causal & (sliding_window(24) | global_tokens(3))"
+PARTIAL_ROWS = "(window(20) | global_tokens(8)) & ~(query_range(0, 8) & key_range(80, 128))"
+
+
+def test_which_masks_split():
+    g, band, corner, rows = split_parts(bsfa.parse(LONGFORMER), 128, 128, 0)
+    assert g == 8 and rows == "full" and corner.all()  # global rows keep every key
+    g, band, corner, rows = split_parts(bsfa.parse(PARTIAL_ROWS), 128, 128, 0)
+    assert g == 8 and isinstance(rows, bsfa.Mask)  # global rows keep some later keys: a layout of their own
+    g, band, corner, rows = split_parts(bsfa.parse(SINKS), 128, 128, 0)
+    assert g == 3 and rows is None  # causal sinks keep no later key
+    assert np.array_equal(corner, np.tril(np.ones((3, 3), bool)))
+    for text in ("sliding_window(16)", "causal & (window(8) | strided(16))", "window(4) | global_tokens(200)",
+                 "window(20) | (global_tokens(8) & sliding_window(60))",  # later rows drop global keys
+                 "(window(8) | global_tokens(4)) | global_tokens(6)", bsfa.load_pattern("bigbird")):
+        mask = bsfa.parse(text) if isinstance(text, str) else text
+        assert split_parts(mask, 128, 128, 0) is None, text
+    # bottom-right queries (a decode step) and per-head counts do not split
+    assert split_parts(bsfa.parse(SINKS), 64, 128, 64) is None
+    assert split_parts(bsfa.window(4) | bsfa.global_tokens(torch.tensor([[2, 3]])), 64, 64, 0) is None
+
+
+def test_choice_is_a_pure_function():
+    s = Shapes(1, 2, 2, 4096, 4096, 128)
+    gl = select.Choice("gluon", "interval", ())
+    tr = select.Choice("triton", "blocks", ())
+    auto, on, off = KernelOptions(), KernelOptions(global_split=True), KernelOptions(global_split=False)
+    bf = torch.bfloat16
+    assert select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=False)
+    assert not select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=False)
+    assert not select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=True)
+    assert not select.choose_global_split(tr, s, bf, auto, n_global=4, long_rows=False)
+    assert select.choose_global_split(tr, s, bf, on, n_global=64, long_rows=True)
+    assert not select.choose_global_split(gl, s, bf, off, n_global=4, long_rows=False)
+    for kw in (dict(dropout=True), dict(score_mod=True), dict(partial_dtypes=True)):
+        assert not select.choose_global_split(gl, s, bf, on, n_global=4, long_rows=False, **kw)
+    assert not select.choose_global_split(gl, s, torch.float64, on, n_global=4, long_rows=False)
+    with pytest.raises(ValueError, match="global_split"):
+        KernelOptions(global_split=1)
+
+
+@pytest.mark.parametrize("text,H,Hkv,D,n", [(LONGFORMER, 2, 1, 32, 96), (SINKS, 2, 2, 16, 100),
+                                            (PARTIAL_ROWS, 2, 2, 16, 96)])
+def test_split_matches_float64(text, H, Hkv, D, n):
+    mask = bsfa.parse(text)
+    torch.manual_seed(0)
+    q = torch.randn(1, H, n, D, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, n, D, requires_grad=True) for _ in range(2))
+    with select.record() as ran:
+        out, lse = bsfa.attention(q, k, v, mask, backend="triton", block_size=32, return_lse=True,
+                                  kernel_options=dict(global_split=True))
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (do, dl))
+    assert ("forward", "global_split") in ran and ("backward", "global_split") in ran
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
+    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (do.double(), dl.double()))
+    assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    for g, r, name in zip(grads, ref_grads, "qkv"):
+        assert rel_err(g, r) < 5e-6, (name, rel_err(g, r))
+
+
+def test_split_and_whole_agree_in_bfloat16_and_compiled():
+    mask = bsfa.parse(SINKS)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 96, 16, dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+
+    def run(fn, opts):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*xs, opts)
+        out.backward(do)
+        return [out.float()] + [t.grad.float() for t in xs]
+
+    def eager(a, b, c, opts):
+        return bsfa.attention(a, b, c, mask, backend="triton", block_size=32, kernel_options=opts)
+
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref = bsfa.reference_attention(qd, kd, vd, mask)
+    ref.backward(do.double())
+    want = [ref.detach()] + [t.grad for t in (qd, kd, vd)]
+    whole = run(eager, dict(global_split=False))
+    split = run(eager, dict(global_split=True))
+    for a, b, r in zip(split, whole, want):
+        assert rel_err(a, r) < 2 * max(rel_err(b, r), 4e-3)  # within twice the whole mask's bf16 error
+    compiled = run(torch.compile(eager, backend="aot_eager", fullgraph=True), dict(global_split=True))
+    for a, b in zip(compiled, split):
+        assert torch.equal(a, b)
+
+
+def test_explain_reports_the_split():
+    q = torch.randn(1, 2, 96, 16, requires_grad=True)
+    e = bsfa.explain(q, q, q, mask=LONGFORMER, backend="triton", block_size=32, kernel_options=dict(global_split=True))
+    assert e.rewrite == "global_split" and {"_global_keys_bwd", "_global_rows_fwd"} <= set(e.kernels)
+    e = bsfa.explain(q, q, q, mask=PARTIAL_ROWS, backend="triton", block_size=32, kernel_options=dict(global_split=True))
+    assert " + " in e.forward and "_global_rows_fwd" not in e.kernels  # the band, then the rows' own layout
+    e = bsfa.explain(q, q, q, mask=LONGFORMER, backend="triton", block_size=32)
+    assert e.rewrite is None  # on the CPU the band runs no Gluon kernel: the whole mask
