@@ -8,9 +8,9 @@ global row. Split by ``global_tokens(g)`` they are three exact, disjoint parts:
 * the **band** ``mask & ~global_tokens(g)``: one key interval per row, with bounds that grow with
   the row (so that every key tile sees one run of rows): the interval kernels, Gluon on Hopper;
 * the **global keys** ``k < g``: every row ``>= g`` keeps all ``g`` of them (checked), the first
-  ``g`` rows those of a ``g × g`` corner: one small fused kernel (``kernels/globals.py``) that merges
-  them into the other parts' output, and its backward, which adds their dQ in place and sums their
-  dK/dV;
+  ``g`` rows those of a ``g × g`` corner: on Hopper the band's Gluon forward visits them first in
+  every work item, elsewhere one small fused kernel (``kernels/globals.py``) merges them into the
+  other parts' output; their backward adds their dQ in place and sums their dK/dV;
 * the **global rows** ``q < g`` over the keys ``>= g``, where they keep any (Longformer's, not the
   sinks' under ``causal``): where they keep all of them, a split-K kernel pair
   (``kernels/globals.py``), else a ``g × Lk`` layout on the block kernels, whose work lists split

@@ -1,14 +1,17 @@
-"""A mask with global tokens as three exact parts (``compiler/globals.py``), on the Triton backend.
+"""A mask with global tokens as exact parts (``compiler/globals.py``), on the Triton backend.
 
-Forward: the band (one key interval per row: the interval kernels, Gluon on Hopper) writes every
-row's output and logsumexp (the first ``g`` rows keep nothing there); the first ``g`` rows are
-overwritten by their own call (a ``g × Lk`` layout on the block kernels, whose work lists split its
-long rows); ``kernels/globals._global_keys_fwd`` merges the global keys into the other rows in place.
+Forward: on Hopper, where the first ``g`` rows need no part of their own (attention sinks), the
+band's Gluon interval forward visits the global keys first in every work item (one pass,
+``_fold_global_keys``). Otherwise the band (one key interval per row) writes every row's output and
+logsumexp (the first ``g`` rows keep nothing there); the first ``g`` rows are overwritten by their
+own part (a split-K kernel pair where they keep every later key, else a ``g × Lk`` layout on the
+block kernels, whose work lists split its long rows); ``kernels/globals._global_keys_fwd`` merges
+the global keys into every row in place.
 
 Backward, with the merged output and logsumexp (``delta`` computed once): the band's kernels give
 the band's share of dQ and dK/dV (exact for disjoint key sets, as in ``ops/residue.py``); the first
-``g`` rows' backward adds to them (``accumulate``); ``_global_keys_bwd`` adds the global keys' dQ in
-place and their dK/dV through float32 buffers.
+``g`` rows' part adds to them; ``_global_keys_bwd`` adds the global keys' dQ in place and their
+dK/dV through float32 buffers.
 """
 
 from __future__ import annotations
@@ -62,14 +65,14 @@ def split_forward(q, k, v, gs, s: Shapes, scale: float, opts: KernelOptions, fwd
     from ..kernels.globals import _global_keys_fwd
     from .triton_backend import _launch
 
-    g, qk_scale = gs.g, scale * math.log2(math.e)
-    consts = _consts(s, g, q.dtype, q.device)
     folded = _fold_global_keys(q, k, v, gs, s, opts)
     if folded is not None:  # the band's Gluon forward visits the global keys first: one pass
         from .triton_backend import triton_forward
 
         out, lse = triton_forward(q, k, v, gs.band, s, scale, 0.0, 0, opts=opts, global_keys=folded)
         return out, lse.reshape(s.B, s.H, s.Lq)
+    g, qk_scale = gs.g, scale * math.log2(math.e)
+    consts = _consts(s, g, q.dtype, q.device)
     out, lse = fwd_one(q, k, v, gs.band, s, scale, 0.0, 0, "triton", opts=opts)
     lse = lse.reshape(s.B, s.H, s.Lq)
     if gs.rows_full:  # the first g rows over every later key: a split-K kernel
