@@ -96,6 +96,8 @@ def _global_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, bac
     (``select.choose_global_split``), else None."""
     if backend != "triton" or not use_rewrite or opts.global_split is False or layout.rewrite is not None:
         return None
+    if layout.cache.get("global_split", False) is None:  # known not to split: the common case, no imports
+        return None
     from ..compiler.compile import compile_mask
     from ..compiler.globals import global_split
     from .triton_backend import forward_choice
