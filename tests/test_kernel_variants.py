@@ -206,6 +206,14 @@ def test_gluon_backward_config_schedules_validated():
     for name in ("persistent", "dkdv_persistent"):
         with pytest.raises(ValueError, match=rf"{name}=1\): expected True, False or None"):
             GluonBwdConfig(**{name: 1})
+    # SMs a persistent grid leaves free: an int >= 0 in both configs, also through kernel_options dicts
+    for cls in (GluonConfig, GluonBwdConfig):
+        assert cls(sm_margin=8).sm_margin == 8
+        for bad in (-1, 2.0, True, "8"):
+            with pytest.raises(ValueError, match=rf"{cls.__name__}\(sm_margin={bad!r}\): expected an int >= 0"):
+                cls(sm_margin=bad)
+    from blocksparse_fa.ops.options import as_options
+    assert as_options(dict(gluon_fwd=dict(sm_margin=4))).gluon_fwd.sm_margin == 4
 
 
 def test_tma_allocator_set_in_every_thread():
@@ -284,8 +292,11 @@ def test_persistent_gluon_forward_launch_geometry(monkeypatch):
     assert run(qt, kt) == (16, True, (256, 0, 64, 256, 0, 64, 256, 0, 64, 1024, 256, 0))
     # broadcast kv heads (stride 0) read the same rows
     assert run(q, k[:, :1].expand(2, 2, 256, 64))[1:] == (True, (1024, 256, 0, 512, 0, 0, 512, 0, 0, 1024, 256, 0))
-    # more items than SMs: one program per SM
-    assert run(torch.empty(1, 16, 4096, 64, **meta), torch.empty(1, 16, 4096, 64, **meta))[:2] == (132, True)
+    # more items than SMs: one program per SM, or sm_margin SMs fewer (at least one program)
+    big = torch.empty(1, 16, 4096, 64, **meta)
+    assert run(big, big)[:2] == (132, True)
+    assert run(big, big, GluonConfig(sm_margin=8))[:2] == (124, True)
+    assert run(big, big, GluonConfig(sm_margin=500))[:2] == (1, True)
     # a ragged Lq, a batch stride that is no whole number of rows, or persistent=False: one program per tile
     assert run(torch.empty(2, 4, 200, 64, **meta), k)[:2] == (16, False)
     odd = torch.empty_strided((2, 1, 256, 64), (256 * 64 + 8, 0, 64, 1), **meta)
@@ -339,8 +350,11 @@ def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
     # registers need no view
     qt, kt = torch.empty(2, 256, 4, 64, **meta).transpose(1, 2), torch.empty(2, 256, 2, 64, **meta).transpose(1, 2)
     assert run(qt, kt, grad_dtype=torch.float32) == (8, True, (256, 0, 64) * 4 + (0, 0, 0) * 2)
-    # more items than SMs: one program per SM
-    assert run(torch.empty(1, 16, 16384, 64, **meta), torch.empty(1, 16, 16384, 64, **meta))[:2] == (132, True)
+    # more items than SMs: one program per SM, sm_margin fewer in both kernels
+    big = torch.empty(1, 16, 16384, 64, **meta)
+    assert run(big, big)[:2] == (132, True)
+    assert run(big, big, GluonBwdConfig(dkdv_persistent=True, persistent=True, sm_margin=16))[:2] == (116, True)
+    assert seen[1][1][0] == 116 and seen[1][3]["PERSISTENT"]
     # by default on for interval layouts (both kernels; key tiles in the heaviest-first order), off
     # for dense ones, and for causal layouts: one program per key tile
     t = torch.empty(1, dtype=torch.int32, device="meta")

@@ -5,8 +5,9 @@ Per mask (256K, GQA 8/2 x 128, bf16, the planner's plan), under torchrun with NC
 1. eager forward and forward+backward with each variant of ``--compare``, interleaved
    ``--passes`` times on the same inputs, slowest rank, so that they are compared on the same
    machine state: ``transports`` (``p2p``: grouped NCCL point-to-point; ``all_to_all``: one
-   ``all_to_all_single`` per step) or ``own_rows`` (the backward's own-key gradients gathered
-   whole in float32 then converted, or converted run by run);
+   ``all_to_all_single`` per step), ``own_rows`` (the backward's own-key gradients gathered
+   whole in float32 then converted, or converted run by run) or ``sm_margin`` (the call not
+   overlapped, then overlapped with the persistent Gluon grids leaving 0, 8 or 16 SMs to NCCL);
 2. the same forward+backward captured once in a CUDA graph (``torch.cuda.graph``, after warm-up on
    a side stream; ``check=False``: the call's description check synchronises) and replayed: time per
    replay, and outputs and gradients of the replay against the eager call (they must agree);
@@ -37,9 +38,9 @@ import blocksparse_fa as bsfa  # noqa: E402
 from blocksparse_fa.distributed import attention as att  # noqa: E402
 from blocksparse_fa.distributed import comm, context_parallel_attention, plan_context_parallel  # noqa: E402
 
-messages, max_runs, wait_sends = comm.MESSAGES, att._MAX_RUN_COPIES, att._WAIT_SENDS
+messages, max_runs, wait_sends, margin = comm.MESSAGES, att._MAX_RUN_COPIES, att._WAIT_SENDS, att._SM_MARGIN
 GROUPS = {"default": None}  # "high": a group whose NCCL streams have high priority (made in main)
-_call = dict(group=None)
+_call = dict(group=None, overlap=None)  # overlap None: ``--overlap``
 
 
 def _set(**kw):
@@ -47,7 +48,9 @@ def _set(**kw):
         comm.MESSAGES = kw.get("messages", messages)
         att._MAX_RUN_COPIES = kw.get("max_runs", max_runs)
         att._WAIT_SENDS = kw.get("wait_sends", wait_sends)
+        att._SM_MARGIN = kw.get("margin", margin)
         _call["group"] = GROUPS[kw.get("group", "default")]
+        _call["overlap"] = kw.get("overlap")
     return setup
 
 
@@ -56,7 +59,11 @@ def _set(**kw):
 VARIANTS = {"transports": [("p2p", _set(messages="p2p")), ("all_to_all", _set(messages="all_to_all"))],
             "own_rows": [("gather", _set(max_runs=0)), ("runs", _set())],
             "wait_sends": [("no_wait", _set(wait_sends=False)), ("wait", _set())],
-            "priority": [("default", _set()), ("high", _set(group="high"))]}
+            "priority": [("default", _set()), ("high", _set(group="high"))],
+            # overlapped calls whose persistent Gluon grids leave SMs to NCCL's kernels
+            "sm_margin": [("no_overlap", _set(overlap=False)), ("overlap_m0", _set(overlap=True, margin=0)),
+                          ("overlap_m8", _set(overlap=True, margin=8)),
+                          ("overlap_m16", _set(overlap=True, margin=16))]}
 
 
 def _slowest(x: float, dev) -> float:
@@ -107,7 +114,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--passes", type=int, default=2, help="interleaved passes over the transports")
     ap.add_argument("--compare", default="transports", choices=sorted(VARIANTS))
-    ap.add_argument("--no-graph", action="store_true", help="only the interleaved eager variants")
+    ap.add_argument("--no-graph", action="store_true", help="no CUDA-graph capture (eager variants and T1 only)")
     ap.add_argument("--overlap", default="auto", type=lambda x: x if x == "auto" else x == "true",
                     help="the calls' overlap: auto (the plan's choice), true or false")
     ap.add_argument("--json", default=None)
@@ -117,6 +124,9 @@ def main():
     if args.compare == "priority":
         GROUPS["high"] = dist.new_group(backend="nccl",
                                         pg_options=dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
+    def _overlap():
+        return args.overlap if _call["overlap"] is None else _call["overlap"]
+
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
@@ -135,13 +145,13 @@ def main():
 
             def fwd():
                 with torch.no_grad():
-                    return context_parallel_attention(ql, kl, vl, plan=plan, check=False, overlap=args.overlap,
+                    return context_parallel_attention(ql, kl, vl, plan=plan, check=False, overlap=_overlap(),
                                                       group=_call["group"])
 
             def fb():
                 for t in (qg, kg, vg):
                     t.grad = None
-                out = context_parallel_attention(qg, kg, vg, plan=plan, check=False, overlap=args.overlap,
+                out = context_parallel_attention(qg, kg, vg, plan=plan, check=False, overlap=_overlap(),
                                                  group=_call["group"])
                 out.backward(dl)
                 return out
@@ -161,32 +171,27 @@ def main():
                                                for g in grads.values() for a, b in zip(g, first))
             del grads, first
             _set()()
-            if args.no_graph:
-                row["T1_fb_ms"] = None
-                rows.append(row)
-                if rank == 0:
-                    print(json.dumps(row, default=str), flush=True)
-                continue
-            ref = fb().detach().clone()
-            refg = [t.grad.clone() for t in (qg, kg, vg)]
-            try:
-                held = []
-                g = _graph(fb, held)
-                for t in (qg, kg, vg):  # poison what the replay must rewrite
-                    t.grad.fill_(float("nan"))
-                held[0].fill_(float("nan"))
-                g.replay()
-                torch.cuda.synchronize()
-                # the replay writes into the tensors captured: the output and the grads of qg, kg, vg
-                row["graph_err"] = {n: _rel(t, r) for n, t, r in zip(("out", "dq", "dk", "dv"),
-                                                                      (held[0], qg.grad, kg.grad, vg.grad),
-                                                                      (ref, *refg))}
-                row["TP_fb_ms_graph"] = _time(g.replay, args.iters, dev) * 1e3
-                del g
-            except Exception as e:  # noqa: BLE001 - recorded, the next pattern runs
-                row["graph_error"] = f"{type(e).__name__}: {e}"[:600]
-                if rank == 0:
-                    traceback.print_exc()
+            if not args.no_graph:
+                ref = fb().detach().clone()
+                refg = [t.grad.clone() for t in (qg, kg, vg)]
+                try:
+                    held = []
+                    g = _graph(fb, held)
+                    for t in (qg, kg, vg):  # poison what the replay must rewrite
+                        t.grad.fill_(float("nan"))
+                    held[0].fill_(float("nan"))
+                    g.replay()
+                    torch.cuda.synchronize()
+                    # the replay writes into the tensors captured: the output and the grads of qg, kg, vg
+                    row["graph_err"] = {n: _rel(t, r) for n, t, r in zip(("out", "dq", "dk", "dv"),
+                                                                          (held[0], qg.grad, kg.grad, vg.grad),
+                                                                          (ref, *refg))}
+                    row["TP_fb_ms_graph"] = _time(g.replay, args.iters, dev) * 1e3
+                    del g
+                except Exception as e:  # noqa: BLE001 - recorded, the next pattern runs
+                    row["graph_error"] = f"{type(e).__name__}: {e}"[:600]
+                    if rank == 0:
+                        traceback.print_exc()
             torch.cuda.synchronize()
             dist.barrier()
             lay = plan.device_layout(dev)
@@ -203,13 +208,14 @@ def main():
             row["T1_fwd_ms"] = _time(one_fwd, max(3, args.iters // 4), dev) * 1e3
             row["T1_fb_ms"] = _time(one_fb, max(3, args.iters // 4), dev) * 1e3
             try:
-                g1 = _graph(one_fb, [])
-                row["T1_fb_ms_graph"] = _time(g1.replay, max(3, args.iters // 4), dev) * 1e3
-                del g1
+                if not args.no_graph:
+                    g1 = _graph(one_fb, [])
+                    row["T1_fb_ms_graph"] = _time(g1.replay, max(3, args.iters // 4), dev) * 1e3
+                    del g1
             except Exception as e:  # noqa: BLE001
                 row["graph1_error"] = f"{type(e).__name__}: {e}"[:600]
-            T1 = row["T1_fb_ms"]
-            for key in [k for k in row if k.startswith("TP_fb_ms")]:
+            for key in [k for k in row if k.startswith(("TP_fb_ms", "TP_fwd_ms"))]:
+                T1 = row["T1_fb_ms" if key.startswith("TP_fb") else "T1_fwd_ms"]
                 vals = row[key] if isinstance(row[key], list) else [row[key]]
                 row["eff_" + key[3:]] = [T1 / (world * x) for x in vals]
         except Exception as e:  # noqa: BLE001
@@ -221,10 +227,10 @@ def main():
         if rank == 0:
             print(json.dumps(row, default=str), flush=True)
         rows.append(row)
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(world=world, tokens=args.tokens, torch=torch.__version__,
-                           device=torch.cuda.get_device_name(dev), rows=rows), f, indent=1, default=str)
+        if rank == 0 and args.json:  # after every pattern: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(dict(world=world, tokens=args.tokens, torch=torch.__version__,
+                               device=torch.cuda.get_device_name(dev), rows=rows), f, indent=1, default=str)
     dist.destroy_process_group()
 
 

@@ -24,11 +24,13 @@ float32; everything else is written once, in the inputs' dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..ops import dispatch, select
 from ..ops.merge import merge_attention
-from ..ops.options import DEFAULT_OPTIONS
+from ..ops.options import DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig
 from ..ops.validate import Shapes
 from .comm import exchange
 from .exchange import Exchange, Part
@@ -200,6 +202,18 @@ def _merge(o1, l1, o2, l2, backend, rows=None):
     return o1, l1
 
 
+def _beside_messages(opts):
+    """``opts`` for the launches of a call whose messages are in flight while they run: persistent
+    Gluon grids leave ``_SM_MARGIN`` SMs to NCCL's kernels (unless the call set its own margin)."""
+    if not _SM_MARGIN:
+        return opts
+    fwd, bwd = opts.gluon_fwd or GluonConfig(), opts.gluon_bwd or GluonBwdConfig()
+    if fwd.sm_margin or bwd.sm_margin:
+        return opts
+    return opts.replace(gluon_fwd=dataclasses.replace(fwd, sm_margin=_SM_MARGIN),
+                        gluon_bwd=dataclasses.replace(bwd, sm_margin=_SM_MARGIN))
+
+
 def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int, backend: str, group,
                overlap=False, opts=DEFAULT_OPTIONS):
     """``(out (B, H, L, D) in q's dtype, lse (B, H, L) float32, Saved)`` of this rank's tokens
@@ -208,6 +222,8 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
     ranks = ex.peers(group)
     plan_overlaps = ex.overlap(overlap)
     over = plan_overlaps and ex.fetches
+    if over:
+        opts = _beside_messages(opts)
     saved = Saved()
     gpend, gq = _start_guest_q(ex, q, group, ranks)
     fetch = _Fetch(ex, k, v, group, ranks, over) if ex.has_kv else None
@@ -238,6 +254,9 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
 
 
 _WAIT_SENDS = True  # complete the fetch before the first launch when not overlapping (see cp_forward)
+# SMs the persistent Gluon kernels of an overlapped call leave free for NCCL's kernels: a message
+# kernel queued beside a launch that fills every SM gets none until that launch drains
+_SM_MARGIN = 0
 
 
 def _guest_forward(ex: Exchange, q, k, v, gq, scale, dropout_p, seed, backend, group, ranks, opts, acc):
@@ -385,6 +404,8 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
     acc = _acc(q.dtype)
     ranks = ex.peers(group)
     over = ex.overlap(overlap) and ex.fetches
+    if over:
+        opts = _beside_messages(opts)
     B, H, L, D = q.shape
     Hkv, dev = k.shape[1], k.device
     guest = None

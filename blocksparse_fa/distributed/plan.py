@@ -381,14 +381,16 @@ class ContextParallelPlan:
                 if not len(rk.remote_cols):  # it only sends: its kernels wait for no message
                     comm = max(0.0, comm - rk.local_cost * t_unit)
                 elif overlap:
-                    if not (rect or self._halo(rk)):
-                        # measured on 4 x H100 (benchmarks/NOTES.md, context parallelism): where the
-                        # fetched keys reach every row (global tokens, random blocks) the second
-                        # launch over all rows and the merge cost more than the fetch they hide
+                    if not rect:
+                        # measured (benchmarks/NOTES.md, context parallelism): where the fetched keys
+                        # reach every row (global tokens, random blocks) the second launch over all
+                        # rows and the merge cost more than the fetch they hide (4 x H100); where they
+                        # reach a halo (windows, documents) the plain call, whose ranks complete the
+                        # fetch before launching, beat the overlapped one by 2-8 % (4 x H200)
                         worst = (compute, float("inf"), glue)
                         break
                     comm = max(0.0, comm - rk.local_cost * t_unit)
-                    rows = rk.length if rect else rk.remote_rows
+                    rows = rk.length
                     # merge of two outputs over the rows that reach fetched keys (read both, write
                     # one), and the dQ of all rows in float32 (written, then converted)
                     glue += B * H * D * (12 * rows + 10 * rk.length) / cm.memory_bandwidth

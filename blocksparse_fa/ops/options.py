@@ -37,6 +37,11 @@ class TileConfig:
     flat: bool = False
 
 
+def _check_margin(owner: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}(sm_margin={value!r}): expected an int >= 0 (SMs a persistent grid leaves free)")
+
+
 @dataclass(frozen=True)
 class GluonConfig:
     """Tiles of the Gluon forward (``kernels/forward_gluon.py``): ``block_m`` query rows per consumer
@@ -50,7 +55,12 @@ class GluonConfig:
     tensors). Taken for dense and one-interval-per-row layouts (not causal: no gain there) where
     ``Lq`` is a multiple of ``2·block_m`` and each of Q, K, V and O is a 2-D row view (heads
     stacked along rows, as ``(B, H, L, D)``, or side by side, as ``(B, L, H, D)`` transposed);
-    otherwise one program per query tile and head."""
+    otherwise one program per query tile and head.
+
+    ``sm_margin``: SMs a persistent grid leaves free (its programs are the SM count minus this),
+    so that kernels running beside it on another stream (communication: NCCL's send/receive
+    kernels under context parallelism) get SMs at once instead of after the whole launch, as
+    FlashAttention-3's ``sm_margin`` does. 0 (default): every SM."""
 
     block_m: int = 64
     block_n: int = 128
@@ -60,6 +70,10 @@ class GluonConfig:
     producer_regs: int = 24
     consumer_regs: int = 240
     persistent: bool = True
+    sm_margin: int = 0
+
+    def __post_init__(self):
+        _check_margin(type(self).__name__, self.sm_margin)
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,9 @@ class GluonBwdConfig:
     tile's first Q/dO steps while the consumers store the previous tile's dK and dV. None (the
     default): on one-interval-per-row layouts only (windows, documents, prefix-LM), where their
     tiles are short; on dense layouts the persistent loops keep more values live across the steps
-    (more spilling) and ran slower (``benchmarks/NOTES.md``, "Persistent backward")."""
+    (more spilling) and ran slower (``benchmarks/NOTES.md``, "Persistent backward").
+
+    ``sm_margin``: SMs the persistent kernels leave free, as :class:`GluonConfig`'s."""
 
     block_m: int = 64
     block_n: int = 64
@@ -112,8 +128,10 @@ class GluonBwdConfig:
     direct_store: bool = False
     persistent: bool | None = None
     dkdv_persistent: bool | None = None
+    sm_margin: int = 0
 
     def __post_init__(self):
+        _check_margin(type(self).__name__, self.sm_margin)
         for name in ("overlap", "dq_overlap"):
             if getattr(self, name) not in (0, 1, 2):
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected 0, 1 or 2")

@@ -153,7 +153,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     auto = intervals is not None
     persistent, geo, grid = _persistent_grid((q, dout, k, v, None if direct else dk, None if direct else dv), n_items,
                                              _on(cfg.dkdv_persistent, auto) and not causal
-                                             and s.B * s.H * s.Lq < 2**31)
+                                             and s.B * s.H * s.Lq < 2**31, cfg.sm_margin)
     qg, dog = q, dout
     if s.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
@@ -177,7 +177,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     direct = cfg.direct_store or dq.dtype == torch.float32
     # as the forward's: causal keeps one program per tile; dQ written directly needs no view
     persistent, geo, grid = _persistent_grid((q, dout, k, v, None if direct else dq), n_items,
-                                             _on(cfg.persistent, auto) and not causal)
+                                             _on(cfg.persistent, auto) and not causal, cfg.sm_margin)
     _launch(_bg._attn_bwd_dq_gluon, (grid, ), (
         q, k, v, dout, dq, lse, delta, lo, hi, q_tab,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -589,9 +589,10 @@ def _on(flag: bool | None, auto: bool) -> bool:
     return auto if flag is None else flag
 
 
-def _persistent_grid(tensors, n_items: int, allowed: bool):
+def _persistent_grid(tensors, n_items: int, allowed: bool, margin: int = 0):
     """``(persistent, geometry, grid)`` of a Gluon kernel with ``n_items`` work items: persistent
-    (a grid of at most one program per SM) where ``allowed`` and every tensor is a 2-D row view
+    (a grid of at most one program per SM, ``margin`` SMs left free; at least one program) where
+    ``allowed`` and every tensor is a 2-D row view
     (:func:`_row_view`; a None entry needs none and gets zeros) small enough for int32 rows;
     ``geometry``: the views' ``(rows per batch, rows per head, columns per head)`` flattened (zeros
     when not persistent), ``grid``: the programs."""
@@ -603,7 +604,7 @@ def _persistent_grid(tensors, n_items: int, allowed: bool):
     sms = select.hardware(next(t.device for t in tensors if t is not None)).sm_count if persistent else 0
     if sms <= 0:  # not persistent, or the SM count is unknown
         return False, [0] * (3 * len(tensors)), n_items
-    return True, [x for vw in views for x in vw], min(n_items, sms)
+    return True, [x for vw in views for x in vw], min(n_items, max(1, sms - margin))
 
 
 def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -644,7 +645,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     n_items = n_prog * s.B * s.H
     # causal stays one program per tile: persistent it measured 0.98-1.00x (16K / 64K, H100)
     persistent, geo, grid = _persistent_grid((q, k, v, out), n_items, cfg.persistent and case != "causal"
-                                             and s.Lq % rows == 0)
+                                             and s.Lq % rows == 0, cfg.sm_margin)
     _launch(_fg._attn_fwd_gluon, (grid, ), (
         q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
