@@ -169,7 +169,10 @@ def main():
             first = next(iter(grads.values()))
             row["variants_max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
                                                for g in grads.values() for a, b in zip(g, first))
-            del grads, first
+            # the last output held its autograd graph, whose AccumulateGrad nodes (made on the default
+            # stream) a later capture would reach: "operation would make the legacy stream depend on
+            # a capturing blocking stream" (torch 2.11, 2 x H200)
+            del grads, first, o
             _set()()
             if not args.no_graph:
                 ref = fb().detach().clone()
