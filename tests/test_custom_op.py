@@ -231,3 +231,33 @@ def test_registry_module_pin_released():
     del m
     gc.collect()
     assert h not in registry or registry._entries[h].pins == pins - 1
+
+
+def test_op_call_layouts_answered_from_a_memo_until_the_registry_drops(monkeypatch):
+    """A repeated op call (same handle, alignment, shapes, dtypes, device) takes its checked shapes
+    and layout from a memo instead of checking and looking up again; new shapes are checked (bad
+    ones still raise, naming the argument), and anything the registry drops invalidates the memo."""
+    from blocksparse_fa.ops import custom_op as co
+
+    monkeypatch.setattr(co, "_CALLS", {})
+    h = register_mask(bsfa.causal() & bsfa.sliding_window(24), pin=True)  # kept through clear()
+    q, k = torch.randn(1, 2, 64, 16), torch.randn(1, 1, 64, 16)
+    s1, lay1 = co._layout(q, k, k, h, "bottom_right")
+    calls = []
+    real = co.registry.layout
+    monkeypatch.setattr(co.registry, "layout", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    s2, lay2 = co._layout(q, k, k, h, "bottom_right")
+    assert (s2, lay2) == (s1, lay1) and lay2 is lay1 and not calls
+    co._layout(q[:, :, :32], k[:, :, :32], k[:, :, :32], h, "bottom_right")  # new lengths: looked up
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="GQA: the number of query heads H=3"):
+        co._layout(torch.randn(1, 3, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16), h,
+                   "bottom_right")
+    gen = co.registry.generation
+    co.registry.clear()  # drops other entries: the memo no longer answers, even for this handle
+    assert co.registry.generation > gen
+    calls.clear()
+    assert co._layout(q, k, k, h, "bottom_right")[1] is lay1 and len(calls) == 1
+    co._layout(q, k, k, h, "bottom_right")
+    assert len(calls) == 1
+    co.registry.unpin(h)

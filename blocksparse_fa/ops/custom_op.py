@@ -153,6 +153,7 @@ class LayoutRegistry:
         self._by_key: dict = {}
         self._next = 1
         self._lock = threading.RLock()
+        self.generation = 0  # counts drops (entries evicted or cleared, layouts evicted): see ``_layout``
 
     @staticmethod
     def _key(source, block_size):
@@ -217,6 +218,7 @@ class LayoutRegistry:
                 break
             e = self._entries.pop(h)
             self._by_key.pop(self._key(e.source, e.block_size), None)
+            self.generation += 1
             n -= 1
             size -= e.nbytes
 
@@ -289,6 +291,7 @@ class LayoutRegistry:
             e.layouts[ckey] = lay
             while len(e.layouts) > self.layouts_per_entry:
                 e.layouts.popitem(last=False)
+                self.generation += 1
         return lay
 
     def __len__(self) -> int:
@@ -303,6 +306,7 @@ class LayoutRegistry:
             for h in [h for h, e in self._entries.items() if e.pins == 0]:
                 e = self._entries.pop(h)
                 self._by_key.pop(self._key(e.source, e.block_size), None)
+            self.generation += 1
 
 
 registry = LayoutRegistry()
@@ -390,10 +394,28 @@ def handle_of(mask, block_size=None) -> int:
 # ------------------------------------------------------------------------------------------------
 # the ops
 # ------------------------------------------------------------------------------------------------
+_CALLS: dict = {}  # (handle, align, shapes, dtypes, device) -> (Shapes, layout, registry generation)
+_CALLS_MAX = 256
+
+
 def _layout(q, k, v, handle, align, tensors=None):
+    """``(Shapes, layout)`` of an op call, its inputs checked. Every check is a function of the
+    handle, the alignment and the inputs' shapes, dtypes and device, so a repeated call (every step
+    of a compiled model) is answered from ``_CALLS`` until the registry drops anything."""
+    key = None
+    if not tensors:  # a template's layout depends on its tensors' values
+        key = (handle, align, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device)
+        hit = _CALLS.get(key)
+        if hit is not None and hit[2] == registry.generation:
+            return hit[0], hit[1]
     s = check_qkv(q, k, v)
+    gen = registry.generation
     layout = registry.layout(handle, s.Lq, s.Lk, q.device, align, tensors)
     check_layout(layout, s)
+    if key is not None:
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[key] = (s, layout, gen)
     return s, layout
 
 
@@ -602,13 +624,11 @@ def _eager(q, k, v, handle: int, scale, dropout_p, dropout_seed, return_lse, bac
            score_mod=None, opts=None):
     """The eager path of :func:`attention_op` (and the nn modules): registry layout, then dispatch
     (inputs with one head dim, a checked scale and a bound score modifier)."""
-    s = check_qkv(q, k, v)
+    s, layout = _layout(q, k, v, handle, align)
     be = resolve_backend(backend, q.device, q.dtype)
     if be == "triton" and score_mod is not None and score_mod.fn is not None:
         raise NotImplementedError("score_mod: score_fn() callables run on the PyTorch backend only "
                                   "(backend='torch'); the Triton kernels fuse alibi(), bias() and softcap()")
-    layout = registry.layout(handle, s.Lq, s.Lk, q.device, align)
-    check_layout(layout, s)
     seed = draw_seed(dropout_p, int(dropout_seed) if isinstance(dropout_seed, torch.Tensor) else dropout_seed)
     out, lse = run(q, k, v, layout, s, scale, dropout_p, seed, backend, be, bool(rewrite), return_lse, score_mod,
                    opts)
