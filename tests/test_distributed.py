@@ -378,7 +378,7 @@ def test_plan_targets_balance_and_overlap():
     Longformer and documents stay contiguous and move little; the fetch is overlapped for causal
     (rectangles) only: not where the fetched keys reach every row (Longformer's and BigBird's
     global tokens: measured slower on 4 x H100), nor where they reach a halo of rows (sliding
-    window, documents: the plain call measured 2-8 % faster on 4 x H200)."""
+    window, documents: the plain call measured 6-7 % faster on 4 x H200, medians)."""
     import sys
 
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
