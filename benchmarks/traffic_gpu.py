@@ -63,6 +63,9 @@ if REPO not in sys.path:
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
            "l1tex__m_xbar2l1tex_read_bytes.sum", "gpu__time_duration.sum",
            "l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_miss.sum")
+# asked for where the GPU's ncu knows them (``ncu --query-metrics``): what the SMs write into L2, and
+# the reductions (the five-GEMM backward's TMA reduce-add of dQ)
+OPTIONAL_METRICS = ("lts__t_sectors_srcunit_tex_op_write.sum", "lts__t_sectors_srcunit_tex_op_red.sum")
 # the last one: register-spill reloads that miss L1 (sectors), part of the crossbar's bytes
 # L2 -> SM bytes: the crossbar's delivered bytes (l1tex__m_xbar2l1tex_read_bytes). The L2-slice
 # counter (lts__t_sectors_srcunit_tex_op_read x 32) under-counts when many programs read one block
@@ -72,7 +75,10 @@ SECTOR_BYTES = 32
 MARKER_RE = re.compile(r"spin_kernel")
 OURS_RE = re.compile(r"_attn_(fwd|bwd_preprocess|bwd_dkdv|bwd_dq)\b")  # not the *_combine kernels
 BEGIN, END = "<!-- GPU-RESULTS:BEGIN -->", "<!-- GPU-RESULTS:END -->"
-REGIMES = ("inl2", "beyondl2")
+REGIMES = ("inl2", "beyondl2", "inl2_default", "h32_default")
+# inl2 / beyondl2: the Triton block-sparse kernels everywhere (kernel options forward/backward
+# "triton"); the *_default regimes: what attention() runs by default (the Gluon kernels on dense,
+# causal and one-interval-per-row layouts on Hopper), which the model follows (kernels="auto")
 IMPLS = ("ours", "flex")
 
 
@@ -81,7 +87,8 @@ IMPLS = ("ours", "flex")
 # ================================================================================================
 def regime_configs(regime: str, quick: bool = False) -> list[dict]:
     """The configurations of a regime (``quick``: small sizes for a smoke test)."""
-    if regime == "inl2":
+    kernels = "auto" if regime.endswith("_default") else "triton"
+    if regime in ("inl2", "inl2_default"):
         n, h = (4096, 4) if quick else (16384, 16)
         widths = (128, 512, 2048) if quick else (128, 512, 2048, 8192)
         masks = [(f"sw{w}", f"sliding_window({w})", f"sliding_window:{w}") for w in widths]
@@ -91,10 +98,14 @@ def regime_configs(regime: str, quick: bool = False) -> list[dict]:
         tc = n // 128
         rs = (1, 4, 32, tc) if quick else (1, 4, 16, 64, 256, 1024)
         masks = [(f"rb{r}", f"random_blocks({r}, 128, 1)", "blocks") for r in rs]
+    elif regime == "h32_default":  # where the Triton backward's DRAM bytes left the model (docs/traffic.md)
+        n, h = (8192, 4) if quick else (65536, 32)
+        masks = [("cw2048", "causal & sliding_window(2048)", "sliding_window:2048"),
+                 ("sw256", "sliding_window(256)", "sliding_window:256"), ("causal", "causal", "causal")]
     else:
         raise ValueError(f"unknown regime {regime!r} (choose from {REGIMES})")
     return [dict(regime=regime, name=name, mask=m, flex_mod=fm, q_len=n, kv_len=n, batch=1, heads=h, kv_heads=h,
-                 head_dim=128, dtype="bf16", block=128) for name, m, fm in masks]
+                 head_dim=128, dtype="bf16", block=128, kernels=kernels) for name, m, fm in masks]
 
 
 def _layout(cfg: dict, device=None):
@@ -198,9 +209,14 @@ def worker(args) -> int:
     dout = torch.randn_like(q)
     layout = _layout(cfg, device="cuda")
     opts = _bwd_variant_options(cfg.get("bwd_variant", "default"))
+    if cfg.get("kernels", "triton") == "triton":
+        opts.update(forward="triton", backward="triton")
+    choices = []
     if args.impl == "ours":
+        from blocksparse_fa.ops import select
+
         def fwd():
-            return bsfa.attention(q, k, v, mask=layout, backend="triton", kernel_options=opts)
+            return bsfa.attention(q, k, v, mask=layout, kernel_options=opts)
     elif args.impl == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -217,6 +233,10 @@ def worker(args) -> int:
         out = fwd()
         return torch.autograd.grad(out, (q, k, v), dout)
 
+    if args.impl == "ours":  # the kernels both phases choose (the backward's are noted in autograd's thread)
+        with select.record() as rec:
+            step()
+        choices[:] = rec
     for _ in range(2):
         step()
     torch.cuda.synchronize()
@@ -251,7 +271,11 @@ def worker(args) -> int:
     res = dict(config=cfg, impl=args.impl, density=float(layout.density), time_fwd_ms=t_fwd,
                time_bwd_ms=max(0.0, t_step - t_fwd), time_fwd_bwd_ms=t_step, reps=reps,
                kernel_tiles=_kernel_tiles(cfg) if args.impl == "ours" else None,
-               torch=torch.__version__, gpu=torch.cuda.get_device_name(), marker=hasattr(torch.cuda, "_sleep"))
+               torch=torch.__version__, gpu=torch.cuda.get_device_name(), marker=hasattr(torch.cuda, "_sleep"),
+               l2_bytes=int(torch.cuda.get_device_properties(0).L2_cache_size),
+               sms=int(torch.cuda.get_device_properties(0).multi_processor_count))
+    if args.impl == "ours":
+        res["choices"] = [list(c) for c in dict.fromkeys(tuple(c) for c in choices)]
     try:
         import triton
 
@@ -349,7 +373,7 @@ def parse_ncu_csv(text: str) -> list[dict]:
                 units = row
                 continue
             e = entry(row)
-            for m in METRICS:
+            for m in METRICS + OPTIONAL_METRICS:
                 if m in col:
                     e["metrics"][m] = _number(row[col[m]], units[col[m]])
     out = []
@@ -365,14 +389,19 @@ def parse_ncu_csv(text: str) -> list[dict]:
                  l2_read=xbar if not math.isnan(xbar) else slice_bytes, l2_read_slice=slice_bytes,
                  l2_counter="xbar" if not math.isnan(xbar) else "slice",
                  time_ns=m.get("gpu__time_duration.sum", float("nan")))
+        for key, name in (("sm_write", "lts__t_sectors_srcunit_tex_op_write.sum"),
+                          ("sm_red", "lts__t_sectors_srcunit_tex_op_red.sum")):
+            if name in m:
+                e[key] = m[name] * SECTOR_BYTES
         out.append(e)
     return out
 
 
-def split_phases(kernels: list[dict], impl: str) -> dict:
-    """``{"fwd": [...], "bwd": [...]}``: ours by kernel name; otherwise by the marker kernel between
-    the forward and the backward (everything before it is forward)."""
-    if impl == "ours":
+def split_phases(kernels: list[dict], impl: str, by_name: bool = True) -> dict:
+    """``{"fwd": [...], "bwd": [...]}``: ours by kernel name (``by_name``, a run filtered to the
+    Triton kernels); otherwise by the marker kernel between the forward and the backward
+    (everything before it is forward)."""
+    if impl == "ours" and by_name:
         fwd = [k for k in kernels if re.search(r"_attn_fwd", k["name"])]
         bwd = [k for k in kernels if re.search(r"_attn_bwd", k["name"])]
         return {"fwd": fwd, "bwd": bwd}
@@ -390,7 +419,17 @@ def _sum(kernels: list[dict]) -> dict:
         out["l2_counter"] = "xbar" if all(x.get("l2_counter") == "xbar" for x in kernels) else "slice"
     if kernels and all("local_ld_miss" in x for x in kernels):
         out["local_ld_miss"] = float(sum(x["local_ld_miss"] for x in kernels))
+    for key in ("sm_write", "sm_red"):
+        if kernels and all(key in x for x in kernels):
+            out[key] = float(sum(x[key] for x in kernels))
     return out
+
+
+def _available_metrics(ncu: str) -> tuple:
+    """METRICS and those of OPTIONAL_METRICS this GPU's ncu knows (``--query-metrics``)."""
+    q = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True)
+    known = set(re.findall(r"^(\w+)", q.stdout, flags=re.M)) if q.returncode == 0 else set()
+    return METRICS + tuple(m for m in OPTIONAL_METRICS if m.rsplit(".", 1)[0] in known)
 
 
 def infer_tiles(kernels: list[dict], cfg: dict) -> dict:
@@ -438,10 +477,14 @@ def run_driver(args) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     ver = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    metrics = _available_metrics(ncu)
     for regime in args.regimes.split(","):
         path = _data_path(root, regime)
-        data = {"regime": regime, "synthetic": False, "ncu": ver[-1] if ver else "", "metrics": list(METRICS),
+        data = {"regime": regime, "synthetic": False, "ncu": ver[-1] if ver else "", "metrics": list(metrics),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+        if args.append and os.path.exists(path):  # a second pass (other implementations) adds its runs
+            with open(path) as f:
+                data = json.load(f)
         names = set(args.names.split(",")) if args.names else None
         for cfg in regime_configs(regime, args.quick):
             if names is not None and cfg["name"] not in names:
@@ -453,9 +496,10 @@ def run_driver(args) -> int:
                 rep = os.path.join(out, tag)
                 wres = os.path.join(out, tag + ".worker.json")
                 cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off",
-                       "--target-processes", "all", "-c", str(args.max_kernels), "--metrics", ",".join(METRICS),
+                       "--target-processes", "all", "-c", str(args.max_kernels), "--metrics", ",".join(metrics),
                        "-f", "-o", rep]
-                if impl == "ours":
+                by_name = impl == "ours" and cfg["kernels"] == "triton"  # else every kernel, split at the marker
+                if by_name:
                     cmd += ["-k", args.kernel_regex]
                 cmd += [sys.executable, os.path.abspath(__file__), "worker", "--config", json.dumps(cfg),
                         "--impl", impl, "--result", wres, "--reps", str(args.reps)]
@@ -477,9 +521,9 @@ def run_driver(args) -> int:
                         f.write(exp.stdout)
                     try:
                         kernels = parse_ncu_csv(exp.stdout)
-                        phases = split_phases(kernels, impl)
+                        phases = split_phases(kernels, impl, by_name)
                         run.update(kernels=kernels, fwd=_sum(phases["fwd"]), bwd=_sum(phases["bwd"]),
-                                   total=_sum(kernels if impl == "ours" else
+                                   total=_sum(kernels if by_name else
                                               [k for k in kernels if not MARKER_RE.search(k["name"])]),
                                    split_ok="unsplit" not in phases)
                         if impl == "ours":
@@ -516,7 +560,7 @@ def _model(cfg: dict, tiles: dict, l2_mb: float, sms: int, occupancy, policy: st
                       dtype=cfg["dtype"], tiles=t, l2_bytes=int(l2_mb * 2**20), n_sm=sms, occupancy=occupancy,
                       policy=policy, program_order=order,
                       bwd_fused=not cfg.get("bwd_variant", "default").endswith("two_launch"),
-                      l2_partitions=partitions)
+                      l2_partitions=partitions, kernels=cfg.get("kernels", "triton"))
     return traffic_model(_layout(cfg), p, compare=False)
 
 
@@ -587,6 +631,13 @@ def _gb(x):
     return "n/a" if x is None or x != x else f"{x / 1e9:.4g}"
 
 
+def _sm_l2(phase: dict):
+    """Bytes the SMs wrote into L2 (stores and reductions), where the run measured them."""
+    if "sm_write" not in phase:
+        return None
+    return phase["sm_write"] + phase.get("sm_red", 0.0)
+
+
 def _pct(a, b):
     return "n/a" if a is None or b in (None, 0) or a != a or b != b else f"{100 * (a / b - 1):+.1f}%"
 
@@ -620,11 +671,16 @@ def report(args) -> int:
             ref = by.get("ours") or next(iter(by.values()))
             cfg = ref["config"]
             tiles = _tiles_for(ref)
-            mdl = _model(cfg, tiles, args.l2_mb, args.sms, args.occupancy, args.policy, args.order,
+            w0 = ref.get("worker") or {}
+            l2_mb = w0["l2_bytes"] / 2**20 if w0.get("l2_bytes") else args.l2_mb  # the measured GPU's L2
+            mdl = _model(cfg, tiles, l2_mb, w0.get("sms") or args.sms, args.occupancy, args.policy, args.order,
                          args.l2_partitions)
-            row = {"name": name, "mask": cfg["mask"], "s": mdl.density, "tiles": tiles,
+            row = {"name": name, "mask": cfg["mask"], "s": mdl.density, "tiles": tiles, "choice": mdl.choice,
+                   "gpu": w0.get("gpu", ""), "l2_mb": l2_mb, "ran": w0.get("choices"),
                    "model": {"fwd_l2": mdl.fwd.l2_to_sm_bytes, "bwd_l2": mdl.bwd.l2_to_sm_bytes,
                              "fwd_dram": mdl.fwd.dram_read_bytes, "bwd_dram": mdl.bwd.dram_read_bytes,
+                             "fwd_wr": mdl.fwd.dram_write_bytes, "bwd_wr": mdl.bwd.dram_write_bytes,
+                             "fwd_sm_l2": mdl.fwd.sm_to_l2_bytes, "bwd_sm_l2": mdl.bwd.sm_to_l2_bytes,
                              "fwd_comp": mdl.fwd.compulsory_read_bytes, "bwd_comp": mdl.bwd.compulsory_read_bytes,
                              "fwd_fits": mdl.forward.fits_l2,
                              "bwd_fits": mdl.bwd_dkdv.fits_l2 and mdl.bwd_dq.fits_l2}}
@@ -635,6 +691,8 @@ def report(args) -> int:
                 w = r.get("worker") or {}
                 row[impl] = {"fwd_l2": r["fwd"]["l2_read"], "bwd_l2": r["bwd"]["l2_read"],
                              "fwd_dram": r["fwd"]["dram_read"], "bwd_dram": r["bwd"]["dram_read"],
+                             "fwd_wr": r["fwd"]["dram_write"], "bwd_wr": r["bwd"]["dram_write"],
+                             "fwd_sm_l2": _sm_l2(r["fwd"]), "bwd_sm_l2": _sm_l2(r["bwd"]),
                              "fwd_ms": w.get("time_fwd_ms", r["fwd"]["time_ns"] / 1e6),
                              "bwd_ms": w.get("time_bwd_ms", r["bwd"]["time_ns"] / 1e6),
                              "fwd_ncu_ms": r["fwd"]["time_ns"] / 1e6, "bwd_ncu_ms": r["bwd"]["time_ns"] / 1e6,
@@ -708,11 +766,13 @@ def report(args) -> int:
 
         # ---- markdown ----
         L = [f"### Regime `{regime}`{tag}", "",
-             f"{title.split(': ', 1)[1]}; raw data `docs/data/traffic_{regime}.json`; ncu {data.get('ncu', '')}.", "",
+             f"{title.split(': ', 1)[1]}; {rows[0]['gpu'] or 'GPU not recorded (the H100)'}; raw data "
+             f"`docs/data/traffic_{regime}.json`; ncu {data.get('ncu', '')}.", "",
              f"![{regime}](traffic_{regime}.png)", "",
              "| pattern | s | phase | model L2→SM GB | ours L2→SM GB | err | flex L2→SM GB | model DRAM rd GB | "
-             "ours DRAM rd GB | err | flex DRAM rd GB | model in L2 | ours ms | flex ms | ours spill reloads GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ours DRAM rd GB | err | flex DRAM rd GB | model DRAM wr GB | ours DRAM wr GB | err | model in L2 | "
+             "ours ms | flex ms | ours spill reloads GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         checks = {"l2_within_10pct": True, "dram_within_15pct": True, "ours_le_flex_l2": True,
                   "ours_le_flex_dram": True}
         dram_fail, dram_err, nospill_err, nospill_vs_flex = [], [], [], []
@@ -742,6 +802,7 @@ def report(args) -> int:
                 L.append(f"| `{r['mask']}` | {r['s']:.4f} | {phase} | {_gb(m[f'{phase}_l2'])} | {_gb(ol)} | "
                          f"{_pct(ol, m[f'{phase}_l2'])} | {_gb(fl.get(f'{phase}_l2'))} | {_gb(m[f'{phase}_dram'])} | "
                          f"{_gb(od)} | {_pct(od, m[f'{phase}_dram'])} | {_gb(fl.get(f'{phase}_dram'))} | "
+                         f"{_gb(m[f'{phase}_wr'])} | {_gb(o.get(f'{phase}_wr'))} | {_pct(o.get(f'{phase}_wr'), m[f'{phase}_wr'])} | "
                          f"{'yes' if m[f'{phase}_fits'] else 'no'} | "
                          f"{o.get(f'{phase}_ms', float('nan')):.3f} | {'n/a' if fms is None else f'{fms:.3f}'} | "
                          f"{_gb(o.get(f'{phase}_spill'))} |")
@@ -761,6 +822,13 @@ def report(args) -> int:
             cross.append(f"{phase}: model {'none' if ms is None else f's = {ms:.4f}'}, measured "
                          f"{'none' if me is None else f's = {me:.4f}'}")
         worst = max(dram_err, key=lambda e: abs(e[0]), default=None)
+
+        def largest(key):
+            errs = [(r["ours"][f"{ph}_{key}"] / r["model"][f"{ph}_{key}"] - 1, r["mask"], ph) for r in rows
+                    for ph in ("fwd", "bwd") if r.get("ours", {}).get(f"{ph}_{key}") is not None
+                    and r["model"][f"{ph}_{key}"]]
+            e = max(errs, key=lambda x: abs(x[0]), default=None)
+            return "n/a" if e is None else f"{e[0] * 100:+.1f} % (`{e[1]}` {e[2]})"
         L += ["", "How the model and the measurement agree (computed from the data above):", "",
               f"- L2→SM within ±10 % of the model at every point: {'PASS' if checks['l2_within_10pct'] else 'FAIL'}",
               "- L2→SM linear in s with R² ≥ 0.99 (ours fwd, bwd): "
@@ -769,6 +837,8 @@ def report(args) -> int:
               + (f" (outside: {', '.join(dram_fail)})" if dram_fail else ""),
               "- DRAM reads, largest deviation from the model: "
               + ("n/a" if worst is None else f"{worst[0] * 100:+.1f} % (`{worst[1]}` {worst[2]})"),
+              f"- DRAM writes, largest deviation from the model: {largest('wr')}",
+              f"- SM → L2 (stores and reductions), largest deviation from the model: {largest('sm_l2')}",
               f"- DRAM crossover (first s with DRAM > 1.15 × compulsory): {'; '.join(cross)}",
               "- time linear in s, R² ≥ 0.98 for s ≥ 0.02 (ours fwd, bwd): "
               + ", ".join("n/a" if f is None else f"{f[2]:.4f} {'PASS' if f[2] >= 0.98 else 'FAIL'}" for f in r2_t),
@@ -779,7 +849,11 @@ def report(args) -> int:
                   "`l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_miss` × 32): within "
                   f"{max(abs(x) for x in nospill_err) * 100:.2f} % of the model at every point"
                   + (f"; at most {max(nospill_vs_flex) / 1e6:+.1f} MB vs FlexAttention's" if nospill_vs_flex else "")]
-        L += [f"- model: tiles {rows[0]['tiles'] or 'defaults (TileSizes())'}; L2 {args.l2_mb:g} MiB, {args.sms} SMs, "
+        kinds = sorted({" / ".join(r["choice"]) for r in rows})
+        ran = sorted({" / ".join(c[1] for c in r["ran"]) for r in rows if r.get("ran")})
+        L += [f"- kernels (forward / backward) the model follows: {', '.join(kinds)}"
+              + (f"; the runs recorded: {', '.join(ran)}" if ran else ""),
+              f"- model: tiles {rows[0]['tiles'] or 'defaults (TileSizes())'}; L2 {rows[0]['l2_mb']:g} MiB, {args.sms} SMs, "
               f"occupancy {args.occupancy}, policy {args.policy}"
               + (f" ({args.l2_partitions} L2 partition{'s' if args.l2_partitions > 1 else ''}, step time "
                  "dK/dV 1.6 × dQ)" if args.policy == "trace" else "")
@@ -860,6 +934,8 @@ def main(argv=None) -> int:
     p.add_argument("--names", default=None, help="only these configurations (comma-separated, e.g. dense,causal)")
     p.add_argument("--bwd-variant", default="default", choices=BWD_VARIANTS,
                    help="backward experiment: spill-free tiles and/or two launches (ours only)")
+    p.add_argument("--append", action="store_true",
+                   help="add to the regime's existing JSON instead of starting it again (a second pass)")
     model_args(p, out=False)
     p.set_defaults(func=run_driver)
 

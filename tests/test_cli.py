@@ -130,12 +130,17 @@ def test_bench_rejects_bad_reps(capsys):
 
 
 def test_traffic_defaults_to_the_kernels_tiles(capsys):
-    assert main(["traffic", "sliding_window(1024)", "--len", "16384"]) == 0
+    assert main(["traffic", "sliding_window(1024)", "--len", "16384", "--kernels", "triton"]) == 0
     out = capsys.readouterr().out
     # band-like with 22 % partial blocks: the band forward, the spill-free backward tiles
     assert "tiles: fwd 128x64, dK/dV 32x128, dQ 128x64" in out
-    assert main(["traffic", "causal", "--len", "4096"]) == 0
+    assert main(["traffic", "causal", "--len", "4096", "--kernels", "triton"]) == 0
     assert "tiles: fwd 128x128, dK/dV 64x128, dQ 128x128" in capsys.readouterr().out
+    # by default the kernels a Hopper GPU runs: the Gluon kernels, whose tiles are their own
+    assert main(["traffic", "causal", "--len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels: forward gluon:causal, backward gluon:causal+atomic_dq" in out and "_dq_finish" in out
+    assert "Triton tiles" not in out
 
 
 # ------------------------------------------------------------------------------------------------

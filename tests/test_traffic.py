@@ -14,11 +14,20 @@ import torch
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.analysis.iosim import linear_fit
-from blocksparse_fa.analysis.traffic import TileSizes, TrafficParams, traffic_model
+from blocksparse_fa.analysis.traffic import TileSizes, TrafficParams
+from blocksparse_fa.analysis.traffic import traffic_model as _traffic_model
 from blocksparse_fa.cli.main import main as cli_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
+
+
+def traffic_model(lay, params=None, **kw):
+    """The Triton block-sparse kernels' model (``kernels="triton"``), which most tests below check
+    by hand; the kernels the library runs by default (``kernels="auto"``) are tested at the end."""
+    if params is None:
+        kw.setdefault("kernels", "triton")
+    return _traffic_model(lay, params, **kw)
 
 
 def layout(mask, n, kv=None, block=128):
@@ -214,13 +223,15 @@ def test_format_table_and_cli(capsys):
     assert cli_main(["traffic", "sliding_window", "--len", "4096", "--heads", "2", "--kv-heads", "1"]) == 0
     out = capsys.readouterr().out
     assert "L2->SM vs dense FA" in out and "DRAM vs standard attention" in out and "Hkv=1" in out
-    assert cli_main(["traffic", "causal", "--len", "2048", "--order", "heavy_first", "--occupancy",
+    assert cli_main(["traffic", "causal", "--len", "2048", "--kernels", "triton", "--order", "heavy_first", "--occupancy",
                      "fwd=2,bwd_dq=2"]) == 0
     assert "program order: heavy_first" in capsys.readouterr().out
     assert cli_main(["traffic", "causal", "--len", "1024", "--fwd-tiles", "96x64"]) == 2
     assert "divide" in capsys.readouterr().err
     assert cli_main(["traffic", "causal & window(64)", "--len", "1024", "--json", "--l2-mb", "1"]) == 0
-    assert json.loads(capsys.readouterr().out)["kernels"]["fwd"]["programs"] == 16 * 8
+    js = json.loads(capsys.readouterr().out)  # one key interval per row: the Gluon kernels by default
+    assert js["choice"] == ["gluon:interval", "gluon:interval"]
+    assert js["kernels"]["_attn_fwd_gluon"]["programs"] == 16 * 8
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,7 +353,6 @@ def test_head_major_backward_reads_dq_inputs_from_l2():
     """In the head-major one-launch backward, the dQ programs' Q/dO/K/V come from L2 when a head's
     inputs fit there; beyond L2 (or in phase order) they are read from DRAM again."""
     import blocksparse_fa as bsfa
-    from blocksparse_fa.analysis.traffic import traffic_model
 
     lay = bsfa.compile_mask(bsfa.sliding_window(1024), 16384, 16384, 128)
     hm = traffic_model(lay, compare=False)
@@ -761,3 +771,90 @@ def test_trace_progress_bars_count_every_simulated_load(fake_tqdm):
     traffic_model(lay, **{**kw, "l2_partitions": 1, "bwd_fused": False}, compare=False, progress=True)
     assert [b.desc for b in made] == ["trace forward", "trace backward dK/dV", "trace backward dQ"]
     assert all(b.n == b.total for b in made)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels="auto": the kernels the library runs by default (the Gluon kernels on Hopper)
+# ------------------------------------------------------------------------------------------------
+def test_auto_models_the_kernels_the_library_chooses():
+    n = 2048
+    cases = {"full": ("gluon:dense", "gluon:dense+atomic_dq"), "causal": ("gluon:causal", "gluon:causal+atomic_dq"),
+             "sliding_window(256)": ("gluon:interval", "gluon:interval"),
+             "random_blocks(4, 128, 1)": ("triton:blocks", "triton:blocks")}
+    for mask, choice in cases.items():
+        rep = _traffic_model(layout(mask, n), heads=2, compare=False)
+        assert rep.choice == choice, mask
+    # head dim 64: the interval layouts' backward is the Triton kernels' (ops/select.py)
+    assert _traffic_model(layout("sliding_window(256)", n), heads=2, head_dim=64, compare=False).choice == \
+        ("gluon:interval", "triton:blocks")
+    # float32 inputs: the Triton kernels (the Gluon kernels take 16-bit inputs only)
+    assert _traffic_model(layout("causal", n), dtype="fp32", compare=False).choice == ("triton:blocks",) * 2
+    with pytest.raises(ValueError, match="kernels"):
+        TrafficParams(kernels="cuda").check()
+
+
+def test_gluon_interval_kernels_read_the_64_row_blocks_their_keys_reach():
+    """A causal window of w keys: key k is kept by rows [k, k + w). The Gluon dK/dV program of key
+    tile u (128 keys) steps over the 64-row query blocks 2u .. (128u + 126 + w) // 64; the forward and
+    dQ programs (128 rows) load the 128-key blocks of their rows."""
+    n, H, D, e = 4096, 2, 128, 2
+    for w in (128, 192, 256, 700):
+        lay = layout(bsfa.sliding_window(w), n)
+        rep = _traffic_model(lay, heads=H, head_dim=D, compare=False)
+        u = np.arange(n // 128)
+        last = np.minimum((128 * u + 126 + w) // 64, n // 64 - 1)
+        rows = 64 * (last - 2 * u + 1).sum()
+        assert rep.bwd_dkdv.loads["Q+dO+LSE+delta"] == H * rows * (2 * D * e + 8), w
+        assert rep.forward.loads["K+V"] == H * lay.n_nonempty * 2 * 128 * D * e  # 128 x 128 blocks = layout's
+        assert rep.bwd_dq.loads["K+V"] == rep.forward.loads["K+V"]
+        assert rep.bwd_dkdv.stores == {"dK": H * n * D * e, "dV": H * n * D * e}
+        assert not rep.extra
+    # w = 192: whole 128-row layout blocks would load 384 rows per key tile, the kernel 320
+    rep_t = _traffic_model(layout(bsfa.sliding_window(192), n), heads=H, head_dim=D, compare=False, kernels="triton")
+    rep_g = _traffic_model(layout(bsfa.sliding_window(192), n), heads=H, head_dim=D, compare=False)
+    assert rep_g.bwd_dkdv.loads["Q+dO+LSE+delta"] < 0.9 * rep_t.bwd_dkdv.loads["Q+dO+LSE+delta"]
+
+
+def test_gluon_five_gemm_backward_adds_dq_in_fp32():
+    """Dense: one 128-key program per key tile walks every query row and reduce-adds 64 x D fp32 per
+    step; _dq_finish reads the accumulator and LSE and writes dQ; a fill zeroes the accumulator."""
+    n, H, D, e = 2048, 2, 64, 2
+    rep = _traffic_model(layout("full", n), heads=H, head_dim=D, compare=False, policy="lru")
+    rows = H * n
+    assert rep.bwd_dkdv.programs == H * n // 128
+    assert rep.bwd_dkdv.stores["dQ (fp32 reduce-add)"] == (n // 128) * rows * 4 * D
+    assert rep.bwd_dkdv.loads["Q+dO+LSE+delta"] == (n // 128) * rows * (2 * D * e + 8)
+    assert rep.bwd_dq.name == "_dq_finish" and rep.bwd_dq.loads == {"dQ (fp32)": rows * 4 * D, "LSE": 4 * rows}
+    assert rep.bwd_dq.stores == {"dQ": rows * D * e}
+    (fill,) = rep.extra
+    assert fill.dram_write_bytes == rows * 4 * D and fill in rep.kernels
+    # in L2: the accumulator is read once (its first reduce) and written back once
+    assert rep.bwd_dkdv.dram_read_bytes == pytest.approx(rep.bwd_dkdv.compulsory_read_bytes)
+    assert rep.bwd_dkdv.dram_write_bytes == 2 * H * n * D * e + rows * 4 * D
+    assert rep.bwd.l2_to_sm_bytes == sum(k.l2_to_sm_bytes for k in rep.kernels[1:])
+    # the trace agrees where everything fits
+    tr = _traffic_model(layout("full", n), heads=H, head_dim=D, compare=False, policy="trace")
+    assert tr.bwd_dkdv.dram_read_bytes == pytest.approx(rep.bwd_dkdv.dram_read_bytes, rel=1e-6)
+    assert tr.bwd_dkdv.dram_write_bytes == pytest.approx(rep.bwd_dkdv.dram_write_bytes, rel=1e-6)
+
+
+def test_tile_major_launch_changes_the_dram_level_only():
+    """The persistent interval kernels run rank r of every head before rank r + 1: the same loads,
+    but many heads' windows share the L2 at once, so a small L2 re-reads what head-major keeps."""
+    from blocksparse_fa.analysis.traffic.waves import _wave_programs
+
+    got = list(_wave_programs(3, 4, 5, True))
+    assert [(g, w, r.tolist()) for g, w, r in got] == [(0, 0, [0, 1]), (1, 0, [0, 1]), (2, 0, [0]),
+                                                      (0, 1, [2, 3]), (1, 1, [2]), (2, 1, [1, 2]),
+                                                      (1, 2, [3]), (2, 2, [3])]
+    from blocksparse_fa.analysis.traffic.kernels import _row_kernel
+    from blocksparse_fa.analysis.traffic.geometry import _Geometry
+
+    lay = layout(bsfa.sliding_window(1024), 8192)
+    g = _Geometry(lay)
+    p = TrafficParams(heads=16, head_dim=64, l2_bytes=4 * MiB, n_sm=32)
+    kw = dict(q_side_loads={"Q": 128}, q_side_stores={"O": 128}, lut_bytes=0)
+    hm = _row_kernel("fwd", g, p, 128, **kw)
+    tm = _row_kernel("fwd", g, p, 128, tile_major=True, **kw)
+    assert hm.l2_to_sm_bytes == tm.l2_to_sm_bytes and hm.compulsory_read_bytes == tm.compulsory_read_bytes
+    assert tm.dram_read_bytes > 1.5 * hm.dram_read_bytes

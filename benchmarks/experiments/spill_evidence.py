@@ -58,7 +58,7 @@ def rows(data: dict, n: int = 16384, heads: int = 16) -> list[dict]:
         kv, q = bwd_configs(128, torch.bfloat16, 128, 128, band)
         tiles = TileSizes(fwd_block_m=f.block_m, fwd_block_n=f.block_n, dkdv_block_m=kv.block_m,
                           dkdv_block_n=kv.block_n, dq_block_m=q.block_m, dq_block_n=q.block_n)
-        rep = traffic_model(lay, TrafficParams(heads=heads, tiles=tiles), compare=False)
+        rep = traffic_model(lay, TrafficParams(heads=heads, tiles=tiles, kernels="triton"), compare=False)
         ours, flex = res[f"{name}/ours"], res[f"{name}/flex"]
         of, ob = _kernel(ours, lambda s: s == "_attn_fwd"), _kernel(ours, lambda s: s == "_attn_bwd")
         ff = _kernel(flex, lambda s: s.endswith("attention_0"))

@@ -68,6 +68,11 @@ def register(sub) -> None:
     p.add_argument("--l2-partitions", type=int, default=2, choices=[1, 2],
                    help="trace: two L2 partitions of half the capacity with near copies (2, default, H100) or "
                         "one LRU cache (1)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "triton"],
+                   help="which kernels to model: the ones attention() runs on a Hopper GPU by default (auto: the "
+                        "Gluon kernels on dense, causal and one-interval-per-row layouts, the Triton block-sparse "
+                        "kernels elsewhere) or the Triton block-sparse kernels everywhere (triton); the tile and "
+                        "order options below apply to the Triton kernels")
     p.add_argument("--bwd-launches", type=int, default=1, choices=[1, 2],
                    help="the backward's dK/dV and dQ programs in one launch sharing L2 (1, the kernels' default) "
                         "or two launches, each with a cold L2 (2)")
@@ -99,7 +104,7 @@ def run(args) -> int:
                            dtype=args.dtype, tiles=TileSizes(fm, fn, km, kn, qm, qn),
                            l2_bytes=int(args.l2_mb * 2**20), n_sm=args.sms, occupancy=occ,
                            policy=args.policy, program_order=args.order, bwd_fused=args.bwd_launches == 1,
-                           l2_partitions=args.l2_partitions)
+                           l2_partitions=args.l2_partitions, kernels=args.kernels)
     try:
         rep = traffic_model(lay, params, progress=True)
     except TraceTooLargeError as e:

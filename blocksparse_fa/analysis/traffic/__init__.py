@@ -19,6 +19,8 @@ Modules, one concern each:
   tiles, launch order).
 * :mod:`.kernels`: per-kernel L2 → SM counts (exact) and the wave model's DRAM estimate, for
   ``_attn_fwd``, ``_attn_bwd_preprocess`` and the dK/dV and dQ programs of ``_attn_bwd``.
+* :mod:`.gluon`: which kernels run (the library's own choice, ``kernels="auto"``) and the blocks
+  the Gluon Hopper kernels visit at their own tiles (dense, causal, one interval per row).
 * :mod:`.waves`: the wave model of the DRAM level (``policy="lru"`` / ``"fraction"``).
 * :mod:`.trace`: the trace-driven DRAM level (``policy="trace"``): the programs' interleaved loads
   played through a simulated L2 with the H100's two partitions.
@@ -31,7 +33,8 @@ going through DRAM (they are N² per head, far beyond L2 at the lengths that mat
 bytes are the same element counts, a lower bound (tiled matmuls re-read their operands from L2).
 Dense FlashAttention is this same model on the all-full layout of the same lengths and block size.
 
-``docs/traffic.md`` compares the model with Nsight Compute on the H100.
+``docs/traffic.md`` compares the model with Nsight Compute on the H100 (the Triton kernels) and the
+H200 (the kernels that run by default).
 """
 
 from .model import traffic_model

@@ -119,9 +119,19 @@ class _Geometry:
 
 
 def _order(p: TrafficParams, geo: _Geometry, cnt: np.ndarray, part: np.ndarray, blk: np.ndarray):
-    """Launch order of the tiles of one head (None: index order)."""
-    if p.program_order != "heavy_first" or geo.n_inst != 1:
+    """Launch order of the tiles of one head under ``p.program_order`` (None: index order)."""
+    return _perm(p.program_order, geo, cnt, part, blk)
+
+
+def _perm(how: str, geo: _Geometry, cnt: np.ndarray, part: np.ndarray, blk: np.ndarray):
+    """Launch order of the tiles of one head (None: index order): ``"grid"`` (index order),
+    ``"heavy_first"`` (decreasing LUT cost: unmasked entries + 1.5 x masked + 1, the Triton work
+    lists), ``"steps"`` (most entries first, ties in index order: the Gluon kernels' tables).
+    Layouts with batch dims keep index order."""
+    if how == "grid" or geo.n_inst != 1:
         return None
+    if how == "steps":
+        return np.argsort(-cnt[0][blk], kind="stable")
     cost = (cnt[0] - part[0])[blk] + 1.5 * part[0][blk] + 1.0
     return np.argsort(-cost, kind="stable")
 

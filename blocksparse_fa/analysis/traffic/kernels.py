@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from .geometry import _Geometry, _order, _tiles
+from .geometry import _Geometry, _order, _perm, _tiles
 from .params import TileSizes, TrafficParams
 from .report import KernelTraffic
-from .waves import _reuse, _wave_policy, _wave_segments, _WaveRefs
+from .waves import _reuse, _wave_policy, _wave_programs, _WaveRefs
 
 
 def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_side_loads: dict,
-                q_side_stores: dict, lut_bytes: int) -> KernelTraffic:
+                q_side_stores: dict, lut_bytes: int, order: str | None = None, tile_major: bool = False,
+                lut: tuple = (16, 4)) -> KernelTraffic:
     """Forward and dQ: programs (query tile, batch·head) that visit the row LUT and load K/V per entry.
 
     q_side_loads / q_side_stores: bytes per query row loaded once / stored by each program.
+    order: the tiles' launch order within a head (:func:`.geometry._perm`; None:
+    ``p.program_order``); tile_major: rank r of every head before rank r + 1. lut: table bytes a
+    program reads, fixed and per entry.
     """
     B, H, G = p.batch, p.heads, p.heads // p.hkv
     D, e = p.head_dim, p.elem
@@ -36,17 +40,20 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     P = p.programs_in_flight(name)
     per_row_load = sum(q_side_loads.values())
     per_row_store = sum(q_side_stores.values())
-    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row)
+    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row) if order is None else \
+        _perm(order, geo, geo.row_cnt, geo.row_part, t_row)
+    tiles = np.arange(n_t) if perm is None else perm
     mult = np.zeros(geo.n_inst, dtype=np.int64)
-    stream_p = np.empty(B * H * n_t)
+    stream = np.empty((B * H, n_t))
     for b in range(B):
         for h in range(H):
             z = geo.instance(b, h)
             mult[z] += 1
-            st = t_h * (per_row_load + per_row_store) + 16 + 4 * geo.row_cnt[z, t_row]
-            stream_p[(b * H + h) * n_t:(b * H + h + 1) * n_t] = st if perm is None else st[perm]
+            st = t_h * (per_row_load + per_row_store) + lut[0] + lut[1] * geo.row_cnt[z, t_row]
+            stream[b * H + h] = st[tiles]
+    stream_p = (stream.T if tile_major else stream).ravel()
     kv_loads = float(2 * D * e * (mult[:, None] * geo.row_keys[:, t_row]).sum())
-    lut_loads = float((mult[:, None] * (16 + 4 * geo.row_cnt[:, t_row])).sum())
+    lut_loads = float((mult[:, None] * (lut[0] + lut[1] * geo.row_cnt[:, t_row])).sum())
     rows_total = B * H * geo.q_len
     loads = {k: v * rows_total for k, v in q_side_loads.items()}
     loads["K+V"] = int(kv_loads)
@@ -56,14 +63,14 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     n_waves = -(-n_prog // P)
     stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
     # wave-distinct K/V objects: (b * Hkv + hk) * Tc + column
-    refs = _WaveRefs(n_waves, dedup=G > 1)  # query heads of a GQA group share K/V objects
-    for bh, w, t0, t1 in _wave_segments(B * H, n_t, P):
+    refs = _WaveRefs(n_waves, dedup=G > 1 or tile_major)  # query heads of a GQA group share K/V objects
+    for bh, w, ranks in _wave_programs(B * H, n_t, P, tile_major):
         b, h = divmod(bh, H)
         z = geo.instance(b, h)
-        if perm is None:
-            cols = geo.cols_of_rows(z, int(t_row[t0]), int(t_row[t1 - 1]))
+        if perm is None and not tile_major:
+            cols = geo.cols_of_rows(z, int(t_row[ranks[0]]), int(t_row[ranks[-1]]))
         else:
-            cols = geo.cols_of_row_set(z, t_row[perm[t0:t1]])
+            cols = geo.cols_of_row_set(z, t_row[tiles[ranks]])
         refs.add(w, (b * p.hkv + h // G) * geo.tc + cols)
     obj_bytes = np.tile(2.0 * D * e * geo.col_w, B * p.hkv)
     ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, _wave_policy(p))
@@ -78,51 +85,67 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
         fits_l2=ru["reuse_max"] <= p.l2_bytes)
 
 
-def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int) -> KernelTraffic:
+def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int, *, name: str = "bwd_dkdv",
+                 order: str | None = None, tile_major: bool = False, lut: tuple = (16, 4),
+                 acc_row: int = 0) -> KernelTraffic:
+    """dK/dV: programs (key tile, batch·kv-head) that visit the column LUT of every query head of
+    their GQA group and load Q, dO, LSE, δ per entry. ``order``, ``tile_major``, ``lut`` as in
+    :func:`_row_kernel`. ``acc_row``: bytes per query row that each entry also adds into an fp32
+    accumulator in L2 (the five-GEMM kernel's dQ reduce-add): stored from the SMs, and in DRAM read
+    and written back once per time the rows are fetched (the accumulator lines go with the rows' Q,
+    dO: the same reuse)."""
     B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
     D, e = p.head_dim, p.elem
     u_col, u_w = _tiles(geo.kv_len, p.tiles.dkdv_block_n, geo.bn)
     n_u = len(u_col)
     P = p.programs_in_flight("bwd_dkdv")
     q_obj_row = 2 * D * e + 8  # Q, dO rows + LSE, delta (fp32)
-    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col)
+    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col) if order is None else \
+        _perm(order, geo, geo.col_cnt, geo.col_part, u_col)
+    units = np.arange(n_u) if perm is None else perm
     mult = np.zeros(geo.n_inst, dtype=np.int64)
-    stream_p = np.empty(B * Hkv * n_u)
+    stream = np.empty((B * Hkv, n_u))
     for b in range(B):
         for hk in range(Hkv):
-            lut = np.zeros(n_u)
+            lut_p = np.zeros(n_u)
             for g in range(G):
                 z = geo.instance(b, hk * G + g)
                 mult[z] += 1
-                lut += 16 + 4 * geo.col_cnt[z, u_col]
-            st = 4 * D * e * u_w + lut
-            stream_p[(b * Hkv + hk) * n_u:(b * Hkv + hk + 1) * n_u] = st if perm is None else st[perm]
-    q_loads = float(q_obj_row * (mult[:, None] * geo.col_rows[:, u_col]).sum())
-    lut_loads = float((mult[:, None] * (16 + 4 * geo.col_cnt[:, u_col])).sum())
+                lut_p += lut[0] + lut[1] * geo.col_cnt[z, u_col]
+            st = 4 * D * e * u_w + lut_p
+            stream[b * Hkv + hk] = st[units]
+    stream_p = (stream.T if tile_major else stream).ravel()
+    rows_visited = float((mult[:, None] * geo.col_rows[:, u_col]).sum())
+    q_loads = q_obj_row * rows_visited
+    lut_loads = float((mult[:, None] * (lut[0] + lut[1] * geo.col_cnt[:, u_col])).sum())
     kv_total = B * Hkv * geo.kv_len * D * e
     loads = {"K": kv_total, "V": kv_total, "Q+dO+LSE+delta": int(q_loads), "LUT": int(lut_loads)}
     stores = {"dK": kv_total, "dV": kv_total}
+    if acc_row:
+        stores["dQ (fp32 reduce-add)"] = int(acc_row * rows_visited)
     n_prog = B * Hkv * n_u
     n_waves = -(-n_prog // P)
     stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
-    refs = _WaveRefs(n_waves, dedup=False)  # objects are per query head: never shared
-    for bkv, w, u0, u1 in _wave_segments(B * Hkv, n_u, P):
+    refs = _WaveRefs(n_waves, dedup=tile_major)  # objects are per query head: shared only across ranks
+    for bkv, w, ranks in _wave_programs(B * Hkv, n_u, P, tile_major):
         b, hk = divmod(bkv, Hkv)
         for g in range(G):
             h = hk * G + g
             z = geo.instance(b, h)
-            if perm is None:
-                rows = geo.rows_of_cols(z, int(u_col[u0]), int(u_col[u1 - 1]))
+            if perm is None and not tile_major:
+                rows = geo.rows_of_cols(z, int(u_col[ranks[0]]), int(u_col[ranks[-1]]))
             else:
-                rows = geo.rows_of_col_set(z, u_col[perm[u0:u1]])
+                rows = geo.rows_of_col_set(z, u_col[units[ranks]])
             refs.add(w, (b * H + h) * geo.tr + rows)
-    obj_bytes = np.tile(float(q_obj_row) * geo.row_h, B * H)
+    obj_bytes = np.tile(float(q_obj_row + acc_row) * geo.row_h, B * H)
     ru = _reuse(refs, obj_bytes, stream_w, p.l2_bytes, _wave_policy(p))
     compulsory = 2 * kv_total + ru["compulsory"] + lut_bytes
+    acc_written = (ru["compulsory"] + ru["reread"]) * acc_row / (q_obj_row + acc_row)
     return KernelTraffic(
-        name="bwd_dkdv", programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
+        name=name, programs=n_prog, waves=n_waves, l2_to_sm_bytes=int(sum(loads.values())),
         sm_to_l2_bytes=int(sum(stores.values())), loads=loads, stores=stores,
-        dram_read_bytes=compulsory + ru["reread"], dram_write_bytes=int(sum(stores.values())),
+        dram_read_bytes=compulsory + ru["reread"],
+        dram_write_bytes=int(2 * kv_total + acc_written),
         compulsory_read_bytes=int(compulsory), reread_bytes=ru["reread"],
         shared_in_wave_bytes=int(q_loads - ru["wave_distinct"]), reuse_bytes=ru["reuse"],
         reuse_distance_max=ru["reuse_max"], wave_footprint_max=ru["footprint_max"],

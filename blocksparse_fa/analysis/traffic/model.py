@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from . import gluon as _gluon
 from . import params as _params
 from .geometry import _DenseLayout, _Geometry
 from .kernels import _check_tiles, _dkdv_kernel, _preprocess_kernel, _row_kernel
@@ -49,17 +50,13 @@ def _model(layout, p: TrafficParams, progress: bool, label: str) -> TrafficRepor
     geo = _Geometry(layout)
     geo.check_batch(p.batch, p.heads)
     _check_tiles(geo, p.tiles)
+    fc, bc = _gluon.choices(layout, p) if p.kernels == "auto" else (None, None)
+    gl_fwd = fc is not None and fc.family == "gluon"
+    gl_bwd = bc is not None and bc.family == "gluon"
     D, e = p.head_dim, p.elem
     row_lut_bytes = int(layout.row_lut.nbytes)
     col_lut_bytes = int(layout.col_lut.nbytes)
-    fwd = _row_kernel("fwd", geo, p, p.tiles.fwd_block_m, q_side_loads={"Q": D * e},
-                      q_side_stores={"O": D * e, "LSE": 4}, lut_bytes=row_lut_bytes)
-    pre = _preprocess_kernel(geo, p)
-    dkdv = _dkdv_kernel(geo, p, col_lut_bytes)
-    dq = _row_kernel("bwd_dq", geo, p, p.tiles.dq_block_m, q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
-                     q_side_stores={"dQ": D * e}, lut_bytes=row_lut_bytes)
     G = p.heads // p.hkv
-    group_bytes = G * geo.q_len * (2 * D * e + 8) + 2 * geo.kv_len * D * e
     mult = np.zeros(geo.n_inst, dtype=np.int64)
     for b in range(p.batch):
         for h in range(p.heads):
@@ -72,19 +69,37 @@ def _model(layout, p: TrafficParams, progress: bool, label: str) -> TrafficRepor
             raise TraceTooLargeError(
                 f"policy='trace' would simulate about {refs:.2e} loads (limit TRACE_MAX_REFERENCES = "
                 f"{limit:.1e}, about a minute); use policy='lru' (the wave model) for this size")
-        tr = _trace_forward(geo, p, progress, f"trace {label}")
-        fwd = _with_trace(fwd, tr["fwd"], row_lut_bytes)
-        tr = _trace_backward(geo, p, progress, f"trace {label}")
-        dkdv = _with_trace(dkdv, tr["bwd_dkdv"], col_lut_bytes)
-        dq = _with_trace(dq, tr["bwd_dq"], row_lut_bytes)
-    elif p.bwd_fused and p.bwd_order == "head_major" and group_bytes <= p.l2_bytes:
-        # the dQ programs of a head follow its dK/dV programs: their inputs are still in L2
-        served = dq.compulsory_read_bytes - row_lut_bytes
-        dq = replace(dq, dram_read_bytes=dq.dram_read_bytes - served, compulsory_read_bytes=row_lut_bytes)
+    extra: list = []
+    if gl_fwd:
+        fwd = _gluon.forward(layout, p, fc.mode, progress, label)
+    else:
+        fwd = _row_kernel("fwd", geo, p, p.tiles.fwd_block_m, q_side_loads={"Q": D * e},
+                          q_side_stores={"O": D * e, "LSE": 4}, lut_bytes=row_lut_bytes)
+        if p.policy == "trace":
+            fwd = _with_trace(fwd, _trace_forward(geo, p, progress, f"trace {label}")["fwd"], row_lut_bytes)
+    if gl_bwd:
+        pre, dkdv, dq, *extra = _gluon.backward(layout, p, bc.mode, progress, label)
+    else:
+        pre = _preprocess_kernel(geo, p)
+        dkdv = _dkdv_kernel(geo, p, col_lut_bytes)
+        dq = _row_kernel("bwd_dq", geo, p, p.tiles.dq_block_m,
+                         q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
+                         q_side_stores={"dQ": D * e}, lut_bytes=row_lut_bytes)
+        group_bytes = G * geo.q_len * (2 * D * e + 8) + 2 * geo.kv_len * D * e
+        if p.policy == "trace":
+            tr = _trace_backward(geo, p, progress, f"trace {label}")
+            dkdv = _with_trace(dkdv, tr["bwd_dkdv"], col_lut_bytes)
+            dq = _with_trace(dq, tr["bwd_dq"], row_lut_bytes)
+        elif p.bwd_fused and p.bwd_order == "head_major" and group_bytes <= p.l2_bytes:
+            # the dQ programs of a head follow its dK/dV programs: their inputs are still in L2
+            served = dq.compulsory_read_bytes - row_lut_bytes
+            dq = replace(dq, dram_read_bytes=dq.dram_read_bytes - served, compulsory_read_bytes=row_lut_bytes)
+    choice = (str(fc) if fc is not None else "triton:blocks", str(bc) if bc is not None else "triton:blocks")
     return TrafficReport(
         mask=str(layout.mask), q_len=geo.q_len, kv_len=geo.kv_len, block_size=(geo.bm, geo.bn),
         density=float(layout.density), visited_blocks=visited, params=p, forward=fwd, bwd_preprocess=pre,
-        bwd_dkdv=dkdv, bwd_dq=dq, standard=StandardTraffic.compute(geo.q_len, geo.kv_len, p))
+        bwd_dkdv=dkdv, bwd_dq=dq, standard=StandardTraffic.compute(geo.q_len, geo.kv_len, p),
+        choice=choice, extra=tuple(extra))
 
 
 def _trace_references(geo: _Geometry, p: TrafficParams, visited: int) -> int:

@@ -90,6 +90,14 @@ class TrafficParams:
     partitions is held twice); ``1``: one LRU of ``l2_bytes``. Measured by
     ``benchmarks/experiments/l2_calibration.py``: a sweep read by every SM is re-read from L2 up to 20–24 MiB,
     one read by a single SM per slice up to 28–32 MiB (two partitions predict 25 and 33 MB)."""
+    kernels: str = "auto"
+    """Which kernels to model: ``"auto"`` (default), the ones the library runs on a Hopper GPU with
+    the default kernel options (:func:`blocksparse_fa.ops.select.choose_forward` /
+    ``choose_backward``: the Gluon kernels on dense, causal and one-interval-per-row layouts in 16
+    bits, the Triton block-sparse kernels elsewhere; :mod:`.gluon`); ``"triton"``: the Triton
+    block-sparse kernels for every layout (``backend="triton"`` with ``forward``/``backward``
+    ``"triton"`` kernel options). The tile sizes (``tiles``) and ``program_order`` apply to the
+    Triton kernels; the Gluon kernels' own are fixed."""
     step_time: dict = field(default_factory=lambda: dict(H100_STEP_TIME))
     """``policy="trace"`` only: time of one lookup-table entry by kernel (``"fwd"``, ``"bwd_dkdv"``,
     ``"bwd_dq"``; missing names 1.0). It matters where programs of two kernels share a launch (the
@@ -142,6 +150,8 @@ class TrafficParams:
         for k, v in self.step_time.items():
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not v > 0:
                 raise ValueError(f"step_time[{k!r}] must be a positive number, got {v!r}")
+        if self.kernels not in ("auto", "triton"):
+            raise ValueError(f"kernels must be 'auto' or 'triton', got {self.kernels!r}")
         if self.bwd_order not in ("head_major", "phase"):
             raise ValueError(f"bwd_order must be 'head_major' or 'phase', got {self.bwd_order!r}")
         if self.program_order not in ("grid", "heavy_first"):

@@ -112,9 +112,12 @@ class StandardTraffic:
 class TrafficReport:
     """The model's prediction for one layout and problem.
 
-    ``forward``, ``bwd_preprocess``, ``bwd_dkdv``, ``bwd_dq`` are :class:`KernelTraffic`;
+    ``forward``, ``bwd_preprocess``, ``bwd_dkdv``, ``bwd_dq`` are :class:`KernelTraffic` (with the
+    five-GEMM Gluon backward ``bwd_dq`` is ``_dq_finish``, and ``extra`` holds the fill of its fp32
+    accumulator); ``choice``: the forward's and the backward's kernels as
+    :class:`~blocksparse_fa.ops.select.Choice` strings (``"gluon:interval"``, ``"triton:blocks"``);
     ``standard`` is :class:`StandardTraffic`; ``dense`` is the report of dense FlashAttention (the
-    all-full layout), or None.
+    all-full layout, with the kernels that layout runs), or None.
     """
 
     mask: str
@@ -130,11 +133,13 @@ class TrafficReport:
     bwd_dq: KernelTraffic
     standard: StandardTraffic
     dense: "TrafficReport | None" = None
+    choice: tuple = ("triton:blocks", "triton:blocks")
+    extra: tuple = ()
 
     # -- sums --------------------------------------------------------------------------------------
     @property
     def kernels(self) -> list:
-        return [self.forward, self.bwd_preprocess, self.bwd_dkdv, self.bwd_dq]
+        return [self.forward, self.bwd_preprocess, self.bwd_dkdv, self.bwd_dq, *self.extra]
 
     @property
     def fwd(self) -> Totals:
@@ -142,7 +147,7 @@ class TrafficReport:
 
     @property
     def bwd(self) -> Totals:
-        return Totals.of([self.bwd_preprocess, self.bwd_dkdv, self.bwd_dq])
+        return Totals.of([self.bwd_preprocess, self.bwd_dkdv, self.bwd_dq, *self.extra])
 
     @property
     def total(self) -> Totals:
@@ -168,6 +173,7 @@ class TrafficReport:
         d = {
             "mask": self.mask, "q_len": self.q_len, "kv_len": self.kv_len, "block_size": list(self.block_size),
             "density": self.density, "visited_blocks": self.visited_blocks, "params": asdict(self.params),
+            "choice": list(self.choice),
             "kernels": {k.name: asdict(k) for k in self.kernels},
             "fwd": asdict(self.fwd), "bwd": asdict(self.bwd), "total": asdict(self.total),
             "standard": asdict(self.standard), "ratios": self.ratios(),
@@ -191,15 +197,17 @@ class TrafficReport:
             f"policy={p.policy}" + (("" if p.policy != "trace" else
                                      f" (backward: {'one launch, ' + p.bwd_order if p.bwd_fused else 'two launches'}; "
                                      f"{p.l2_partitions} L2 partition{'s' if p.l2_partitions > 1 else ''})")),
-            f"  tiles: fwd {t.fwd_block_m}x{t.fwd_block_n}, dK/dV {t.dkdv_block_m}x{t.dkdv_block_n}, "
-            f"dQ {t.dq_block_m}x{t.dq_block_n}; program order: {p.program_order}",
+            f"  kernels: forward {self.choice[0]}, backward {self.choice[1]}"
+            + ("" if all(c.startswith("gluon") for c in self.choice) else
+               f"; Triton tiles: fwd {t.fwd_block_m}x{t.fwd_block_n}, dK/dV {t.dkdv_block_m}x{t.dkdv_block_n}, "
+               f"dQ {t.dq_block_m}x{t.dq_block_n}; program order: {p.program_order}"),
             "",
-            f"  {'kernel':<16}{'programs':>9}{'waves':>7}{'L2->SM':>11}{'SM->L2':>11}{'DRAM rd':>11}"
+            f"  {'kernel':<22}{'programs':>9}{'waves':>7}{'L2->SM':>11}{'SM->L2':>11}{'DRAM rd':>11}"
             f"{'compuls.':>11}{'DRAM wr':>11}{'reuse dist':>12}  in L2",
         ]
         for k in self.kernels:
             lines.append(
-                f"  {k.name:<16}{k.programs:>9}{k.waves:>7}{format_bytes(k.l2_to_sm_bytes):>11}"
+                f"  {k.name:<22}{k.programs:>9}{k.waves:>7}{format_bytes(k.l2_to_sm_bytes):>11}"
                 f"{format_bytes(k.sm_to_l2_bytes):>11}{format_bytes(k.dram_read_bytes):>11}"
                 f"{format_bytes(k.compulsory_read_bytes):>11}{format_bytes(k.dram_write_bytes):>11}"
                 f"{format_bytes(k.reuse_distance_max) if k.reuse_bytes else '-':>12}  {'yes' if k.fits_l2 else 'NO'}")

@@ -61,7 +61,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .._progress import _Off, progress_bar
-from .geometry import _Geometry, _instances, _order, _tiles
+from .geometry import _Geometry, _instances, _order, _perm, _tiles
 from .params import TrafficParams
 from .report import KernelTraffic
 
@@ -276,26 +276,38 @@ def _sub_sizes(length: int, unit: int, per_item: float) -> np.ndarray:
     return (np.minimum((t + 1) * unit, length) - t * unit) * float(per_item)
 
 
-def _trace_forward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "") -> dict:
-    """Forward as one trace: data objects Q tiles (own) and K+V layout blocks (per batch·kv-head)."""
+def _launch(n_groups: int, tiles: np.ndarray, tile_major: bool):
+    """``(group, tile)`` of every program in launch order: head-major (every tile of a group, in
+    ``tiles`` order, before the next group) or tile-major (``tiles[r]`` of every group before
+    ``tiles[r + 1]``)."""
+    n_t = len(tiles)
+    if tile_major:
+        return np.tile(np.arange(n_groups), n_t), np.repeat(tiles, n_groups)
+    return np.repeat(np.arange(n_groups), n_t), np.tile(tiles, n_groups)
+
+
+def _trace_forward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "", *,
+                   order: str | None = None, tile_major: bool = False, lut: tuple = (16, 4)) -> dict:
+    """Forward as one trace: data objects Q tiles (own) and K+V layout blocks (per batch·kv-head).
+    ``order``, ``tile_major``, ``lut`` as in :func:`.kernels._row_kernel`."""
     B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
     D, e = p.head_dim, p.elem
     bm_t = p.tiles.fwd_block_m
     t_row, t_h = _tiles(geo.q_len, bm_t, geo.bm)
     n_t = len(t_row)
-    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row)
+    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row) if order is None else \
+        _perm(order, geo, geo.row_cnt, geo.row_part, t_row)
     tiles = np.arange(n_t) if perm is None else perm
     q_sz = _sub_sizes(geo.q_len, bm_t, D * e)
     kv_sz = _sub_sizes(geo.kv_len, geo.bn, 2 * D * e)
     n_q, n_kv = len(q_sz), len(kv_sz)
     vis = _visits(geo, "row", geo.bn)
-    bh = np.repeat(np.arange(B * H), n_t)
+    bh, t = _launch(B * H, tiles, tile_major)
     b, h = bh // H, bh % H
-    t = np.tile(tiles, B * H)
     z = _instances(geo, b, h)
     cnt = geo.row_cnt[z, t_row[t]].astype(np.int64)
     progs = {"kind": np.zeros(len(t), dtype=np.int64), "own": bh * n_q + t,
-             "lut": 16.0 + 4 * cnt, "store": (D * e + 4.0) * t_h[t], "steps": 1 + cnt}
+             "lut": lut[0] + lut[1] * cnt.astype(np.float64), "store": (D * e + 4.0) * t_h[t], "steps": 1 + cnt}
     segs = [(vis, np.arange(len(t)), z * geo.tr + t_row[t], B * H * n_q + (b * Hkv + h // G) * n_kv,
              np.zeros(len(t), dtype=np.int64))]
     data = np.concatenate([np.tile(q_sz, B * H), np.tile(kv_sz, B * Hkv)])
@@ -304,14 +316,20 @@ def _trace_forward(geo: _Geometry, p: TrafficParams, progress: bool = False, lab
     return {"fwd": (float(r["miss"][0]), float(r["first"][0]))}
 
 
-def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "") -> dict:
+def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "", *,
+                    parts: tuple = ("bwd_dkdv", "bwd_dq"), kv_order: str | None = None,
+                    q_order: str | None = None, tile_major: bool = False, lut: tuple = (16, 4),
+                    acc_row: int = 0) -> dict:
     """dK/dV and dQ programs as one trace (``bwd_fused``, in ``bwd_order``) or as two. Data objects:
     Q+dO+LSE+δ of ``dq_block_m`` rows (per batch·head) and K+V of ``dkdv_block_n`` keys (per
-    batch·kv-head); each program's own tile is one of them."""
+    batch·kv-head); each program's own tile is one of them. Without ``bwd_fused``, ``parts`` says
+    which of the two launches to play; ``kv_order``/``q_order``, ``tile_major``, ``lut`` as in
+    :func:`.kernels._row_kernel`; ``acc_row`` as in :func:`.kernels._dkdv_kernel` (the row objects
+    grow by it, and the dK/dV result gains a third number: the accumulator's share of its misses)."""
     B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
     D, e = p.head_dim, p.elem
     ur, uc = p.tiles.dq_block_m, p.tiles.dkdv_block_n
-    q_sz = _sub_sizes(geo.q_len, ur, 2 * D * e + 8)
+    q_sz = _sub_sizes(geo.q_len, ur, 2 * D * e + 8 + acc_row)
     kv_sz = _sub_sizes(geo.kv_len, uc, 2 * D * e)
     n_q, n_kv = len(q_sz), len(kv_sz)
     kv_base = B * H * n_q
@@ -319,9 +337,9 @@ def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, la
     # dK/dV programs (kind 0): key tile u of batch·kv-head bk; G line walks, one per query head
     u_col, u_w = _tiles(geo.kv_len, uc, geo.bn)
     n_u = len(u_col)
-    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col)
-    u = np.tile(np.arange(n_u) if perm is None else perm, B * Hkv)
-    bk = np.repeat(np.arange(B * Hkv), n_u)
+    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col) if kv_order is None else \
+        _perm(kv_order, geo, geo.col_cnt, geo.col_part, u_col)
+    bk, u = _launch(B * Hkv, np.arange(n_u) if perm is None else perm, tile_major)
     vis_c = _visits(geo, "col", ur)
     kv = {"kind": np.zeros(len(u), dtype=np.int64), "own": kv_base + bk * n_kv + u,
           "store": 2.0 * D * e * u_w[u]}
@@ -333,18 +351,19 @@ def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, la
         c = geo.col_cnt[z, u_col[u]].astype(np.int64)
         kv_segs.append((vis_c, z * geo.tc + u_col[u], (b * H + h) * n_q, n_ent.copy()))
         n_ent += c
-    kv.update(lut=16.0 * G + 4 * n_ent, steps=1 + n_ent)
+    kv.update(lut=float(lut[0]) * G + lut[1] * n_ent.astype(np.float64), steps=1 + n_ent)
     # dQ programs (kind 1): query tile t of batch·head bh
     t_row, t_h = _tiles(geo.q_len, ur, geo.bm)
     n_t = len(t_row)
-    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row)
-    t = np.tile(np.arange(n_t) if perm is None else perm, B * H)
-    bh = np.repeat(np.arange(B * H), n_t)
+    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row) if q_order is None else \
+        _perm(q_order, geo, geo.row_cnt, geo.row_part, t_row)
+    bh, t = _launch(B * H, np.arange(n_t) if perm is None else perm, tile_major)
     b, h = bh // H, bh % H
     z = _instances(geo, b, h)
     cnt = geo.row_cnt[z, t_row[t]].astype(np.int64)
     vis_r = _visits(geo, "row", uc)
-    dq = {"kind": np.ones(len(t), dtype=np.int64), "own": bh * n_q + t, "lut": 16.0 + 4 * cnt,
+    dq = {"kind": np.ones(len(t), dtype=np.int64), "own": bh * n_q + t,
+          "lut": lut[0] + lut[1] * cnt.astype(np.float64),
           "store": float(D * e) * t_h[t], "steps": 1 + cnt}
     dq_segs = [(vis_r, z * geo.tr + t_row[t], kv_base + (b * Hkv + h // G) * n_kv, np.zeros(len(t), np.int64))]
 
@@ -364,10 +383,18 @@ def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, la
 
     n_kvp, n_qp = len(u), len(t)
     if not p.bwd_fused:
-        r0 = run([(kv, kv_segs, np.arange(n_kvp))], p.programs_in_flight("bwd_dkdv"), "backward dK/dV")
-        r1 = run([(dq, dq_segs, np.arange(n_qp))], p.programs_in_flight("bwd_dq"), "backward dQ")
-        return {"bwd_dkdv": (float(r0["miss"][0]), float(r0["first"][0])),
-                "bwd_dq": (float(r1["miss"][1]), float(r1["first"][1]))}
+        out = {}
+        if "bwd_dkdv" in parts:
+            r0 = run([(kv, kv_segs, np.arange(n_kvp))], p.programs_in_flight("bwd_dkdv"), "backward dK/dV")
+            miss = float(r0["miss"][0])
+            out["bwd_dkdv"] = (miss, float(r0["first"][0]))
+            if acc_row:  # the accumulator's share of the row objects' misses (own K/V: each once)
+                kv_own = float(kv_sz.sum()) * B * Hkv
+                out["acc"] = (miss - kv_own) * acc_row / (2 * D * e + 8 + acc_row)
+        if "bwd_dq" in parts:
+            r1 = run([(dq, dq_segs, np.arange(n_qp))], p.programs_in_flight("bwd_dq"), "backward dQ")
+            out["bwd_dq"] = (float(r1["miss"][1]), float(r1["first"][1]))
+        return out
     if p.bwd_order == "head_major":  # _attn_bwd: per batch·kv-head, its dK/dV items, then its G heads' dQ items
         grp = n_u + G * n_t
         pos_kv = (np.arange(n_kvp) // n_u) * grp + np.arange(n_kvp) % n_u

@@ -40,6 +40,23 @@ def _wave_segments(n_groups: int, per_group: int, P: int):
             yield g, w, max(0, w * P - p0), min(per_group, (w + 1) * P - p0)
 
 
+def _wave_programs(n_groups: int, per_group: int, P: int, tile_major: bool):
+    """Waves of P programs in launch order: yields (g, w, ranks), the ranks (positions in the
+    group's tile order) of group ``g``'s programs in wave ``w``. Head-major launches run every tile
+    of a group before the next group (:func:`_wave_segments`); tile-major launches the tile of
+    rank r of every group before rank r + 1 (the persistent Gluon kernels on interval layouts)."""
+    if not tile_major:
+        for g, w, t0, t1 in _wave_segments(n_groups, per_group, P):
+            yield g, w, np.arange(t0, t1)
+        return
+    n = n_groups * per_group
+    for w in range(-(-n // P)):
+        k = np.arange(w * P, min(n, (w + 1) * P))
+        r, g = k // n_groups, k % n_groups
+        for gg in np.unique(g):
+            yield int(gg), w, r[g == gg]
+
+
 class _WaveRefs:
     """Collects the wave-distinct objects, wave by wave (segments arrive in grid order)."""
 

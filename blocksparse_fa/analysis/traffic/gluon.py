@@ -1,0 +1,188 @@
+"""The Gluon Hopper kernels (``kernels/forward_gluon.py``, ``kernels/backward_gluon.py``): which run
+(the library's own choice, :func:`blocksparse_fa.ops.select.choose_forward` / ``choose_backward``,
+on a Hopper GPU with the default kernel options) and the bytes they move.
+
+They do not read the layout's lookup tables: they walk each row's key interval (dense, causal and
+one-interval-per-row layouts) at their own tiles, so the model builds, from the rows' intervals
+(:func:`blocksparse_fa.compiler.intervals.row_interval`), the blocks each kernel visits at its
+tiles (:class:`_TileLayout`) and counts them with the same per-kernel code as the Triton kernels:
+
+* ``_attn_fwd_gluon``: programs of ``2·block_m`` = 128 query rows, K/V per key block of
+  ``block_n`` = 128 keys, O and LSE written once. Dense: persistent, head by head (the grid order);
+  causal: one program per tile, longest rows first; interval layouts: persistent, one row tile of
+  every head before the next (tile-major), the tiles with most key blocks first. Interval programs
+  read a 20-byte table row and the rows' interval bounds (8 bytes per row).
+* ``_attn_bwd_dkdv_gluon``: programs of ``2·block_n`` = 128 keys per batch·kv-head, Q, dO, LSE, δ
+  per query block of ``block_m`` = 64 rows that reaches them (so a window's key tile reads the
+  64-row blocks its rows really touch, not whole layout blocks), dK and dV written once. Dense and
+  causal: one program per key tile in index order; interval layouts: persistent, tile-major, the
+  key tiles with most query blocks first. The five-GEMM variant (the default of dense and causal)
+  also reduce-adds every step's ``64 × D`` fp32 dQ partial into an accumulator in L2 (TMA
+  reduce-add); its lines go to and from DRAM with the rows they belong to.
+* ``_attn_bwd_dq_gluon`` (the deterministic pair, the default of interval layouts): programs of
+  ``2·dq_block_m`` = 128 rows, K/V per key block of ``dq_block_n`` = 128; persistent and
+  tile-major on interval layouts. With the five-GEMM variant ``_dq_finish`` instead reads the fp32
+  accumulator and LSE and writes dQ, after a fill kernel zeroed the accumulator.
+
+Not modelled: the persistent kernels' static deal of work items (the programs are scheduled as
+the hardware would schedule one program per item), a key tile whose keys no row keeps (the
+kernels still visit one query block), the snake order of the tile-major deal (it changes which SM
+runs an item, not which items run together).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+
+from ...compiler.intervals import row_interval, tile_ranges
+from ...compiler.segments import FULL, PARTIAL
+from .geometry import _DenseLayout, _Geometry
+from .kernels import _dkdv_kernel, _preprocess_kernel, _row_kernel
+from .params import TileSizes, TrafficParams
+from .report import KernelTraffic
+from .trace import _trace_backward, _trace_forward, _with_trace
+
+_ROWS = 128  # query rows of a forward / dQ program (2 x block_m), keys of a dK/dV program (2 x block_n)
+_KEYS = 128  # key block of the forward and dQ steps (block_n, dq_block_n)
+_STEP_ROWS = 64  # query rows of a dK/dV step (block_m)
+_FWD_TABLE = 20  # bytes of a forward program's interval table row (tile, kb0, e1, e2, n: int32)
+_BWD_TABLE = 16  # bytes of a backward program's interval table row (int32 x 4)
+_BOUNDS = 8  # bytes per row of the interval bounds (lo, hi: int32) the interval kernels read
+
+
+def choices(layout, p: TrafficParams):
+    """``(forward, backward)`` :class:`~blocksparse_fa.ops.select.Choice` of the library's kernel
+    choice for ``layout`` and the problem ``p`` on a Hopper GPU with ``p.n_sm`` SMs (the default
+    kernel options; tensors addressable by tensor descriptors)."""
+    import torch
+
+    from ...ops.options import KernelOptions
+    from ...ops.select import Hardware, LayoutClass, choose_backward, choose_forward, layout_class
+    from ...ops.validate import Shapes
+
+    dtype = {2: torch.bfloat16 if "bf" in p.dtype else torch.float16, 4: torch.float32}[p.elem]
+    if isinstance(layout, _DenseLayout):
+        lc = LayoutClass("dense", layout.q_len, layout.kv_len, tuple(layout.block_size))
+    else:
+        lc = layout_class(layout)
+    s = Shapes(p.batch, p.heads, p.hkv, layout.q_len, layout.kv_len, p.head_dim)
+    hw = Hardware("cuda", (9, 0), "", p.n_sm)
+    opts = KernelOptions()
+    return choose_forward(lc, s, dtype, hw, opts), choose_backward(lc, s, dtype, hw, opts)
+
+
+class _TileLayout:
+    """What :class:`~.geometry._Geometry` reads, for the blocks a Gluon kernel visits: ``rows`` query
+    rows by ``cols`` keys, from per-row key intervals ``lo``/``hi`` ``(Z, Lq)`` (half-open; Z layout
+    instances of ``batch_shape``). A block is full where every row of the tile keeps all its keys.
+    ``visit_one``: a tile whose rows keep nothing still visits one block (the forward and dQ
+    kernels run one masked step for it)."""
+
+    def __init__(self, lo: np.ndarray, hi: np.ndarray, kv_len: int, rows: int, cols: int, batch_shape,
+                 visit_one: bool):
+        z_n, q_len = lo.shape
+        self.q_len, self.kv_len, self.block_size, self.batch_shape = q_len, kv_len, (rows, cols), batch_shape
+        n_t, n_c = -(-q_len // rows), -(-kv_len // cols)
+        self.shape = (n_t, n_c)
+        seg_rows, starts, ends, states = [], [], [], []
+        for z in range(z_n):
+            first, f0, f1, end = tile_ranges(lo[z], hi[z], rows, cols).T
+            if visit_one:
+                end = np.maximum(end, first + 1)
+                f0, f1 = np.minimum(f0, end), np.minimum(f1, end)
+            r = z * n_t + np.arange(n_t)
+            for a, b, st in ((first, f0, PARTIAL), (f0, f1, FULL), (f1, end, PARTIAL)):
+                keep = b > a
+                seg_rows.append(r[keep])
+                starts.append(a[keep])
+                ends.append(b[keep])
+                states.append(np.full(int(keep.sum()), st, dtype=np.int8))
+        cat = lambda xs: np.concatenate(xs).astype(np.int64)  # noqa: E731
+        self._segs = SimpleNamespace(rows=cat(seg_rows), starts=cat(starts), ends=cat(ends),
+                                     state=np.concatenate(states))
+
+
+def _intervals(layout, kind: str):
+    """``(lo, hi, batch_shape)``: the rows' key intervals ``(Z, Lq)`` the Gluon kernels walk."""
+    if kind == "dense":
+        lo = np.zeros((1, layout.q_len), np.int64)
+        return lo, lo + layout.kv_len, ()
+    if kind == "causal":
+        r = np.arange(layout.q_len, dtype=np.int64)[None]
+        return np.zeros_like(r), r + 1, ()
+    lo, hi = row_interval(layout)
+    return np.asarray(lo, np.int64), np.asarray(hi, np.int64), tuple(layout.batch_shape)
+
+
+def _tiles() -> TileSizes:
+    return TileSizes(fwd_block_m=_ROWS, fwd_block_n=_KEYS, dkdv_block_m=_STEP_ROWS, dkdv_block_n=_ROWS,
+                     dq_block_m=_ROWS, dq_block_n=_KEYS)
+
+
+def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: str = "") -> KernelTraffic:
+    """The Gluon forward of ``mode`` (``"dense"``, ``"causal"``, ``"interval"``)."""
+    lo, hi, bs = _intervals(layout, mode)
+    geo = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
+    pt = replace(p, tiles=_tiles())
+    interval = mode == "interval"
+    lut = (_FWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
+    table = int(lo.size * _BOUNDS + geo.n_inst * geo.tr * _FWD_TABLE) if interval else 0
+    launch = dict(order="grid" if mode == "dense" else "steps", tile_major=interval)
+    k = _row_kernel("_attn_fwd_gluon", geo, pt, _ROWS, q_side_loads={"Q": p.head_dim * p.elem},
+                    q_side_stores={"O": p.head_dim * p.elem, "LSE": 4}, lut_bytes=table, lut=lut, **launch)
+    if p.policy == "trace":
+        tr = _trace_forward(geo, pt, progress, f"trace {label}", lut=lut, **launch)
+        k = _with_trace(k, tr["fwd"], table)
+    return k
+
+
+def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label: str = "") -> list:
+    """The Gluon backward's kernels: ``[preprocess, dK/dV, dQ]`` for the deterministic pair
+    (``mode`` ``"dense"``, ``"causal"``, ``"interval"``) or ``[preprocess, dK/dV, _dq_finish,
+    accumulator fill]`` for the five-GEMM kernel (``"dense+atomic_dq"``, ``"causal+atomic_dq"``)."""
+    kind, _, atomic = mode.partition("+")
+    lo, hi, bs = _intervals(layout, kind)
+    D, e = p.head_dim, p.elem
+    pt = replace(p, tiles=_tiles(), bwd_fused=False)
+    interval = kind == "interval"
+    lut = (_BWD_TABLE, _BOUNDS * _STEP_ROWS) if interval else (0, 0)  # the step rows' bounds per entry
+    acc = 4 * D if atomic else 0
+    rows = p.batch * p.heads * layout.q_len
+    # dK/dV: 128-key programs stepping over 64-row query blocks
+    geo_kv = _Geometry(_TileLayout(lo, hi, layout.kv_len, _STEP_ROWS, _ROWS, bs, visit_one=False))
+    pkv = replace(pt, tiles=replace(pt.tiles, dq_block_m=_STEP_ROWS))
+    kv_launch = dict(order="steps" if interval else "grid", tile_major=interval)
+    kv_table = int(geo_kv.n_inst * geo_kv.tc * 2 * _BWD_TABLE) if interval else 0  # table + heaviest-first order
+    dkdv = _dkdv_kernel(geo_kv, pkv, kv_table, name="_attn_bwd_dkdv_gluon", lut=lut, acc_row=acc, **kv_launch)
+    if p.policy == "trace":
+        tr = _trace_backward(geo_kv, pkv, progress, f"trace {label}", parts=("bwd_dkdv",), lut=lut, acc_row=acc,
+                             kv_order=kv_launch["order"], tile_major=interval)
+        dkdv = _with_trace(dkdv, tr["bwd_dkdv"], kv_table)
+        if acc:
+            dkdv = replace(dkdv, dram_write_bytes=int(dkdv.stores["dK"] + dkdv.stores["dV"] + tr["acc"]))
+    pre = _preprocess_kernel(geo_kv, pt)
+    if atomic:
+        fill = KernelTraffic(name="dQ accumulator fill", programs=0, waves=0, l2_to_sm_bytes=0,
+                             sm_to_l2_bytes=rows * acc, loads={}, stores={"dQ (fp32)": rows * acc},
+                             dram_read_bytes=0.0, dram_write_bytes=rows * acc, compulsory_read_bytes=0)
+        loads = {"dQ (fp32)": rows * acc, "LSE": 4 * rows}
+        n_prog = p.batch * p.heads * -(-layout.q_len // 64)
+        finish = KernelTraffic(name="_dq_finish", programs=n_prog, waves=-(-n_prog // p.n_sm),
+                               l2_to_sm_bytes=sum(loads.values()), sm_to_l2_bytes=rows * D * e, loads=loads,
+                               stores={"dQ": rows * D * e}, dram_read_bytes=float(sum(loads.values())),
+                               dram_write_bytes=rows * D * e, compulsory_read_bytes=sum(loads.values()))
+        return [pre, dkdv, finish, fill]
+    geo_q = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
+    q_launch = dict(order="steps" if kind == "causal" else "grid", tile_major=interval)
+    lut_q = (_BWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
+    q_table = int(lo.size * _BOUNDS + geo_q.n_inst * geo_q.tr * _BWD_TABLE) if interval else 0
+    dq = _row_kernel("_attn_bwd_dq_gluon", geo_q, pt, _ROWS, q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
+                     q_side_stores={"dQ": D * e}, lut_bytes=q_table, lut=lut_q, **q_launch)
+    if p.policy == "trace":
+        tr = _trace_backward(geo_q, pt, progress, f"trace {label}", parts=("bwd_dq",), lut=lut_q,
+                             q_order=q_launch["order"], tile_major=interval)
+        dq = _with_trace(dq, tr["bwd_dq"], q_table)
+    return [pre, dkdv, dq]
