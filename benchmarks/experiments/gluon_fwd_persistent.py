@@ -4,7 +4,9 @@ turns (``triton.testing.do_bench`` medians), with FA4 beside them where it is in
 
 Cases (bf16, d 128, B 1): at 16K with H 16 (MHA), dense, causal, sliding windows of 256 to 4096
 keys and ``bench.py``'s packed causal documents (ids on the CPU: the device-interval path); at 64K
-with H 8 / Hkv 2, causal, the 1024 window and the documents. A window's forward time against its
+with H 8 / Hkv 2, causal, the 1024 window and the documents; at 64K with H 32, the 256 and 2048
+windows (all heads' windows in L2 at once). Interval cases also time the persistent kernels with
+their items dealt head by head instead of tile-major (bit-compared too). A window's forward time against its
 width separates the per-tile cost (the intercept) from the per-key-block cost (the slope).
 
 Results: ``$OUT/gluon_fwd_persistent.json`` and a table on stdout.
@@ -39,6 +41,8 @@ def cases():
     out += [("documents", 16384, 16, 16, ("documents", doc_ids(16384)))]
     out += [("causal_64k", 65536, 8, 2, "causal"), ("window_1024_64k", 65536, 8, 2, ("window", 1024)),
             ("documents_64k", 65536, 8, 2, ("documents", doc_ids(65536)))]
+    # 32 heads: every head's window shares the L2 in the tile-major order (docs/traffic.md)
+    out += [(f"window_{w}_64k_h32", 65536, 32, 32, ("window", w)) for w in (256, 2048)]
     return out
 
 
@@ -138,6 +142,9 @@ def main():
                 finally:
                     tb._M_MAJOR = True
             fns["persistent_head"] = head_major
+            with torch.no_grad():
+                rec["head_bit_equal"] = bool(torch.equal(head_major(), o1))
+        head_variants = spec is not None and spec != "causal"
         fa4 = fa4_runner(form, q, k, v)
         if fa4 is not None:
             fns["fa4"] = fa4
@@ -150,6 +157,14 @@ def main():
                 fns[label] = (lambda lay=lay, opts=opts, qg=qg, kg=kg, vg=vg, do=do:
                               torch.autograd.grad(bsfa.attention(qg, kg, vg, mask=lay, kernel_options=opts),
                                                   (qg, kg, vg), do))
+            if head_variants:
+                def bwd_head_major(f=fns["bwd_persistent"]):
+                    tb._M_MAJOR = False
+                    try:
+                        return f()
+                    finally:
+                        tb._M_MAJOR = True
+                fns["bwd_persistent_head"] = bwd_head_major
             ga = fns["bwd_per_tile"]()
             gb = fns["bwd_persistent"]()
             rec["bwd_bit_equal"] = all(bool(torch.equal(x, y)) for x, y in zip(ga, gb))
@@ -160,7 +175,8 @@ def main():
                 fns["bwd_fa4"] = lambda f=fa_fwd, d=do_t: _fa4_fwd_bwd(f, d)
         res["cases"][name] = rec
         setups[name] = fns
-        print(f"{name}: bit_equal={rec['bit_equal']} nan={rec['nan']} kernels={rec['kernels']}", flush=True)
+        print(f"{name}: bit_equal={rec['bit_equal']} head_bit_equal={rec.get('head_bit_equal')} nan={rec['nan']} "
+              f"kernels={rec['kernels']}", flush=True)
     for p in range(a.passes):
         for name, fns in setups.items():
             for label, fn in fns.items():
@@ -182,6 +198,9 @@ def main():
             fb = med.get("bwd_fa4")
             lines.append(f"{'  fwd+bwd':18s} {med['bwd_per_tile']:9.3f} {med['bwd_persistent']:9.3f} "
                          f"{med['bwd_per_tile'] / med['bwd_persistent']:8.3f} {fb if fb else float('nan'):8.3f}")
+            if "bwd_persistent_head" in med:
+                lines.append(f"{'  fwd+bwd head':18s} {'':9s} {med['bwd_persistent_head']:9.3f} "
+                             f"{med['bwd_per_tile'] / med['bwd_persistent_head']:8.3f}")
         if "persistent_head" in med:
             lines.append(f"{'  head-major':18s} {'':9s} {med['persistent_head']:9.3f} "
                          f"{med['per_tile'] / med['persistent_head']:8.3f}")
