@@ -97,6 +97,19 @@ def _fa4_fwd_bwd(fwd, do):
     out.backward(do.view(out.shape))
 
 
+def _dealt_head_by_head(f):
+    """``f`` with the persistent interval kernels' items dealt head by head instead of tile-major."""
+    from blocksparse_fa.ops import triton_backend as tb
+
+    def run():
+        tb._M_MAJOR = False
+        try:
+            return f()
+        finally:
+            tb._M_MAJOR = True
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--passes", type=int, default=3)
@@ -133,14 +146,7 @@ def main():
                "kernels": bsfa.explain(q, k, v, mask=lay).kernels,
                "bit_equal": bool(torch.equal(o1, o2)), "nan": bool(o2.isnan().any()), "ms": {}}
         if spec is not None and spec != "causal":  # interval items head by head instead of tile-major
-            from blocksparse_fa.ops import triton_backend as tb
-
-            def head_major(f=fns["persistent"]):
-                tb._M_MAJOR = False
-                try:
-                    return f()
-                finally:
-                    tb._M_MAJOR = True
+            head_major = _dealt_head_by_head(fns["persistent"])
             fns["persistent_head"] = head_major
             with torch.no_grad():
                 rec["head_bit_equal"] = bool(torch.equal(head_major(), o1))
@@ -158,13 +164,7 @@ def main():
                               torch.autograd.grad(bsfa.attention(qg, kg, vg, mask=lay, kernel_options=opts),
                                                   (qg, kg, vg), do))
             if head_variants:
-                def bwd_head_major(f=fns["bwd_persistent"]):
-                    tb._M_MAJOR = False
-                    try:
-                        return f()
-                    finally:
-                        tb._M_MAJOR = True
-                fns["bwd_persistent_head"] = bwd_head_major
+                fns["bwd_persistent_head"] = _dealt_head_by_head(fns["bwd_persistent"])
             ga = fns["bwd_per_tile"]()
             gb = fns["bwd_persistent"]()
             rec["bwd_bit_equal"] = all(bool(torch.equal(x, y)) for x, y in zip(ga, gb))
