@@ -324,12 +324,16 @@ def _rand_heads(B, h, L, D, memory, g):
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("kind", ["dense", "causal", "window", "documents"])
 @pytest.mark.parametrize("memory", ["bhld", "blhd"])
-def test_persistent_gluon_forward_equals_per_tile(kind, memory):
+@pytest.mark.parametrize("deal", [None, False])
+def test_persistent_gluon_forward_equals_per_tile(kind, memory, deal, monkeypatch):
     """The persistent Gluon forward (one program per SM walking every head's query tiles) writes
     the same output and logsumexp as one program per tile, bit for bit, for heads stacked along
     the rows and side by side (``(B, L, H, D)`` inputs viewed transposed), with GQA and two
-    batch rows; every element is written (outputs start poisoned)."""
+    batch rows; every element is written (outputs start poisoned). ``deal``: the interval items'
+    order by the default rule (None) or head by head (False)."""
     from blocksparse_fa.ops import triton_backend as tb
+
+    monkeypatch.setattr(tb, "_M_MAJOR", deal)
     from blocksparse_fa.ops.options import GluonConfig
     from blocksparse_fa.ops.validate import Shapes
 

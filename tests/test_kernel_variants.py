@@ -363,3 +363,39 @@ def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
     assert run(q, k, GluonBwdConfig()) == (8, False, (0,) * 18)
     assert not seen[1][3]["PERSISTENT"]
     assert run(q, k, GluonBwdConfig(dkdv_persistent=True), causal=True) == (8, False, (0,) * 18)
+
+
+def test_interval_forward_deals_head_by_head_where_windows_leave_l2(monkeypatch):
+    """The persistent interval forward is tile-major unless every head's key window is at least
+    ``TILE_MAJOR_WINDOW_BYTES`` of K/V and each program has ``TILE_MAJOR_MIN_ITEMS`` items or more
+    (``select.fwd_tile_major``); ``triton_backend._M_MAJOR`` forces one order (experiments)."""
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.ops.select import Hardware, fwd_tile_major
+    from blocksparse_fa.ops.validate import Shapes
+
+    assert fwd_tile_major(4096, 132, None) and fwd_tile_major(4096, 0, 2**30)
+    assert fwd_tile_major(2048, 132, 64 * 2**20)            # 15.5 items per program: balance first
+    assert fwd_tile_major(4096, 132, 8 * 2**20)             # the windows share the L2
+    assert not fwd_tile_major(4096, 132, 16 * 2**20)
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append(c["M_MAJOR"]))
+
+    def m_major(window, heads, n=16384):
+        lay = bsfa.compile_mask(bsfa.sliding_window(window), n, n, 128)
+        q = torch.empty(1, heads, n, 128, device="meta", dtype=torch.bfloat16)
+        out, lse = torch.empty_like(q), torch.empty(1, heads, n, device="meta")
+        monkeypatch.setattr(tb, "_gluon_interval_tables", lambda *a: (None, None, None))
+        tb._gluon_launch(q, q, q, out, lse, Shapes(1, heads, heads, n, n, 128), 0.1, "interval", GluonConfig(),
+                         layout=lay)
+        return seen.pop()
+
+    # 32 heads x ~2K keys x 512 B = 32 MiB of windows, 31 items per program: head by head
+    assert m_major(2048, 32) is False
+    assert m_major(512, 32) is True                          # 8 MiB: they share the L2
+    assert m_major(4096, 16) is True                         # 15.5 items per program
+    monkeypatch.setattr(tb, "_M_MAJOR", True)
+    assert m_major(2048, 32) is True
+    monkeypatch.setattr(tb, "_M_MAJOR", False)
+    assert m_major(512, 32) is False

@@ -6,7 +6,8 @@ Cases (bf16, d 128, B 1): at 16K with H 16 (MHA), dense, causal, sliding windows
 keys and ``bench.py``'s packed causal documents (ids on the CPU: the device-interval path); at 64K
 with H 8 / Hkv 2, causal, the 1024 window and the documents; at 64K with H 32, the 256 and 2048
 windows (all heads' windows in L2 at once). Interval cases also time the persistent kernels with
-their items dealt head by head instead of tile-major (bit-compared too). A window's forward time against its
+their items dealt head by head and tile-major whatever the default rule picks (bit-compared too;
+"persist" is the default rule, ``select.fwd_tile_major``). A window's forward time against its
 width separates the per-tile cost (the intercept) from the per-key-block cost (the slope).
 
 Results: ``$OUT/gluon_fwd_persistent.json`` and a table on stdout.
@@ -44,6 +45,13 @@ def cases():
     # 32 heads: every head's window shares the L2 in the tile-major order (docs/traffic.md)
     out += [(f"window_{w}_64k_h32", 65536, 32, 32, ("window", w)) for w in (256, 2048)]
     return out
+
+
+def sweep_cases():
+    """Windows at 16K and 64K tokens with 8, 16 and 32 heads (MHA): where all heads' windows stop
+    fitting in L2 together, the tile-major deal re-reads K/V from DRAM (docs/traffic.md)."""
+    return [(f"w{w}_h{h}_{n // 1024}k", n, h, h, ("window", w))
+            for n in (16384, 65536) for h in (8, 16, 32) for w in (1024, 2048, 4096, 8192)]
 
 
 def mask_of(spec):
@@ -97,16 +105,17 @@ def _fa4_fwd_bwd(fwd, do):
     out.backward(do.view(out.shape))
 
 
-def _dealt_head_by_head(f):
-    """``f`` with the persistent interval kernels' items dealt head by head instead of tile-major."""
+def _dealt(f, tile_major: bool):
+    """``f`` with the persistent interval kernels' items dealt tile-major (True) or head by head
+    (False) whatever ``select.fwd_tile_major`` would pick."""
     from blocksparse_fa.ops import triton_backend as tb
 
     def run():
-        tb._M_MAJOR = False
+        before, tb._M_MAJOR = tb._M_MAJOR, tile_major
         try:
             return f()
         finally:
-            tb._M_MAJOR = True
+            tb._M_MAJOR = before
     return run
 
 
@@ -115,6 +124,8 @@ def main():
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", nargs="*", default=None, help="case names")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the window x heads sweep (sweep_cases) instead of the cases above; forward only")
     ap.add_argument("--bwd", action="store_true",
                     help="also forward+backward: both persistent kernels (forward, dQ) against neither")
     a = ap.parse_args()
@@ -125,7 +136,7 @@ def main():
 
     res["triton"] = triton.__version__
     setups = {}
-    for name, n, h, hkv, spec in cases():
+    for name, n, h, hkv, spec in (sweep_cases() if a.sweep else cases()):
         if a.only and name not in a.only:
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -146,8 +157,9 @@ def main():
                "kernels": bsfa.explain(q, k, v, mask=lay).kernels,
                "bit_equal": bool(torch.equal(o1, o2)), "nan": bool(o2.isnan().any()), "ms": {}}
         if spec is not None and spec != "causal":  # interval items head by head instead of tile-major
-            head_major = _dealt_head_by_head(fns["persistent"])
+            head_major = _dealt(fns["persistent"], False)
             fns["persistent_head"] = head_major
+            fns["persistent_tile"] = _dealt(fns["persistent"], True)
             with torch.no_grad():
                 rec["head_bit_equal"] = bool(torch.equal(head_major(), o1))
         head_variants = spec is not None and spec != "causal"
@@ -164,7 +176,7 @@ def main():
                               torch.autograd.grad(bsfa.attention(qg, kg, vg, mask=lay, kernel_options=opts),
                                                   (qg, kg, vg), do))
             if head_variants:
-                fns["bwd_persistent_head"] = _dealt_head_by_head(fns["bwd_persistent"])
+                fns["bwd_persistent_head"] = _dealt(fns["bwd_persistent"], False)
             ga = fns["bwd_per_tile"]()
             gb = fns["bwd_persistent"]()
             rec["bwd_bit_equal"] = all(bool(torch.equal(x, y)) for x, y in zip(ga, gb))
@@ -201,9 +213,9 @@ def main():
             if "bwd_persistent_head" in med:
                 lines.append(f"{'  fwd+bwd head':18s} {'':9s} {med['bwd_persistent_head']:9.3f} "
                              f"{med['bwd_per_tile'] / med['bwd_persistent_head']:8.3f}")
-        if "persistent_head" in med:
-            lines.append(f"{'  head-major':18s} {'':9s} {med['persistent_head']:9.3f} "
-                         f"{med['per_tile'] / med['persistent_head']:8.3f}")
+        for key, label in (("persistent_head", "  head-major"), ("persistent_tile", "  tile-major")):
+            if key in med:
+                lines.append(f"{label:18s} {'':9s} {med[key]:9.3f} {med['per_tile'] / med[key]:8.3f}")
         lines.append(f"{name:18s} {med['per_tile']:9.3f} {med['persistent']:9.3f} "
                      f"{med['per_tile'] / med['persistent']:8.3f} {fa if fa else float('nan'):8.3f} "
                      f"{tf(med['persistent']):9.0f} {tf(fa) if fa else float('nan'):9.0f}")

@@ -106,8 +106,10 @@ def _device_state(layout: BlockLayout, device: torch.device, opts: KernelOptions
 
 _LAUNCHERS: dict = {}
 # persistent Gluon kernels on interval layouts run one row tile of every head at a time, heaviest
-# first (False: head by head; H100: documents 0.49 vs 0.58 ms forward at 16K, windows within 2 %)
-_M_MAJOR = True
+# first (H100: documents 0.49 vs 0.58 ms forward at 16K, windows within 2 %), except the forward
+# where every head's key window no longer fits in L2 (select.fwd_tile_major). None: that rule;
+# True / False: tile-major / head by head everywhere (experiments)
+_M_MAJOR = None
 
 
 def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
@@ -166,7 +168,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=persistent and intervals is not None and _M_MAJOR, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=persistent and intervals is not None and _M_MAJOR is not False, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -187,7 +189,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal,
         PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=persistent and intervals is not None and _M_MAJOR, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=persistent and intervals is not None and _M_MAJOR is not False, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
@@ -631,12 +633,14 @@ def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shapes, scale: float, case: str,
-                   cfg: GluonConfig, global_keys: tuple = (0, False)) -> None:
+                   cfg: GluonConfig, global_keys: tuple = (0, False), window_bytes: float | None = None) -> None:
     """Launch ``kernels/forward_gluon._attn_fwd_gluon`` in mode ``case`` (``"dense"``, ``"causal"``,
     ``"interval"`` with its ``lo``/``hi``/``tiles`` tables): persistent (one program per SM) for
     dense and interval layouts where ``cfg.persistent`` and the tensors allow it
     (:class:`~blocksparse_fa.ops.options.GluonConfig`), else one program per query tile and head.
-    Persistent interval items run one query tile of every head at a time, heaviest first.
+    Persistent interval items run one query tile of every head at a time, heaviest first, or head
+    by head where ``window_bytes`` (K/V bytes of every head's key window) says they would not
+    share the L2 (:func:`~blocksparse_fa.ops.select.fwd_tile_major`).
     ``global_keys``: ``(g, causal)``, interval mode only: every row also keeps the keys ``< g``
     (``<=`` the row with ``causal``), visited first in every item (``compiler/globals.py``)."""
     _ensure_tma_allocator(q.device)
@@ -646,13 +650,15 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     # causal stays one program per tile: persistent it measured 0.98-1.00x (16K / 64K, H100)
     persistent, geo, grid = _persistent_grid((q, k, v, out), n_items, cfg.persistent and case != "causal"
                                              and s.Lq % rows == 0, cfg.sm_margin)
+    m_major = persistent and case == "interval" and (
+        select.fwd_tile_major(n_items, grid, window_bytes) if _M_MAJOR is None else _M_MAJOR)
     _launch(_fg._attn_fwd_gluon, (grid, ), (
         q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         s.H, s.G, lzb, lzh, s.Lq, s.Lk, n_prog, n_items, scale * _LOG2E, *geo), 26, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=case == "causal",
         INTERVAL=case == "interval", PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
-        M_MAJOR=persistent and case == "interval" and _M_MAJOR, PRODUCER_REGS=cfg.producer_regs,
+        M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], num_warps=4)
 
 
@@ -660,13 +666,24 @@ def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: Gl
                   layout: BlockLayout | None = None, global_keys: tuple = (0, False)) -> None:
     """The Gluon forward (``kernels/forward_gluon.py``, :func:`_gluon_fwd_run`); ``case``: the chosen
     mode (``"dense"``, ``"causal"``, ``"interval"``; the last needs ``layout``)."""
+    window_bytes = None
     if case == "interval":
         lo, hi, tiles = _gluon_interval_tables(layout, cfg, q.device)
         lzb, lzh = _layout_strides(layout)
+        window_bytes = s.B * s.Hkv * _mean_keys(layout) * 2 * s.D * q.element_size()
     else:
         lo = hi = tiles = _placeholder(torch.int32, q.device)
         lzb = lzh = 0
-    _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg, global_keys)
+    _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg, global_keys, window_bytes)
+
+
+def _mean_keys(layout: BlockLayout) -> float:
+    """Mean keys per row of a layout whose rows keep one key interval (host intervals, cached)."""
+    hit = layout.cache.get("mean_keys")
+    if hit is None:
+        lo, hi = row_interval(layout)
+        hit = layout.cache["mean_keys"] = float(np.clip(hi - lo, 0, None).mean())
+    return hit
 
 
 def forward_choice(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, opts: KernelOptions,

@@ -10,8 +10,9 @@ tiles (:class:`_TileLayout`) and counts them with the same per-kernel code as th
 * ``_attn_fwd_gluon``: programs of ``2·block_m`` = 128 query rows, K/V per key block of
   ``block_n`` = 128 keys, O and LSE written once. Dense: persistent, head by head (the grid order);
   causal: one program per tile, longest rows first; interval layouts: persistent, one row tile of
-  every head before the next (tile-major), the tiles with most key blocks first. Interval programs
-  read a 20-byte table row and the rows' interval bounds (8 bytes per row).
+  every head before the next (tile-major), the tiles with most key blocks first, or head by head
+  where every head's key window no longer fits in L2 (``ops/select.fwd_tile_major``). Interval
+  programs read a 20-byte table row and the rows' interval bounds (8 bytes per row).
 * ``_attn_bwd_dkdv_gluon``: programs of ``2·block_n`` = 128 keys per batch·kv-head, Q, dO, LSE, δ
   per query block of ``block_m`` = 64 rows that reaches them (so a window's key tile reads the
   64-row blocks its rows really touch, not whole layout blocks), dK and dV written once. Dense and
@@ -130,13 +131,24 @@ def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: 
     interval = mode == "interval"
     lut = (_FWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
     table = int(lo.size * _BOUNDS + geo.n_inst * geo.tr * _FWD_TABLE) if interval else 0
-    launch = dict(order="grid" if mode == "dense" else "steps", tile_major=interval)
+    launch = dict(order="grid" if mode == "dense" else "steps", tile_major=interval and _fwd_tile_major(lo, hi, geo, p))
     k = _row_kernel("_attn_fwd_gluon", geo, pt, _ROWS, q_side_loads={"Q": p.head_dim * p.elem},
                     q_side_stores={"O": p.head_dim * p.elem, "LSE": 4}, lut_bytes=table, lut=lut, **launch)
     if p.policy == "trace":
         tr = _trace_forward(geo, pt, progress, f"trace {label}", lut=lut, **launch)
         k = _with_trace(k, tr["fwd"], table)
     return k
+
+
+def _fwd_tile_major(lo: np.ndarray, hi: np.ndarray, geo: _Geometry, p: TrafficParams) -> bool:
+    """The persistent interval forward's deal, as the launcher picks it
+    (:func:`blocksparse_fa.ops.select.fwd_tile_major`: head by head once every head's key window
+    leaves the L2)."""
+    from ...ops.select import fwd_tile_major
+
+    n_items = p.batch * p.heads * geo.tr
+    window = p.batch * p.hkv * float(np.clip(hi - lo, 0, None).mean()) * 2 * p.head_dim * p.elem
+    return fwd_tile_major(n_items, min(n_items, p.n_sm), window)
 
 
 def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label: str = "") -> list:
