@@ -365,14 +365,18 @@ def test_persistent_gluon_forward_equals_per_tile(kind, memory, deal, monkeypatc
 @pytest.mark.parametrize("kind", ["dense", "window", "documents"])
 @pytest.mark.parametrize("memory", ["bhld", "blhd"])
 @pytest.mark.parametrize("which", ["dq", "dkdv"])
-def test_persistent_gluon_backward_equals_per_tile(kind, memory, which):
+@pytest.mark.parametrize("deal", [None, False])
+def test_persistent_gluon_backward_equals_per_tile(kind, memory, which, deal, monkeypatch):
     """The persistent Gluon dQ (``which="dq"``) or dK/dV kernel writes the same gradients as one
     program per tile, bit for bit (bf16 through TMA and float32 from the registers), with GQA and
     two batch rows. The five-GEMM kernel (dense: ``deterministic=False``) persistent too: dK and dV
-    bit for bit, dQ (fp32 adds in another order) within bf16 rounding."""
+    bit for bit, dQ (fp32 adds in another order) within bf16 rounding. ``deal``: interval items by
+    the default rule (None) or head by head (False)."""
     from blocksparse_fa.ops import triton_backend as tb
     from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
     from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(tb, "_M_MAJOR", deal)
 
     B, H, Hkv, L, D = 2, 4, 2, 1024, 128
     g = torch.Generator(device="cuda").manual_seed(5)

@@ -365,18 +365,20 @@ def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
     assert run(q, k, GluonBwdConfig(dkdv_persistent=True), causal=True) == (8, False, (0,) * 18)
 
 
-def test_interval_forward_deals_head_by_head_where_windows_leave_l2(monkeypatch):
-    """The persistent interval forward is tile-major unless every head's key window is at least
-    ``TILE_MAJOR_WINDOW_BYTES`` of K/V and each program has ``TILE_MAJOR_MIN_ITEMS`` items or more
-    (``select.fwd_tile_major``); ``triton_backend._M_MAJOR`` forces one order (experiments)."""
+def test_interval_kernels_deal_head_by_head_where_windows_leave_l2(monkeypatch):
+    """The persistent interval kernels (forward, dK/dV, dQ) are tile-major unless every head's key
+    window is at least ``TILE_MAJOR_WINDOW_BYTES`` of K/V and each program has
+    ``TILE_MAJOR_MIN_ITEMS`` items or more (``select.tile_major_deal``); ``triton_backend._M_MAJOR``
+    forces one order (experiments)."""
     import blocksparse_fa as bsfa
-    from blocksparse_fa.ops.select import Hardware, fwd_tile_major
+    from blocksparse_fa.ops.options import GluonBwdConfig
+    from blocksparse_fa.ops.select import Hardware, tile_major_deal
     from blocksparse_fa.ops.validate import Shapes
 
-    assert fwd_tile_major(4096, 132, None) and fwd_tile_major(4096, 0, 2**30)
-    assert fwd_tile_major(2048, 132, 64 * 2**20)            # 15.5 items per program: balance first
-    assert fwd_tile_major(4096, 132, 8 * 2**20)             # the windows share the L2
-    assert not fwd_tile_major(4096, 132, 16 * 2**20)
+    assert tile_major_deal(4096, 132, None) and tile_major_deal(4096, 0, 2**30)
+    assert tile_major_deal(2048, 132, 64 * 2**20)            # 15.5 items per program: balance first
+    assert tile_major_deal(4096, 132, 8 * 2**20)             # the windows share the L2
+    assert not tile_major_deal(4096, 132, 16 * 2**20)
     monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
     monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
     seen = []
@@ -399,3 +401,18 @@ def test_interval_forward_deals_head_by_head_where_windows_leave_l2(monkeypatch)
     assert m_major(2048, 32) is True
     monkeypatch.setattr(tb, "_M_MAJOR", False)
     assert m_major(512, 32) is False
+    monkeypatch.setattr(tb, "_M_MAJOR", None)
+
+    def bwd_m_major(window, heads, n=16384):
+        lay = bsfa.compile_mask(bsfa.sliding_window(window), n, n, 128)
+        q = torch.empty(1, heads, n, 128, device="meta", dtype=torch.bfloat16)
+        lse = torch.empty(1, heads, n, device="meta")
+        t = torch.empty(1, dtype=torch.int32, device="meta")
+        wb = tb._window_bytes(lay, Shapes(1, heads, heads, n, n, 128), 2)
+        tb._gluon_bwd_launch(q, q, q, q, (q, q, q), lse, lse, Shapes(1, heads, heads, n, n, 128), 0.1, False, False,
+                             GluonBwdConfig(), lay, intervals=(t, t, t, t, 0, 0, t), window_bytes=wb)
+        return seen.pop(-2), seen.pop()                      # dK/dV, dQ
+
+    assert bwd_m_major(2048, 32) == (False, False)
+    assert bwd_m_major(512, 32) == (True, True)
+    assert bwd_m_major(4096, 16) == (True, True)

@@ -858,3 +858,21 @@ def test_tile_major_launch_changes_the_dram_level_only():
     tm = _row_kernel("fwd", g, p, 128, tile_major=True, **kw)
     assert hm.l2_to_sm_bytes == tm.l2_to_sm_bytes and hm.compulsory_read_bytes == tm.compulsory_read_bytes
     assert tm.dram_read_bytes > 1.5 * hm.dram_read_bytes
+
+
+def test_gluon_model_deals_items_as_the_launcher():
+    """The model's persistent interval kernels deal their items as ``select.tile_major_deal`` does:
+    head by head once every head's key window holds 16 MiB of K/V with >= 24 items per program."""
+    from blocksparse_fa.analysis.traffic import gluon
+
+    n = 8192
+    lo = np.zeros((1, n), np.int64)
+    wide, narrow = lo + 2048, lo + 256                         # keys per row (lo = 0: rows' windows)
+    p = TrafficParams(heads=64, head_dim=128)                  # 64 x 2048 x 512 B = 64 MiB of windows
+    assert gluon._deal(lo, wide, 64 * 64, p) is False          # 31 items per program
+    assert gluon._deal(lo, narrow, 64 * 64, p) is True         # 8 MiB: the windows share the L2
+    assert gluon._deal(lo, wide, 16 * 64, p) is True           # 7.8 items per program
+    # the wave model sees the difference: head by head re-reads less than tile-major would
+    lay = layout(bsfa.sliding_window(2048), n)
+    rep = _traffic_model(lay, heads=64, policy="lru", compare=False)
+    assert rep.forward.dram_read_bytes == pytest.approx(rep.forward.compulsory_read_bytes, rel=0.02)

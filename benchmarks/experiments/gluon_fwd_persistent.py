@@ -7,7 +7,7 @@ keys and ``bench.py``'s packed causal documents (ids on the CPU: the device-inte
 with H 8 / Hkv 2, causal, the 1024 window and the documents; at 64K with H 32, the 256 and 2048
 windows (all heads' windows in L2 at once). Interval cases also time the persistent kernels with
 their items dealt head by head and tile-major whatever the default rule picks (bit-compared too;
-"persist" is the default rule, ``select.fwd_tile_major``). A window's forward time against its
+"persist" is the default rule, ``select.tile_major_deal``). A window's forward time against its
 width separates the per-tile cost (the intercept) from the per-key-block cost (the slope).
 
 Results: ``$OUT/gluon_fwd_persistent.json`` and a table on stdout.
@@ -107,7 +107,7 @@ def _fa4_fwd_bwd(fwd, do):
 
 def _dealt(f, tile_major: bool):
     """``f`` with the persistent interval kernels' items dealt tile-major (True) or head by head
-    (False) whatever ``select.fwd_tile_major`` would pick."""
+    (False) whatever ``select.tile_major_deal`` would pick."""
     from blocksparse_fa.ops import triton_backend as tb
 
     def run():
@@ -126,6 +126,9 @@ def main():
     ap.add_argument("--only", nargs="*", default=None, help="case names")
     ap.add_argument("--sweep", action="store_true",
                     help="the window x heads sweep (sweep_cases) instead of the cases above; forward only")
+    ap.add_argument("--bwd-order", action="store_true",
+                    help="interval cases: the backward alone (one forward kept) with its persistent kernels' items "
+                         "dealt tile-major and head by head")
     ap.add_argument("--bwd", action="store_true",
                     help="also forward+backward: both persistent kernels (forward, dQ) against neither")
     a = ap.parse_args()
@@ -185,9 +188,22 @@ def main():
                 fa_fwd = fa4_runner(form, q, k, v, grad=True)
                 do_t = do.transpose(1, 2).contiguous()
                 fns["bwd_fa4"] = lambda f=fa_fwd, d=do_t: _fa4_fwd_bwd(f, d)
+        if a.bwd_order and head_variants:
+            do = torch.randn_like(q)
+            qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
+            out = bsfa.attention(qb, kb, vb, mask=lay)
+
+            def grad_only(out=out, qb=qb, kb=kb, vb=vb, do=do):
+                return torch.autograd.grad(out, (qb, kb, vb), do, retain_graph=True)
+            fns["bwd_only_tile"] = _dealt(grad_only, True)
+            fns["bwd_only_head"] = _dealt(grad_only, False)
+            ga, gb = fns["bwd_only_tile"](), fns["bwd_only_head"]()
+            rec["bwd_order_bit_equal"] = all(bool(torch.equal(x, y)) for x, y in zip(ga, gb))
+            del ga, gb
         res["cases"][name] = rec
         setups[name] = fns
-        print(f"{name}: bit_equal={rec['bit_equal']} head_bit_equal={rec.get('head_bit_equal')} nan={rec['nan']} "
+        print(f"{name}: bit_equal={rec['bit_equal']} head_bit_equal={rec.get('head_bit_equal')} "
+              f"bwd_order_bit_equal={rec.get('bwd_order_bit_equal')} nan={rec['nan']} "
               f"kernels={rec['kernels']}", flush=True)
     for p in range(a.passes):
         for name, fns in setups.items():
@@ -213,9 +229,10 @@ def main():
             if "bwd_persistent_head" in med:
                 lines.append(f"{'  fwd+bwd head':18s} {'':9s} {med['bwd_persistent_head']:9.3f} "
                              f"{med['bwd_per_tile'] / med['bwd_persistent_head']:8.3f}")
-        for key, label in (("persistent_head", "  head-major"), ("persistent_tile", "  tile-major")):
+        for key, label in (("persistent_head", "  head-major"), ("persistent_tile", "  tile-major"),
+                           ("bwd_only_head", "  bwd head-major"), ("bwd_only_tile", "  bwd tile-major")):
             if key in med:
-                lines.append(f"{label:18s} {'':9s} {med[key]:9.3f} {med['per_tile'] / med[key]:8.3f}")
+                lines.append(f"{label:18s} {'':9s} {med[key]:9.3f}")
         lines.append(f"{name:18s} {med['per_tile']:9.3f} {med['persistent']:9.3f} "
                      f"{med['per_tile'] / med['persistent']:8.3f} {fa if fa else float('nan'):8.3f} "
                      f"{tf(med['persistent']):9.0f} {tf(fa) if fa else float('nan'):9.0f}")

@@ -34,7 +34,7 @@ from .options import GluonBwdConfig, GluonConfig, KernelOptions
 from .validate import Shapes
 
 __all__ = ["Hardware", "LayoutClass", "Choice", "hardware", "layout_class", "choose_forward", "choose_backward",
-           "choose_global_split", "tma_ok", "fwd_tile_major", "record", "note"]
+           "choose_global_split", "tma_ok", "tile_major_deal", "record", "note"]
 
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -261,27 +261,29 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
 
 TILE_MAJOR_WINDOW_BYTES = 16 * 2**20
 """K/V bytes of every head's key window (batch × kv heads × mean keys per row × 2·D × element
-size) from which the persistent interval forward deals its items head by head (with enough items
+size) from which the persistent interval kernels deal their items head by head (with enough items
 per program): below it, all heads' windows and the row tiles in flight share the L2 (H200: ~24 MiB
 of data that every SM reads stays in L2)."""
 TILE_MAJOR_MIN_ITEMS = 24
-"""Items per persistent program below which the interval forward stays tile-major whatever the
+"""Items per persistent program below which the interval kernels stay tile-major whatever the
 window: with few items each, the tile-major snake deal balances the programs' work."""
 
 
-def fwd_tile_major(n_items: int, n_programs: int, window_bytes: float | None) -> bool:
-    """Whether the persistent Gluon forward on an interval layout deals its items tile-major (one
-    row tile of every head before the next, heaviest first) rather than head by head (pure).
+def tile_major_deal(n_items: int, n_programs: int, window_bytes: float | None) -> bool:
+    """Whether a persistent Gluon kernel on an interval layout (the forward, the backward's dK/dV
+    and dQ kernels) deals its items tile-major (one tile of every head before the next, heaviest
+    first) rather than head by head (pure).
 
     Tile-major balances programs whose tiles differ in length; it also makes every head's key
     window share the L2 at once, which costs DRAM re-reads once they no longer fit. H200 sweep
-    (``benchmarks/experiments/gluon_fwd_persistent.py --sweep``, ``benchmarks/NOTES.md``, section
-    10; causal windows of 1024-8192 keys, 8-32 heads, d 128, bf16), forward time head-major /
-    tile-major where this picks head-major: 64K tokens 0.90-0.99 (32 heads, window 4096: 7.54
-    against 8.28 ms), 16K with 32 heads (31 items per program) 0.93-0.97 from 32 MiB and 1.02 at
-    16 MiB (window 1024); where it keeps tile-major because the programs have 8-16 items (16K with 8
-    or 16 heads) head-major measured 1.04-1.18 from 16 MiB. ``window_bytes`` None (unknown, e.g.
-    intervals built on the device): tile-major."""
+    (``benchmarks/experiments/gluon_fwd_persistent.py --sweep --bwd-order``, ``benchmarks/NOTES.md``,
+    section 10; causal windows of 1024-8192 keys, 8-32 heads, d 128, bf16), time head by head /
+    tile-major where this picks head by head: forward 0.90-0.99 at 64K tokens (32 heads, window
+    4096: 7.54 against 8.28 ms), 0.93-0.97 at 16K with 32 heads from 32 MiB and 1.02 at 16 MiB;
+    backward 0.94-1.00 (64K, 32 heads, window 8192: 48.1 against 51.0 ms). Where it keeps
+    tile-major because the programs have 8-16 items (16K with 8 or 16 heads), head by head measured
+    1.04-1.18 (forward) and 1.02-1.22 (backward). ``window_bytes`` None (unknown, e.g. intervals
+    built on the device): tile-major."""
     if window_bytes is None or n_programs <= 0:
         return True
     return not (n_items >= TILE_MAJOR_MIN_ITEMS * n_programs and window_bytes >= TILE_MAJOR_WINDOW_BYTES)

@@ -105,9 +105,9 @@ def _device_state(layout: BlockLayout, device: torch.device, opts: KernelOptions
 
 
 _LAUNCHERS: dict = {}
-# persistent Gluon kernels on interval layouts run one row tile of every head at a time, heaviest
-# first (H100: documents 0.49 vs 0.58 ms forward at 16K, windows within 2 %), except the forward
-# where every head's key window no longer fits in L2 (select.fwd_tile_major). None: that rule;
+# persistent Gluon kernels on interval layouts run one tile of every head at a time, heaviest
+# first (H100: documents 0.49 vs 0.58 ms forward at 16K, windows within 2 %), except where every
+# head's key window no longer fits in L2 (select.tile_major_deal). None: that rule;
 # True / False: tile-major / head by head everywhere (experiments)
 _M_MAJOR = None
 
@@ -124,7 +124,8 @@ def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
 
 
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
-                      cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None) -> None:
+                      cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None,
+                      window_bytes: float | None = None) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (one program per ``2·block_n`` keys and
     batch·kv head, or persistent: ``GluonBwdConfig.dkdv_persistent``), then the dQ kernel (one
     program per row tile and head, or persistent: ``GluonBwdConfig.persistent``) or, with
@@ -137,7 +138,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     rows' intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``compiler/device_intervals.gluon_backward_tables``:
     device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`), the instance
     strides (dK/dV needs ``lzh == 0``: one interval per row for every head) and the key tiles
-    heaviest first (``device_intervals.key_tile_order``; read by the persistent dK/dV kernel)."""
+    heaviest first (``device_intervals.key_tile_order``; read by the persistent dK/dV kernel).
+    ``window_bytes``: K/V bytes of every head's key window, from which persistent interval items go
+    head by head (:func:`~blocksparse_fa.ops.select.tile_major_deal`; None: tile-major)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
@@ -159,6 +162,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     qg, dog = q, dout
     if s.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
+    deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
     _launch(_bg._attn_bwd_dkdv_gluon, (grid, ), (
         qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab, kv_ord,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -168,7 +172,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=persistent and intervals is not None and _M_MAJOR is not False, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=deal, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -180,6 +184,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     # as the forward's: causal keeps one program per tile; dQ written directly needs no view
     persistent, geo, grid = _persistent_grid((q, dout, k, v, None if direct else dq), n_items,
                                              _on(cfg.persistent, auto) and not causal, cfg.sm_margin)
+    deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
     _launch(_bg._attn_bwd_dq_gluon, (grid, ), (
         q, k, v, dout, dq, lse, delta, lo, hi, q_tab,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -189,7 +194,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal,
         PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=persistent and intervals is not None and _M_MAJOR is not False, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=deal, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
@@ -640,7 +645,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     (:class:`~blocksparse_fa.ops.options.GluonConfig`), else one program per query tile and head.
     Persistent interval items run one query tile of every head at a time, heaviest first, or head
     by head where ``window_bytes`` (K/V bytes of every head's key window) says they would not
-    share the L2 (:func:`~blocksparse_fa.ops.select.fwd_tile_major`).
+    share the L2 (:func:`~blocksparse_fa.ops.select.tile_major_deal`).
     ``global_keys``: ``(g, causal)``, interval mode only: every row also keeps the keys ``< g``
     (``<=`` the row with ``causal``), visited first in every item (``compiler/globals.py``)."""
     _ensure_tma_allocator(q.device)
@@ -650,8 +655,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     # causal stays one program per tile: persistent it measured 0.98-1.00x (16K / 64K, H100)
     persistent, geo, grid = _persistent_grid((q, k, v, out), n_items, cfg.persistent and case != "causal"
                                              and s.Lq % rows == 0, cfg.sm_margin)
-    m_major = persistent and case == "interval" and (
-        select.fwd_tile_major(n_items, grid, window_bytes) if _M_MAJOR is None else _M_MAJOR)
+    m_major = _tile_major(persistent and case == "interval", n_items, grid, window_bytes)
     _launch(_fg._attn_fwd_gluon, (grid, ), (
         q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -670,11 +674,25 @@ def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: Gl
     if case == "interval":
         lo, hi, tiles = _gluon_interval_tables(layout, cfg, q.device)
         lzb, lzh = _layout_strides(layout)
-        window_bytes = s.B * s.Hkv * _mean_keys(layout) * 2 * s.D * q.element_size()
+        window_bytes = _window_bytes(layout, s, q.element_size())
     else:
         lo = hi = tiles = _placeholder(torch.int32, q.device)
         lzb = lzh = 0
     _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg, global_keys, window_bytes)
+
+
+def _tile_major(on: bool, n_items: int, grid: int, window_bytes: float | None) -> bool:
+    """The ``M_MAJOR`` constexpr of a persistent interval launch (``on``): the rule of
+    :func:`~blocksparse_fa.ops.select.tile_major_deal`, or ``_M_MAJOR`` where an experiment forces one order."""
+    if not on:
+        return False
+    return select.tile_major_deal(n_items, grid, window_bytes) if _M_MAJOR is None else _M_MAJOR
+
+
+def _window_bytes(layout: BlockLayout, s: Shapes, elem: int) -> float:
+    """K/V bytes of every head's key window of a host-interval layout (batch × kv heads × mean keys
+    per row × 2·D × ``elem``): what a tile-major deal keeps in L2 at once."""
+    return s.B * s.Hkv * _mean_keys(layout) * 2 * s.D * elem
 
 
 def _mean_keys(layout: BlockLayout) -> float:
@@ -923,14 +941,15 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     choice = backward_choice(q, k, v, dout, layout, s, dropout_p, opts, acc, deterministic, grad_dtype, score_mod)
     select.note("backward", choice)
     if choice.family == "gluon":
-        cfg, intervals = opts.gluon_bwd or GluonBwdConfig(), None
+        cfg, intervals, window = opts.gluon_bwd or GluonBwdConfig(), None, None
         if choice.mode == "interval":
+            window = _window_bytes(layout, s, q.element_size())
             lo, hi, kv_tab, q_tab, lzb, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
             if empty is not None:  # the kernels skip rows by a -inf logsumexp; a rewrite's part
                 lse = lse.masked_fill(empty, float("-inf"))  # gets the whole mask's
             intervals = (lo, hi, kv_tab, q_tab, lzb, 0, kv_ord)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
-                          choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals)
+                          choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window)
         return grads
     if choice.mode == "five_gemm":
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc, opts)

@@ -11,18 +11,19 @@ tiles (:class:`_TileLayout`) and counts them with the same per-kernel code as th
   ``block_n`` = 128 keys, O and LSE written once. Dense: persistent, head by head (the grid order);
   causal: one program per tile, longest rows first; interval layouts: persistent, one row tile of
   every head before the next (tile-major), the tiles with most key blocks first, or head by head
-  where every head's key window no longer fits in L2 (``ops/select.fwd_tile_major``). Interval
+  where every head's key window no longer fits in L2 (``ops/select.tile_major_deal``). Interval
   programs read a 20-byte table row and the rows' interval bounds (8 bytes per row).
 * ``_attn_bwd_dkdv_gluon``: programs of ``2·block_n`` = 128 keys per batch·kv-head, Q, dO, LSE, δ
   per query block of ``block_m`` = 64 rows that reaches them (so a window's key tile reads the
   64-row blocks its rows really touch, not whole layout blocks), dK and dV written once. Dense and
   causal: one program per key tile in index order; interval layouts: persistent, tile-major, the
-  key tiles with most query blocks first. The five-GEMM variant (the default of dense and causal)
+  key tiles with most query blocks first (head by head where the forward's would be). The
+  five-GEMM variant (the default of dense and causal)
   also reduce-adds every step's ``64 × D`` fp32 dQ partial into an accumulator in L2 (TMA
   reduce-add); its lines go to and from DRAM with the rows they belong to.
 * ``_attn_bwd_dq_gluon`` (the deterministic pair, the default of interval layouts): programs of
-  ``2·dq_block_m`` = 128 rows, K/V per key block of ``dq_block_n`` = 128; persistent and
-  tile-major on interval layouts. With the five-GEMM variant ``_dq_finish`` instead reads the fp32
+  ``2·dq_block_m`` = 128 rows, K/V per key block of ``dq_block_n`` = 128; persistent on interval
+  layouts, dealt as the dK/dV kernel. With the five-GEMM variant ``_dq_finish`` instead reads the fp32
   accumulator and LSE and writes dQ, after a fill kernel zeroed the accumulator.
 
 Not modelled: the persistent kernels' static deal of work items (the programs are scheduled as
@@ -131,7 +132,8 @@ def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: 
     interval = mode == "interval"
     lut = (_FWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
     table = int(lo.size * _BOUNDS + geo.n_inst * geo.tr * _FWD_TABLE) if interval else 0
-    launch = dict(order="grid" if mode == "dense" else "steps", tile_major=interval and _fwd_tile_major(lo, hi, geo, p))
+    launch = dict(order="grid" if mode == "dense" else "steps",
+                  tile_major=interval and _deal(lo, hi, p.batch * p.heads * geo.tr, p))
     k = _row_kernel("_attn_fwd_gluon", geo, pt, _ROWS, q_side_loads={"Q": p.head_dim * p.elem},
                     q_side_stores={"O": p.head_dim * p.elem, "LSE": 4}, lut_bytes=table, lut=lut, **launch)
     if p.policy == "trace":
@@ -140,15 +142,14 @@ def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: 
     return k
 
 
-def _fwd_tile_major(lo: np.ndarray, hi: np.ndarray, geo: _Geometry, p: TrafficParams) -> bool:
-    """The persistent interval forward's deal, as the launcher picks it
-    (:func:`blocksparse_fa.ops.select.fwd_tile_major`: head by head once every head's key window
-    leaves the L2)."""
-    from ...ops.select import fwd_tile_major
+def _deal(lo: np.ndarray, hi: np.ndarray, n_items: int, p: TrafficParams) -> bool:
+    """Whether a persistent interval kernel with ``n_items`` work items deals them tile-major, as
+    the launcher picks it (:func:`blocksparse_fa.ops.select.tile_major_deal`: head by head once
+    every head's key window leaves the L2)."""
+    from ...ops.select import tile_major_deal
 
-    n_items = p.batch * p.heads * geo.tr
     window = p.batch * p.hkv * float(np.clip(hi - lo, 0, None).mean()) * 2 * p.head_dim * p.elem
-    return fwd_tile_major(n_items, min(n_items, p.n_sm), window)
+    return tile_major_deal(n_items, min(n_items, p.n_sm), window)
 
 
 def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label: str = "") -> list:
@@ -166,12 +167,13 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
     # dK/dV: 128-key programs stepping over 64-row query blocks
     geo_kv = _Geometry(_TileLayout(lo, hi, layout.kv_len, _STEP_ROWS, _ROWS, bs, visit_one=False))
     pkv = replace(pt, tiles=replace(pt.tiles, dq_block_m=_STEP_ROWS))
-    kv_launch = dict(order="steps" if interval else "grid", tile_major=interval)
+    kv_launch = dict(order="steps" if interval else "grid",
+                     tile_major=interval and _deal(lo, hi, p.batch * p.hkv * geo_kv.tc, p))
     kv_table = int(geo_kv.n_inst * geo_kv.tc * 2 * _BWD_TABLE) if interval else 0  # table + heaviest-first order
     dkdv = _dkdv_kernel(geo_kv, pkv, kv_table, name="_attn_bwd_dkdv_gluon", lut=lut, acc_row=acc, **kv_launch)
     if p.policy == "trace":
         tr = _trace_backward(geo_kv, pkv, progress, f"trace {label}", parts=("bwd_dkdv",), lut=lut, acc_row=acc,
-                             kv_order=kv_launch["order"], tile_major=interval)
+                             kv_order=kv_launch["order"], tile_major=kv_launch["tile_major"])
         dkdv = _with_trace(dkdv, tr["bwd_dkdv"], kv_table)
         if acc:
             dkdv = replace(dkdv, dram_write_bytes=int(dkdv.stores["dK"] + dkdv.stores["dV"] + tr["acc"]))
@@ -188,13 +190,14 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
                                dram_write_bytes=rows * D * e, compulsory_read_bytes=sum(loads.values()))
         return [pre, dkdv, finish, fill]
     geo_q = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
-    q_launch = dict(order="steps" if kind == "causal" else "grid", tile_major=interval)
+    q_launch = dict(order="steps" if kind == "causal" else "grid",
+                    tile_major=interval and _deal(lo, hi, p.batch * p.heads * geo_q.tr, p))
     lut_q = (_BWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
     q_table = int(lo.size * _BOUNDS + geo_q.n_inst * geo_q.tr * _BWD_TABLE) if interval else 0
     dq = _row_kernel("_attn_bwd_dq_gluon", geo_q, pt, _ROWS, q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
                      q_side_stores={"dQ": D * e}, lut_bytes=q_table, lut=lut_q, **q_launch)
     if p.policy == "trace":
         tr = _trace_backward(geo_q, pt, progress, f"trace {label}", parts=("bwd_dq",), lut=lut_q,
-                             q_order=q_launch["order"], tile_major=interval)
+                             q_order=q_launch["order"], tile_major=q_launch["tile_major"])
         dq = _with_trace(dq, tr["bwd_dq"], q_table)
     return [pre, dkdv, dq]
