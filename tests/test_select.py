@@ -237,7 +237,8 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     seen = []
     launch = tb._gluon_bwd_launch
 
-    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
+    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
+            window_bytes=None):
         seen.append((causal, atomic, intervals, lse.clone()))
         launch(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -340,7 +341,8 @@ def hopper(monkeypatch):
         out.copy_(o)
         lse.copy_(l)
 
-    def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
+    def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
+            window_bytes=None):
         o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
         for g, r in zip(grads, torch_backward(q, k, v, o.to(q.dtype), l, dout, layout, s, scale, 0.0, 0)):
             g.copy_(r)
@@ -461,7 +463,8 @@ def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
     seen = []
     bwd = tb._gluon_bwd_launch
 
-    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None):
+    def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
+            window_bytes=None):
         seen.append((causal, atomic, cfg.block_n))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
