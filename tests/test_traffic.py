@@ -226,8 +226,11 @@ def test_format_table_and_cli(capsys):
     assert cli_main(["traffic", "causal", "--len", "2048", "--kernels", "triton", "--order", "heavy_first", "--occupancy",
                      "fwd=2,bwd_dq=2"]) == 0
     assert "program order: heavy_first" in capsys.readouterr().out
-    assert cli_main(["traffic", "causal", "--len", "1024", "--fwd-tiles", "96x64"]) == 2
+    assert cli_main(["traffic", "causal", "--len", "1024", "--kernels", "triton", "--fwd-tiles", "96x64"]) == 2
     assert "divide" in capsys.readouterr().err
+    # tiles given where only the Gluon kernels run: refused, naming the option
+    assert cli_main(["traffic", "causal", "--len", "1024", "--fwd-tiles", "128x64"]) == 2
+    assert "--fwd-tiles" in capsys.readouterr().err
     assert cli_main(["traffic", "causal & window(64)", "--len", "1024", "--json", "--l2-mb", "1"]) == 0
     js = json.loads(capsys.readouterr().out)  # one key interval per row: the Gluon kernels by default
     assert js["choice"] == ["gluon:interval", "gluon:interval"]
@@ -876,3 +879,15 @@ def test_gluon_model_deals_items_as_the_launcher():
     lay = layout(bsfa.sliding_window(2048), n)
     rep = _traffic_model(lay, heads=64, policy="lru", compare=False)
     assert rep.forward.dram_read_bytes == pytest.approx(rep.forward.compulsory_read_bytes, rel=0.02)
+
+
+def test_gluon_kernels_bring_their_own_tiles():
+    """Layout blocks of 64: the Gluon kernels (their own 128-row / 128-key tiles) are modelled; the
+    Triton kernels' default tiles (128 rows) do not divide the blocks and are refused."""
+    lay = layout(bsfa.sliding_window(256), 2048, block=64)
+    rep = _traffic_model(lay, heads=2, compare=False)
+    assert rep.choice == ("gluon:interval", "gluon:interval")
+    assert rep.forward.loads["K+V"] == _traffic_model(layout(bsfa.sliding_window(256), 2048), heads=2,
+                                                      compare=False).forward.loads["K+V"]
+    with pytest.raises(ValueError, match="divide"):
+        traffic_model(lay, heads=2, compare=False)

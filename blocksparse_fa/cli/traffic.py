@@ -105,6 +105,13 @@ def run(args) -> int:
                            l2_bytes=int(args.l2_mb * 2**20), n_sm=args.sms, occupancy=occ,
                            policy=args.policy, program_order=args.order, bwd_fused=args.bwd_launches == 1,
                            l2_partitions=args.l2_partitions, kernels=args.kernels)
+    given = [f"--{n}-tiles" for n in ("fwd", "dkdv", "dq") if getattr(args, f"{n}_tiles")]
+    if given and args.kernels == "auto":
+        from ..analysis.traffic.gluon import choices
+
+        if all(c.family == "gluon" for c in choices(lay, params)):
+            raise ValueError(f"{', '.join(given)} set the Triton kernels' tiles, but this layout runs the Gluon "
+                             "kernels, which use their own; pass --kernels triton to model the Triton kernels")
     try:
         rep = traffic_model(lay, params, progress=True)
     except TraceTooLargeError as e:

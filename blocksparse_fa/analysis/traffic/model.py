@@ -49,10 +49,11 @@ def _model(layout, p: TrafficParams, progress: bool, label: str) -> TrafficRepor
     """The report of one layout (``label`` names its progress bars)."""
     geo = _Geometry(layout)
     geo.check_batch(p.batch, p.heads)
-    _check_tiles(geo, p.tiles)
     fc, bc = _gluon.choices(layout, p) if p.kernels == "auto" else (None, None)
     gl_fwd = fc is not None and fc.family == "gluon"
     gl_bwd = bc is not None and bc.family == "gluon"
+    if not (gl_fwd and gl_bwd):  # the Triton kernels' tiles (the Gluon kernels bring their own)
+        _check_tiles(geo, p.tiles)
     D, e = p.head_dim, p.elem
     row_lut_bytes = int(layout.row_lut.nbytes)
     col_lut_bytes = int(layout.col_lut.nbytes)
