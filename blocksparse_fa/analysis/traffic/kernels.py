@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .geometry import _Geometry, _order, _perm, _tiles
+from .geometry import _Geometry, _perm, _tiles
 from .params import TileSizes, TrafficParams
 from .report import KernelTraffic
 from .waves import _reuse, _wave_policy, _wave_programs, _WaveRefs
@@ -40,8 +40,7 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     P = p.programs_in_flight(name)
     per_row_load = sum(q_side_loads.values())
     per_row_store = sum(q_side_stores.values())
-    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row) if order is None else \
-        _perm(order, geo, geo.row_cnt, geo.row_part, t_row)
+    perm = _perm(order or p.program_order, geo, geo.row_cnt, geo.row_part, t_row)
     tiles = np.arange(n_t) if perm is None else perm
     mult = np.zeros(geo.n_inst, dtype=np.int64)
     stream = np.empty((B * H, n_t))
@@ -63,7 +62,7 @@ def _row_kernel(name: str, geo: _Geometry, p: TrafficParams, block_m: int, *, q_
     n_waves = -(-n_prog // P)
     stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
     # wave-distinct K/V objects: (b * Hkv + hk) * Tc + column
-    refs = _WaveRefs(n_waves, dedup=G > 1 or tile_major)  # query heads of a GQA group share K/V objects
+    refs = _WaveRefs(n_waves, dedup=G > 1)  # query heads of a GQA group share K/V objects
     for bh, w, ranks in _wave_programs(B * H, n_t, P, tile_major):
         b, h = divmod(bh, H)
         z = geo.instance(b, h)
@@ -100,8 +99,7 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int, *, name: str 
     n_u = len(u_col)
     P = p.programs_in_flight("bwd_dkdv")
     q_obj_row = 2 * D * e + 8  # Q, dO rows + LSE, delta (fp32)
-    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col) if order is None else \
-        _perm(order, geo, geo.col_cnt, geo.col_part, u_col)
+    perm = _perm(order or p.program_order, geo, geo.col_cnt, geo.col_part, u_col)
     units = np.arange(n_u) if perm is None else perm
     mult = np.zeros(geo.n_inst, dtype=np.int64)
     stream = np.empty((B * Hkv, n_u))
@@ -126,7 +124,7 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int, *, name: str 
     n_prog = B * Hkv * n_u
     n_waves = -(-n_prog // P)
     stream_w = np.bincount(np.arange(n_prog) // P, weights=stream_p, minlength=n_waves)
-    refs = _WaveRefs(n_waves, dedup=tile_major)  # objects are per query head: shared only across ranks
+    refs = _WaveRefs(n_waves, dedup=False)  # objects are per query head: never shared
     for bkv, w, ranks in _wave_programs(B * Hkv, n_u, P, tile_major):
         b, hk = divmod(bkv, Hkv)
         for g in range(G):

@@ -61,7 +61,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .._progress import _Off, progress_bar
-from .geometry import _Geometry, _instances, _order, _perm, _tiles
+from .geometry import _Geometry, _instances, _perm, _tiles
 from .params import TrafficParams
 from .report import KernelTraffic
 
@@ -295,8 +295,7 @@ def _trace_forward(geo: _Geometry, p: TrafficParams, progress: bool = False, lab
     bm_t = p.tiles.fwd_block_m
     t_row, t_h = _tiles(geo.q_len, bm_t, geo.bm)
     n_t = len(t_row)
-    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row) if order is None else \
-        _perm(order, geo, geo.row_cnt, geo.row_part, t_row)
+    perm = _perm(order or p.program_order, geo, geo.row_cnt, geo.row_part, t_row)
     tiles = np.arange(n_t) if perm is None else perm
     q_sz = _sub_sizes(geo.q_len, bm_t, D * e)
     kv_sz = _sub_sizes(geo.kv_len, geo.bn, 2 * D * e)
@@ -337,8 +336,7 @@ def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, la
     # dK/dV programs (kind 0): key tile u of batch·kv-head bk; G line walks, one per query head
     u_col, u_w = _tiles(geo.kv_len, uc, geo.bn)
     n_u = len(u_col)
-    perm = _order(p, geo, geo.col_cnt, geo.col_part, u_col) if kv_order is None else \
-        _perm(kv_order, geo, geo.col_cnt, geo.col_part, u_col)
+    perm = _perm(kv_order or p.program_order, geo, geo.col_cnt, geo.col_part, u_col)
     bk, u = _launch(B * Hkv, np.arange(n_u) if perm is None else perm, tile_major)
     vis_c = _visits(geo, "col", ur)
     kv = {"kind": np.zeros(len(u), dtype=np.int64), "own": kv_base + bk * n_kv + u,
@@ -355,8 +353,7 @@ def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, la
     # dQ programs (kind 1): query tile t of batch·head bh
     t_row, t_h = _tiles(geo.q_len, ur, geo.bm)
     n_t = len(t_row)
-    perm = _order(p, geo, geo.row_cnt, geo.row_part, t_row) if q_order is None else \
-        _perm(q_order, geo, geo.row_cnt, geo.row_part, t_row)
+    perm = _perm(q_order or p.program_order, geo, geo.row_cnt, geo.row_part, t_row)
     bh, t = _launch(B * H, np.arange(n_t) if perm is None else perm, tile_major)
     b, h = bh // H, bh % H
     z = _instances(geo, b, h)
