@@ -71,19 +71,19 @@ def test_opcheck():
     h = register_mask(MASK, 16)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), h, 0.3, 0.0,
             None, "auto", True, "bottom_right", [], None, None, None, '{"lists":"fine"}')
-    res = torch.library.opcheck(attention_fwd, args)
+    res = torch.library.opcheck(attention_fwd.default, args)
     assert all(v == "SUCCESS" for v in res.values()), res
     # a template handle: the mask's tensors are op inputs
     from blocksparse_fa.ops.custom_op import registry
 
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 20, 10]))[None]
     ht = registry.register_template("causal & document", ("document",), 16)
-    res = torch.library.opcheck(attention_fwd, args[:3] + (ht,) + args[4:-5] + ([ids], None, None, None, ""))
+    res = torch.library.opcheck(attention_fwd.default, args[:3] + (ht,) + args[4:-5] + ([ids], None, None, None, ""))
     assert all(v == "SUCCESS" for v in res.values()), res
     # score modifiers: slopes, cap and a broadcast bias as op arguments, with gradients
     slopes = torch.tensor([0.5, 0.25, 0.125, 1.0], requires_grad=True)
     bias = torch.randn(1, 4, 1, 40, requires_grad=True)
-    res = torch.library.opcheck(attention_fwd, args[:-4] + (slopes, torch.tensor([2.5]), bias, ""))
+    res = torch.library.opcheck(attention_fwd.default, args[:-4] + (slopes, torch.tensor([2.5]), bias, ""))
     assert all(v == "SUCCESS" for v in res.values()), res
 
 
@@ -261,3 +261,30 @@ def test_op_call_layouts_answered_from_a_memo_until_the_registry_drops(monkeypat
     co._layout(q, k, k, h, "bottom_right")
     assert len(calls) == 1
     co.registry.unpin(h)
+
+
+def test_operators_are_library_kernels_without_custom_op_wrappers():
+    """The package's operators are defined on a ``torch.library.Library`` fragment with their bodies
+    as kernels (``_oplib``), not through ``torch.library.custom_op``: no per-call wrapper between
+    the graph and the body, and the same schema, fake and autograd behaviour (``test_opcheck``)."""
+    from torch._library.custom_ops import CustomOpDef
+
+    from blocksparse_fa import _oplib
+    from blocksparse_fa.compiler import device_intervals
+    from blocksparse_fa.distributed import custom_op as cp_op
+    from blocksparse_fa.ops import custom_op as co, interval_backend
+
+    ops = (co.attention_fwd, co.attention_bwd, interval_backend.interval_fwd, interval_backend.interval_bwd,
+           cp_op.cp_attention_fwd, cp_op.cp_attention_bwd, device_intervals._document_bounds_op)
+    for op in ops:
+        assert isinstance(op, _oplib.Operator) and not isinstance(op, CustomOpDef), op
+        assert op.default is getattr(torch.ops.blocksparse_fa, op.name).default
+    schema = str(co.attention_fwd.default._schema)
+    assert "Tensor[] mask_tensors" in schema and schema.endswith("-> (Tensor, Tensor)"), schema
+    # calling the object calls the operator: a float64 CPU call equals the eager path
+    q, k, v, _ = qkv(B=1, H=2, Hkv=1, Lq=24, Lk=24, D=8, dtype=torch.float64)
+    h = register_mask(MASK, 16)
+    out, lse = co.attention_fwd(q, k, v, h, 0.35, 0.0, None, "torch", True, "bottom_right", [], None, None, None, "")
+    assert rel_err(out, attention_op(q, k, v, h, scale=0.35, backend="torch")) < 1e-12
+    with pytest.raises(ValueError, match="qualname must be 'namespace::name'"):
+        _oplib.Operator("no_namespace", lambda x: x)

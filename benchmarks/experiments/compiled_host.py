@@ -1,18 +1,14 @@
 """Where the host time of a compiled call goes: ``torch.compile(fullgraph=True)`` of
-``bsfa.attention`` against the eager call, and the same compiled call with parts of
-``torch.library.custom_op``'s per-call wrapper switched off, one at a time.
+``bsfa.attention`` against the eager call.
 
     PYTHONPATH=. python benchmarks/experiments/compiled_host.py [--json OUT.json]
 
-Per variant: the host time to launch one forward+backward (``torch.autograd.grad``; 20 calls after a
+Per call: the host time to launch one forward+backward (``torch.autograd.grad``; 20 calls after a
 sync, short enough that the launch queue never fills), and the time spent inside the op bodies
-(``dispatch.forward`` / ``dispatch.backward``). Variants (each restored afterwards):
-
-* ``default``: the compiled call as users run it;
-* ``no_alias_check``: ``torch._library.utils._c_check_aliasing_constraint`` replaced by a no-op
-  (the check ``custom_op`` runs on every call that outputs do not alias inputs);
-* ``no_disable_wrapper``: the op's backend functions called directly, without the
-  ``torch._dynamo.disable`` wrapper ``custom_op`` puts around them.
+(``dispatch.forward`` / ``dispatch.backward``). The script once also switched off parts of
+``torch.library.custom_op``'s per-call wrapper (its alias check, its ``torch._dynamo.disable``
+frame); the operators no longer use ``custom_op`` (``blocksparse_fa/_oplib.py``), and
+``op_registration_ab.py`` compares the two registrations.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ import time
 import torch
 
 import blocksparse_fa as bsfa
-from blocksparse_fa.ops import custom_op, dispatch
+from blocksparse_fa.ops import dispatch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_path import host_us  # noqa: E402
@@ -56,36 +52,6 @@ class _BodyTimer:
         dispatch.forward, dispatch.backward = self.f0, self.b0
 
 
-def _variant(name):
-    """``(enter, exit)`` callables switching a variant on and off."""
-    import torch._library.utils as lu
-
-    if name == "no_alias_check":
-        orig = lu._c_check_aliasing_constraint
-
-        def on():
-            lu._c_check_aliasing_constraint = lambda *a, **k: None
-
-        def off():
-            lu._c_check_aliasing_constraint = orig
-        return on, off
-    if name == "no_disable_wrapper":
-        ops = (custom_op.attention_fwd, custom_op.attention_bwd)
-        saved = [dict(op._backend_fns) for op in ops]
-        raw = [op._init_fn for op in ops]
-
-        def on():
-            for op, fn in zip(ops, raw):
-                for key in op._backend_fns:
-                    op._backend_fns[key] = fn
-
-        def off():
-            for op, s in zip(ops, saved):
-                op._backend_fns.update(s)
-        return on, off
-    return (lambda: None), (lambda: None)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
@@ -103,20 +69,13 @@ def main():
     comp = lambda: torch.autograd.grad(compiled(q, k, v), (q, k, v), do)  # noqa: E731
     ref = [g.clone() for g in eager()]
     rows = []
-    for label, fn, variant in (("eager", eager, "default"), ("compiled", comp, "default"),
-                               ("compiled", comp, "no_alias_check"), ("compiled", comp, "no_disable_wrapper"),
-                               ("eager", eager, "default"), ("compiled", comp, "default")):
-        on, off = _variant(variant)
-        on()
-        try:
-            got = fn()
-            same = all(torch.equal(a, b) for a, b in zip(got, ref))
-            with _BodyTimer() as bt:
-                t = host_us(fn)
-            body = bt.t / 23 * 1e6  # per fwd+bwd call (host_us makes 23 calls)
-        finally:
-            off()
-        row = dict(call=label, variant=variant, host_us=round(t, 1), op_bodies_us=round(body, 1), same_grads=same)
+    for label, fn in (("eager", eager), ("compiled", comp), ("eager", eager), ("compiled", comp)):
+        got = fn()
+        same = all(torch.equal(a, b) for a, b in zip(got, ref))
+        with _BodyTimer() as bt:
+            t = host_us(fn)
+        body = bt.t / 23 * 1e6  # per fwd+bwd call (host_us makes 23 calls)
+        row = dict(call=label, host_us=round(t, 1), op_bodies_us=round(body, 1), same_grads=same)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

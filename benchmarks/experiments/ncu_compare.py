@@ -138,6 +138,7 @@ def main():
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     if args.cmd == "worker":
         return worker(args.pattern, args.impl, args.n, args.d)
     results = {}

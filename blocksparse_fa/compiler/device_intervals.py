@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._oplib import custom_op
 from ..mask import primitives as P
 from ..mask.base import ParamTensor
 from ..mask.expr import And, Mask, query_offset
@@ -434,7 +435,7 @@ def _fast_bounds(spec: IntervalSpec, device) -> DeviceIntervals | None:
     return DeviceIntervals(*out) if compare else DeviceIntervals(out[0], out[1], None, None, None, None)
 
 
-@torch.library.custom_op("blocksparse_fa::document_bounds", mutates_args=())
+@custom_op("blocksparse_fa::document_bounds", mutates_args=())
 def _document_bounds_op(ids: torch.Tensor, terms_lo: torch.Tensor | None, terms_hi: torch.Tensor | None, q_len: int,
                         zb: int, zh: int, q_off: int, doc_off: int, consts: list[int],
                         compare: bool) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import threading
 
 import torch
 
+from .._oplib import custom_op
 from ..ops.prepare import encoded_options, resolve_backend
 from ..ops.options import decode_options
 from .attention import cp_backward, cp_forward, fetch
@@ -55,7 +56,7 @@ def _plan(handle: int) -> ContextParallelPlan:
                        f"object (it registers itself)") from None
 
 
-@torch.library.custom_op("blocksparse_fa::cp_attention_fwd", mutates_args=())
+@custom_op("blocksparse_fa::cp_attention_fwd", mutates_args=())
 def cp_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int, group: str, scale: float,
                      dropout_p: float, seed: torch.Tensor | None, backend: str, overlap: bool,
                      check: bool, kernel_options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +82,7 @@ def _fwd_fake(q, k, v, plan, group, scale, dropout_p, seed, backend, overlap, ch
             torch.empty((), dtype=torch.int64))
 
 
-@torch.library.custom_op("blocksparse_fa::cp_attention_bwd", mutates_args=())
+@custom_op("blocksparse_fa::cp_attention_bwd", mutates_args=())
 def cp_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, dlse: torch.Tensor | None, plan: int, group: str, scale: float,
                      dropout_p: float, seed: torch.Tensor, backend: str,

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from ..compiler.layout import BlockLayout
 from ..mask.score import check_score_mod
 from . import dispatch
 from .options import as_options
@@ -112,7 +113,13 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
                            kernel_options)
     if res is not None:  # e.g. causal() & document(ids): intervals built on the device, no layout
         pass
-    elif torch.compiler.is_compiling() or q4.device.type == "meta":
+    elif torch.compiler.is_compiling():  # one node of the graph: the custom op
+        from .custom_op import compiled_call
+
+        res = compiled_call(q4, k4, v4, mask, block_size, scale, dropout_p, dropout_seed, return_lse, backend, rewrite,
+                            check_align(align, mask if isinstance(mask, BlockLayout) else None), score_mod,
+                            kernel_options)
+    elif q4.device.type == "meta":
         from .custom_op import attention_op
 
         res = attention_op(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,

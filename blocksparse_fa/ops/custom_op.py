@@ -87,6 +87,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .._oplib import custom_op
 from ..compiler.compile import block_pair as _block_pair
 from ..compiler.compile import compile_mask
 from ..compiler.layout import BlockLayout
@@ -426,7 +427,7 @@ def _score_mod_of(slopes, softcap, bias):
     return ScoreMod(slopes=slopes, cap=softcap, bias=bias)
 
 
-@torch.library.custom_op("blocksparse_fa::attention_fwd", mutates_args=())
+@custom_op("blocksparse_fa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, scale: float,
                   dropout_p: float, seed: torch.Tensor | None, backend: str,
                   rewrite: bool, align: str, mask_tensors: list[torch.Tensor], slopes: torch.Tensor | None,
@@ -453,7 +454,7 @@ def _attention_fwd_fake(q, k, v, handle, scale, dropout_p, seed, backend, rewrit
     return out, lse
 
 
-@torch.library.custom_op("blocksparse_fa::attention_bwd", mutates_args=())
+@custom_op("blocksparse_fa::attention_bwd", mutates_args=())
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, dlse: torch.Tensor | None, handle: int, scale: float, dropout_p: float,
                   seed: torch.Tensor | None, backend: str,
@@ -579,17 +580,26 @@ def attention_op(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, drop
         res = _eager(q, k, v, handle_of(mask, block_size), scale, dropout_p, dropout_seed, return_lse, backend,
                      rewrite, align, score_mod, as_options(kernel_options))
     else:
-        if score_mod is not None and score_mod.fn is not None:
-            raise NotImplementedError("score_mod: score_fn() callables run eagerly on the PyTorch backend only; under "
-                                      "torch.compile use alibi(), bias() and softcap() (their tensors are op inputs)")
-        handle, mask_tensors = mask_handle(mask, block_size)
-        out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, seed_tensor(dropout_p, dropout_seed), backend,
-                                 bool(rewrite), align, mask_tensors or [], *_op_score_args(score_mod, s.H, q.device),
-                                 encoded_options(kernel_options))
-        res = (out, lse.float()) if return_lse else out
+        res = compiled_call(q, k, v, mask, block_size, scale, dropout_p, dropout_seed, return_lse, backend, rewrite,
+                            align, score_mod, kernel_options)
     if return_lse:
         return dispatch.slice_head_dim(res[0], dv), res[1]
     return dispatch.slice_head_dim(res, dv)
+
+
+def compiled_call(q, k, v, mask, block_size, scale: float, dropout_p: float, dropout_seed, return_lse: bool,
+                  backend: str, rewrite, align: str, score_mod, kernel_options):
+    """The call under ``torch.compile``: one ``attention_fwd`` node of the graph. Inputs as the
+    callers have prepared them (checked, one head dim, a bound score modifier, ``align`` checked);
+    :func:`blocksparse_fa.attention` comes here directly, so Dynamo traces the checks once."""
+    if score_mod is not None and score_mod.fn is not None:
+        raise NotImplementedError("score_mod: score_fn() callables run eagerly on the PyTorch backend only; under "
+                                  "torch.compile use alibi(), bias() and softcap() (their tensors are op inputs)")
+    handle, mask_tensors = mask_handle(mask, block_size)
+    out, lse = attention_fwd(q, k, v, handle, scale, dropout_p, seed_tensor(dropout_p, dropout_seed), backend,
+                             bool(rewrite), align, mask_tensors or [], *_op_score_args(score_mod, q.shape[1], q.device),
+                             encoded_options(kernel_options))
+    return (out, lse.float()) if return_lse else out
 
 
 def _op_score_args(score_mod, H: int, device) -> tuple:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from .._oplib import custom_op
 from ..compiler.device_intervals import (DeviceIntervals, cached_table, col_tables, gluon_backward_tables,
                                          interval_spec, key_tile_order, row_tables)
 from . import select
@@ -447,7 +448,7 @@ def _backward_grads(q, k, v, out, lse, dout, dlse, iv: DeviceIntervals, scale: f
     return tuple(torch.empty_like(t).copy_(d) for t, d in zip((q, k, v), g))
 
 
-@torch.library.custom_op("blocksparse_fa::interval_fwd", mutates_args=())
+@custom_op("blocksparse_fa::interval_fwd", mutates_args=())
 def interval_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  ilo: torch.Tensor | None, ihi: torch.Tensor | None, qid: torch.Tensor | None,
                  kid: torch.Tensor | None, scale: float, dropout_p: float, seed: torch.Tensor | None,
@@ -464,7 +465,7 @@ def _interval_fwd_fake(q, k, v, lo, hi, ilo, ihi, qid, kid, scale, dropout_p, se
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("blocksparse_fa::interval_bwd", mutates_args=())
+@custom_op("blocksparse_fa::interval_bwd", mutates_args=())
 def interval_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  dout: torch.Tensor, dlse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
                  ilo: torch.Tensor | None, ihi: torch.Tensor | None, qid: torch.Tensor | None,
