@@ -10,7 +10,8 @@ results against float64 (4K, GQA 4/2, the PyTorch backend in float64).
 
     PYTHONPATH=. python benchmarks/experiments/global_split_probe.py --out OUT [--cases NAME ...]
     ... --profile   # per-kernel GPU time of the split fwd+bwd (torch.profiler), nothing else
-    ... --tune      # the global keys' kernels at other row tiles / warps
+    ... --tune      # the global keys' and rows' kernels at other row tiles / warps: fwd, fwd+bwd,
+                    # each kernel's GPU time (torch.profiler) and the errors against float64
 """
 
 from __future__ import annotations
@@ -89,9 +90,21 @@ def main():
             continue
         if a.tune:
             import blocksparse_fa.ops.globals as og
+            from torch.profiler import ProfilerActivity, profile
 
-            tune = {}
-            for bm_, nw in ((64, 4), (64, 8), (128, 4), (128, 8), (32, 4)):
+            # float64 reference at 4K, GQA 4/2: every tile's split result is checked against it
+            torch.manual_seed(1)
+            chk = [torch.randn(1, h_, 4096, D, device=dev, dtype=torch.bfloat16) for h_ in (4, 2, 2, 4)]
+
+            def grads(dt, **kw):
+                xs = [t.detach().to(dt).requires_grad_() for t in chk[:3]]
+                o = bsfa.attention(*xs, m, **kw)
+                o.backward(chk[3].to(dt))
+                return [o.detach().double()] + [t.grad.double() for t in xs]
+
+            ref = grads(torch.float64, backend="torch")
+            tune, saved = {}, (og._BLOCK_M, og._NUM_WARPS)
+            for bm_, nw in ((64, 8), (64, 4), (32, 8), (32, 4), (128, 8)):
                 og._BLOCK_M, og._NUM_WARPS = bm_, nw
 
                 def step():
@@ -99,12 +112,23 @@ def main():
                     bsfa.attention(*xs, m, kernel_options=dict(global_split=True)).backward(do)
 
                 try:
+                    err = [float((x - y).abs().max()) for x, y in zip(grads(torch.bfloat16,
+                                                                            kernel_options=dict(global_split=True)),
+                                                                      ref)]
                     f = ms(lambda: bsfa.attention(q, k, v, m, kernel_options=dict(global_split=True)))
-                    tune[f"{bm_}x{nw}"] = (round(f, 4), round(ms(step), 4))
+                    fb = ms(step)
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(5):
+                            step()
+                        torch.cuda.synchronize()
+                    kern = {e.key: round(e.device_time_total / 5 / 1000, 4) for e in prof.key_averages()
+                            if "_global" in e.key}  # ms per fwd+bwd, the global keys' and rows' kernels
+                    tune[f"{bm_}x{nw}"] = dict(fwd_ms=round(f, 4), fwd_bwd_ms=round(fb, 4), kernels_ms=kern,
+                                               max_err=err)
                 except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
                     tune[f"{bm_}x{nw}"] = f"{type(e).__name__}: {str(e)[:80]}"
                 print(name, "tiles", bm_, "warps", nw, tune[f"{bm_}x{nw}"], flush=True)
-            og._BLOCK_M, og._NUM_WARPS = 64, None
+            og._BLOCK_M, og._NUM_WARPS = saved
             res["cases"].setdefault(name, {})["tune"] = tune
             continue
         gt = bsfa.global_tokens(g)

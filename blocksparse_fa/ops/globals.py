@@ -29,7 +29,7 @@ __all__ = ["split_forward", "split_backward"]
 
 _BLOCK_M = 64
 _BLOCK_N = 64
-_NUM_WARPS = None  # None: 8 above head dim 64, else 4
+_NUM_WARPS = None  # None: 4 up to head dim 128 (H200, d 128: 64 x 4 beat 64 x 8, 32 x 4/8 and 128 x 8), else 8
 _ROWS_OPTS: dict = {}
 
 
@@ -46,7 +46,7 @@ def _consts(s: Shapes, g: int, dtype, device) -> dict:
     from .triton_backend import _dot_precision
 
     return dict(HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=_BLOCK_M, BLOCK_G=max(16, 1 << (g - 1).bit_length()),
-                DOT_PRECISION=_dot_precision(dtype, device), num_warps=_NUM_WARPS or (8 if s.D > 64 else 4), num_stages=2)
+                DOT_PRECISION=_dot_precision(dtype, device), num_warps=_NUM_WARPS or (8 if s.D > 128 else 4), num_stages=2)
 
 
 def _runs(n: int, heads: int, step: int, device, per_sm: int) -> tuple[int, int]:
