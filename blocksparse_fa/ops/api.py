@@ -9,7 +9,6 @@ Eager calls run :mod:`blocksparse_fa.ops.dispatch` through a plain autograd func
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
@@ -21,8 +20,8 @@ from .prepare import BACKENDS, draw_seed, layout_for, resolve_backend, triton_av
 from .prepare import as_mask, check_align, check_mask_for, interpreter_enabled  # noqa: F401  (importable here too)
 from .route import device_intervals, run
 from .route import takes_dense_path  # noqa: F401  (importable here too)
-from .validate import (bool_mask_to_mask, check_qkv, check_scalars, flatten_batch, like_sdpa_under_autocast,
-                       unflatten_batch)
+from .validate import (Shapes, bool_mask_to_mask, check_qkv, check_scalars, flatten_batch,
+                       like_sdpa_under_autocast, unflatten_batch)
 
 __all__ = ["attention", "BACKENDS", "resolve_backend", "layout_for", "draw_seed", "triton_available"]
 
@@ -108,7 +107,7 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, dropout
     if score_mod is not None and score_mod.fn is None:
         score_mod = score_mod.bind(lead if lead is not None else (s.B,), s.H, s.Lq, s.Lk, q4.device)
     q4, k4, v4, dv = dispatch.pad_head_dims(q4, k4, v4)  # Dv != D: one head dim for the kernels
-    s = replace(s, D=q4.shape[-1])
+    s = Shapes(s.B, s.H, s.Hkv, s.Lq, s.Lk, q4.shape[-1])  # no dataclasses.replace: fewer guards when traced
     res = device_intervals(q4, k4, v4, mask, s, scale, dropout_p, dropout_seed, score_mod, backend, align, return_lse,
                            kernel_options)
     if res is not None:  # e.g. causal() & document(ids): intervals built on the device, no layout
