@@ -4,7 +4,7 @@ The package's operators (attention, the device intervals' tables, context parall
 calls of a compiled graph. :func:`torch.library.custom_op` would define them in one line, but every
 call of such an operator also runs Python wrappers (the backend dispatch table, the output aliasing
 check, a ``torch._dynamo.disable`` frame): on a 2-core CPU with empty bodies, a compiled
-forward+backward through a ``custom_op`` pair took 449 µs against 221 µs through the same pair
+forward+backward through a ``custom_op`` pair took 233 µs against 182 µs through the same pair
 defined as below (``benchmarks/NOTES.md``, section 12). A compiled training step pays this once per
 attention call, so :func:`custom_op` here keeps ``custom_op``'s interface (schema inferred from the
 annotations, ``register_fake``, ``register_autograd``) and registers the body directly as the
