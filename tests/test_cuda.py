@@ -312,6 +312,48 @@ def test_gluon_backward_float32_and_direct_stores(kind):
     assert ((base[0].float() - direct[0].float()).abs().max() / base[0].float().abs().max()).item() < 1e-2
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("kind", ["dense", "causal", "window", "documents"])
+@pytest.mark.parametrize("det", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_backward_rows_smem_same_gradients(kind, det, d):
+    """The dK/dV kernel reading each step's logsumexp and Δ from shared memory (staged by the
+    producer with Q and dO; ``GluonBwdConfig.rows_smem``, the default) gives the gradients of the
+    global-memory loads: dK and dV bit for bit, dQ bit for bit from the deterministic pair and
+    within rounding from the five-GEMM kernel (its fp32 adds land in any order); GQA, two batch
+    rows, heads side by side in memory."""
+    from blocksparse_fa.ops import select
+    from blocksparse_fa.ops import triton_backend as tb
+    from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
+    from blocksparse_fa.ops.validate import Shapes
+
+    B, H, Hkv, L = 2, 4, 2, 1024
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (_rand_heads(B, h, L, d, "blhd", g) for h in (H, Hkv, Hkv, H))
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([128, 384, 1, 511]))
+    mask = {"dense": bsfa.full(), "causal": bsfa.causal(), "window": bsfa.sliding_window(300),
+            "documents": bsfa.causal() & bsfa.document(ids)}[kind]
+    layout = bsfa.compile_mask(mask, L, L, 128, device="cuda")
+    s = Shapes(B, H, Hkv, L, L, d)
+    out, lse = tb.triton_forward(q, k, v, layout, s, d ** -0.5, 0.0, 0)
+
+    def grads(rows_smem):
+        opts = KernelOptions(backward="gluon", deterministic=det, gluon_bwd=GluonBwdConfig(rows_smem=rows_smem))
+        with select.record() as ran:
+            got = tb.triton_backward(q, k, v, out, lse, do, layout, s, d ** -0.5, 0.0, 0, opts=opts)
+        assert all(c.startswith("gluon:") for _, c in ran), ran
+        return got
+
+    (dq1, dk1, dv1), (dq0, dk0, dv0) = grads(True), grads(False)
+    assert not any(t.isnan().any() for t in (dq1, dk1, dv1))
+    assert torch.equal(dk1, dk0) and torch.equal(dv1, dv0)
+    if det:
+        assert torch.equal(dq1, dq0)
+    else:
+        torch.testing.assert_close(dq1, dq0, atol=2e-2, rtol=2e-2)
+
+
 def _rand_heads(B, h, L, D, memory, g):
     """Random bf16 ``(B, h, L, D)``: heads stacked along rows (``"bhld"`` memory) or a
     ``(B, L, h, D)`` tensor viewed transposed (``"blhd"``)."""

@@ -15,6 +15,7 @@ runs windows the five-GEMM way (one kernel per 128 keys, atomic dQ).
 Results: ``$OUT/gluon_bwd_interval_atomic.json`` and a table on stdout.
 
     PYTHONPATH=. python benchmarks/experiments/gluon_bwd_interval_atomic.py [--passes 3] [--out DIR]
+        [--variants pair_p pair_p_gload ...]
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ VARIANTS = {"pair": (False, GluonBwdConfig(persistent=False, dkdv_persistent=Fal
             "pair_pdq": (False, GluonBwdConfig(persistent=True, dkdv_persistent=False)),
             "pair_p": (False, GluonBwdConfig(persistent=True, dkdv_persistent=True)),
             "five_gemm": (True, GluonBwdConfig(dkdv_persistent=False)),
-            "five_gemm_p": (True, GluonBwdConfig(dkdv_persistent=True))}
+            "five_gemm_p": (True, GluonBwdConfig(dkdv_persistent=True)),
+            # the dK/dV kernel's logsumexp and Δ loaded from global memory before the slot's wait
+            # (GluonBwdConfig.rows_smem=False; the default stages them with Q and dO)
+            "pair_p_gload": (False, GluonBwdConfig(persistent=True, dkdv_persistent=True, rows_smem=False)),
+            "five_gemm_gload": (True, GluonBwdConfig(dkdv_persistent=False, rows_smem=False))}
 
 
 def gluon_interval_backward(q, k, v, out, lse, do, layout, s: Shapes, scale: float, atomic: bool,
@@ -98,7 +103,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--variants", nargs="*", choices=list(VARIANTS), help="only these (default: all)")
     a = ap.parse_args()
+    if a.variants:
+        for lab in [lab for lab in VARIANTS if lab not in a.variants]:
+            del VARIANTS[lab]
     from triton.testing import do_bench
 
     from bench import doc_ids

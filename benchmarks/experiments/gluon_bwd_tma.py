@@ -26,7 +26,7 @@ prints its traceback (a Gluon compile error names the kernel line) and the rest 
 ``$OUT/gluon_bwd_tma.json`` (rewritten after every case), a PASS/FAIL line per check and a table.
 
     PYTHONPATH=. python benchmarks/experiments/gluon_bwd_tma.py [--out DIR] [--quick] [--budget 225]
-        [--passes 3] [--profile] [--other '{"stages": 3}'] [--pingpong]
+        [--passes 3] [--profile] [--five '{"rows_smem": true}'] [--other '{"stages": 3}'] [--pingpong]
         [--cases check:dense:16:4:4096:128 time:causal:16:16:16384:128 ...]
 """
 
@@ -77,7 +77,9 @@ class _Child:
         from blocksparse_fa.ops.options import GluonBwdConfig
 
         self.torch, self.bsfa, self.select = torch, bsfa, select
-        self.five = dict(backward="gluon", deterministic=False)
+        five = json.loads(os.environ.get("BSFA_FIVE", "") or "null")  # --five: the checked variant's fields
+        self.five = dict(backward="gluon", deterministic=False,
+                         **({} if five is None else dict(gluon_bwd=GluonBwdConfig(**five))))
         other = json.loads(os.environ.get("BSFA_OTHER", "") or "null")  # --other: five_other's tiles
         self.five_other = (dict(backward="gluon", deterministic=False, gluon_bwd=GluonBwdConfig(**other))
                            if other is not None else None)
@@ -322,6 +324,8 @@ def main():
                     "4K checks of d128 MHA and d64 GQA 4 (without the default path's errors), 16K timings")
     ap.add_argument("--other", default="", help="timings: five_other = the checked variant with these "
                     "GluonBwdConfig fields (JSON, e.g. '{\"stages\": 3}')")
+    ap.add_argument("--five", default="", help="checks and timings: five_gemm with these GluonBwdConfig fields "
+                    "(JSON, e.g. '{\"rows_smem\": true}'; the default five-GEMM kernel is still timed as default)")
     ap.add_argument("--passes", type=int, default=3, help="timings: passes over all implementations, each taking its turn (median)")
     ap.add_argument("--pingpong", action="store_true", help="timings: also the checked variant with pingpong")
     ap.add_argument("--profile", action="store_true",
@@ -335,9 +339,10 @@ def main():
     os.environ["BSFA_PINGPONG"] = "1" if args.pingpong else "0"
     os.environ["BSFA_PASSES"] = str(args.passes)
     os.environ["BSFA_OTHER"] = args.other
+    os.environ["BSFA_FIVE"] = args.five
     os.environ["BSFA_CHECK_DEFAULT"] = "0" if args.quick else "1"
     drive(args, args.cases or all_cases(args.quick), "gluon_bwd_tma.json", _fmt, table, 30, __file__,
-          other=args.other)
+          other=args.other, five=args.five)
 
 
 def drive(args, cases: list[str], name: str, fmt, tabulate, width: int, script: str, **extra) -> None:

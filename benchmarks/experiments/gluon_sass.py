@@ -50,7 +50,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
                       consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
-                      out_f32=False, direct=False, persistent=False):
+                      out_f32=False, direct=False, persistent=False, rows_smem=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
     ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored from the registers (``DIRECT_STORE``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -59,7 +59,7 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
 
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
-        consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval)
+        consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval, ROWS_SMEM=rows_smem)
         g = "fp32" if out_f32 else dtype
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
@@ -104,13 +104,14 @@ def main():
                     help="backward: step t's last product issued in t + 1 (1: dS in registers, 2: in shared memory)")
     ap.add_argument("--out-f32", action="store_true", help="backward: float32 gradients (DIRECT_STORE)")
     ap.add_argument("--direct", action="store_true", help="backward: gradients stored from the registers")
+    ap.add_argument("--rows-smem", action="store_true", help="dK/dV kernel: LSE/Δ staged with Q/dO (ROWS_SMEM)")
     ap.add_argument("--loops", action="store_true", help="per loop of the SASS: size, wgmma, local loads/stores")
     a = ap.parse_args()
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
                                interval=a.interval, out_f32=a.out_f32, direct=a.direct,
-                               persistent=a.persistent)
+                               persistent=a.persistent, rows_smem=a.rows_smem)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,

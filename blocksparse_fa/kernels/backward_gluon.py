@@ -15,9 +15,11 @@ one program per SM walking those work items, as ``_attn_bwd_dq_gluon`` and the f
 - two consumer warp groups own ``BLOCK_N`` keys each and, per query block, compute with
   ``warpgroup_mma`` the transposed scores ``Sᵀ = K·Qᵀ`` and ``dPᵀ = V·dOᵀ`` (both issued before
   either is awaited), ``Pᵀ = exp2(Sᵀ·scale·log2e − LSE·log2e)``, ``dSᵀ = Pᵀ ∘ (dPᵀ − Δ)``, then
-  ``dV += Pᵀ·dO`` and ``dK += dSᵀ·Q`` with Pᵀ and dSᵀ from registers. The logsumexp and Δ of a
-  query block are read from global memory before the slot is awaited (their latency hides behind
-  the wait and the first two products);
+  ``dV += Pᵀ·dO`` and ``dK += dSᵀ·Q`` with Pᵀ and dSᵀ from registers. With ``ROWS_SMEM`` (the
+  default) the producer copies the query block's logsumexp and Δ into the slot with Q and dO, and
+  the groups read them in the score tile's row layout where they use them (as FlashAttention-4's
+  SM90 backward stages them); otherwise they are read from global memory before the slot is
+  awaited (their latency hides behind the wait) and converted (more registers live: more spills);
 - with ``ATOMIC_DQ`` (the non-deterministic five-GEMM backward, split as FlashAttention-3's):
   both groups store dSᵀ into a shared buffer (two buffers, an mbarrier pair each: "written by
   both", "read by both"), then each group computes dQ's columns ``[C·D/2, (C+1)·D/2)`` over the
@@ -127,9 +129,11 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, u, t, n_i, i0, b, hk, G, q_rb, q_rh, q_ch,
-                       do_rb, do_rh, do_ch, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                       do_rb, do_rh, do_ch, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       lse_desc, delta_desc, rows_smem, H, q_len, ROWS_SMEM: gl.constexpr):
         """Step ``t`` of a work item at ring position ``u``: Q and dO of query block
-        ``i0 + t % n_i`` of the group's head ``t // n_i`` into slot ``u % STAGES``."""
+        ``i0 + t % n_i`` of the group's head ``t // n_i`` into slot ``u % STAGES`` (``ROWS_SMEM``:
+        with its rows' logsumexp and Δ, one barrier phase for the four copies)."""
         g = t // n_i
         # persistent: the whole tensors' row views; else the group's heads from their first
         h = hk * G + g if PERSISTENT else g
@@ -138,15 +142,25 @@ if gluon is not None:
         # a fresh barrier counts as having completed the phase before its first: the first
         # pass through the ring waits on parity 1 and does not block
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
-        _load_pair(q_desc, do_desc, ready.index(s), q_smem.index(s), do_smem.index(s), b * q_rb + h * q_rh + m,
-                   h * q_ch, b * do_rb + h * do_rh + m, h * do_ch)
+        if ROWS_SMEM:  # LSE/Δ (B·H, Lq): persistent over every head, else over the group's heads
+            r = ((b * H + h) if PERSISTENT else h) * q_len + m
+            bar = ready.index(s)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * BLOCK_M * 4)
+            _tma_load(q_desc, [b * q_rb + h * q_rh + m, h * q_ch], bar, q_smem.index(s))
+            _tma_load(do_desc, [b * do_rb + h * do_rh + m, h * do_ch], bar, do_smem.index(s))
+            _tma_load(lse_desc, [r], bar, rows_smem.index(2 * s))
+            _tma_load(delta_desc, [r], bar, rows_smem.index(2 * s + 1))
+        else:
+            _load_pair(q_desc, do_desc, ready.index(s), q_smem.index(s), do_smem.index(s), b * q_rb + h * q_rh + m,
+                       h * q_ch, b * do_rb + h * do_rh + m, h * do_ch)
 
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty, ready,
                        empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                        first, n_items, n_prog, BH, HKV, G, LZB, q_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                        M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lse_desc, delta_desc, rows_smem, H,
+                       ROWS_SMEM: gl.constexpr):
         """One warp: per work item, the first ``STAGES`` steps' Q and dO (their slots free up as the
         consumers finish the previous item), both consumers' K/V tiles once the consumers have
         released the previous item's (stored dK/dV), then the other steps' Q and dO; ring
@@ -160,7 +174,8 @@ if gluon is not None:
             pre = gl.minimum(n_t, STAGES)
             for t in range(0, pre):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
-                               q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES)
+                               q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
+                               rows_smem, H, q_len, ROWS_SMEM)
             for c in gl.static_range(2):
                 mbarrier.wait(kv_empty.index(c), (it & 1) ^ 1)
                 _load_pair(k_desc, v_desc, kv_bar.index(c), k_smem.index(c), v_smem.index(c),
@@ -168,7 +183,8 @@ if gluon is not None:
                            b * v_rb + hk * v_rh + off_n + c * BLOCK_N, hk * v_ch)
             for t in range(pre, n_t):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
-                               q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES)
+                               q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
+                               rows_smem, H, q_len, ROWS_SMEM)
             tb += n_t
             it += 1
 
@@ -199,16 +215,25 @@ if gluon is not None:
         return gl.where(keep, pt, 0.0)
 
     @gluon.jit
-    def _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK: gl.constexpr, INTERVAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, vec_layout: gl.constexpr):
-        """The logsumexp, Δ and (``MASK == 2``) interval bounds of query block ``i``'s rows, loaded
-        before the step's wait. ``INTERVAL``: rows that keep no key (logsumexp -inf) read +inf, so
-        that their probabilities are 0 in full steps too."""
-        offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
-        lse = gl.load(lse_row + offs_v)
-        delta = gl.load(delta_row + offs_v)
+    def _finite_lse(lse, INTERVAL: gl.constexpr):
+        """``INTERVAL``: a row that keeps no key (logsumexp -inf) reads +inf, so that its
+        probabilities are 0 in full steps too."""
         if INTERVAL:
             lse = gl.where(lse == float("-inf"), float("inf"), lse)
+        return lse
+
+    @gluon.jit
+    def _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK: gl.constexpr, INTERVAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, vec_layout: gl.constexpr, ROWS_SMEM: gl.constexpr = False):
+        """The logsumexp, Δ and (``MASK == 2``) interval bounds of query block ``i``'s rows, loaded
+        before the step's wait (``ROWS_SMEM``: the bounds only; the producer stages the others)."""
+        offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
+        if ROWS_SMEM:
+            lse = 0
+            delta = 0
+        else:
+            lse = _finite_lse(gl.load(lse_row + offs_v), INTERVAL)
+            delta = gl.load(delta_row + offs_v)
         if MASK == 2:
             lo = gl.load(lo_row + offs_v)
             hi = gl.load(hi_row + offs_v)
@@ -224,8 +249,11 @@ if gluon is not None:
                    PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
-                   vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
-        """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``. With
+                   vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, rows_smem,
+                   ROWS_SMEM: gl.constexpr):
+        """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``; ``ROWS_SMEM``:
+        its rows' logsumexp and Δ come with Q and dO in slot ``t % STAGES`` of ``rows_smem``
+        (tiles ``2·s`` and ``2·s + 1``), read where they are used. With
         ``ATOMIC_DQ``, columns ``[C·DQ_CHUNK, (C+1)·DQ_CHUNK)`` of ``dQ_partial = dS·K`` over both
         groups' keys (rows ``dq_row0 + i·BLOCK_M`` of the group's dQ descriptor), TMA-reduce-added
         from one of the consumer's ``DQ_BUFS`` shared fp32 tiles (``dq_smem[C·DQ_BUFS ..]``)."""
@@ -233,7 +261,8 @@ if gluon is not None:
         k_c = k_all.index(C)
         v_c = v_all.index(C)
         # issued before the wait: the latency hides behind it
-        lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout)
+        lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout,
+                                        ROWS_SMEM)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q = q_smem.index(s)
         do = do_smem.index(s)
@@ -244,16 +273,22 @@ if gluon is not None:
         dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         if PINGPONG:  # pass the turn: the other group issues while this one computes Pᵀ
             mbarrier.arrive(turn.index(1 - C))
+        if ROWS_SMEM:  # read in the score tile's row layout: no conversion
+            lse2 = _finite_lse(rows_smem.index(2 * s).load(gl.SliceLayout(0, s_layout)), INTERVAL) * 1.4426950408889634
+        else:
+            lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-        lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         if MASK > 0:
             pt = _masked_t(pt, i, off_k, lo, hi, MASK, BLOCK_M, BLOCK_N, s_layout)
         dtype: gl.constexpr = k_c.dtype
         pt16 = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
         dv = warpgroup_mma(pt16, do, dv, is_async=True)
+        if ROWS_SMEM:
+            dlt = rows_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
+        else:
+            dlt = gl.convert_layout(delta, gl.SliceLayout(0, s_layout))
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-        dlt = gl.convert_layout(delta, gl.SliceLayout(0, s_layout))
         dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
         ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
         if ATOMIC_DQ:
@@ -366,7 +401,7 @@ if gluon is not None:
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
                             PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr,
-                            DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr):
+                            DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr):
         """Work item ``item`` (:func:`_dkdv_item`, ring steps from ``tb``, its ``it``-th) for
         consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
         ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV; returns its steps.
@@ -464,26 +499,27 @@ if gluon is not None:
                                             do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
                                             dq_smem, dq_row, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
                                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
-                                            vec_layout, DQ_CHUNK, DQ_BUFS)
+                                            vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
                 if INTERVAL:
                     for i in range(i0, i_full):
                         dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
                                             dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
-                                            DQ_CHUNK, DQ_BUFS)
+                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
                 for i in range(i_full, i_tail):
                     dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
                                         empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row,
                                         off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
-                                        BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS)
+                                        BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS,
+                                        rows_smem, ROWS_SMEM)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
                         dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
                                             dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
-                                            DQ_CHUNK, DQ_BUFS)
+                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
         if DIRECT_STORE:  # dK, dV (any dtype) from the registers
             b64 = b.to(gl.int64)
             hk64 = hk.to(gl.int64)
@@ -512,7 +548,7 @@ if gluon is not None:
                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
                        PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr,
-                       DIRECT_STORE: gl.constexpr):
+                       DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr):
         """Consumer ``C`` (a warp group): its program's work items (:func:`_dkdv_consumer_item`);
         ring steps (ping-pong turns, dSᵀ buffers) count on across them. One program per item runs
         the item without the loop (fewer values live across the steps)."""
@@ -529,7 +565,7 @@ if gluon is not None:
                     LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                     stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ,
                     PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS,
-                    DIRECT_STORE)
+                    DIRECT_STORE, rows_smem, ROWS_SMEM)
                 it += 1
         else:
             _dkdv_consumer_item(
@@ -537,7 +573,7 @@ if gluon is not None:
                 ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G, LZB, q_len,
                 qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR,
-                PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)
+                PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
                                   "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dk_rb", "dk_rh", "dk_ch",
@@ -554,7 +590,8 @@ if gluon is not None:
                              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                              INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
-                             PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False):
+                             PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
+                             ROWS_SMEM: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
         items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
@@ -582,6 +619,7 @@ if gluon is not None:
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
+        gl.static_assert(OVERLAP == 0 or not ROWS_SMEM, "ROWS_SMEM is not read by the OVERLAP steps")
         DQ_CHUNK: gl.constexpr = HEAD_DIM // 2  # ATOMIC_DQ: dQ columns per consumer group
         HKV = H // G
         BH = n_items // n_prog
@@ -666,6 +704,25 @@ if gluon is not None:
         else:  # not read
             dq_smem = 0
             dq_desc = 0
+        if ROWS_SMEM:  # each ring slot's logsumexp and Δ (tiles 2·s, 2·s + 1), loaded with Q and dO
+            rows_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+            rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], rows_layout)
+            if PERSISTENT:
+                n_rows = BH * G * q_len
+                lse_base = LSE
+                delta_base = DELTA
+            else:
+                n_rows = G * q_len
+                lse_base = LSE + (b64 * H + g0) * q_len
+                delta_base = DELTA + (b64 * H + g0) * q_len
+            lse_desc = tma.make_tensor_descriptor(lse_base, shape=[n_rows], strides=[1], block_shape=[BLOCK_M],
+                                                  layout=rows_layout)
+            delta_desc = tma.make_tensor_descriptor(delta_base, shape=[n_rows], strides=[1], block_shape=[BLOCK_M],
+                                                    layout=rows_layout)
+        else:  # not read
+            rows_smem = 0
+            lse_desc = 0
+            delta_desc = 0
         # ATOMIC_DQ: dS buffer b written by both groups (b), read by both groups' products (2 + b)
         ds_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -690,17 +747,17 @@ if gluon is not None:
                               BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
                               BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE)),
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
                               ready, empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb,
                               v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, q_len, CAUSAL, INTERVAL, M_MAJOR,
-                              PERSISTENT, BLOCK_M, BLOCK_N, STAGES)),
+                              PERSISTENT, BLOCK_M, BLOCK_N, STAGES, lse_desc, delta_desc, rows_smem, H, ROWS_SMEM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ------------------------------------------------------------------ dQ (deterministic)

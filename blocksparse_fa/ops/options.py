@@ -111,7 +111,14 @@ class GluonBwdConfig:
     tiles are short; on dense layouts the persistent loops keep more values live across the steps
     (more spilling) and ran slower (``benchmarks/NOTES.md``, "Persistent backward").
 
-    ``sm_margin``: SMs the persistent kernels leave free, as :class:`GluonConfig`'s."""
+    ``sm_margin``: SMs the persistent kernels leave free, as :class:`GluonConfig`'s.
+
+    ``rows_smem`` (default True): the dK/dV kernel's producer copies each query block's logsumexp
+    and Δ into shared memory with its Q and dO (TMA, one barrier phase), and the consumer groups
+    read them in the score tile's row layout where they are used; False loads them from global
+    memory before the slot's wait and converts their layout (more registers live across the
+    wait: more spills). Same gradients; on an H200 the backward took 2–9 % less time with it
+    (``benchmarks/NOTES.md``, section 5). Not read with ``overlap``."""
 
     block_m: int = 64
     block_n: int = 64
@@ -129,6 +136,7 @@ class GluonBwdConfig:
     persistent: bool | None = None
     dkdv_persistent: bool | None = None
     sm_margin: int = 0
+    rows_smem: bool = True
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
@@ -139,6 +147,8 @@ class GluonBwdConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"GluonBwdConfig({name}={value!r}): expected True, False or None")
+        if not isinstance(self.rows_smem, bool):
+            raise ValueError(f"GluonBwdConfig(rows_smem={self.rows_smem!r}): expected True or False")
         for name in ("stages", "dq_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected at least 1")

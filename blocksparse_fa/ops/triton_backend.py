@@ -172,7 +172,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=deal, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=cfg.rows_smem and not cfg.overlap, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
