@@ -21,8 +21,10 @@ one program per SM walking those work items, as ``_attn_bwd_dq_gluon`` and the f
   SM90 backward stages them); otherwise they are read from global memory before the slot is
   awaited (their latency hides behind the wait) and converted (more registers live: more spills);
 - with ``ATOMIC_DQ`` (the non-deterministic five-GEMM backward, split as FlashAttention-3's):
-  both groups store dSᵀ into a shared buffer (two buffers, an mbarrier pair each: "written by
-  both", "read by both"), then each group computes dQ's columns ``[C·D/2, (C+1)·D/2)`` over the
+  both groups store dSᵀ into a shared buffer (two buffers taking turns, an mbarrier each saying
+  "written by both"; a buffer is rewritten two steps later, after the other group has signalled
+  the buffer in between, which it does only once its products of the step before have read this
+  one), then each group computes dQ's columns ``[C·D/2, (C+1)·D/2)`` over the
   program's ``2·BLOCK_N`` keys (two products, one per group's dSᵀ and K tile), issued before dK so
   that the reduce-add is staged while dK runs. The partial is staged as fp32 in shared memory and
   added to an fp32
@@ -297,8 +299,9 @@ if gluon is not None:
             # reduce-add is staged while dK runs
             HALF: gl.constexpr = DQ_CHUNK
             b = t % 2
-            # buffer b was last read by both groups' dQ products two steps ago
-            mbarrier.wait(ds_bar.index(2 + b), ((t // 2) & 1) ^ 1)
+            # buffer b was last read by both groups' dQ products two steps ago; no wait: the other
+            # group retired those reads before it said, in step t - 1, that its dSᵀ was written,
+            # which this group awaited
             ds_all.index(2 * b + C).store(dst)
             fence_async_shared()
             mbarrier.arrive(ds_bar.index(b))
@@ -311,7 +314,6 @@ if gluon is not None:
             dk = warpgroup_mma(ds16, q, dk, is_async=True)
             # in flight, in order: dV, the two dQ products, dK
             dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
-            mbarrier.arrive(ds_bar.index(2 + b))
             _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), dq_row0 + i * BLOCK_M, C * HALF,
                         DQ_BUFS)
             dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
@@ -723,8 +725,8 @@ if gluon is not None:
             rows_smem = 0
             lse_desc = 0
             delta_desc = 0
-        # ATOMIC_DQ: dS buffer b written by both groups (b), read by both groups' products (2 + b)
-        ds_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        # ATOMIC_DQ: dS buffer b written by both groups
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -737,7 +739,7 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
-        for s in gl.static_range(4):
+        for s in gl.static_range(2):
             mbarrier.init(ds_bar.index(s), count=2)
         fence_async_shared()
         first = gl.program_id(0)
