@@ -262,7 +262,8 @@ if gluon is not None:
         s = t % STAGES
         k_c = k_all.index(C)
         v_c = v_all.index(C)
-        # issued before the wait: the latency hides behind it
+        # global loads issued before the wait, so that their latency hides behind it (with ROWS_SMEM
+        # only the interval bounds: the logsumexp and Δ arrive with the slot)
         lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout,
                                         ROWS_SMEM)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
