@@ -470,3 +470,31 @@ def test_global_split_on_gpu(text, opts):
         err_split = (a.double() - r).norm() / r.norm()
         err_whole = (b.double() - r).norm() / r.norm()
         assert err_split < 2 * max(err_whole, 1e-3), (err_split, err_whole)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the folded global keys run in the Gluon forward (Hopper)")
+def test_longformer_forward_split_backward_whole():
+    """Longformer (global rows over every key) by default: the forward splits (the global keys
+    folded into the band's Gluon forward, the first rows' split-K pair merged into the corner), the
+    backward runs the whole mask from that output and logsumexp; within twice the whole mask's
+    bfloat16 error against float64, logsumexp too."""
+    mask = bsfa.parse("window(128) | global_tokens(32)")
+    q, k, v = _qkv(D=128)
+    do = torch.randn_like(q)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = bsfa.attention(*ref, mask=mask, backend="torch", return_lse=True)
+    want = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, ref, do.double()))
+    res = {}
+    for label, kw in (("whole", {"global_split": False}), ("default", None)):
+        with bsfa.ops.select.record() as ran:
+            out, lse = bsfa.attention(q, k, v, mask=mask, kernel_options=kw, return_lse=True)
+            res[label] = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, (q, k, v), do))
+        res[label + "_ran"] = ran
+    assert ("forward", "global_split") in res["default_ran"]
+    assert ("backward", "global_split") not in res["default_ran"]
+    assert not any(t.isnan().any() for t in res["default"])
+    for a, b, r in zip(res["default"], res["whole"], want):
+        err = (a.double() - r).norm() / r.norm()
+        err_whole = (b.double() - r).norm() / r.norm()
+        assert err < 2 * max(err_whole, 1e-3), (err, err_whole)

@@ -53,6 +53,15 @@ def test_choice_is_a_pure_function():
     for kw in (dict(dropout=True), dict(score_mod=True), dict(partial_dtypes=True)):
         assert not select.choose_global_split(gl, s, bf, on, n_global=4, long_rows=False, **kw)
     assert not select.choose_global_split(gl, s, torch.float64, on, n_global=4, long_rows=False)
+    # Longformer-like first rows (every later key) whose global keys fold into the band's Gluon
+    # forward: the forward splits, the backward runs the whole mask
+    assert select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds_rows=True)
+    assert not select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds_rows=True,
+                                          phase="backward")
+    assert not select.choose_global_split(tr, s, bf, auto, n_global=64, long_rows=True, folds_rows=True)
+    assert select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=False, phase="backward")
+    with pytest.raises(ValueError, match="phase must be 'forward' or 'backward'"):
+        select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=False, phase="both")
     with pytest.raises(ValueError, match="global_split"):
         KernelOptions(global_split=1)
 
@@ -76,6 +85,32 @@ def test_split_matches_float64(text, H, Hkv, D, n):
     assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
     for g, r, name in zip(grads, ref_grads, "qkv"):
         assert rel_err(g, r) < 5e-6, (name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("H,Hkv", [(2, 1), (2, 2)])
+def test_first_rows_merge_into_the_corner(H, Hkv):
+    """The folded forward's first rows: the band wrote the corner (the global keys) into ``out`` /
+    ``lse``; the split-K pair over the later keys merges into them (``merge=True``): the whole
+    mask's rows against float64."""
+    from blocksparse_fa.ops import globals as og
+
+    mask, n, D, g = bsfa.parse(LONGFORMER), 96, 32, 8
+    torch.manual_seed(3)
+    q = torch.randn(1, H, n, D)
+    k, v = (torch.randn(1, Hkv, n, D) for _ in range(2))
+    s = Shapes(1, H, Hkv, n, n, D)
+    corner = bsfa.key_range(0, g)
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    o_c, l_c = bsfa.reference_attention(qd, kd, vd, corner, return_lse=True)
+    out = torch.full((1, H, n, D), float("nan"))
+    lse = torch.full((1, H, n), float("nan"))
+    out[:, :, :g], lse[:, :, :g] = o_c[:, :, :g].float(), l_c[:, :, :g].float()
+    scale = D ** -0.5
+    og._rows_forward(q, k, v, out, lse, g, s, scale * np.log2(np.e), og._consts(s, g, q.dtype, q.device), merge=True)
+    ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
+    assert rel_err(out[:, :, :g], ref[:, :, :g]) < 5e-6
+    assert torch.allclose(lse[:, :, :g].double(), ref_lse[:, :, :g], atol=1e-5)
+    assert out[:, :, g:].isnan().all()  # rows past the first g are the band's
 
 
 def test_split_and_whole_agree_in_bfloat16_and_compiled():

@@ -164,6 +164,18 @@ def dropout_keep(i, j, bh, seed_lo, seed_hi, threshold):
 
 
 @triton.jit
+def merge_part(m, l, acc, lse_k, o_k):
+    """One normalised partial output ``o_k`` (rows × D) with its logsumexp ``lse_k`` (natural log;
+    -inf: a part that kept nothing, weight 0) into a merge's running ``(m, l, acc)``: the merged
+    output is ``acc / l`` and its logsumexp ``m + log(l)``."""
+    m_new = tl.maximum(m, lse_k)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_use)
+    beta = tl.exp(lse_k - m_use)
+    return m_new, l * alpha + beta, acc * alpha[:, None] + o_k * beta[:, None]
+
+
+@triton.jit
 def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b`` on the tensor cores, accumulating in place (fp32). ``DOT_PRECISION ==
     "upcast"`` multiplies in fp32: the launcher asks for it under the CPU interpreter, whose bf16

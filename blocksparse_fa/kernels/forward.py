@@ -10,8 +10,8 @@ log, float32) saved for the backward. Fully masked rows produce 0 and LSE ``-inf
 import triton
 import triton.language as tl
 
-from .common import (LN2, block_shift, dropout_keep, load_bias, load_tile, lut_first, lut_next, mma, score_mod,
-                     store_tile, work_item)
+from .common import (LN2, block_shift, dropout_keep, load_bias, load_tile, lut_first, lut_next, merge_part, mma,
+                     score_mod, store_tile, work_item)
 from .common import layout_block
 
 
@@ -207,13 +207,7 @@ def _attn_fwd_combine(O, LSE, OPART, LPART, COMBINE, NSLOT, stride_ob, stride_oh
         base = (pid_bh.to(tl.int64) * NSLOT + first + k) * BLOCK_M
         lse_k = tl.load(LPART + base + r)
         o_k = tl.load(OPART + (base + r)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-        m_new = tl.maximum(m, lse_k)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        beta = tl.exp(lse_k - m_use)
-        acc = acc * alpha[:, None] + o_k * beta[:, None]
-        l = l * alpha + beta
-        m = m_new
+        m, l, acc = merge_part(m, l, acc, lse_k, o_k)
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
     lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))

@@ -16,7 +16,8 @@ Global rows (``q < g``) over every key ``>= g`` (Longformer's global rows keep t
 
 * ``_global_rows_fwd``: per chunk of keys, the ``g`` rows' attention over the chunk (online softmax),
   written as a normalised float32 partial output and its logsumexp; the chunks are merged after it
-  (a split-K forward: a row of ``Lk`` keys would otherwise be one long program).
+  (a split-K forward: a row of ``Lk`` keys would otherwise be one long program) by
+  ``_global_rows_merge``, into the output and logsumexp or with the part already there.
 * ``_global_rows_bwd``: per chunk of keys and kv head, for each key block the group's query heads
   in turn: ``dK``, ``dV`` of the block summed over them in registers and added to the gradients
   once (every block belongs to one program: no atomics), and each head's ``dQ`` of the ``g`` rows
@@ -26,7 +27,7 @@ Global rows (``q < g``) over every key ``>= g`` (Longformer's global rows keep t
 import triton
 import triton.language as tl
 
-from .common import load_tile, mma, store_tile
+from .common import load_tile, merge_part, mma, store_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -201,6 +202,43 @@ def _global_rows_fwd(Q, K, V, PO, PL, stride_qb, stride_qh, stride_qm, stride_kb
     slot = c.to(tl.int64) * n_bh + bh
     tl.store(PO + (slot * BLOCK_G + offs_g[:, None]) * HEAD_DIM_PAD + offs_d[None, :], acc / l_i[:, None])
     tl.store(PL + slot * BLOCK_G + offs_g, (m_i + tl.log2(l_i)) * LN2)
+
+
+@triton.jit(do_not_specialize=["n_glob", "n_chunks"])
+def _global_rows_merge(PO, PL, O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm, H, n_glob,
+                       n_chunks, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+                       MERGE: tl.constexpr):
+    """Grid ``(B·H,)``: rows ``0 .. n_glob`` of ``O`` (``(B, H, L, D)``, unit last stride) and ``LSE``
+    (natural log) from ``_global_rows_fwd``'s ``n_chunks`` partials, merged in float32 with a
+    running maximum; ``MERGE``: the rows' ``O``/``LSE`` are one more part (a part that kept nothing,
+    ``-inf``, has weight 0)."""
+    bh = tl.program_id(0)
+    n_bh = tl.num_programs(0)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    rows = offs_g < n_glob
+    io = rows[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_om + offs_d[None, :]
+    l_ptrs = LSE + b * stride_lb + h * stride_lh + offs_g * stride_lm
+    if MERGE:
+        m_i = tl.load(l_ptrs, mask=rows, other=float("-inf")).to(tl.float32)
+        acc = tl.load(o_ptrs, mask=io, other=0.0).to(tl.float32)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for c in range(0, n_chunks):
+        slot = bh.to(tl.int64) + c * n_bh.to(tl.int64)
+        l_c = tl.load(PL + slot * BLOCK_G + offs_g, mask=rows, other=float("-inf"))
+        o_c = tl.load(PO + (slot * BLOCK_G + offs_g[:, None]) * HEAD_DIM_PAD + offs_d[None, :], mask=io, other=0.0)
+        m_i, l_i, acc = merge_part(m_i, l_i, acc, l_c, o_c)
+    kept = l_i > 0.0
+    l_div = tl.where(kept, l_i, 1.0)
+    tl.store(o_ptrs, (acc / l_div[:, None]).to(O.dtype.element_ty), mask=io)
+    tl.store(l_ptrs, tl.where(kept, m_i + tl.log(l_div), float("-inf")).to(LSE.dtype.element_ty), mask=rows)
 
 
 @triton.jit(do_not_specialize=["kv_len", "n_glob", "keys_per_prog"])

@@ -91,29 +91,31 @@ def _rewrite(layout: BlockLayout, dropout_p: float, use_rewrite: bool, score_mod
 
 
 def _global_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, use_rewrite: bool,
-                  score_mod, opts: KernelOptions, partial_dtypes: bool = False):
-    """The layout's :class:`~blocksparse_fa.compiler.globals.GlobalSplit` where the call runs it
-    (``select.choose_global_split``), else None."""
+                  score_mod, opts: KernelOptions, partial_dtypes: bool = False, phase: str = "forward"):
+    """The layout's :class:`~blocksparse_fa.compiler.globals.GlobalSplit` where the call's
+    ``phase`` (``"forward"``/``"backward"``) runs it (``select.choose_global_split``), else None."""
     if backend != "triton" or not use_rewrite or opts.global_split is False or layout.rewrite is not None:
         return None
     if layout.cache.get("global_split", False) is None:  # known not to split: the common case, no imports
         return None
     from ..compiler.compile import compile_mask
     from ..compiler.globals import global_split
+    from .globals import _fold_global_keys
     from .triton_backend import forward_choice
 
     gs = global_split(layout, compile_mask)
     if gs is None:
         return None
-    key = ("global_split_choice", s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None, partial_dtypes,
-           select.tma_ok(q, k, v))
+    key = ("global_split_choice", phase, s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None,
+           partial_dtypes, select.tma_ok(q, k, v))
     ok = layout.cache.get(key)
     if ok is None:
         band = forward_choice(q, k, v, gs.band, s, 0.0, opts)
+        folds_rows = gs.rows_full and _fold_global_keys(q, k, v, gs, s, opts) is not None
         ok = layout.cache[key] = select.choose_global_split(
             band, s, q.dtype, opts, n_global=gs.g, long_rows=gs.rows is not None or gs.rows_full,
-            dropout=dropout_p > 0.0,
-            score_mod=score_mod is not None, partial_dtypes=partial_dtypes)
+            dropout=dropout_p > 0.0, score_mod=score_mod is not None, partial_dtypes=partial_dtypes, phase=phase,
+            folds_rows=folds_rows)
     return gs if ok else None
 
 
@@ -251,7 +253,8 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
     :func:`score_grad_buffers` (None each) that the gradients of its slopes and bias are added to.
     ``opts``: the call's kernel options."""
     rw = _rewrite(layout, dropout_p, use_rewrite, score_mod)
-    gs = _global_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod, opts, grad_dtype is not None)
+    gs = _global_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod, opts, grad_dtype is not None,
+                       "backward")
     if gs is not None:
         from .globals import split_backward
 

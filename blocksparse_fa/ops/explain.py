@@ -130,19 +130,27 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
 
     rw = dispatch._rewrite(layout, dropout_p, rewrite, score_mod)
     gs = dispatch._global_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts)
-    extra = ()
-    if gs is not None:
+    gsb = (dispatch._global_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts,
+                                  phase="backward") if needs_grad else None)
+    extra, bwd_parts = (), None
+    if gs is not None or gsb is not None:
         from .globals import _fold_global_keys, _rows_opts
 
-        parts, how = [(gs.band, s, (q4, k4, v4), opts)], "global_split"
-        if gs.rows is not None:
-            rs = type(s)(s.B, s.H, s.Hkv, gs.g, s.Lk, s.D)
-            parts.append((gs.rows, rs, (q4[:, :, :gs.g], k4, v4), _rows_opts(opts)))
-        extra = ("_global_rows_fwd",) if gs.rows_full else ()
-        extra += () if _fold_global_keys(q4, k4, v4, gs, s, opts) else ("_global_keys_fwd",)
-        if needs_grad:
-            extra += ("_global_rows_bwd",) if gs.rows_full else ()
+        split = gs if gs is not None else gsb
+        parts, how = [(split.band, s, (q4, k4, v4), opts)], "global_split"
+        if split.rows is not None:
+            rs = type(s)(s.B, s.H, s.Hkv, split.g, s.Lk, s.D)
+            parts.append((split.rows, rs, (q4[:, :, :split.g], k4, v4), _rows_opts(opts)))
+        if gs is not None:
+            extra = ("_global_rows_fwd",) if gs.rows_full else ()
+            extra += () if _fold_global_keys(q4, k4, v4, gs, s, opts) else ("_global_keys_fwd",)
+        else:  # the whole mask forward, the parts backward
+            parts, bwd_parts = [(layout, s, (q4, k4, v4), opts)], parts
+        if gsb is not None:
+            extra += ("_global_rows_bwd",) if gsb.rows_full else ()
             extra += ("_global_keys_bwd",)
+        elif needs_grad:  # the parts forward, the whole mask backward
+            bwd_parts = [(layout, s, (q4, k4, v4), opts)]
     elif rw is not None:
         if dispatch._residue_ok(rw, s, q4.dtype, opts):
             from .residue import _class_shapes, class_view
@@ -158,7 +166,8 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
         parts, how = [(layout, s, (q4, k4, v4), opts)], None
     fwd = [forward_choice(*ts, lay, ps, dropout_p, po, score_mod=score_mod) for lay, ps, ts, po in parts]
     bwd = [backward_choice(*ts, ts[0], lay, ps, dropout_p, po, accumulate=i > 0 and how in ("residue", "global_split"),
-                           score_mod=score_mod) for i, (lay, ps, ts, po) in enumerate(parts)] if needs_grad else []
+                           score_mod=score_mod)
+           for i, (lay, ps, ts, po) in enumerate(bwd_parts or parts)] if needs_grad else []
     kernels = tuple(dict.fromkeys([kn for c in (*fwd, *bwd) for kn in c.kernels] + list(extra)))
     return Explanation("triton", " + ".join(map(str, fwd)), " + ".join(map(str, bwd)) if bwd else None, how,
                        select.layout_class(layout), kernels)

@@ -65,13 +65,16 @@ def split_forward(q, k, v, gs, s: Shapes, scale: float, opts: KernelOptions, fwd
     from ..kernels.globals import _global_keys_fwd
     from .triton_backend import _launch
 
+    g, qk_scale = gs.g, scale * math.log2(math.e)
     folded = _fold_global_keys(q, k, v, gs, s, opts)
     if folded is not None:  # the band's Gluon forward visits the global keys first: one pass
         from .triton_backend import triton_forward
 
         out, lse = triton_forward(q, k, v, gs.band, s, scale, 0.0, 0, opts=opts, global_keys=folded)
-        return out, lse.reshape(s.B, s.H, s.Lq)
-    g, qk_scale = gs.g, scale * math.log2(math.e)
+        lse = lse.reshape(s.B, s.H, s.Lq)
+        if gs.rows_full:  # the first g rows hold the corner: merge their later keys in
+            _rows_forward(q, k, v, out, lse, g, s, qk_scale, _consts(s, g, q.dtype, q.device), merge=True)
+        return out, lse
     consts = _consts(s, g, q.dtype, q.device)
     out, lse = fwd_one(q, k, v, gs.band, s, scale, 0.0, 0, "triton", opts=opts)
     lse = lse.reshape(s.B, s.H, s.Lq)
@@ -93,12 +96,14 @@ def split_forward(q, k, v, gs, s: Shapes, scale: float, opts: KernelOptions, fwd
 
 FOLD_GLOBAL_KEYS = True
 """Fold the global keys into the band's Gluon interval forward (``GLOBAL_KEYS``) where the first rows
-need no part of their own and the corner is all kept or causal; else a second pass merges them."""
+need no block-kernel part of their own (none, or every later key: the split-K pair merges those
+into the corner the band wrote) and the corner is all kept or causal; else a second pass merges
+them."""
 
 
 def _fold_global_keys(q, k, v, gs, s: Shapes, opts: KernelOptions):
     """``(g, causal)`` for the Gluon forward's ``GLOBAL_KEYS`` mode, or None (cached on the split)."""
-    if not FOLD_GLOBAL_KEYS or gs.rows is not None or gs.rows_full:
+    if not FOLD_GLOBAL_KEYS or gs.rows is not None:
         return None
     from .triton_backend import forward_choice
 
@@ -114,10 +119,11 @@ def _fold_global_keys(q, k, v, gs, s: Shapes, opts: KernelOptions):
     return cache[key]
 
 
-def _rows_forward(q, k, v, out, lse, g: int, s: Shapes, qk_scale: float, consts: dict) -> None:
+def _rows_forward(q, k, v, out, lse, g: int, s: Shapes, qk_scale: float, consts: dict, merge: bool = False) -> None:
     """The first ``g`` rows over keys ``g ..`` into ``out``/``lse``: per chunk of keys a partial
-    output (``kernels/globals._global_rows_fwd``), merged here in float32."""
-    from ..kernels.globals import _global_rows_fwd
+    output (``kernels/globals._global_rows_fwd``), merged here in float32 (``merge``: with the
+    rows' ``out``/``lse`` as one more part, else over them)."""
+    from ..kernels.globals import _global_rows_fwd, _global_rows_merge
     from .triton_backend import _launch
 
     bg, dp = consts["BLOCK_G"], consts["HEAD_DIM_PAD"]
@@ -127,11 +133,9 @@ def _rows_forward(q, k, v, out, lse, g: int, s: Shapes, qk_scale: float, consts:
     args = (q, k, v, po, pl, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], s.H, s.H // s.Hkv, s.Lk, g, per,
             qk_scale)
     _launch(_global_rows_fwd, (n_chunks, s.B * s.H), args, 16, q.device, **_rows_consts(consts, 2))
-    pl = pl[:, :, :g]
-    lse_r = torch.logsumexp(pl, 0)
-    o_r = (torch.exp(pl - lse_r).unsqueeze(-1) * po[:, :, :g, :s.D]).sum(0)
-    out[:, :, :g] = o_r.view(s.B, s.H, g, s.D)
-    lse[:, :, :g] = lse_r.view(s.B, s.H, g)
+    args = (po, pl, out, lse, *out.stride()[:3], *lse.stride(), s.H, g, n_chunks)
+    _launch(_global_rows_merge, (s.B * s.H, ), args, 11, q.device, HEAD_DIM=s.D, HEAD_DIM_PAD=dp, BLOCK_G=bg,
+            MERGE=merge, num_warps=4)
 
 
 def _rows_consts(consts: dict, stages: int) -> dict:

@@ -231,9 +231,10 @@ tokens; 64 sinks before a causal window of 1024 ran slower split than whole on t
 
 def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: KernelOptions, *, n_global: int,
                         long_rows: bool, dropout: bool = False, score_mod: bool = False,
-                        partial_dtypes: bool = False) -> bool:
+                        partial_dtypes: bool = False, phase: str = "forward", folds_rows: bool = False) -> bool:
     """Whether a mask that splits into a band, its first rows and its global keys
-    (``compiler/globals.py``) runs as those parts (pure).
+    (``compiler/globals.py``) runs as those parts in ``phase`` (``"forward"`` or ``"backward"``;
+    either phase reads the other's logsumexp and output, which are exact either way) (pure).
 
     Args:
         band: :func:`choose_forward`'s choice for the band's layout.
@@ -245,6 +246,9 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
             positions: never split).
         partial_dtypes: the caller asked for float32 outputs or gradients (context parallelism's
             partial results: never split).
+        folds_rows: the first rows keep every later key and the global keys fold into the band's
+            Gluon forward (``ops/globals._fold_global_keys``): the forward is that one pass and a
+            split-K pair for the first rows, merged into the corner the band wrote.
 
     ``global_split=None`` splits where the band runs the Gluon interval forward, the first rows need
     no part of their own and ``g <= AUTO_GLOBAL_SPLIT_MAX``. H100 (16K, H 16, d 128, fwd / fwd+bwd
@@ -252,11 +256,20 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
     of 1024 0.322 / 1.559 against 0.492 / 1.885, of 4096 0.903 / 3.999 against 1.165 / 5.006 (the
     global keys folded into the band's Gluon forward); in an earlier run 64 sinks 0.602 / 1.912
     against 0.464 / 1.848 and Longformer (64 global rows over 16K keys) 0.636 / 2.054 against 0.453
-    / 1.698, both with a second pass for the global keys."""
+    / 1.698, both with a second pass for the global keys. H200, Longformer with ``folds_rows`` (the
+    forward split, the backward whole): 0.345 / 1.581 against 0.457 / 1.671 whole; both phases split
+    0.342 / 1.544 (within this run's noise of the whole backward, which is kept)."""
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"choose_global_split: phase must be 'forward' or 'backward', got {phase!r}")
     if dropout or score_mod or partial_dtypes or opts.global_split is False or dtype not in _SPLIT_DTYPES:
         return False
-    return opts.global_split is True or (band.family == "gluon" and band.mode == "interval" and not long_rows
-                                         and n_global <= AUTO_GLOBAL_SPLIT_MAX)
+    if opts.global_split is True:
+        return True
+    if band.family != "gluon" or band.mode != "interval":
+        return False
+    if phase == "forward" and folds_rows:
+        return True
+    return not long_rows and n_global <= AUTO_GLOBAL_SPLIT_MAX
 
 
 TILE_MAJOR_WINDOW_BYTES = 16 * 2**20
