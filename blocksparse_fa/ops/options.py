@@ -226,8 +226,11 @@ class KernelOptions:
             (Longformer's ``window(w) | global_tokens(g)``, attention sinks ``causal &
             (sliding_window(w) | global_tokens(s))``) run as the band on the interval kernels,
             the first ``g`` rows and the global keys (``compiler/globals.py``). None (default):
-            where the band runs the Gluon interval forward (Hopper); True: wherever the Triton
-            backend runs; False: never (the whole mask on the block kernels).
+            where the band runs the Gluon interval forward (Hopper) — both phases for a few sinks
+            (``g <= 16``), the forward only where the first rows keep every later key and the
+            global keys fold into the band's forward (Longformer; its backward runs the whole
+            mask); True: both phases wherever the Triton backend runs; False: never (the whole
+            mask on the block kernels).
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
             run bounds (True) rather than by comparing ids.
         fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles
