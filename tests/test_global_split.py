@@ -144,7 +144,7 @@ def test_split_and_whole_agree_in_bfloat16_and_compiled():
 def test_explain_reports_the_split():
     q = torch.randn(1, 2, 96, 16, requires_grad=True)
     e = bsfa.explain(q, q, q, mask=LONGFORMER, backend="triton", block_size=32, kernel_options=dict(global_split=True))
-    assert e.rewrite == "global_split" and {"_global_keys_bwd", "_global_rows_fwd"} <= set(e.kernels)
+    assert e.rewrite == "global_split" and {"_global_keys_bwd", "_global_rows_fwd", "_global_rows_merge"} <= set(e.kernels)
     e = bsfa.explain(q, q, q, mask=PARTIAL_ROWS, backend="triton", block_size=32, kernel_options=dict(global_split=True))
     assert " + " in e.forward and "_global_rows_fwd" not in e.kernels  # the band, then the rows' own layout
     e = bsfa.explain(q, q, q, mask=LONGFORMER, backend="triton", block_size=32)

@@ -142,7 +142,7 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
             rs = type(s)(s.B, s.H, s.Hkv, split.g, s.Lk, s.D)
             parts.append((split.rows, rs, (q4[:, :, :split.g], k4, v4), _rows_opts(opts)))
         if gs is not None:
-            extra = ("_global_rows_fwd",) if gs.rows_full else ()
+            extra = ("_global_rows_fwd", "_global_rows_merge") if gs.rows_full else ()
             extra += () if _fold_global_keys(q4, k4, v4, gs, s, opts) else ("_global_keys_fwd",)
         else:  # the whole mask forward, the parts backward
             parts, bwd_parts = [(layout, s, (q4, k4, v4), opts)], parts
