@@ -1,12 +1,14 @@
 """A mask with global tokens as exact parts (``compiler/globals.py``), on the Triton backend.
 
-Forward: on Hopper, where the first ``g`` rows need no part of their own (attention sinks), the
-band's Gluon interval forward visits the global keys first in every work item (one pass,
-``_fold_global_keys``). Otherwise the band (one key interval per row) writes every row's output and
-logsumexp (the first ``g`` rows keep nothing there); the first ``g`` rows are overwritten by their
-own part (a split-K kernel pair where they keep every later key, else a ``g × Lk`` layout on the
-block kernels, whose work lists split its long rows); ``kernels/globals._global_keys_fwd`` merges
-the global keys into every row in place.
+Forward: on Hopper, where the first ``g`` rows need no block-kernel part of their own, the band's
+Gluon interval forward visits the global keys first in every work item (one pass,
+``_fold_global_keys``): for attention sinks that is all; where the first rows keep every later key
+(Longformer) a split-K kernel pair then merges those keys into the corner the band wrote. Otherwise
+the band (one key interval per row) writes every row's output and logsumexp (the first ``g`` rows
+keep nothing there); the first ``g`` rows are overwritten by their own part (the split-K pair where
+they keep every later key, else a ``g × Lk`` layout on the block kernels, whose work lists split
+its long rows); ``kernels/globals._global_keys_fwd`` merges the global keys into every row in
+place.
 
 Backward, with the merged output and logsumexp (``delta`` computed once): the band's kernels give
 the band's share of dQ and dK/dV (exact for disjoint key sets, as in ``ops/residue.py``); the first
