@@ -49,6 +49,9 @@ def main():
     cases = {
         "longformer": (bsfa.load_pattern("longformer"), 64,
                        lambda b, h, qi, ki: ((qi - ki).abs() <= 256) | (qi < 64) | (ki < 64)),
+        # the README's mask: 64 sinks before a causal window of 256 (split only when forced)
+        "causal_longformer": (bsfa.parse("causal & (window(256) | global_tokens(64))"), 64,
+                              lambda b, h, qi, ki: (qi >= ki) & (((qi - ki) <= 256) | (ki < 64))),
         "sinks4_window1024": (bsfa.parse("causal & (sliding_window(1024) | global_tokens(4))"), 4,
                               lambda b, h, qi, ki: (qi >= ki) & ((qi - ki < 1024) | (ki < 4))),
         "sinks64_window1024": (bsfa.parse("causal & (sliding_window(1024) | global_tokens(64))"), 64,
