@@ -46,7 +46,12 @@ VARIANTS = {"pair": (False, GluonBwdConfig(persistent=False, dkdv_persistent=Fal
             # the dK/dV kernel's logsumexp and Δ loaded from global memory before the slot's wait
             # (GluonBwdConfig.rows_smem=False; the default stages them with Q and dO)
             "pair_p_gload": (False, GluonBwdConfig(persistent=True, dkdv_persistent=True, rows_smem=False)),
-            "five_gemm_gload": (True, GluonBwdConfig(dkdv_persistent=False, rows_smem=False))}
+            "five_gemm_gload": (True, GluonBwdConfig(dkdv_persistent=False, rows_smem=False)),
+            # the pair's cross-step overlap (a step's last product issued with the next step's first):
+            # dK/dV (dSᵀ through shared memory, 3 stages) and dQ, each alone; run each in its own
+            # process under a timeout (`--variants pair_p pair_p_ov2`): one earlier try of both hung
+            "pair_p_ov2": (False, GluonBwdConfig(persistent=True, dkdv_persistent=True, overlap=2, stages=3)),
+            "pair_p_dqov2": (False, GluonBwdConfig(persistent=True, dkdv_persistent=True, dq_overlap=2))}
 
 
 def gluon_interval_backward(q, k, v, out, lse, do, layout, s: Shapes, scale: float, atomic: bool,
