@@ -551,3 +551,23 @@ def test_options_built_inside_a_compiled_function_are_refused():
         g = torch.compile(lambda q, o=opts: bsfa.attention(q, k, v, backend="torch", kernel_options=o),
                           backend="eager", fullgraph=True)
         assert torch.allclose(g(q), bsfa.attention(q, k, v, backend="torch"), atol=1e-6)
+
+
+@pytest.mark.interpreter
+def test_longformer_forward_split_batches_and_memory_orders(hopper):
+    """Longformer's default on Hopper (the forward as parts, the backward whole) with two batch
+    rows, GQA and ``(B, L, H, D)`` memory: output, logsumexp and gradients against float64."""
+    B, H, Hkv, n, D = 2, 4, 2, 512, 64
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, n, h, D, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for h in (H, Hkv, Hkv))
+    mask = bsfa.window(40) | bsfa.global_tokens(8)
+    with select.record() as ran:
+        out, lse = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=128, return_lse=True)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert ("forward", "global_split") in ran and ("backward", "global_split") not in ran, ran
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
+    want = torch.autograd.grad(ref.square().sum(), (qd, kd, vd))
+    assert rel_err(out, ref) < 1e-2 and torch.allclose(lse.double(), ref_lse, atol=2e-2)
+    for name, a, r in zip("qkv", grads, want):
+        assert rel_err(a, r) < 2e-2, name
