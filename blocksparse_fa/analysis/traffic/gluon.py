@@ -26,8 +26,8 @@ tiles (:class:`_TileLayout`) and counts them with the same per-kernel code as th
   layouts, dealt as the dK/dV kernel. With the five-GEMM variant ``_dq_finish`` instead reads the fp32
   accumulator and LSE and writes dQ, after a fill kernel zeroed the accumulator.
 
-Not modelled: masks whose global tokens the launcher splits off (attention sinks,
-``ops/select.choose_global_split``) are counted whole, with the Triton kernels; the persistent
+Not modelled: masks whose global tokens the launcher splits off (attention sinks, and Longformer's
+forward, ``ops/select.choose_global_split``) are counted whole, with the Triton kernels; the persistent
 kernels' static deal of work items (the programs are scheduled as
 the hardware would schedule one program per item), a key tile whose keys no row keeps (the
 kernels still visit one query block), the snake order of the tile-major deal (it changes which SM
