@@ -88,6 +88,9 @@ def make_case(name: str, n: int, device="cuda"):
         return bsfa.sliding_window(w), lambda b, h, q, k: (q >= k) & (q - k < w)
     if name == "longformer":
         return bsfa.load_pattern("longformer"), lambda b, h, q, k: ((q - k).abs() <= 256) | (q < 64) | (k < 64)
+    if name == "causal_longformer":  # the README's mask: 64 sinks and a causal window of 256
+        return bsfa.parse("causal & (window(256) | global_tokens(64))"), \
+            lambda b, h, q, k: (q >= k) & (((q - k) <= 256) | (k < 64))
     if name.startswith("sinks_window_"):  # 4 attention-sink tokens and a causal window of W (StreamingLLM)
         w = int(name.rsplit("_", 1)[1])
         return bsfa.load_pattern("streaming_llm", window=w), \
@@ -123,7 +126,7 @@ def fa4_form(name: str, n: int):
         return {"varlen": doc_ids(n)}
     if name == "longformer":
         return "n/a (no global tokens)"
-    if name.startswith("sinks_window_"):
+    if name.startswith("sinks_window_") or name == "causal_longformer":
         return "n/a (no sink tokens)"
     if name == "bigbird":
         return "n/a (no global tokens, random blocks)"

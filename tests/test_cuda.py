@@ -476,12 +476,15 @@ def test_global_split_on_gpu(text, opts):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the folded global keys run in the Gluon forward (Hopper)")
-def test_longformer_forward_split_backward_whole():
-    """Longformer (global rows over every key) by default: the forward splits (the global keys
-    folded into the band's Gluon forward, the first rows' split-K pair merged into the corner), the
-    backward runs the whole mask from that output and logsumexp; within twice the whole mask's
-    bfloat16 error against float64, logsumexp too."""
-    mask = bsfa.parse("window(128) | global_tokens(32)")
+@pytest.mark.parametrize("text", ["window(128) | global_tokens(32)",
+                                  "causal & (sliding_window(256) | global_tokens(64))"])
+def test_forward_split_backward_whole(text):
+    """Longformer (global rows over every key) and many attention sinks by default: the forward
+    splits (the global keys folded into the band's Gluon forward;
+    Longformer's first rows as a split-K pair merged into the corner), the backward runs the whole
+    mask from that output and logsumexp; within twice the whole mask's bfloat16 error against
+    float64, logsumexp too."""
+    mask = bsfa.parse(text)
     q, k, v = _qkv(D=128)
     do = torch.randn_like(q)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]

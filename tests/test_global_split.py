@@ -55,10 +55,23 @@ def test_choice_is_a_pure_function():
     assert not select.choose_global_split(gl, s, torch.float64, on, n_global=4, long_rows=False)
     # Longformer-like first rows (every later key) whose global keys fold into the band's Gluon
     # forward: the forward splits, the backward runs the whole mask
-    assert select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds_rows=True)
-    assert not select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds_rows=True,
+    assert select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds=True)
+    assert not select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds=True,
                                           phase="backward")
-    assert not select.choose_global_split(tr, s, bf, auto, n_global=64, long_rows=True, folds_rows=True)
+    assert not select.choose_global_split(tr, s, bf, auto, n_global=64, long_rows=True, folds=True)
+    # 64 attention sinks (no first rows of their own) folded into the band's forward: the forward
+    # splits whatever g, the backward keeps the whole mask above AUTO_GLOBAL_SPLIT_MAX
+    assert select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=False, folds=True)
+    assert not select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=False, folds=True,
+                                          phase="backward")
+    # ... and from SPLIT_BACKWARD_MIN_ROWS query rows times heads the backward splits too
+    big = Shapes(1, 8, 2, 65536, 65536, 128)
+    assert big.B * big.H * big.Lq >= select.SPLIT_BACKWARD_MIN_ROWS
+    for long_rows in (False, True):
+        assert select.choose_global_split(gl, big, bf, auto, n_global=64, long_rows=long_rows, folds=True,
+                                          phase="backward")
+        assert not select.choose_global_split(gl, big, bf, auto, n_global=64, long_rows=long_rows,
+                                              phase="backward")
     assert select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=False, phase="backward")
     with pytest.raises(ValueError, match="phase must be 'forward' or 'backward'"):
         select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=False, phase="both")

@@ -385,6 +385,10 @@ MASKS = {
     # attention sinks: the band on the interval kernels with the global keys folded into its forward
     "sinks": (lambda: bsfa.parse("causal & (sliding_window(48) | global_tokens(4))"), "gluon:interval",
               "triton:blocks", "global_split"),
+    # more sinks than AUTO_GLOBAL_SPLIT_MAX: still folded into the band's forward, which splits;
+    # the backward runs the whole mask
+    "sinks, many": (lambda: bsfa.parse("causal & (sliding_window(48) | global_tokens(32))"), "gluon:interval",
+                    "triton:blocks", "global_split", ("forward",)),
 }
 
 
@@ -408,6 +412,7 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
     """Eager ``attention``, ``torch.compile(fullgraph=True)`` of it (the custom op under AOT
     autograd: its backward receives a materialised logsumexp gradient), a precompiled layout, and a
     compiled ``nn.BlockSparseAttention`` all run the kernels the choice names, and agree."""
+    torch._dynamo.reset()  # every mask compiles its own graphs (one code object: the recompile limit)
     make, fwd, bwd, *rewrite = MASKS[name]
     mask = make()
     q, k, v = _inputs()

@@ -9,7 +9,7 @@ alone and FlexAttention's Triton backend on the same inputs, and checks the whol
 results against float64 (4K, GQA 4/2, the PyTorch backend in float64).
 
     PYTHONPATH=. python benchmarks/experiments/global_split_probe.py --out OUT [--cases NAME ...]
-    ... --profile   # per-kernel GPU time of the split fwd+bwd (torch.profiler), nothing else
+    ... --profile   # GPU time per fwd+bwd (torch.profiler) of the default, both phases split, whole
     ... --tune      # the global keys' and rows' kernels at other row tiles / warps: fwd, fwd+bwd,
                     # each kernel's GPU time (torch.profiler) and the errors against float64
 """
@@ -31,6 +31,10 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the split fwd+bwd only")
     ap.add_argument("--cases", nargs="*", default=None)
+    ap.add_argument("--only", nargs="*", default=None, help="time only these (whole split split_forced band_only "
+                    "flex_triton)")
+    ap.add_argument("--split-backward-min-rows", type=int, default=None,
+                    help="select.SPLIT_BACKWARD_MIN_ROWS for this process (0: every folded split splits its backward)")
     ap.add_argument("--tune", action="store_true", help="time the global keys' kernels at other tiles / warps")
     a = ap.parse_args()
 
@@ -40,6 +44,8 @@ def main():
     import blocksparse_fa as bsfa
     from blocksparse_fa.ops import select
 
+    if a.split_backward_min_rows is not None:
+        select.SPLIT_BACKWARD_MIN_ROWS = a.split_backward_min_rows
     dev = "cuda"
     n, H, D = a.n, a.heads, a.d
     torch.manual_seed(0)
@@ -52,6 +58,10 @@ def main():
         # the README's mask: 64 sinks before a causal window of 256 (split only when forced)
         "causal_longformer": (bsfa.parse("causal & (window(256) | global_tokens(64))"), 64,
                               lambda b, h, qi, ki: (qi >= ki) & (((qi - ki) <= 256) | (ki < 64))),
+        # context parallelism's causal Longformer: 256 global keys, more than compiler.globals.MAX_GLOBAL
+        # (the whole mask runs)
+        "causal_longformer_g256": (bsfa.parse("causal & (window(512) | global_tokens(256))"), 256,
+                                   lambda b, h, qi, ki: (qi >= ki) & (((qi - ki) <= 512) | (ki < 256))),
         "sinks4_window1024": (bsfa.parse("causal & (sliding_window(1024) | global_tokens(4))"), 4,
                               lambda b, h, qi, ki: (qi >= ki) & ((qi - ki < 1024) | (ki < 4))),
         "sinks64_window1024": (bsfa.parse("causal & (sliding_window(1024) | global_tokens(64))"), 64,
@@ -74,22 +84,30 @@ def main():
     for name, (m, g, mod) in cases.items():
         if a.cases and name not in a.cases:
             continue
-        if a.profile:
+        if a.profile:  # GPU time per fwd+bwd of the default, both phases split and the whole mask
             from torch.profiler import ProfilerActivity, profile
 
-            def step():
-                xs = leaf()
-                bsfa.attention(*xs, m).backward(do)
+            for label, kw in (("default", None), ("split_forced", dict(global_split=True)),
+                              ("whole", whole_opts)):
+                def step():
+                    xs = leaf()
+                    bsfa.attention(*xs, m, kernel_options=kw).backward(do)
 
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
+                for _ in range(3):
                     step()
                 torch.cuda.synchronize()
-            print(name, "split fwd+bwd, 5 calls")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        step()
+                    torch.cuda.synchronize()
+                evs = [(e.key, e.self_device_time_total / 5 / 1000) for e in prof.key_averages()
+                       if e.self_device_time_total > 0]
+                tot = sum(t for _, t in evs)
+                print(f"{name} {label}: GPU ms per fwd+bwd {tot:.4f}; "
+                      + ", ".join(f"{key[:40]} {t:.4f}" for key, t in sorted(evs, key=lambda x: -x[1])[:8]),
+                      flush=True)
+                res["cases"].setdefault(name, {})[f"profile_{label}"] = dict(gpu_ms=round(tot, 4), kernels={
+                    key[:70]: round(t, 4) for key, t in evs})
             continue
         if a.tune:
             import blocksparse_fa.ops.globals as og
@@ -144,6 +162,8 @@ def main():
                  "band_only": lambda x, y, z: bsfa.attention(x, y, z, A),
                  "flex_triton": lambda x, y, z: flex(x, y, z, block_mask=bm)}
         for label, fn in impls.items():
+            if a.only and label not in a.only:
+                continue
             try:
                 with select.record() as rec:
                     xs = leaf()
@@ -178,7 +198,7 @@ def main():
         print(name, "errors (out, dq, dk, dv) whole", r["max_err_whole"], "split", r["max_err_split"], flush=True)
         res["cases"].setdefault(name, {}).update(r)
     if a.profile:
-        return
+        a.out = os.path.join(a.out, "profile")
     if a.tune:
         a.out = os.path.join(a.out, "tune")
     os.makedirs(a.out, exist_ok=True)

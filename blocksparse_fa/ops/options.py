@@ -227,8 +227,9 @@ class KernelOptions:
             (sliding_window(w) | global_tokens(s))``) run as the band on the interval kernels,
             the first ``g`` rows and the global keys (``compiler/globals.py``). None (default):
             where the band runs the Gluon interval forward (Hopper) — both phases for a few sinks
-            (``g <= 16``), the forward only where the first rows keep every later key and the
-            global keys fold into the band's forward (Longformer; its backward runs the whole
+            (``g <= 16``); where the global keys (``g <= 128``) fold into the band's forward
+            (more sinks, Longformer), the forward, and the backward too from 2^19 query rows
+            times heads (``select.SPLIT_BACKWARD_MIN_ROWS``; below it the backward runs the whole
             mask); True: both phases wherever the Triton backend runs; False: never (the whole
             mask on the block kernels).
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from

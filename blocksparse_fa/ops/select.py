@@ -229,9 +229,19 @@ AUTO_GLOBAL_SPLIT_MAX = 16
 tokens; 64 sinks before a causal window of 1024 ran slower split than whole on the H100)."""
 
 
+SPLIT_BACKWARD_MIN_ROWS = 2**19
+"""Query rows times heads (``B·H·Lq``) from which a split whose forward folds also splits its
+backward (the band's Gluon backward and the global parts' kernels: more launches). H200,
+d 128, fwd+bwd ms (``global_split_probe.py --split-backward-min-rows``, ``do_bench``), both phases
+split against the forward alone: 64K, H 8 (2^19): Longformer 2.57 / 3.05, 64 sinks + causal window
+256 1.56 / 1.89, 64 sinks + causal window 1024 2.88 / 3.46; 16K, H 16: 1.64 / 1.58, 1.48 / 1.14,
+1.48 / 1.74. GPU time alone favours the split backward at 16K too (``--profile``: 1.49 / 1.56,
+0.85 / 0.96, 1.41 / 1.70), but there the eager call is bound by its host path."""
+
+
 def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: KernelOptions, *, n_global: int,
                         long_rows: bool, dropout: bool = False, score_mod: bool = False,
-                        partial_dtypes: bool = False, phase: str = "forward", folds_rows: bool = False) -> bool:
+                        partial_dtypes: bool = False, phase: str = "forward", folds: bool = False) -> bool:
     """Whether a mask that splits into a band, its first rows and its global keys
     (``compiler/globals.py``) runs as those parts in ``phase`` (``"forward"`` or ``"backward"``;
     either phase reads the other's logsumexp and output, which are exact either way) (pure).
@@ -246,17 +256,19 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
             positions: never split).
         partial_dtypes: the caller asked for float32 outputs or gradients (context parallelism's
             partial results: never split).
-        folds_rows: the first rows keep every later key and the global keys fold into the band's
-            Gluon forward (``ops/globals._fold_global_keys``): the forward is that one pass and a
-            split-K pair for the first rows, merged into the corner the band wrote.
+        folds: the global keys fold into the band's Gluon forward (``ops/globals._fold_global_keys``):
+            the forward is that one pass (plus, where the first rows keep every later key, a
+            split-K pair for them merged into the corner the band wrote); asked in either phase.
 
-    ``global_split=None`` splits where the band runs the Gluon interval forward, the first rows need
-    no part of their own and ``g <= AUTO_GLOBAL_SPLIT_MAX``. H100 (16K, H 16, d 128, fwd / fwd+bwd
+    ``global_split=None`` splits where the band runs the Gluon interval forward and either the
+    first rows need no part of their own and ``g <= AUTO_GLOBAL_SPLIT_MAX``, or the forward folds
+    the global keys (``folds``): then the forward splits, and the backward from
+    ``SPLIT_BACKWARD_MIN_ROWS`` query rows times heads. H100 (16K, H 16, d 128, fwd / fwd+bwd
     ms, split against whole; ``benchmarks/NOTES.md``, "Global tokens"): 4 sinks and a causal window
     of 1024 0.322 / 1.559 against 0.492 / 1.885, of 4096 0.903 / 3.999 against 1.165 / 5.006 (the
     global keys folded into the band's Gluon forward); in an earlier run 64 sinks 0.602 / 1.912
     against 0.464 / 1.848 and Longformer (64 global rows over 16K keys) 0.636 / 2.054 against 0.453
-    / 1.698, both with a second pass for the global keys. H200, Longformer with ``folds_rows`` (the
+    / 1.698, both with a second pass for the global keys. H200, Longformer with ``folds`` (the
     forward split, the backward whole): 0.345 / 1.581 against 0.457 / 1.671 whole; both phases split
     0.342 / 1.544 (within this run's noise of the whole backward, which is kept)."""
     if phase not in ("forward", "backward"):
@@ -267,9 +279,11 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
         return True
     if band.family != "gluon" or band.mode != "interval":
         return False
-    if phase == "forward" and folds_rows:
+    if not long_rows and n_global <= AUTO_GLOBAL_SPLIT_MAX:
         return True
-    return not long_rows and n_global <= AUTO_GLOBAL_SPLIT_MAX
+    if not folds:
+        return False
+    return phase == "forward" or s.B * s.H * s.Lq >= SPLIT_BACKWARD_MIN_ROWS
 
 
 TILE_MAJOR_WINDOW_BYTES = 16 * 2**20
