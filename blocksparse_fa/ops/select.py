@@ -225,8 +225,10 @@ class Choice:
 
 _SPLIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 AUTO_GLOBAL_SPLIT_MAX = 16
-"""Largest number of global tokens split off under ``global_split=None`` (attention sinks are a few
-tokens; 64 sinks before a causal window of 1024 ran slower split than whole on the H100)."""
+"""Largest number of global tokens split off in both phases whatever the size under
+``global_split=None`` (attention sinks are a few tokens; 64 sinks before a causal window of 1024 ran
+slower split than whole on the H100 before the global keys folded into the band's forward). Splits
+whose global keys fold follow ``SPLIT_BACKWARD_MIN_ROWS`` instead."""
 
 
 SPLIT_BACKWARD_MIN_ROWS = 2**19
