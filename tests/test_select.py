@@ -559,17 +559,23 @@ def test_options_built_inside_a_compiled_function_are_refused():
 
 
 @pytest.mark.interpreter
-def test_longformer_forward_split_batches_and_memory_orders(hopper):
-    """Longformer's default on Hopper (the forward as parts, the backward whole) with two batch
-    rows, GQA and ``(B, L, H, D)`` memory: output, logsumexp and gradients against float64."""
+@pytest.mark.parametrize("min_rows,window", [(None, 40), (0, 44)])
+def test_longformer_forward_split_batches_and_memory_orders(hopper, monkeypatch, min_rows, window):
+    """Longformer's default on Hopper with two batch rows, GQA and ``(B, L, H, D)`` memory: the
+    forward as parts and the backward whole below ``SPLIT_BACKWARD_MIN_ROWS`` query rows times
+    heads, both phases as parts from it (lowered to 0 here; another window, so that no cached
+    choice of the other case is reused): output, logsumexp and gradients against float64."""
+    if min_rows is not None:
+        monkeypatch.setattr(select, "SPLIT_BACKWARD_MIN_ROWS", min_rows)
     B, H, Hkv, n, D = 2, 4, 2, 512, 64
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, n, h, D, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for h in (H, Hkv, Hkv))
-    mask = bsfa.window(40) | bsfa.global_tokens(8)
+    mask = bsfa.window(window) | bsfa.global_tokens(8)
     with select.record() as ran:
         out, lse = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=128, return_lse=True)
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
-    assert ("forward", "global_split") in ran and ("backward", "global_split") not in ran, ran
+    assert ("forward", "global_split") in ran, ran
+    assert (("backward", "global_split") in ran) == (min_rows == 0), ran
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
     want = torch.autograd.grad(ref.square().sum(), (qd, kd, vd))
