@@ -126,6 +126,37 @@ def test_document_mask_built_inside_from_step_tensors():
     assert len(frames) == 1
 
 
+def test_mask_with_tensors_made_outside_compiles_its_layout_once(monkeypatch):
+    """Tensor-holding masks made outside the compiled function (document ids, per-head windows):
+    each op call used to parse and compile the layout again; now the first call does, forward and
+    backward then reuse it, and a second mask of the same structure (the same template handle)
+    keeps its own layout. Results equal eager."""
+    from blocksparse_fa.ops import custom_op
+
+    torch._dynamo.reset()
+
+    def make(cuts, wins):  # not an & of intervals: a host layout, not the device-interval route
+        ids = torch.repeat_interleave(torch.arange(len(cuts), dtype=torch.int32), torch.tensor(cuts))
+        return bsfa.load_pattern("shared_prefix", prefix=8, document=ids) & bsfa.sliding_window(
+            bsfa.per_head(torch.tensor(wins)))
+
+    masks = [make([30, 40, 26], [8, 64, 20, 96]), make([60, 36], [96, 8, 64, 20])]
+    fns = [lambda q, k, v, m=m: bsfa.attention(q, k, v, mask=m, block_size=16) for m in masks]
+    cfs = [torch.compile(f, fullgraph=True, backend="aot_eager") for f in fns]
+    q, k, v = _qkv()
+    first = [_run(cf, q, k, v) for cf in cfs]
+    parsed = []
+    real = custom_op.parse
+    monkeypatch.setattr(custom_op, "parse", lambda *a, **kw: parsed.append(a) or real(*a, **kw))
+    for _ in range(2):
+        for cf, f, got0 in zip(cfs, fns, first):
+            got, want = _run(cf, q, k, v), _run(f, q, k, v)
+            for a, b, c in zip(got, want, got0):
+                assert rel_err(a, b) < 1e-6 and torch.equal(a, c)
+    assert parsed == []
+    assert rel_err(first[0][0], first[1][0]) > 1e-2  # the two masks kept their own layouts
+
+
 def test_score_mod_fullgraph_values_do_not_recompile():
     """ALiBi slopes, a bias and a soft-cap built inside the compiled function (forward and backward,
     gradients to q, k, v, the slopes and the bias, v with its own head dim) match eager; new slope

@@ -117,6 +117,33 @@ def test_registry_bounds_the_bytes_of_mask_tensors():
     assert big in reg and len(reg) == 1
 
 
+def test_template_layouts_kept_for_the_same_tensors(monkeypatch):
+    """A template handle (a tensor-holding mask under torch.compile) compiles once for the same
+    tensors or aliases of them, again after an in-place change, and per set of tensors."""
+    from blocksparse_fa.ops import custom_op
+
+    reg = LayoutRegistry()
+    h = reg.register_template("causal & document", ("document",), 16)
+    parsed = []
+    real = custom_op.parse
+    monkeypatch.setattr(custom_op, "parse", lambda *a, **kw: parsed.append(a) or real(*a, **kw))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 20, 34]))[None]
+    lay = reg.layout(h, 64, 64, "cpu", tensors=[ids])
+    assert reg.layout(h, 64, 64, "cpu", tensors=[ids]) is lay
+    assert reg.layout(h, 64, 64, "cpu", tensors=[ids.detach()]) is lay  # an alias, as the backward gets
+    assert len(parsed) == 1
+    other = torch.repeat_interleave(torch.arange(2), torch.tensor([32, 32]))[None]
+    lay2 = reg.layout(h, 64, 64, "cpu", tensors=[other])  # another mask of the same structure
+    assert lay2 is not lay and reg.layout(h, 64, 64, "cpu", tensors=[ids]) is lay and len(parsed) == 2
+    ids[0, 40:] = 3  # written in place: compiled again, with the new ids
+    lay3 = reg.layout(h, 64, 64, "cpu", tensors=[ids])
+    assert len(parsed) == 3 and lay3 is not lay
+    want = bsfa.compile_mask(bsfa.causal() & bsfa.document(ids.clone()), 64, 64, 16)
+    assert torch.equal(lay3.block_states(), want.block_states())
+    with pytest.raises(ValueError, match="needs the tensors"):
+        reg.layout(h, 64, 64, "cpu")
+
+
 def test_compiled_layout_argument_and_errors():
     q, k, v, _ = qkv(Lq=64, Lk=64)
     lay = bsfa.compile_mask(MASK, 64, 64, 16)

@@ -136,6 +136,39 @@ def _tensor_bytes(source) -> int:
     return total
 
 
+def _template_key(ckey: tuple, tensors) -> tuple:
+    return ckey + tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device)) for t in tensors)
+
+
+def _template_hit(store, ckey: tuple, tensors) -> BlockLayout | None:
+    """The layout a template handle compiled for ``ckey`` from tensors over the same memory (same
+    address, dtype, shape and strides) that no in-place operation changed since (version counters
+    equal), or None. A mask made once outside a compiled function hands the op its own tensors
+    every step (the backward gets aliases of them, which share the version counters); several such
+    masks of one structure share the handle, each under its own tensors; per-step tensors miss.
+    The kept tensors hold their memory, so no other tensor can be allocated at their addresses.
+    As for every cache keyed on version counters, a write that bypasses them (through ``.data``
+    or a NumPy view) goes unnoticed: replace such tensors instead of writing into them."""
+    key = _template_key(ckey, tensors)
+    hit = store.get(key)
+    if hit is None:
+        return None
+    kept, stamps, lay = hit
+    if all(b._version == v for b, v in zip(tensors, stamps)):
+        store.move_to_end(key)
+        return lay
+    return None
+
+
+def _template_keep(store, ckey: tuple, tensors, lay: BlockLayout, limit: int) -> None:
+    """Remember ``lay`` for :func:`_template_hit` (at most ``limit`` per handle), holding the tensors."""
+    key = _template_key(ckey, tensors)
+    store[key] = (tuple(tensors), tuple(t._version for t in tensors), lay)
+    store.move_to_end(key)
+    while len(store) > limit:
+        store.popitem(last=False)
+
+
 class LayoutRegistry:
     """Process-wide map ``int handle -> (mask, block size)`` with per-entry layout caches.
 
@@ -268,18 +301,25 @@ class LayoutRegistry:
         ckey = (int(q_len), int(kv_len), str(dev), align)
         with self._lock:
             e = self._entry(handle)
-            if isinstance(e.source, _Template):  # the mask's tensors change per call: compile_mask caches by content
-                src, bs = e.source, e.block_size
+            src, bs = e.source, e.block_size
+            if isinstance(src, _Template):  # the mask's tensors come with each call
                 if not tensors or len(tensors) != len(src.names):
                     raise ValueError(f"mask handle {handle} needs the tensors {src.names} with each call")
-                mask = parse(src.text, **dict(zip(src.names, tensors)))
-                return compile_mask(mask, ckey[0], ckey[1], bs, device=dev, align=check_align(align))
-            self._entries.move_to_end(handle)
-            lay = e.layouts.get(ckey)
-            if lay is not None:
-                e.layouts.move_to_end(ckey)
-                return lay
-            src, bs = e.source, e.block_size
+                lay = _template_hit(e.layouts, ckey, tensors)
+                if lay is not None:
+                    return lay
+            else:
+                self._entries.move_to_end(handle)
+                lay = e.layouts.get(ckey)
+                if lay is not None:
+                    e.layouts.move_to_end(ckey)
+                    return lay
+        if isinstance(src, _Template):  # new tensors (per-step ids) or modified ones: parse and compile
+            mask = parse(src.text, **dict(zip(src.names, tensors)))
+            lay = compile_mask(mask, ckey[0], ckey[1], bs, device=dev, align=check_align(align))
+            with self._lock:
+                _template_keep(e.layouts, ckey, tensors, lay, self.layouts_per_entry)
+            return lay
         if isinstance(src, BlockLayout):
             if (src.q_len, src.kv_len) != (ckey[0], ckey[1]):
                 raise ValueError(f"mask layout was compiled for (q_len, kv_len) = ({src.q_len}, {src.kv_len}), "
