@@ -185,7 +185,10 @@ def ids_on(doc, device: torch.device) -> torch.Tensor:
 def _stream(device: torch.device):
     """The current stream's id on CUDA devices (kept results are reused on the stream that made
     them only: another stream would need an event), else None."""
-    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)  # the stream's handle, without a Stream object
 
 
 def cached_table(iv: DeviceIntervals, key: tuple, build):

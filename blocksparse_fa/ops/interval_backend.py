@@ -65,6 +65,8 @@ def _new_like(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     """An uninitialised kernel output: shaped and strided like ``like``, or contiguous ``shape``
     (tests fill it with NaN to prove that the kernels write every element)."""
     if shape is None:
+        if like.is_contiguous():  # one allocation, without empty_like's stride inference
+            return torch.empty(like.shape, dtype=dtype or like.dtype, device=like.device)
         return torch.empty_like(like, dtype=dtype)
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
@@ -415,12 +417,16 @@ def _check_intervals(iv: DeviceIntervals, s: Shapes, device) -> None:
 
 
 def _forward(q, k, v, iv: DeviceIntervals, scale: float, dropout_p: float, seed: int, backend: str,
-             opts=DEFAULT_OPTIONS):
+             opts=DEFAULT_OPTIONS, s: Shapes | None = None):
     """``(out, lse)`` of the kernels :mod:`~blocksparse_fa.ops.select` chooses (the body of
-    ``interval_fwd`` and of the eager autograd function)."""
-    s = check_qkv(q, k, v)
-    _check_intervals(iv, s, q.device)
-    if resolve_backend(backend, q.device, q.dtype) == "triton":
+    ``interval_fwd`` and of the eager autograd function). ``s``: the inputs' shapes where the
+    caller has checked the inputs and built ``iv`` for them (the eager path), else None (checked
+    here); ``backend`` is then resolved too."""
+    if s is None:
+        s = check_qkv(q, k, v)
+        _check_intervals(iv, s, q.device)
+        backend = resolve_backend(backend, q.device, q.dtype)
+    if backend == "triton":
         choice = forward_choice(q, k, v, iv, s, dropout_p, opts)
         select.note("forward", choice)
         if choice.family == "gluon":
@@ -432,10 +438,13 @@ def _forward(q, k, v, iv: DeviceIntervals, scale: float, dropout_p: float, seed:
 
 
 def _backward_grads(q, k, v, out, lse, dout, dlse, iv: DeviceIntervals, scale: float, dropout_p: float, seed: int,
-                    backend: str, opts=DEFAULT_OPTIONS):
-    """``(dq, dk, dv)`` (the body of ``interval_bwd`` and of the eager autograd function)."""
-    s = check_qkv(q, k, v)
-    if resolve_backend(backend, q.device, q.dtype) == "triton":
+                    backend: str, opts=DEFAULT_OPTIONS, s: Shapes | None = None):
+    """``(dq, dk, dv)`` (the body of ``interval_bwd`` and of the eager autograd function); ``s`` as
+    in :func:`_forward`."""
+    if s is None:
+        s = check_qkv(q, k, v)
+        backend = resolve_backend(backend, q.device, q.dtype)
+    if backend == "triton":
         if q.is_cuda and not select.tma_ok(dout) and select.tma_ok(q):
             dout = dout.contiguous()  # an upstream layout of dO must not change the kernel choice
         choice = backward_choice(q, k, v, dout, iv, s, dropout_p, opts)
@@ -514,22 +523,22 @@ class _IntervalAttention(torch.autograd.Function):
     machines, ``benchmarks/experiments/custom_op_cost.py``); compiled graphs keep the custom ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, iv, scale, dropout_p, seed, backend, opts):
+    def forward(ctx, q, k, v, iv, scale, dropout_p, seed, backend, opts, s):
         ctx.set_materialize_grads(False)  # an unused logsumexp brings no gradient work
-        out, lse = _forward(q, k, v, iv, scale, dropout_p, seed, backend, opts)
+        out, lse = _forward(q, k, v, iv, scale, dropout_p, seed, backend, opts, s)
         ctx.save_for_backward(q, k, v, out, lse, *iv)
-        ctx.args = (scale, dropout_p, seed, backend, opts)
+        ctx.args = (scale, dropout_p, seed, backend, opts, s)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *ivt = ctx.saved_tensors
-        check_differentiable_backward(resolve_backend(ctx.args[3], q.device, q.dtype))
+        check_differentiable_backward(ctx.args[3])
         if dout is None:
             dout = torch.zeros_like(out)
         with without_autocast(q.device):
             dq, dk, dv = _backward_grads(q, k, v, out, lse, dout, dlse, DeviceIntervals(*ivt), *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -570,10 +579,13 @@ def interval_attention(q, k, v, iv: DeviceIntervals, scale: float, backend: str 
         if isinstance(dropout_seed, torch.Tensor):
             dropout_seed = int(dropout_seed.to(device="cpu", dtype=torch.int64).reshape(()))
         seed, opts = draw_seed(dropout_p, dropout_seed), as_options(kernel_options)
+        s = check_qkv(q, k, v)  # once for the forward and the backward
+        _check_intervals(iv, s, q.device)
+        backend = resolve_backend(backend, q.device, q.dtype)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            out, lse = _IntervalAttention.apply(q, k, v, iv, float(scale), float(dropout_p), seed, backend, opts)
+            out, lse = _IntervalAttention.apply(q, k, v, iv, float(scale), float(dropout_p), seed, backend, opts, s)
         else:
-            out, lse = _forward(q, k, v, iv, float(scale), float(dropout_p), seed, backend, opts)
+            out, lse = _forward(q, k, v, iv, float(scale), float(dropout_p), seed, backend, opts, s)
     return (out, lse.float()) if return_lse else out
 
 
