@@ -2,7 +2,7 @@
 
 For every case (16K, H 8, d 128, bf16; B 2 where the mask needs a batch): the kernels the choice
 names, then for the forward and the forward+backward, eager and through ``torch.compile(fullgraph=True)``:
-the host time to issue one call (``host_path.host_us``), the wall time (``do_bench`` median) and the
+the host time to launch one call (``host_path.host_us``), the wall time (``do_bench`` median) and the
 GPU time by kernel (``torch.profiler``, mean of five calls). A call whose host time exceeds its GPU
 time is host-bound: that is what its wall time then measures.
 

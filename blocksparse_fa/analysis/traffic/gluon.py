@@ -121,6 +121,12 @@ def _intervals(layout, kind: str):
     return np.asarray(lo, np.int64), np.asarray(hi, np.int64), tuple(layout.batch_shape)
 
 
+STATIC_DEAL = True
+"""Persistent kernels (the dense and interval forwards, the interval backward's dK/dV and dQ) play
+their work items in their static deal: program ``p`` runs items ``p, p + grid, ...``
+(``trace._schedule``). False: as the hardware would schedule one program per item."""
+
+
 def _tiles() -> TileSizes:
     return TileSizes(fwd_block_m=_ROWS, fwd_block_n=_KEYS, dkdv_block_m=_STEP_ROWS, dkdv_block_n=_ROWS,
                      dq_block_m=_ROWS, dq_block_n=_KEYS)
@@ -138,8 +144,9 @@ def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: 
                   tile_major=interval and _deal(lo, hi, p.batch * p.heads * geo.tr, p))
     k = _row_kernel("_attn_fwd_gluon", geo, pt, _ROWS, q_side_loads={"Q": p.head_dim * p.elem},
                     q_side_stores={"O": p.head_dim * p.elem, "LSE": 4}, lut_bytes=table, lut=lut, **launch)
-    if p.policy == "trace":
-        tr = _trace_forward(geo, pt, progress, f"trace {label}", lut=lut, **launch)
+    if p.policy == "trace":  # dense and interval forwards are persistent (a static deal), causal is not
+        tr = _trace_forward(geo, pt, progress, f"trace {label}", lut=lut, static=STATIC_DEAL and mode != "causal",
+                            **launch)
         k = _with_trace(k, tr["fwd"], table)
     return k
 
@@ -175,7 +182,8 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
     dkdv = _dkdv_kernel(geo_kv, pkv, kv_table, name="_attn_bwd_dkdv_gluon", lut=lut, acc_row=acc, **kv_launch)
     if p.policy == "trace":
         tr = _trace_backward(geo_kv, pkv, progress, f"trace {label}", parts=("bwd_dkdv",), lut=lut, acc_row=acc,
-                             kv_order=kv_launch["order"], tile_major=kv_launch["tile_major"])
+                             kv_order=kv_launch["order"], tile_major=kv_launch["tile_major"],
+                             static=STATIC_DEAL and interval)
         dkdv = _with_trace(dkdv, tr["bwd_dkdv"], kv_table)
         if acc:
             dkdv = replace(dkdv, dram_write_bytes=int(dkdv.stores["dK"] + dkdv.stores["dV"] + tr["acc"]))
@@ -200,6 +208,7 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
                      q_side_stores={"dQ": D * e}, lut_bytes=q_table, lut=lut_q, **q_launch)
     if p.policy == "trace":
         tr = _trace_backward(geo_q, pt, progress, f"trace {label}", parts=("bwd_dq",), lut=lut_q,
-                             q_order=q_launch["order"], tile_major=q_launch["tile_major"])
+                             q_order=q_launch["order"], tile_major=q_launch["tile_major"],
+                             static=STATIC_DEAL and interval)
         dq = _with_trace(dq, tr["bwd_dq"], q_table)
     return [pre, dkdv, dq]

@@ -120,14 +120,28 @@ def _visits(geo: _Geometry, side: str, unit: int) -> _Visits:
     return vis
 
 
-def _schedule(dur: np.ndarray, P: int):
+def _schedule(dur: np.ndarray, P: int, static: bool = False):
     """Start time and slot of each program (launch order) when P run at once and a slot takes the
     next program as soon as its program ends (list scheduling, ties to the lowest slot); ``dur`` is
-    each program's duration (its steps × its kernel's step time)."""
+    each program's duration (its steps × its kernel's step time). ``static``: the persistent
+    kernels' deal instead, work item ``i`` on slot ``i % P`` (program ``p`` walks items ``p, p + P,
+    ...``), the items of one pass (``P`` consecutive items) starting together once the longest
+    item of the pass before has ended. With equal step times the deal alone would leave the
+    programs as far apart as the lengths of their first items differ (the short first row tiles of
+    a causal window), and the model would have them re-read a window 20 times over; on the GPU they
+    run together: a program behind the others hits in L2 what they loaded and catches up, one ahead
+    waits on DRAM (16K, H 16, window 8192, the dQ kernel: 1.118 GB measured, 6.4 GB modelled
+    without passes, 1.057 with them; ``benchmarks/NOTES.md`` section 10)."""
     n = len(dur)
     start = np.zeros(n, dtype=np.float64)
     slot = np.arange(n, dtype=np.int64) % max(P, 1)
     if n <= P:
+        return start, slot
+    if static:
+        t = 0.0
+        for i0 in range(0, n, P):
+            start[i0:i0 + P] = t
+            t += float(dur[i0:i0 + P].max())
         return start, slot
     heap = [(0.0, s) for s in range(P)]
     for i, L in enumerate(dur.tolist()):
@@ -207,7 +221,8 @@ def _lru_partitioned(ids: np.ndarray, part: np.ndarray, size: list, cap: int, ba
 
 
 def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray, n_kinds: int,
-               step_time=None, partitions: int = 1, progress: bool = False, desc: str = "trace") -> dict:
+               step_time=None, partitions: int = 1, progress: bool = False, desc: str = "trace",
+               static: bool = False) -> dict:
     """Play the programs through the simulated L2 (see the module doc, policy "trace").
 
     progs (arrays in launch order): ``kind`` (index of the kernel the program counts for), ``own``
@@ -217,7 +232,8 @@ def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray
     sub-objects offset by ``base``. data_bytes: size of every data object. step_time: time of one
     step per kind (default 1 for all). partitions: 1 (one LRU of ``cap`` bytes) or 2 (two of
     ``cap / 2``, programs on alternate slots, :func:`_lru_partitioned`). progress: show a bar
-    (``desc``) over the simulated references.
+    (``desc``) over the simulated references. static: the persistent kernels' deal of programs to
+    slots (:func:`_schedule`).
 
     Returns per kind: ``miss`` (data bytes read from DRAM), ``first`` (data bytes referenced for
     the first time: the compulsory part of ``miss``)."""
@@ -225,7 +241,7 @@ def _run_trace(P: int, cap: int, progs: dict, segs: list, data_bytes: np.ndarray
     n_data = len(data_bytes)
     cost = np.ones(n_kinds) if step_time is None else np.asarray(step_time, dtype=np.float64)
     pcost = cost[progs["kind"]]
-    start, slot = _schedule(progs["steps"] * pcost, P)
+    start, slot = _schedule(progs["steps"] * pcost, P, static)
     ar = np.arange(n, dtype=np.int64)
     I_ = _TRACE_INTRA
     times = [start, start, start + (progs["steps"] - 1) * pcost]
@@ -287,9 +303,11 @@ def _launch(n_groups: int, tiles: np.ndarray, tile_major: bool):
 
 
 def _trace_forward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "", *,
-                   order: str | None = None, tile_major: bool = False, lut: tuple = (16, 4)) -> dict:
+                   order: str | None = None, tile_major: bool = False, lut: tuple = (16, 4),
+                   static: bool = False) -> dict:
     """Forward as one trace: data objects Q tiles (own) and K+V layout blocks (per batch·kv-head).
-    ``order``, ``tile_major``, ``lut`` as in :func:`.kernels._row_kernel`."""
+    ``order``, ``tile_major``, ``lut`` as in :func:`.kernels._row_kernel`; ``static``: a persistent
+    kernel's deal (:func:`_schedule`)."""
     B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
     D, e = p.head_dim, p.elem
     bm_t = p.tiles.fwd_block_m
@@ -311,20 +329,21 @@ def _trace_forward(geo: _Geometry, p: TrafficParams, progress: bool = False, lab
              np.zeros(len(t), dtype=np.int64))]
     data = np.concatenate([np.tile(q_sz, B * H), np.tile(kv_sz, B * Hkv)])
     r = _run_trace(p.programs_in_flight("fwd"), p.l2_bytes, progs, segs, data, 1, partitions=p.l2_partitions,
-                   progress=progress, desc=f"{label}forward")
+                   progress=progress, desc=f"{label}forward", static=static)
     return {"fwd": (float(r["miss"][0]), float(r["first"][0]))}
 
 
 def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, label: str = "", *,
                     parts: tuple = ("bwd_dkdv", "bwd_dq"), kv_order: str | None = None,
                     q_order: str | None = None, tile_major: bool = False, lut: tuple = (16, 4),
-                    acc_row: int = 0) -> dict:
+                    acc_row: int = 0, static: bool = False) -> dict:
     """dK/dV and dQ programs as one trace (``bwd_fused``, in ``bwd_order``) or as two. Data objects:
     Q+dO+LSE+δ of ``dq_block_m`` rows (per batch·head) and K+V of ``dkdv_block_n`` keys (per
     batch·kv-head); each program's own tile is one of them. Without ``bwd_fused``, ``parts`` says
     which of the two launches to play; ``kv_order``/``q_order``, ``tile_major``, ``lut`` as in
     :func:`.kernels._row_kernel`; ``acc_row`` as in :func:`.kernels._dkdv_kernel` (the row objects
-    grow by it, and the dK/dV result gains a third number: the accumulator's share of its misses)."""
+    grow by it, and the dK/dV result gains a third number: the accumulator's share of its misses);
+    ``static``: persistent kernels' deal (:func:`_schedule`; two launches only)."""
     B, H, Hkv, G = p.batch, p.heads, p.hkv, p.heads // p.hkv
     D, e = p.head_dim, p.elem
     ur, uc = p.tiles.dq_block_m, p.tiles.dkdv_block_n
@@ -376,7 +395,7 @@ def _trace_backward(geo: _Geometry, p: TrafficParams, progress: bool = False, la
             segs += [(vis, pos, line, base, s0) for vis, line, base, s0 in sg]
         return _run_trace(P, p.l2_bytes, progs, segs, data, 2, partitions=p.l2_partitions,
                           step_time=[p.step_time_of("bwd_dkdv"), p.step_time_of("bwd_dq")],
-                          progress=progress, desc=f"{label}{what}")
+                          progress=progress, desc=f"{label}{what}", static=static and not p.bwd_fused)
 
     n_kvp, n_qp = len(u), len(t)
     if not p.bwd_fused:
