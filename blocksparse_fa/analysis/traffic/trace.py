@@ -130,7 +130,7 @@ def _schedule(dur: np.ndarray, P: int, static: bool = False):
     programs as far apart as the lengths of their first items differ (the short first row tiles of
     a causal window), and the model would have them re-read a window 20 times over; on the GPU they
     run together: a program behind the others hits in L2 what they loaded and catches up, one ahead
-    waits on DRAM (16K, H 16, window 8192, the dQ kernel: 1.118 GB measured, 6.4 GB modelled
+    waits on DRAM (16K, H 16, window 8192, the dQ kernel: 1.118 GB measured, 5.3 GB modelled
     without passes, 1.057 with them; ``benchmarks/NOTES.md`` section 10)."""
     n = len(dur)
     start = np.zeros(n, dtype=np.float64)
