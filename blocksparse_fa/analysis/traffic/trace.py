@@ -126,12 +126,13 @@ def _schedule(dur: np.ndarray, P: int, static: bool = False):
     each program's duration (its steps × its kernel's step time). ``static``: the persistent
     kernels' deal instead, work item ``i`` on slot ``i % P`` (program ``p`` walks items ``p, p + P,
     ...``), the items of one pass (``P`` consecutive items) starting together once the longest
-    item of the pass before has ended. With equal step times the deal alone would leave the
+    item of the pass before has ended. A plain static deal with equal step times would leave the
     programs as far apart as the lengths of their first items differ (the short first row tiles of
-    a causal window), and the model would have them re-read a window 20 times over; on the GPU they
-    run together: a program behind the others hits in L2 what they loaded and catches up, one ahead
-    waits on DRAM (16K, H 16, window 8192, the dQ kernel: 1.118 GB measured, 5.3 GB modelled
-    without passes, 1.057 with them; ``benchmarks/NOTES.md`` section 10)."""
+    a causal window), and the model would have them re-read a window 20 times over. The kernels
+    deal tile-major items in a snake instead (every second pass over the programs in reverse,
+    ``kernels/forward_gluon._item_tile``): a program that drew a long item draws a short one next,
+    so the programs meet again every two passes (16K, H 16, window 8192, the dQ kernel: 1.118 GB
+    measured, 5.3 GB modelled without passes, 1.057 with them; ``benchmarks/NOTES.md`` section 10)."""
     n = len(dur)
     start = np.zeros(n, dtype=np.float64)
     slot = np.arange(n, dtype=np.int64) % max(P, 1)
