@@ -15,6 +15,11 @@ dim; 16K tokens, H 16, MHA, bf16 unless told):
 
     PYTHONPATH=. python benchmarks/experiments/options_ab.py --masks dense causal --dims 64 \\
         --variants base='{}' fwd_s3='{"gluon_fwd": {"stages": 3}}' [--peers fa4 cudnn] [--passes 3]
+    PYTHONPATH=. python benchmarks/experiments/options_ab.py --primitives "key_range" "shared prefix" \
+        --heads 8 --variants base='{}' whole='{"run_split": false}' --peers flex_triton flex_flash
+
+``--primitives SUBSTR ...`` takes the cases of ``new_primitives_gpu.py`` (``flex_equivalents.py``) whose
+name contains one of the strings, instead of ``bench.py``'s ``--masks``.
 
 Results: ``$OUT/options_ab.json`` and a table on stdout.
 """
@@ -108,9 +113,24 @@ def table(cases: list[dict], base: str) -> str:
     return "\n".join(lines)
 
 
+def _cases(a, d: int):
+    """The run's cases at head dim ``d``: ``bench.py``'s ``--masks`` or ``flex_equivalents``' ``--primitives``."""
+    if a.primitives is None:
+        for m in a.masks:
+            yield build_case(m, a.n, d, a.heads, a.kv_heads or a.heads, "cuda")
+        return
+    from flex_equivalents import cases
+
+    for name, mask, mod, (B, _) in cases(a.n, H=a.heads, device="cuda"):
+        if any(p in name for p in a.primitives):
+            yield harness.Case(name, mask, mod, B, a.heads, a.kv_heads or a.heads, a.n, d)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--masks", nargs="+", default=["dense", "causal"])
+    ap.add_argument("--primitives", nargs="+", default=None, metavar="SUBSTR",
+                    help="new_primitives_gpu.py's cases whose name contains one (instead of --masks)")
     ap.add_argument("--dims", type=int, nargs="+", default=[128])
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
@@ -123,12 +143,14 @@ def main(argv=None) -> int:
     variants = parse_variants(a.variants)
     base = next(iter(variants))
     opts = harness.Options(device="cuda")
+    import peers
+
+    peers.strict_compile()  # many masks: every one compiles Flex's graphs (no silent eager fallback)
     out = {"variants": variants, "peers": a.peers, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cases": []}
     os.makedirs(a.out, exist_ok=True)
     for d in a.dims:
-        for m in a.masks:
-            case = build_case(m, a.n, d, a.heads, a.kv_heads or a.heads, "cuda")
+        for case in _cases(a, d):
             out["cases"].append(run_case(case, variants, a.peers, opts, a.passes))
             with open(os.path.join(a.out, "options_ab.json"), "w") as f:
                 json.dump(out, f, indent=1, default=str)

@@ -119,6 +119,43 @@ def _global_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, bac
     return gs if ok else None
 
 
+def _run_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, use_rewrite: bool,
+               score_mod, opts: KernelOptions, partial_dtypes: bool = False, phase: str = "forward"):
+    """The layout's :class:`~blocksparse_fa.compiler.runs.RunSplit` where the call's ``phase``
+    (``"forward"``/``"backward"``) runs it (``select.choose_run_split``), else None."""
+    if backend != "triton" or not use_rewrite or opts.run_split is False or layout.rewrite is not None:
+        return None
+    if layout.cache.get("run_split", False) is None:  # known not to split: the common case, no imports
+        return None
+    if opts.run_split is None and select.hardware(q.device).gluon:  # no Gluon part: the parts are not compiled
+        return None
+    key = ("run_split_choice", phase, s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None,
+           partial_dtypes, select.tma_ok(q, k, v))
+    ok = layout.cache.get(key)
+    if ok is False:
+        return None
+    from ..compiler.compile import compile_mask
+    from ..compiler.runs import run_split
+
+    rs = run_split(layout, compile_mask)
+    if rs is None:
+        return None
+    if ok is None:
+        if phase == "forward":
+            from .triton_backend import forward_choice
+
+            first, second = (forward_choice(q, k, v, part, s, 0.0, opts) for part in (rs.first, rs.second))
+        else:
+            from .triton_backend import backward_choice
+
+            first, second = (backward_choice(q, k, v, q, part, s, 0.0, opts) for part in (rs.first, rs.second))
+        ok = layout.cache[key] = select.choose_run_split(first, second, q.dtype, opts, mean_keys=rs.mean_keys,
+                                                         dropout=dropout_p > 0.0,
+                                                         score_mod=score_mod is not None,
+                                                         partial_dtypes=partial_dtypes)
+    return rs if ok else None
+
+
 def _residue_ok(rw, s: Shapes, dtype: torch.dtype, opts: KernelOptions) -> bool:
     from .residue import residue_applies
 
@@ -231,6 +268,12 @@ def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: fl
 
         select.note("forward", "global_split")
         out, lse = split_forward(q, k, v, gs, s, scale, opts, _fwd_one)
+    elif (rs := None if rw is not None else _run_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod,
+                                                      opts, out_dtype is not None)) is not None:
+        from .runs import split_forward as runs_forward
+
+        select.note("forward", "run_split")
+        out, lse = runs_forward(q, k, v, rs, s, scale, opts, _fwd_one)
     elif rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_forward
@@ -260,6 +303,12 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
 
         select.note("backward", "global_split")
         dq, dk, dv = split_backward(q, k, v, out, lse, dout, gs, s, scale, dlse, opts)
+    elif (rs := None if rw is not None else _run_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod,
+                                                      opts, grad_dtype is not None, "backward")) is not None:
+        from .runs import split_backward as runs_backward
+
+        select.note("backward", "run_split")
+        dq, dk, dv = runs_backward(q, k, v, out, lse, dout, rs, s, scale, dlse, opts)
     elif rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_backward

@@ -37,7 +37,8 @@ class Explanation:
         backward: the backward kernels in the same form (None: no gradient is needed).
         rewrite: ``"residue"`` (the strided rewrite on class views), ``"parts"`` (on permuted
             copies), ``"global_split"`` (global tokens as a band, the first rows and the global
-            keys, ``compiler/globals.py``) or None.
+            keys, ``compiler/globals.py``), ``"run_split"`` (two key runs per row as two one-run
+            parts, ``compiler/runs.py``; in the phases that split) or None.
         layout: the compiled layout's class (None on the PyTorch backend).
         kernels: the GPU kernels launched, forward then backward, as a profiler names them.
     """
@@ -133,6 +134,12 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
     gsb = (dispatch._global_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts,
                                   phase="backward") if needs_grad else None)
     extra, bwd_parts = (), None
+    rsf = rsb = r = None
+    if gs is None and gsb is None and rw is None:
+        rsf = dispatch._run_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts)
+        rsb = (dispatch._run_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts,
+                                   phase="backward") if needs_grad else None)
+        r = rsf or rsb
     if gs is not None or gsb is not None:
         from .globals import _fold_global_keys, _rows_opts
 
@@ -151,6 +158,12 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
             extra += ("_global_keys_bwd",)
         elif needs_grad:  # the parts forward, the whole mask backward
             bwd_parts = [(layout, s, (q4, k4, v4), opts)]
+    elif rw is None and (rsf or rsb):
+        whole = [(layout, s, (q4, k4, v4), opts)]
+        split = [(r.first, s, (q4, k4, v4), opts), (r.second, s, (q4, k4, v4), opts)]
+        parts, how = split if rsf else whole, "run_split"
+        extra = ("_merge_residue",) if rsf else ()
+        bwd_parts = (split if rsb else whole) if needs_grad else None
     elif rw is not None:
         if dispatch._residue_ok(rw, s, q4.dtype, opts):
             from .residue import _class_shapes, class_view
@@ -165,9 +178,14 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
     else:
         parts, how = [(layout, s, (q4, k4, v4), opts)], None
     fwd = [forward_choice(*ts, lay, ps, dropout_p, po, score_mod=score_mod) for lay, ps, ts, po in parts]
-    bwd = [backward_choice(*ts, ts[0], lay, ps, dropout_p, po, accumulate=i > 0 and how in ("residue", "global_split"),
-                           score_mod=score_mod)
-           for i, (lay, ps, ts, po) in enumerate(bwd_parts or parts)] if needs_grad else []
+
+    def bwd_choice(i, lay, ps, ts, po):
+        acc = i > 0 and how in ("residue", "global_split", "run_split")
+        if acc and how == "run_split":  # the second part adds into the first's gradients unless it runs Gluon
+            acc = backward_choice(*ts, ts[0], lay, ps, dropout_p, po, score_mod=score_mod).family != "gluon"
+        return backward_choice(*ts, ts[0], lay, ps, dropout_p, po, accumulate=acc, score_mod=score_mod)
+
+    bwd = [bwd_choice(i, *part) for i, part in enumerate(bwd_parts or parts)] if needs_grad else []
     kernels = tuple(dict.fromkeys([kn for c in (*fwd, *bwd) for kn in c.kernels] + list(extra)))
     return Explanation("triton", " + ".join(map(str, fwd)), " + ".join(map(str, bwd)) if bwd else None, how,
                        select.layout_class(layout), kernels)

@@ -167,7 +167,7 @@ _CHOICES = {
     "fwd_other": ("load", "prefetch"),
     "band_backward": ("partial", "flex"),
 }
-_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic", "global_split")
+_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic", "global_split", "run_split")
 _CONFIGS = {"gluon_fwd": GluonConfig, "gluon_bwd": GluonBwdConfig, "fwd_tiles": TileConfig,
             "dkdv_tiles": TileConfig, "dq_tiles": TileConfig, "atomic_tiles": TileConfig}
 
@@ -232,6 +232,12 @@ class KernelOptions:
             times heads (``select.SPLIT_BACKWARD_MIN_ROWS``; below it the backward runs the whole
             mask); True: both phases wherever the Triton backend runs; False: never (the whole
             mask on the block kernels).
+        run_split: masks that keep two runs of keys per row and split into two one-run parts
+            (``key_range(a, b) | causal()``, a shared prefix ``causal & (key_range(0, p) |
+            document(ids))``, block diffusion; ``compiler/runs.py``) run as those parts, merged
+            through their logsumexps. None (default): in each phase where both parts run Gluon
+            kernels (Hopper); True: wherever the Triton backend runs; False: never (the whole mask
+            on the block kernels).
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
             run bounds (True) rather than by comparing ids.
         fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles
@@ -261,6 +267,7 @@ class KernelOptions:
     split_chunk: float | None = None
     residue_gqa: bool = True
     global_split: bool | None = None
+    run_split: bool | None = None
     document_runs: bool = True
     fwd_tiles: TileConfig | None = None
     dkdv_tiles: TileConfig | None = None

@@ -34,7 +34,7 @@ from .options import GluonBwdConfig, GluonConfig, KernelOptions
 from .validate import Shapes
 
 __all__ = ["Hardware", "LayoutClass", "Choice", "hardware", "layout_class", "choose_forward", "choose_backward",
-           "choose_global_split", "tma_ok", "tile_major_deal", "record", "note"]
+           "choose_global_split", "choose_run_split", "tma_ok", "tile_major_deal", "record", "note"]
 
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -286,6 +286,42 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
     if not folds:
         return False
     return phase == "forward" or s.B * s.H * s.Lq >= SPLIT_BACKWARD_MIN_ROWS
+
+
+RUN_SPLIT_MIN_KEYS = 2048
+"""Keys kept per query row (on average) from which ``run_split=None`` splits a two-run mask: each
+part then pays a Gluon kernel's per-tile costs, its own output and logsumexp, the merge, the
+gradients' additions and a second host call per phase, which short rows do not repay."""
+
+
+def choose_run_split(first: Choice, second: Choice, dtype: torch.dtype, opts: KernelOptions, *,
+                     mean_keys: float = float("inf"), dropout: bool = False, score_mod: bool = False,
+                     partial_dtypes: bool = False) -> bool:
+    """Whether a mask that keeps two runs of keys per row and splits into two one-run parts
+    (``compiler/runs.py``) runs as those parts in a phase (pure); either phase reads the other's
+    logsumexp and output, which are exact either way.
+
+    Args:
+        first, second: the parts' choices in that phase (:func:`choose_forward` /
+            :func:`choose_backward` of each part's layout).
+        dtype: q's dtype; opts: the call's kernel options.
+        mean_keys: keys the whole mask keeps per query row, on average.
+        dropout, score_mod: attention dropout / a score modifier (never split).
+        partial_dtypes: float32 outputs or gradients were asked for (never split).
+
+    ``run_split=None`` splits where both parts run Gluon kernels in the phase (Hopper) and rows keep
+    ``RUN_SPLIT_MIN_KEYS`` keys or more on average: the whole mask then runs the block kernels,
+    with the element predicate on every partial tile. H200, 16K, H 8, d 128, fwd / fwd+bwd ms,
+    split against whole (``benchmarks/NOTES.md``, "Two key runs per row"): ``key_range | causal``
+    (~8K keys per row) 1.163 / 4.005 against 1.326 / 4.917, block diffusion (~4K) 0.735 / 2.883
+    against 0.772 / 3.117; a shared prefix of 1024 before documents of 1-4K (~1.7K) 0.519 / 1.700
+    against 0.334 / 1.322, a rectangle or a sliding window of 256 (~430) 0.482 / 2.108 against
+    0.160 / 0.983."""
+    if dropout or score_mod or partial_dtypes or opts.run_split is False or dtype not in _SPLIT_DTYPES:
+        return False
+    if opts.run_split is True:
+        return True
+    return first.family == "gluon" and second.family == "gluon" and mean_keys >= RUN_SPLIT_MIN_KEYS
 
 
 TILE_MAJOR_WINDOW_BYTES = 16 * 2**20

@@ -1129,11 +1129,19 @@ def _bwd_atomic_launch(q, k, v, dout, grads, lse, delta, plan: _Plan, scale, dro
 def merge_residue(out, lse, o2, l2, stride: int, row0: int = 0) -> None:
     """Merge a part computed on residue-class views (``o2 (B·H, S, M, D)``, ``l2 (B·H, S, M)``) into
     ``out (B, H, N, D)`` / ``lse (B, H, N)`` in place (``kernels/merge.py``); with ``stride = 1``,
-    ``o2`` ``(B, H, R, D)`` may cover only the rows ``row0 .. row0 + R`` of ``out``."""
+    ``o2`` ``(B, H, R, D)`` may cover only the rows ``row0 .. row0 + R`` of ``out``. ``out`` and,
+    with ``stride = 1``, ``o2`` may have any strides with a contiguous head dim; the other
+    tensors are contiguous."""
     B, H, N1, D = out.shape
-    assert out.is_contiguous() and o2.is_contiguous() and lse.is_contiguous() and l2.is_contiguous()
-    N = o2.numel() // (B * H * D)
+    assert out.stride(-1) == 1 and lse.is_contiguous() and l2.is_contiguous()
+    N = l2.numel() // (B * H)
+    if stride == 1 and o2.dim() == 4 and o2.shape[:2] == (B, H):
+        assert o2.stride(-1) == 1 and o2.shape[2] == N
+        s2 = o2.stride()[:3]
+    else:
+        assert o2.is_contiguous()
+        s2 = (H * N * D, N * D, D)
     assert (stride == 1 or N == N1) and 0 <= row0 and row0 + N <= N1
     block = 64
-    _merge_residue[(_cdiv(N, block), B * H)](out, lse, o2, l2, N, stride, N // stride, row0, N1, HEAD_DIM=D,
-                                             HEAD_DIM_PAD=head_dim_pad(D), BLOCK=block, num_warps=4)
+    _merge_residue[(_cdiv(N, block), B * H)](out, lse, o2, l2, N, stride, N // stride, row0, N1, H, *out.stride()[:3],
+                                             *s2, HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad(D), BLOCK=block, num_warps=4)

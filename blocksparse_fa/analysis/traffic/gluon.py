@@ -27,7 +27,8 @@ tiles (:class:`_TileLayout`) and counts them with the same per-kernel code as th
   accumulator and LSE and writes dQ, after a fill kernel zeroed the accumulator.
 
 Not modelled: masks whose global tokens the launcher splits off (attention sinks, and Longformer's
-forward, ``ops/select.choose_global_split``) are counted whole, with the Triton kernels; the persistent
+forward, ``ops/select.choose_global_split``) and masks of two key runs per row that it runs as two
+one-run parts (``ops/select.choose_run_split``) are counted whole, with the Triton kernels; the persistent
 kernels' static deal of work items (the programs are scheduled as
 the hardware would schedule one program per item), a key tile whose keys no row keeps (the
 kernels still visit one query block), the snake order of the tile-major deal (it changes which SM

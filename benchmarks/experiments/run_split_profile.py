@@ -1,0 +1,102 @@
+"""Host and GPU time of two-run masks split into one-run parts (``compiler/runs.py``) against the
+whole mask, per kernel.
+
+For the cases of ``benchmarks/flex_equivalents.py`` whose name contains one of ``--only`` (16K,
+H 8, d 128, bf16), with ``kernel_options={"run_split": True}`` and ``{"run_split": False}``, the
+forward and the forward+backward through ``bsfa.attention``: the host time to issue one call
+(mean of 20, no synchronisation between them), the wall time per call (the same 20, synchronised
+once at the end) and the GPU time by kernel (``torch.profiler``, mean of 10 calls).
+
+    PYTHONPATH=. python benchmarks/experiments/run_split_profile.py [--only SUBSTR ...] [--out DIR]
+
+Results: ``run_split_profile.json`` in ``--out`` (default ``$OUT`` or the current folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import blocksparse_fa as bsfa  # noqa: E402
+from flex_equivalents import cases  # noqa: E402
+
+
+def per_call(fn, calls: int = 20) -> tuple[float, float]:
+    """``(host µs, wall µs)`` per call of ``fn`` over ``calls`` calls issued back to back."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def gpu_kernels(fn, calls: int = 10) -> dict:
+    """``{kernel name: µs per call}``, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = collections.defaultdict(float)
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0:
+            out[e.key[:60]] += e.self_device_time_total / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", default=["key_range", "rectangle", "block diffusion", "shared prefix"])
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": {}}
+    for name, mask, _, (B, _) in cases(a.n, H=a.heads, device="cuda"):
+        if not any(s in name for s in a.only):
+            continue
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, a.heads, a.n, a.dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                       for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+        for var, ko in (("split", {"run_split": True}), ("whole", {"run_split": False})):
+            def fwd(ko=ko):
+                with torch.no_grad():
+                    return bsfa.attention(q, k, v, mask, kernel_options=ko)
+
+            def fb(ko=ko):
+                o = bsfa.attention(q, k, v, mask, kernel_options=ko)
+                return torch.autograd.grad(o, (q, k, v), do)
+
+            for fn, mode in ((fwd, "fwd"), (fb, "fb")):
+                host, wall = per_call(fn)
+                ks = gpu_kernels(fn)
+                gpu = sum(ks.values())
+                out["runs"][f"{name}|{var}|{mode}"] = {"host_us": host, "wall_us": wall, "gpu_us": gpu, "kernels": ks}
+                print(f"{name:22s} {var:5s} {mode:3s} host {host:7.0f} wall {wall:7.0f} gpu {gpu:7.0f} us :: "
+                      + ", ".join(f"{kk} {vv:.0f}" for kk, vv in list(ks.items())[:7]), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "run_split_profile.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
