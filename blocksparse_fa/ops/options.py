@@ -236,8 +236,9 @@ class KernelOptions:
             (``key_range(a, b) | causal()``, a shared prefix ``causal & (key_range(0, p) |
             document(ids))``, block diffusion; ``compiler/runs.py``) run as those parts, merged
             through their logsumexps. None (default): in each phase where both parts run Gluon
-            kernels (Hopper); True: wherever the Triton backend runs; False: never (the whole mask
-            on the block kernels).
+            kernels (Hopper) and rows keep 2048 keys or more on average; True: wherever the Triton
+            backend runs; False: never (the whole mask on the block kernels). The split backward
+            holds a second set of q/k/v-sized gradients while it adds the second part's.
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
             run bounds (True) rather than by comparing ids.
         fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles
