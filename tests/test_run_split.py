@@ -160,3 +160,25 @@ def test_bottom_right_queries_split_too():
     assert rel_err(out, ref) < 5e-6
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) < 5e-6
+
+
+@pytest.mark.parametrize("name", ["key_range_causal", "shared_prefix", "block_diffusion"])
+def test_second_part_on_its_box(monkeypatch, name):
+    """``ops/runs.BOX_SECOND``: the second part on its box (views of q, k, v; the box's intervals;
+    the device-interval kernels), outputs, logsumexp and every gradient against float64. A box of
+    whole 64-row tiles so that it is smaller than the lengths here."""
+    from blocksparse_fa.compiler import runs as compiler_runs
+
+    monkeypatch.setattr(ops_runs, "BOX_SECOND", True)
+    monkeypatch.setattr(compiler_runs, "BOX_ALIGN", 64)
+    mask = {"key_range_causal": bsfa.key_range(140, 172) | bsfa.causal(),
+            "shared_prefix": bsfa.load_pattern("shared_prefix", prefix=24, document=torch.cat([IDS, IDS + 4])),
+            "block_diffusion": bsfa.load_pattern("block_diffusion", n=128, block=16)}[name]
+    n = 256
+    lay = bsfa.compile_mask(mask, n, n, 32)
+    rs = run_split(lay, bsfa.compile_mask)
+    r0, r1, c0, c1 = rs.box
+    assert (r1 - r0) * (c1 - c0) < n * n and rs.box_bounds[0].shape[-1] == r1 - r0
+    with select.record() as ran:
+        _check(mask, n=n, seed=3)
+    assert ("forward", "triton:interval") in ran and ("backward", "triton:interval") in ran

@@ -50,6 +50,10 @@ class RunSplit:
         rows: ``(r0, r1)``: the second part's rows that keep a key lie in ``[r0, r1)``.
         keys: ``(c0, c1)``: the keys the second part keeps lie in ``[c0, c1)``.
         mean_keys: keys kept per query row, on average over the rows and instances.
+        box: ``(r0, r1, c0, c1)``: ``rows`` and ``keys`` widened to multiples of ``BOX_ALIGN``
+            (within the lengths).
+        box_bounds: ``(lo, hi)``, int32 ``(Zb, Zh, r1 - r0)``: the second part's intervals on the
+            box's rows, in the box's key coordinates (empty rows ``0, 0``).
     """
 
     first: object
@@ -57,6 +61,13 @@ class RunSplit:
     rows: tuple
     keys: tuple
     mean_keys: float
+    box: tuple = None
+    box_bounds: tuple = None
+
+
+BOX_ALIGN = 256
+"""The second part's box starts and ends on multiples of this many rows and keys (the Gluon
+kernels' tiles), or at the lengths' ends."""
 
 
 def _terms(m: Mask, cap: int) -> list:
@@ -156,6 +167,18 @@ def _box(iv):
     return r, c, (r[1] - r[0]) + 2 * (c[1] - c[0])
 
 
+def _aligned_box(iv, rows, keys, q_len: int, kv_len: int, batch_shape):
+    """``((r0, r1, c0, c1), (lo, hi))``: the box of :class:`RunSplit` and the part's bounds in it."""
+    a = BOX_ALIGN
+    r0, r1 = rows[0] // a * a, min(q_len, -(-rows[1] // a) * a)
+    c0, c1 = keys[0] // a * a, min(kv_len, -(-keys[1] // a) * a)
+    lo, hi = (x[:, r0:r1].astype(np.int64) - c0 for x in iv)
+    kept = lo < hi
+    lo, hi = np.where(kept, lo, 0), np.where(kept, hi, 0)
+    bm, hm = batch_shape or (1, 1)
+    return (r0, r1, c0, c1), tuple(x.astype(np.int32).reshape(bm, hm, r1 - r0) for x in (lo, hi))
+
+
 def run_split(layout, compile_fn) -> RunSplit | None:
     """The :class:`RunSplit` of a compiled layout (its mask, lengths, query offset and block size),
     built once and cached on the layout; None where the mask does not split (and for shards of a
@@ -171,9 +194,10 @@ def run_split(layout, compile_fn) -> RunSplit | None:
                     (a, ia), (b, ib) = (b, ib), (a, ia)
                 rows, keys, _ = _box(ib)
                 mean = (_pairs(ia) + _pairs(ib)) / ia[0].size
+                box, bounds = _aligned_box(ib, rows, keys, layout.q_len, layout.kv_len, layout.mask.batch_shape)
                 dev, blk, al = layout.device, layout.block_size, layout.align
                 res = RunSplit(compile_fn(a, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
                                compile_fn(b, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
-                               rows, keys, mean)
+                               rows, keys, mean, box, bounds)
         layout.cache[key] = res
     return layout.cache[key]
