@@ -507,12 +507,15 @@ def test_forward_split_backward_whole(text):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the parts run the Gluon kernels (Hopper)")
+@pytest.mark.parametrize("box", [False, True])
 @pytest.mark.parametrize("name", ["key_range_causal", "block_diffusion", "shared_prefix", "rectangle_window"])
-def test_run_split_on_gpu(name):
+def test_run_split_on_gpu(name, box, monkeypatch):
     """Two key runs per row as two one-run parts on the Gluon kernels (``compiler/runs.py``), the
-    second part's gradients added in place and its output merged on its rows only; GQA; outputs,
-    logsumexp and gradients within twice the whole mask's bfloat16 error against float64, and with
-    a non-contiguous (B, L, H, D) layout of q, k, v."""
+    second part's gradients added in place and its output merged on its rows only (``box``: the
+    second part on its box, ``ops/runs.BOX_SECOND``); GQA; outputs, logsumexp and gradients within
+    twice the whole mask's bfloat16 error against float64, and with a non-contiguous (B, L, H, D)
+    layout of q, k, v."""
+    monkeypatch.setattr("blocksparse_fa.ops.runs.BOX_SECOND", box)
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([300, 700, 548, 500]))
     mask = {"key_range_causal": bsfa.key_range(256, 640) | bsfa.causal(),
             "block_diffusion": bsfa.load_pattern("block_diffusion", n=N // 2, block=64),
@@ -536,6 +539,8 @@ def test_run_split_on_gpu(name):
     for label in ("split", "split_blhd"):
         assert ("forward", "run_split") in res[label + "_ran"] and ("backward", "run_split") in res[label + "_ran"]
         assert ("forward", "gluon:interval") in res[label + "_ran"], res[label + "_ran"]
+        if box:  # the second part ran the device-interval kernels on its box
+            assert ("backward", "gluon:interval") in res[label + "_ran"], res[label + "_ran"]
         for a, b, r in zip(res[label], res["whole"], want):
             assert not a.isnan().any()
             err = (a.double() - r).norm() / r.norm()
