@@ -49,6 +49,32 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / nb if nb > 0 else (a - b).norm().item()
 
 
+def check_route_against_float64(mask, route: str, kernel_options: dict, H: int = 2, Hkv: int = 1, D: int = 16,
+                                n: int = 128, n_k: int | None = None, seed: int = 0, block_size: int = 32):
+    """``bsfa.attention`` on the Triton backend with ``kernel_options``: both phases noted as
+    ``route`` (``select.record``), the output and logsumexp and every gradient (a random weight on
+    each) within 5e-6 of the float64 reference."""
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.ops import select
+
+    torch.manual_seed(seed)
+    q = torch.randn(1, H, n, D, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, n_k or n, D, requires_grad=True) for _ in range(2))
+    with select.record() as ran:
+        out, lse = bsfa.attention(q, k, v, mask, backend="triton", block_size=block_size, return_lse=True,
+                                  kernel_options=kernel_options)
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (do, dl))
+    assert ("forward", route) in ran and ("backward", route) in ran, ran
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
+    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (do.double(), dl.double()))
+    assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    for g, r, name in zip(grads, ref_grads, "qkv"):
+        assert rel_err(g, r) < 5e-6, (name, rel_err(g, r))
+    return ran
+
+
 @pytest.fixture
 def cpu_path(monkeypatch):
     """``cpu_path("walk" | "dense" | "model")``: what ``backend="auto"`` runs on CPU in this test

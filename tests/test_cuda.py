@@ -42,6 +42,37 @@ def _qkv(H=4, Hkv=2, D=64, seed=0):
     return q, k, v
 
 
+def _against_float64(mask, variants, D=128):
+    """``(results, want)``: per variant ``(label, kernel_options, blhd)`` the output, logsumexp and
+    gradients (``results[label]``) and the kernels that ran (``results[label + "_ran"]``), on
+    :func:`_qkv`'s inputs (``blhd``: in (B, L, H, D) memory, as the Hugging Face hook passes them);
+    ``want``: the float64 reference's."""
+    q, k, v = _qkv(D=D)
+    do = torch.randn_like(q)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = bsfa.attention(*ref, mask=mask, backend="torch", return_lse=True)
+    want = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, ref, do.double()))
+    res = {}
+    for label, kw, blhd in variants:
+        qi, ki, vi = q, k, v
+        if blhd:
+            qi, ki, vi = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        with bsfa.ops.select.record() as ran:
+            out, lse = bsfa.attention(qi, ki, vi, mask=mask, kernel_options=kw, return_lse=True)
+            res[label] = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, (qi, ki, vi), do))
+        res[label + "_ran"] = ran
+    return res, want
+
+
+def _within_twice_whole(got, whole, want):
+    """Every tensor of ``got`` free of NaN and within twice ``whole``'s error against ``want``."""
+    for a, b, r in zip(got, whole, want):
+        assert not a.isnan().any()
+        err = (a.double() - r).norm() / r.norm()
+        err_whole = (b.double() - r).norm() / r.norm()
+        assert err < 2 * max(err_whole, 1e-3), (err, err_whole)
+
+
 @pytest.mark.parametrize("name", list(_masks()))
 @pytest.mark.parametrize("entry", ["attention", "layout", "module"])
 def test_warm_step_never_syncs(name, entry):
@@ -484,25 +515,11 @@ def test_forward_split_backward_whole(text):
     Longformer's first rows as a split-K pair merged into the corner), the backward runs the whole
     mask from that output and logsumexp; within twice the whole mask's bfloat16 error against
     float64, logsumexp too."""
-    mask = bsfa.parse(text)
-    q, k, v = _qkv(D=128)
-    do = torch.randn_like(q)
-    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out, lse = bsfa.attention(*ref, mask=mask, backend="torch", return_lse=True)
-    want = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, ref, do.double()))
-    res = {}
-    for label, kw in (("whole", {"global_split": False}), ("default", None)):
-        with bsfa.ops.select.record() as ran:
-            out, lse = bsfa.attention(q, k, v, mask=mask, kernel_options=kw, return_lse=True)
-            res[label] = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, (q, k, v), do))
-        res[label + "_ran"] = ran
+    res, want = _against_float64(bsfa.parse(text), (("whole", {"global_split": False}, False),
+                                                    ("default", None, False)))
     assert ("forward", "global_split") in res["default_ran"]
     assert ("backward", "global_split") not in res["default_ran"]
-    assert not any(t.isnan().any() for t in res["default"])
-    for a, b, r in zip(res["default"], res["whole"], want):
-        err = (a.double() - r).norm() / r.norm()
-        err_whole = (b.double() - r).norm() / r.norm()
-        assert err < 2 * max(err_whole, 1e-3), (err, err_whole)
+    _within_twice_whole(res["default"], res["whole"], want)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
@@ -521,29 +538,12 @@ def test_run_split_on_gpu(name, box, monkeypatch):
             "block_diffusion": bsfa.load_pattern("block_diffusion", n=N // 2, block=64),
             "shared_prefix": bsfa.load_pattern("shared_prefix", prefix=256, document=ids),
             "rectangle_window": bsfa.query_range(700, 1100) & bsfa.key_range(128, 384) | bsfa.sliding_window(256)}[name]
-    q, k, v = _qkv(D=128)
-    do = torch.randn_like(q)
-    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out, lse = bsfa.attention(*ref, mask=mask, backend="torch", return_lse=True)
-    want = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, ref, do.double()))
-    res = {}
-    for label, kw, blhd in (("whole", {"run_split": False}, False), ("split", {"run_split": True}, False),
-                            ("split_blhd", {"run_split": True}, True)):
-        qi, ki, vi = q, k, v
-        if blhd:  # (B, L, H, D) memory, as the Hugging Face hook passes it
-            qi, ki, vi = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
-        with bsfa.ops.select.record() as ran:
-            out, lse = bsfa.attention(qi, ki, vi, mask=mask, kernel_options=kw, return_lse=True)
-            res[label] = [out.detach(), lse.detach()] + list(torch.autograd.grad(out, (qi, ki, vi), do))
-        res[label + "_ran"] = ran
+    res, want = _against_float64(mask, (("whole", {"run_split": False}, False), ("split", {"run_split": True}, False),
+                                        ("split_blhd", {"run_split": True}, True)))
     for label in ("split", "split_blhd"):
         assert ("forward", "run_split") in res[label + "_ran"] and ("backward", "run_split") in res[label + "_ran"]
         assert ("forward", "gluon:interval") in res[label + "_ran"], res[label + "_ran"]
         if box:  # the second part ran the device-interval kernels on its box
             assert ("backward", "gluon:interval") in res[label + "_ran"], res[label + "_ran"]
-        for a, b, r in zip(res[label], res["whole"], want):
-            assert not a.isnan().any()
-            err = (a.double() - r).norm() / r.norm()
-            err_whole = (b.double() - r).norm() / r.norm()
-            assert err < 2 * max(err_whole, 1e-3), (label, err, err_whole)
+        _within_twice_whole(res[label], res["whole"], want)
     assert ("forward", "run_split") not in res["whole_ran"]

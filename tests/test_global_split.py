@@ -11,7 +11,7 @@ from blocksparse_fa.compiler.globals import split_parts
 from blocksparse_fa.ops import select
 from blocksparse_fa.ops.options import KernelOptions
 from blocksparse_fa.ops.validate import Shapes
-from conftest import rel_err
+from conftest import check_route_against_float64, rel_err
 
 pytestmark = pytest.mark.interpreter
 
@@ -82,22 +82,7 @@ def test_choice_is_a_pure_function():
 @pytest.mark.parametrize("text,H,Hkv,D,n", [(LONGFORMER, 2, 1, 32, 96), (SINKS, 2, 2, 16, 100),
                                             (PARTIAL_ROWS, 2, 2, 16, 96)])
 def test_split_matches_float64(text, H, Hkv, D, n):
-    mask = bsfa.parse(text)
-    torch.manual_seed(0)
-    q = torch.randn(1, H, n, D, requires_grad=True)
-    k, v = (torch.randn(1, Hkv, n, D, requires_grad=True) for _ in range(2))
-    with select.record() as ran:
-        out, lse = bsfa.attention(q, k, v, mask, backend="triton", block_size=32, return_lse=True,
-                                  kernel_options=dict(global_split=True))
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
-        grads = torch.autograd.grad((out, lse), (q, k, v), (do, dl))
-    assert ("forward", "global_split") in ran and ("backward", "global_split") in ran
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
-    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (do.double(), dl.double()))
-    assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
-    for g, r, name in zip(grads, ref_grads, "qkv"):
-        assert rel_err(g, r) < 5e-6, (name, rel_err(g, r))
+    check_route_against_float64(bsfa.parse(text), "global_split", dict(global_split=True), H, Hkv, D, n)
 
 
 @pytest.mark.parametrize("H,Hkv", [(2, 1), (2, 2)])

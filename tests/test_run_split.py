@@ -12,7 +12,7 @@ from blocksparse_fa.compiler.runs import run_split, split_runs
 from blocksparse_fa.ops import runs as ops_runs
 from blocksparse_fa.ops import select
 from blocksparse_fa.ops.options import KernelOptions
-from conftest import rel_err
+from conftest import check_route_against_float64
 
 pytestmark = pytest.mark.interpreter
 
@@ -81,22 +81,8 @@ def test_choice_is_a_pure_function():
         KernelOptions(run_split="yes")
 
 
-def _check(mask, H=2, Hkv=1, D=16, n=128, seed=0):
-    torch.manual_seed(seed)
-    q = torch.randn(1, H, n, D, requires_grad=True)
-    k, v = (torch.randn(1, Hkv, n, D, requires_grad=True) for _ in range(2))
-    with select.record() as ran:
-        out, lse = bsfa.attention(q, k, v, mask, backend="triton", block_size=32, return_lse=True,
-                                  kernel_options=dict(run_split=True))
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
-        grads = torch.autograd.grad((out, lse), (q, k, v), (do, dl))
-    assert ("forward", "run_split") in ran and ("backward", "run_split") in ran
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
-    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (do.double(), dl.double()))
-    assert rel_err(out, ref) < 5e-6 and torch.allclose(lse.double(), ref_lse, atol=1e-5)
-    for g, r, name in zip(grads, ref_grads, "qkv"):
-        assert rel_err(g, r) < 5e-6, (name, rel_err(g, r))
+def _check(mask, H=2, Hkv=1, D=16, n=128, seed=0, n_k=None):
+    return check_route_against_float64(mask, "run_split", dict(run_split=True), H, Hkv, D, n, n_k, seed)
 
 
 @pytest.mark.parametrize("name", ["key_range_causal", "shared_prefix", "block_diffusion"])
@@ -144,22 +130,8 @@ def test_bottom_right_queries_split_too():
     """Fewer queries than keys (the last rows of a sequence, bottom-right aligned): the parts are
     compiled at the same alignment and the result matches float64."""
     mask = bsfa.key_range(90, 110) | bsfa.causal()  # rows at 64 .. 89 keep two runs
-    n_q, n_k = 64, 128
-    assert split_runs(mask, n_q, n_k, n_k - n_q) is not None
-    torch.manual_seed(2)
-    q = torch.randn(1, 2, n_q, 16, requires_grad=True)
-    k, v = (torch.randn(1, 2, n_k, 16, requires_grad=True) for _ in range(2))
-    with select.record() as ran:
-        out = bsfa.attention(q, k, v, mask, backend="triton", block_size=32, kernel_options=dict(run_split=True))
-        do = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    assert ("forward", "run_split") in ran and ("backward", "run_split") in ran
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = bsfa.reference_attention(qd, kd, vd, mask)
-    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
-    assert rel_err(out, ref) < 5e-6
-    for g, r in zip(grads, ref_grads):
-        assert rel_err(g, r) < 5e-6
+    assert split_runs(mask, 64, 128, 64) is not None
+    _check(mask, H=2, Hkv=2, n=64, n_k=128, seed=2)
 
 
 @pytest.mark.parametrize("name", ["key_range_causal", "shared_prefix", "block_diffusion"])
@@ -179,6 +151,5 @@ def test_second_part_on_its_box(monkeypatch, name):
     rs = run_split(lay, bsfa.compile_mask)
     r0, r1, c0, c1 = rs.box
     assert (r1 - r0) * (c1 - c0) < n * n and rs.box_bounds[0].shape[-1] == r1 - r0
-    with select.record() as ran:
-        _check(mask, n=n, seed=3)
+    ran = _check(mask, n=n, seed=3)
     assert ("forward", "triton:interval") in ran and ("backward", "triton:interval") in ran

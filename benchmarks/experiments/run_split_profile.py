@@ -4,8 +4,10 @@ whole mask, per kernel.
 For the cases of ``benchmarks/flex_equivalents.py`` whose name contains one of ``--only`` (16K,
 H 8, d 128, bf16), with ``kernel_options={"run_split": True}`` and ``{"run_split": False}``, the
 forward and the forward+backward through ``bsfa.attention``: the host time to issue one call
-(mean of 20, no synchronisation between them), the wall time per call (the same 20, synchronised
-once at the end) and the GPU time by kernel (``torch.profiler``, mean of 10 calls).
+(``host_path.host_us``: mean of 20, no synchronisation between them), the wall time per call
+(``do_bench`` median) and the GPU time by kernel (``host_new_primitives.gpu_kernels``, mean of 10
+calls). The recorded ``docs/data/run_split_profile_h200.json`` came from the first form of this
+script (wall time as the mean of the same 20 calls, kernels by ``key_averages``).
 
     PYTHONPATH=. python benchmarks/experiments/run_split_profile.py [--only SUBSTR ...] [--out DIR]
 
@@ -15,48 +17,21 @@ Results: ``run_split_profile.json`` in ``--out`` (default ``$OUT`` or the curren
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
-import time
 
 import torch
+import triton
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import blocksparse_fa as bsfa  # noqa: E402
 from flex_equivalents import cases  # noqa: E402
-
-
-def per_call(fn, calls: int = 20) -> tuple[float, float]:
-    """``(host µs, wall µs)`` per call of ``fn`` over ``calls`` calls issued back to back."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
-
-
-def gpu_kernels(fn, calls: int = 10) -> dict:
-    """``{kernel name: µs per call}``, longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = collections.defaultdict(float)
-    for e in prof.key_averages():
-        if e.self_device_time_total > 0:
-            out[e.key[:60]] += e.self_device_time_total / calls
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+from host_new_primitives import gpu_kernels  # noqa: E402
+from host_path import host_us  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -86,8 +61,9 @@ def main(argv=None) -> int:
                 return torch.autograd.grad(o, (q, k, v), do)
 
             for fn, mode in ((fwd, "fwd"), (fb, "fb")):
-                host, wall = per_call(fn)
-                ks = gpu_kernels(fn)
+                host = host_us(fn)
+                wall = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+                ks = {name: ms * 1e3 for name, ms in sorted(gpu_kernels(fn, 10).items(), key=lambda kv: -kv[1])}
                 gpu = sum(ks.values())
                 out["runs"][f"{name}|{var}|{mode}"] = {"host_us": host, "wall_us": wall, "gpu_us": gpu, "kernels": ks}
                 print(f"{name:22s} {var:5s} {mode:3s} host {host:7.0f} wall {wall:7.0f} gpu {gpu:7.0f} us :: "

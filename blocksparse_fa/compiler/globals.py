@@ -28,7 +28,7 @@ import numpy as np
 
 from ..mask import primitives as P
 from ..mask.expr import Mask
-from .intervals import _sets, _supported, mask_row_interval
+from .intervals import _sets, _supported, mask_row_interval, per_layout
 
 __all__ = ["GlobalSplit", "global_split", "MAX_GLOBAL"]
 
@@ -108,17 +108,16 @@ def global_split(layout, compile_fn) -> GlobalSplit | None:
     """The :class:`GlobalSplit` of a compiled layout (its mask, lengths, query offset and block
     size), built once and cached on the layout; None where the mask does not split (and for shards
     of a larger layout). ``compile_fn``: :func:`~blocksparse_fa.compiler.compile.compile_mask`."""
-    key = "global_split"
-    if key not in layout.cache:
-        res = None
-        if getattr(layout, "positions", None) is None and isinstance(layout.mask, Mask):
-            hit = split_parts(layout.mask, layout.q_len, layout.kv_len, layout.q_offset)
-            if hit is not None:
-                g, band, corner, rows = hit
-                dev, blk = layout.device, layout.block_size
-                part = None if rows is None or isinstance(rows, str) else \
-                    compile_fn(rows, g, layout.kv_len, blk, device=dev, rewrite=False, align="top_left")
-                res = GlobalSplit(g, compile_fn(band, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False),
-                                  corner, part, rows == "full")
-        layout.cache[key] = res
-    return layout.cache[key]
+
+    def build():
+        hit = split_parts(layout.mask, layout.q_len, layout.kv_len, layout.q_offset)
+        if hit is None:
+            return None
+        g, band, corner, rows = hit
+        dev, blk = layout.device, layout.block_size
+        part = None if rows is None or isinstance(rows, str) else \
+            compile_fn(rows, g, layout.kv_len, blk, device=dev, rewrite=False, align="top_left")
+        return GlobalSplit(g, compile_fn(band, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False),
+                           corner, part, rows == "full")
+
+    return per_layout(layout, "global_split", build)

@@ -180,6 +180,15 @@ def row_interval(layout):
     return layout.cache[key]
 
 
+def per_layout(layout, key: str, build):
+    """``build()`` for a compiled layout whose mask is an expression and whose rows sit at their
+    own positions (not a shard of a larger layout), else None; kept in ``layout.cache[key]``."""
+    if key not in layout.cache:
+        ok = getattr(layout, "positions", None) is None and isinstance(layout.mask, Mask)
+        layout.cache[key] = build() if ok else None
+    return layout.cache[key]
+
+
 def tile_ranges(lo: np.ndarray, hi: np.ndarray, rows: int, block_n: int):
     """Key-block ranges of tiles of ``rows`` consecutive query rows, from :func:`mask_row_interval`'s
     arrays of one instance.

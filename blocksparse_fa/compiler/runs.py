@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..mask.expr import And, Mask, Or
-from .intervals import _sets, _supported, mask_row_interval
+from .intervals import _sets, _supported, mask_row_interval, per_layout
 
 __all__ = ["RunSplit", "split_runs", "run_split", "MAX_TERMS"]
 
@@ -183,21 +183,20 @@ def run_split(layout, compile_fn) -> RunSplit | None:
     """The :class:`RunSplit` of a compiled layout (its mask, lengths, query offset and block size),
     built once and cached on the layout; None where the mask does not split (and for shards of a
     larger layout). ``compile_fn``: :func:`~blocksparse_fa.compiler.compile.compile_mask`."""
-    key = "run_split"
-    if key not in layout.cache:
-        res = None
-        if getattr(layout, "positions", None) is None and isinstance(layout.mask, Mask):
-            hit = split_runs(layout.mask, layout.q_len, layout.kv_len, layout.q_offset)
-            if hit is not None:
-                (a, ia), (b, ib) = hit
-                if _box(ib)[2] > _box(ia)[2]:  # the part added second spans less
-                    (a, ia), (b, ib) = (b, ib), (a, ia)
-                rows, keys, _ = _box(ib)
-                mean = (_pairs(ia) + _pairs(ib)) / ia[0].size
-                box, bounds = _aligned_box(ib, rows, keys, layout.q_len, layout.kv_len, layout.mask.batch_shape)
-                dev, blk, al = layout.device, layout.block_size, layout.align
-                res = RunSplit(compile_fn(a, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
-                               compile_fn(b, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
-                               rows, keys, mean, box, bounds)
-        layout.cache[key] = res
-    return layout.cache[key]
+
+    def build():
+        hit = split_runs(layout.mask, layout.q_len, layout.kv_len, layout.q_offset)
+        if hit is None:
+            return None
+        (a, ia), (b, ib) = hit
+        if _box(ib)[2] > _box(ia)[2]:  # the part added second spans less
+            (a, ia), (b, ib) = (b, ib), (a, ia)
+        rows, keys, _ = _box(ib)
+        mean = (_pairs(ia) + _pairs(ib)) / ia[0].size
+        box, bounds = _aligned_box(ib, rows, keys, layout.q_len, layout.kv_len, layout.mask.batch_shape)
+        dev, blk, al = layout.device, layout.block_size, layout.align
+        return RunSplit(compile_fn(a, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
+                        compile_fn(b, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
+                        rows, keys, mean, box, bounds)
+
+    return per_layout(layout, "run_split", build)
