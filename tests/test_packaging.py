@@ -170,7 +170,8 @@ def test_no_import_cycles():
         graphlib.TopologicalSorter({a: set(bs) for a, bs in g.items()}).prepare()
     except graphlib.CycleError as e:
         cycle = e.args[1]
-        steps = [f"{a} (line {g[a][b][0]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
+        # graphlib lists each node before the one that imports it
+        steps = [f"{b} (line {g[b][a][0]}) -> {a}" for a, b in zip(cycle, cycle[1:])]
         pytest.fail("import cycle:\n" + "\n".join(steps))
 
 

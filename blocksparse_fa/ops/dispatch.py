@@ -26,7 +26,7 @@ from ..compiler.layout import BlockLayout
 from ..compiler.rewrite import residue_permutation
 from . import select
 from .options import DEFAULT_OPTIONS, KernelOptions
-from .validate import Shapes, without_autocast
+from .validate import Shapes, check_differentiable_backward, lse_dtype, without_autocast
 
 __all__ = ["forward", "backward", "apply", "lse_dtype", "last_backend", "note_backend", "score_grad_buffers",
            "pad_head_dims", "slice_head_dim"]
@@ -44,21 +44,6 @@ def last_backend() -> str | None:
     ``"torch"`` (exact block walking in PyTorch) or ``"dense"`` (PyTorch's SDPA over the
     materialised mask, chosen by ``backend="auto"`` on CPU); ``None`` before the first call."""
     return getattr(_last, "name", None)
-
-
-def check_differentiable_backward(backend: str) -> None:
-    """Refuse a backward that records a graph (``create_graph=True``, for second derivatives) on
-    the Triton kernels: their gradients come out of kernels autograd cannot see through, so the
-    second derivative would silently miss attention's part. The PyTorch backend's backward is
-    made of differentiable operations and supports it."""
-    if backend == "triton" and torch.is_grad_enabled():
-        raise RuntimeError("attention: a backward with create_graph=True (second derivatives) is not supported by "
-                           "the Triton kernels; call with backend='torch' (exact, differentiable twice)")
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The logsumexp's dtype: float32, float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def pad_head_dims(q, k, v):

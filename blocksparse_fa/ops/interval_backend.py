@@ -36,10 +36,9 @@ from .._oplib import custom_op
 from ..compiler.device_intervals import (DeviceIntervals, cached_table, col_tables, gluon_backward_tables,
                                          interval_spec, key_tile_order, row_tables)
 from . import select
-from .dispatch import check_differentiable_backward, lse_dtype
 from .options import DEFAULT_OPTIONS, as_options, decode_options
 from .prepare import draw_seed, encoded_options, resolve_backend, seed_tensor
-from .validate import Shapes, check_qkv, without_autocast
+from .validate import Shapes, check_differentiable_backward, check_qkv, lse_dtype, without_autocast
 
 __all__ = ["interval_attention", "try_interval_attention", "interval_fwd", "interval_bwd", "gluon_interval_forward",
            "gluon_interval_backward"]

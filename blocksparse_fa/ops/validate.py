@@ -283,3 +283,18 @@ def bool_mask_to_mask(t: torch.Tensor, lead: tuple, H: int, Lq: int, Lk: int, na
     if key[2] is not None:
         _LAST_TENSOR_MASK.put(t, key, m)
     return m
+
+
+def check_differentiable_backward(backend: str) -> None:
+    """Refuse a backward that records a graph (``create_graph=True``, for second derivatives) on
+    the Triton kernels: their gradients come out of kernels autograd cannot see through, so the
+    second derivative would silently miss attention's part. The PyTorch backend's backward is
+    made of differentiable operations and supports it."""
+    if backend == "triton" and torch.is_grad_enabled():
+        raise RuntimeError("attention: a backward with create_graph=True (second derivatives) is not supported by "
+                           "the Triton kernels; call with backend='torch' (exact, differentiable twice)")
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The logsumexp's dtype: float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
