@@ -153,3 +153,21 @@ def test_second_part_on_its_box(monkeypatch, name):
     assert (r1 - r0) * (c1 - c0) < n * n and rs.box_bounds[0].shape[-1] == r1 - r0
     ran = _check(mask, n=n, seed=3)
     assert ("forward", "triton:interval") in ran and ("backward", "triton:interval") in ran
+
+
+@pytest.mark.parametrize("box", [False, True])
+def test_per_head_window_inside_a_key_range(monkeypatch, box):
+    """Per-head windows (a mask with a head dim) narrower than a key range they can fall inside:
+    only the grouping with the key range as the smaller part keeps one run per row (its rows keep
+    the range around a window inside it); float64 check, on the full tensors and on the second
+    part's box. Windows wider than the range give rows three runs' worth of parts: no split."""
+    from blocksparse_fa.compiler import runs as compiler_runs
+
+    monkeypatch.setattr(ops_runs, "BOX_SECOND", box)
+    monkeypatch.setattr(compiler_runs, "BOX_ALIGN", 64)
+    mask = bsfa.key_range(100, 130) | (bsfa.causal() & bsfa.sliding_window(bsfa.per_head(torch.tensor([8, 24]))))
+    (a, _), (b, _) = split_runs(mask, 256, 256, 0)
+    assert str(a) == "key_range(100, 130)" and "sliding_window" in str(b)  # the windows minus the range
+    _check(mask, H=2, Hkv=2, n=256, seed=4)
+    wide = bsfa.key_range(100, 130) | (bsfa.causal() & bsfa.sliding_window(bsfa.per_head(torch.tensor([16, 48]))))
+    assert split_runs(wide, 256, 256, 0) is None

@@ -101,10 +101,10 @@ def _pairs(iv) -> int:
 
 
 def split_runs(mask: Mask, q_len: int, kv_len: int, q_offset: int):
-    """``((A, (lo, hi)), (B & ~A, (lo, hi)))`` when ``mask`` is not one run per row but splits into
-    two one-run parts as the module docstring says, else None. ``lo``/``hi``: each part's int32
-    ``(Z, q_len)`` intervals, as :func:`~blocksparse_fa.compiler.intervals.mask_row_interval` gives
-    them."""
+    """``((P, (lo, hi)), (Q, (lo, hi)))``, the larger part first (``A`` and ``B & ~A`` in some
+    order), when ``mask`` is not one run per row but splits into two one-run parts as the module
+    docstring says, else None. ``lo``/``hi``: each part's int32 ``(Z, q_len)`` intervals, as
+    :func:`~blocksparse_fa.compiler.intervals.mask_row_interval` gives them."""
     if not _supported(mask) or _max_runs(mask, q_len, kv_len, q_offset) != 2:
         return None  # one run per row already, more than two somewhere, or a leaf of no runs
     terms = _terms(mask, MAX_TERMS)
@@ -124,10 +124,10 @@ def split_runs(mask: Mask, q_len: int, kv_len: int, q_offset: int):
             if ib is None:
                 continue
             na, nb = _pairs(ia), _pairs(ib)
-            if nb == 0 or na < nb or not (_monotone(ia) and _monotone(ib)):  # A: the larger part
+            if nb == 0 or not (_monotone(ia) and _monotone(ib)):
                 continue
-            if best is None or na > best[0]:
-                best = (na, (a, ia), (second, ib))
+            if best is None or max(na, nb) > best[0]:  # the grouping whose larger part keeps the most
+                best = (max(na, nb), (a, ia), (second, ib)) if na >= nb else (nb, (second, ib), (a, ia))
     return None if best is None else best[1:]
 
 
@@ -193,7 +193,7 @@ def run_split(layout, compile_fn) -> RunSplit | None:
             (a, ia), (b, ib) = (b, ib), (a, ia)
         rows, keys, _ = _box(ib)
         mean = (_pairs(ia) + _pairs(ib)) / ia[0].size
-        box, bounds = _aligned_box(ib, rows, keys, layout.q_len, layout.kv_len, layout.mask.batch_shape)
+        box, bounds = _aligned_box(ib, rows, keys, layout.q_len, layout.kv_len, b.batch_shape)
         dev, blk, al = layout.device, layout.block_size, layout.align
         return RunSplit(compile_fn(a, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
                         compile_fn(b, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
