@@ -97,8 +97,10 @@ def test_second_part_added_from_its_own_gradients(monkeypatch):
     """Where the second part runs a backward that writes its gradients (the Gluon one on Hopper),
     they are added to the first part's over the rows and keys that part keeps: forced here on
     the interpreter's kernels."""
-    monkeypatch.setattr(ops_runs, "_adds_in_place", lambda *a: False)
+    asked = []
+    monkeypatch.setattr(ops_runs, "_adds_in_place", lambda *a: asked.append(a) or False)
     _check(bsfa.key_range(40, 72) | bsfa.causal(), H=2, Hkv=2, seed=1)
+    assert len(asked) == 1  # the choice was made here (once), so the addition path ran
 
 
 def test_explain_names_the_parts():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import select
 from .options import KernelOptions
 from .validate import Shapes
 
@@ -100,7 +101,11 @@ def split_backward(q, k, v, out, lse, dout, rs, s: Shapes, scale: float, dlse, o
             dk[:, :, c0:c1].add_(g2[1])
             dv[:, :, c0:c1].add_(g2[2])
         return dq, dk, dv
-    if _adds_in_place(backward_choice(q, k, v, dout, rs.second, s, 0.0, opts)):
+    key = (s, q.dtype, q.device, opts, select.tma_ok(q, k, v, dout))
+    adds = rs.__dict__.setdefault("_adds", {})
+    if key not in adds:  # chosen once per shapes and options, not per call
+        adds[key] = _adds_in_place(backward_choice(q, k, v, dout, rs.second, s, 0.0, opts))
+    if adds[key]:
         triton_backward(q, k, v, out, lse, dout, rs.second, s, scale, 0.0, 0, delta=delta, accumulate=(dq, dk, dv),
                         opts=opts)
         return dq, dk, dv
