@@ -547,3 +547,30 @@ def test_run_split_on_gpu(name, box, monkeypatch):
             assert ("backward", "gluon:interval") in res[label + "_ran"], res[label + "_ran"]
         _within_twice_whole(res[label], res["whole"], want)
     assert ("forward", "run_split") not in res["whole_ran"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the parts run the Gluon kernels (Hopper)")
+@pytest.mark.parametrize("box", [False, True])
+def test_run_split_warm_step_never_syncs(box, monkeypatch):
+    """A warm forward+backward of a split mask (both parts, the merge, the additions; ``box``: the
+    second part on its box) makes no device-to-host synchronisation."""
+    monkeypatch.setattr("blocksparse_fa.ops.runs.BOX_SECOND", box)
+    mask = bsfa.key_range(256, 640) | bsfa.causal()
+    q, k, v = _qkv(D=128)
+    do = torch.randn_like(q)
+
+    def step():
+        out = bsfa.attention(q, k, v, mask=mask, kernel_options={"run_split": True})
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    with bsfa.ops.select.record() as ran:
+        step()  # the first call builds the parts' tables
+    assert ("forward", "run_split") in ran and ("backward", "run_split") in ran, ran
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -96,7 +96,8 @@ def test_split_matches_float64(name):
 def test_second_part_added_from_its_own_gradients(monkeypatch):
     """Where the second part runs a backward that writes its gradients (the Gluon one on Hopper),
     they are added to the first part's over the rows and keys that part keeps: forced here on
-    the interpreter's kernels."""
+    the interpreter's kernels (the second part on the whole sequence, ``BOX_SECOND`` off)."""
+    monkeypatch.setattr(ops_runs, "BOX_SECOND", False)
     asked = []
     monkeypatch.setattr(ops_runs, "_adds_in_place", lambda *a: asked.append(a) or False)
     _check(bsfa.key_range(40, 72) | bsfa.causal(), H=2, Hkv=2, seed=1)

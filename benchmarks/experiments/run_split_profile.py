@@ -2,8 +2,10 @@
 whole mask, per kernel.
 
 For the cases of ``benchmarks/flex_equivalents.py`` whose name contains one of ``--only`` (16K,
-H 8, d 128, bf16), with ``kernel_options={"run_split": True}`` and ``{"run_split": False}``, the
-forward and the forward+backward through ``bsfa.attention``: the host time to issue one call
+H 8, d 128, bf16), three variants: ``kernel_options={"run_split": True}`` (*split*), the same with
+the second part on its box (``ops/runs.BOX_SECOND``; *box*) and ``{"run_split": False}`` (*whole*).
+For each, the peak memory of a forward+backward above its inputs, then for the forward and the
+forward+backward through ``bsfa.attention``: the host time to issue one call
 (``host_path.host_us``: mean of 20, no synchronisation between them), the wall time per call
 (``do_bench`` median) and the GPU time by kernel (``host_new_primitives.gpu_kernels``, mean of 10
 calls). The recorded ``docs/data/run_split_profile_h200.json`` came from the first form of this
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import blocksparse_fa as bsfa  # noqa: E402
+from blocksparse_fa.ops import runs as ops_runs  # noqa: E402
 from flex_equivalents import cases  # noqa: E402
 from host_new_primitives import gpu_kernels  # noqa: E402
 from host_path import host_us  # noqa: E402
@@ -51,7 +54,9 @@ def main(argv=None) -> int:
                        for _ in range(4))
         for t in (q, k, v):
             t.requires_grad_()
-        for var, ko in (("split", {"run_split": True}), ("whole", {"run_split": False})):
+        for var, ko, box in (("split", {"run_split": True}, False), ("box", {"run_split": True}, True),
+                             ("whole", {"run_split": False}, False)):
+            ops_runs.BOX_SECOND = box
             def fwd(ko=ko):
                 with torch.no_grad():
                     return bsfa.attention(q, k, v, mask, kernel_options=ko)
@@ -60,13 +65,22 @@ def main(argv=None) -> int:
                 o = bsfa.attention(q, k, v, mask, kernel_options=ko)
                 return torch.autograd.grad(o, (q, k, v), do)
 
+            fb()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fb()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
             for fn, mode in ((fwd, "fwd"), (fb, "fb")):
                 host = host_us(fn)
                 wall = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
                 ks = {name: ms * 1e3 for name, ms in sorted(gpu_kernels(fn, 10).items(), key=lambda kv: -kv[1])}
                 gpu = sum(ks.values())
-                out["runs"][f"{name}|{var}|{mode}"] = {"host_us": host, "wall_us": wall, "gpu_us": gpu, "kernels": ks}
-                print(f"{name:22s} {var:5s} {mode:3s} host {host:7.0f} wall {wall:7.0f} gpu {gpu:7.0f} us :: "
+                out["runs"][f"{name}|{var}|{mode}"] = {"host_us": host, "wall_us": wall, "gpu_us": gpu, "kernels": ks,
+                                                       "fb_peak_mib": peak}
+                print(f"{name:22s} {var:5s} {mode:3s} host {host:7.0f} wall {wall:7.0f} gpu {gpu:7.0f} us "
+                      f"peak {peak:6.1f} MiB :: "
                       + ", ".join(f"{kk} {vv:.0f}" for kk, vv in list(ks.items())[:7]), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "run_split_profile.json"), "w") as f:

@@ -238,7 +238,8 @@ class KernelOptions:
             through their logsumexps. None (default): in each phase where both parts run Gluon
             kernels (Hopper) and rows keep 2048 keys or more on average; True: wherever the Triton
             backend runs; False: never (the whole mask on the block kernels). The split backward
-            holds a second set of q/k/v-sized gradients while it adds the second part's.
+            holds the second part's gradients (the size of its rows' and keys' q, k, v) while it
+            adds them.
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
             run bounds (True) rather than by comparing ids.
         fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles

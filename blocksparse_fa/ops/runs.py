@@ -21,12 +21,13 @@ from .validate import Shapes
 
 __all__ = ["split_forward", "split_backward"]
 
-BOX_SECOND = False
+BOX_SECOND = True
 """Run the second part on its box (``RunSplit.box``: its rows and keys, widened to whole tiles) as
 views of q, k, v, through the device-interval kernels (``ops/interval_backend``: Gluon on Hopper)
 with the box's intervals: its output, logsumexp and gradients then take the box's memory, and its
-kernels skip the tiles outside it. Checked against float64 through the Triton interpreter only;
-off until a GPU run validates and times it."""
+kernels skip the tiles outside it (H200, 16K, H 8: fwd+bwd peak 225.6 → 194.1 MiB for
+``key_range | causal``, 225.6 → 177.6 for block diffusion, at equal time). False runs the second
+part on the whole sequence, as the first."""
 
 
 def _second_box(rs, device, s: Shapes):
