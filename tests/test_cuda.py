@@ -272,6 +272,44 @@ def test_gluon_interval_backward_on_host_layouts(name, d):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("persistent", [None, False])
+@pytest.mark.parametrize("name", ["layout", "device"])
+def test_gluon_interval_backward_per_head(name, persistent):
+    """Intervals that differ per head without GQA (per-head windows: a compiled layout, or with a
+    document on device intervals) run the Gluon interval backward, one table per head (dK/dV
+    programs of both kinds: persistent and one per tile); output and gradients against float64.
+    With GQA the same mask keeps the Triton backward."""
+    from blocksparse_fa.ops import select
+    from blocksparse_fa.ops.options import GluonBwdConfig
+
+    n, H = 1024, 4
+    win = bsfa.sliding_window(bsfa.per_head([64, 200, 512, 1024]))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 212, 512]))
+    mask = bsfa.compile_mask(bsfa.causal() & win, n, n, device="cuda") if name == "layout" else \
+        bsfa.causal() & bsfa.document(ids.cuda(), contiguous=True) & win
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = (torch.randn(1, H, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    opts = dict(gluon_bwd=GluonBwdConfig(dkdv_persistent=persistent, persistent=persistent))
+    with select.record() as ran:
+        out = bsfa.attention(q, k, v, mask=mask, kernel_options=opts)
+        got = torch.autograd.grad(out, (q, k, v), do)
+    assert ("backward", "gluon:interval") in ran, ran
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = bsfa.reference_attention(*ins, mask if name == "device" else bsfa.causal() & win)
+    want = torch.autograd.grad(ref, ins, do.double())
+    for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert not a.isnan().any() and err < 2e-2, f"{name} d{what}: relative error {err:.2e}"
+    kg, vg = (t.detach()[:, :2].requires_grad_() for t in (k, v))
+    with select.record() as ran:
+        torch.autograd.grad(bsfa.attention(q, kg, vg, mask=mask), (q, kg, vg), do)
+    assert ("backward", "gluon:interval") not in ran, ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("kind", ["dense", "causal"])
 def test_default_backward_is_the_five_gemm_one(kind, d):

@@ -383,6 +383,60 @@ def test_compiled_step_with_new_packings_never_recompiles(no_host_layout):
                         assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.interpreter
+def test_layers_build_one_masks_tables_once(monkeypatch):
+    """Three layers, each building ``causal() & document(ids)`` from the step's ids: compiled, the
+    graph computes the intervals once (common subexpressions) and the kernels' tables are built
+    once per step for the three layers (forward and backward); eager, the layers get one mask
+    (:func:`~blocksparse_fa.document` of one unmodified tensor), so the same. Results agree."""
+    from blocksparse_fa.ops import interval_backend as ib
+
+    built = []
+    for name in ("row_tables", "col_tables"):
+        monkeypatch.setattr(ib, name, lambda *a, _f=getattr(ib, name), _n=name, **k: built.append(_n) or _f(*a, **k))
+    ws = [torch.randn(16, 16, generator=torch.Generator().manual_seed(i)) * 0.3 for i in range(3)]
+
+    def step(x, ids):
+        h = x
+        for w in ws:
+            q = h @ w
+            h = h + bsfa.attention(q, q, q, mask=bsfa.causal() & bsfa.document(ids), backend="triton")
+        return h.square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    x = torch.randn(1, 2, 64, 16, requires_grad=True)
+    once = ["col_tables", "row_tables", "row_tables"]  # forward rows; backward rows, columns
+    for lens in ([20, 30, 14], [64]):
+        ids = _ids(lens)
+        for fn in (compiled, step):  # eager: document(ids) of one unmodified tensor is one mask
+            built.clear()
+            g, = torch.autograd.grad(fn(x, ids), x)
+            assert sorted(built) == once, (fn, built)
+            if fn is compiled:
+                want = g
+        assert rel_err(g, want) < 1e-5
+    ids[5:] += 1  # modified in place: a new document, new tables
+    built.clear()
+    torch.autograd.grad(step(x, ids), x)
+    assert sorted(built) == once, built
+
+
+def test_document_of_one_unmodified_tensor_is_one_mask():
+    """``document(ids)`` returns the mask made for the same tensor before, unless the tensor was
+    modified in place since or ``contiguous`` differs; inference tensors get a new mask each time."""
+    ids = _ids([3, 5])
+    a = bsfa.document(ids)
+    assert bsfa.document(ids) is a and bsfa.document(ids, contiguous=False) is not a
+    ids[0] = 1  # document 1 now has two runs
+    b = bsfa.document(ids)
+    assert b is not a and not b.contiguous and a.contiguous and a.tensor[0, 0] == 0
+    assert bsfa.document(ids.clone()) is not b  # another tensor
+    with torch.inference_mode():
+        frozen = _ids([4, 4])
+        assert bsfa.document(frozen) is not bsfa.document(frozen)
+
+
 def test_new_lengths_recompile_at_most_once():
     """Dynamo marks the length dynamic after one recompile; the interval path then reuses the graph."""
     from torch._dynamo.utils import counters

@@ -22,12 +22,12 @@ CFGS = [GluonBwdConfig(), GluonBwdConfig(block_m=128, block_n=64, dq_block_m=64,
 
 def _device_tables(mask, q_len, kv_len, cfg):
     """What ``ops/interval_backend.gluon_interval_backward`` launches for ``mask``: ``(lo, hi,
-    kv_tab, q_tab, lzb)``."""
+    kv_tab, q_tab, lzb, lzh)``."""
     iv = interval_spec(mask, q_len, kv_len, require_tensor=False).bounds(CPU)
     assert iv.qid is None and iv.ilo is None and iv.lo.shape[1] == 1
     zb = iv.lo.shape[0]
     return (iv.lo.view(zb, q_len), iv.hi.view(zb, q_len), *gluon_backward_tables(iv, kv_len, cfg),
-            1 if zb > 1 else 0)
+            1 if zb > 1 else 0, 0)
 
 
 DEVICE_MASKS = {
@@ -51,8 +51,8 @@ def test_tables_equal_the_device_paths(name, cfg):
     for what, a, b in zip(("lo", "hi", "kv_tab", "q_tab"), host[:4], dev[:4]):
         assert a.dtype == b.dtype == torch.int32 and a.is_contiguous(), what
         assert torch.equal(a, b), what
-    assert host[4] == dev[4]
-    assert host[5] is None  # every row keeps a key
+    assert host[4:6] == dev[4:6]  # instance strides
+    assert host[6] is None  # every row keeps a key
     assert tb._gluon_bwd_interval_tables(layout, cfg, CPU) is host  # built once per layout and tiles
 
 
@@ -99,10 +99,10 @@ def test_tables_cover_the_mask(name, cfg):
     make, q_len, kv_len = COVER_MASKS[name]
     mask = make()
     layout = bsfa.compile_mask(mask, q_len, kv_len, 128)
-    lo, hi, kv_tab, q_tab, lzb, empty, kv_ord = tb._gluon_bwd_interval_tables(layout, cfg, CPU)
+    lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = tb._gluon_bwd_interval_tables(layout, cfg, CPU)
     dense = mask.to_dense(q_len, kv_len)
     dense = dense.reshape(-1, *dense.shape[-2:])  # (Zb, Lq, Lk): one head per batch row
-    assert lo.shape == (dense.shape[0], q_len) and lzb == (1 if dense.shape[0] > 1 else 0)
+    assert lo.shape == (dense.shape[0], q_len) and (lzb, lzh) == (1 if dense.shape[0] > 1 else 0, 0)
     for z in range(dense.shape[0]):
         _check_cover(dense[z], lo[z], hi[z], kv_tab[z, 0], q_tab[z, 0], cfg)
         # the persistent dK/dV kernel's order: every key tile once, heaviest first

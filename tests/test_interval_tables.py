@@ -111,9 +111,10 @@ def test_backward_tables_and_key_order_in_one_launch_each(case):
         changed |= not torch.equal(want, di.col_tables(iv, lk, bm, bn, fast=False))
         assert _same(di.row_tables(iv, bm, bn, fast=True, visit_one=True),
                      di.row_tables(iv, bm, bn, fast=False, visit_one=True))
-        order = di.key_tile_order(want[:, :1], fast=True)
-        assert _same(order, di.key_tile_order(want[:, :1], fast=False))
-        steps = (want[:, 0, :, 3] - want[:, 0, :, 0]).gather(1, order.long())
+        order = di.key_tile_order(want, fast=True)  # one permutation per batch row and head
+        assert order.shape == (want.shape[0] * want.shape[1], want.shape[2])
+        assert _same(order, di.key_tile_order(want, fast=False))
+        steps = (want[..., 3] - want[..., 0]).reshape(order.shape).gather(1, order.long())
         assert bool((steps[:, :-1] >= steps[:, 1:]).all())
     if case == "lq_lt_lk_top_left":  # key tiles past the last row's keys: one masked step each
         assert changed

@@ -133,6 +133,18 @@ def test_backward_gluon_on_device_intervals():
     assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
 
 
+def test_backward_gluon_on_per_head_intervals_without_gqa():
+    """Intervals that differ per head (per-head windows): the Gluon interval pair where every
+    query head has its own kv head (each dK/dV program then reads its head's table); with GQA the
+    Triton backward of the class (a dK/dV program walks the group's heads with one table)."""
+    mha = Shapes(1, 16, 16, 16384, 16384, 128)
+    for kind, (make, fallback, _) in _INTERVAL_CLASSES.items():
+        lc = make(per_head=True)
+        assert str(choose_backward(lc, mha, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval", kind
+        c = choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)  # G = 4
+        assert (c.family, c.mode, c.kernels) == fallback, kind
+
+
 _COMMON = ["per_head", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "fp32", "d96", "ragged",
            "no_gluon", "option", "switched_off"]
 # per class: its LayoutClass, its Triton fallback and the switch of its Gluon default
@@ -248,7 +260,7 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     q, k, v = _inputs(Hkv=1)
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
     tables = tb._gluon_bwd_interval_tables(layout, GluonBwdConfig(), torch.device("cpu"))
-    assert tables[5] is not None and tables[5].shape == (1, 1, L)
+    assert tables[6] is not None and tables[6].shape == (1, 1, L)
     gluon = dict(backward="gluon")  # at d 64 the default is the Triton backward (ops/select)
     for opts, want in ((gluon, "gluon:interval"), (None, "triton:blocks"), (dict(backward="triton"), "triton:blocks")):
         seen.clear()
@@ -260,7 +272,7 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
             causal, atomic, intervals, _ = seen[0]
             assert not causal and not atomic and intervals[4:6] == (0, 0)
             # built once, kept on the layout
-            assert all(a is b for a, b in zip(intervals[:4] + intervals[6:], tables[:4] + tables[6:]))
+            assert all(a is b for a, b in zip(intervals[:4] + intervals[6:], tables[:4] + tables[7:]))
         for a, b in zip(grads, ref):
             assert rel_err(a, b) < 1e-2
     assert bsfa.explain(q, k, v, mask=layout, backend="triton", kernel_options=gluon).backward == "gluon:interval"
@@ -271,6 +283,25 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
                        opts=KernelOptions(backward="gluon"))
     lse = seen[0][3]
     assert torch.isinf(lse[..., :64]).all() and torch.isinf(lse[..., 200:]).all() and (lse[..., 64:200] == 0).all()
+
+
+def test_host_interval_tables_per_head():
+    """A layout whose heads keep different intervals (per-head windows) gets one table per head
+    (instance strides 0 / 1), each equal to that head's own layout's; heads that keep the same
+    intervals share head 0's (strides 0 / 0)."""
+    cfg, cpu = GluonBwdConfig(), torch.device("cpu")
+    wins = [32, 96]
+    lay = bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(bsfa.per_head(wins)), L, L, 128)
+    lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = tb._gluon_bwd_interval_tables(lay, cfg, cpu)
+    assert (lo.shape, lzb, lzh, empty) == ((2, L), 0, 1, None)
+    for h, w in enumerate(wins):
+        one = tb._gluon_bwd_interval_tables(bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(w), L, L, 128),
+                                            cfg, cpu)
+        assert torch.equal(lo[h], one[0][0]) and torch.equal(hi[h], one[1][0])
+        assert torch.equal(kv_tab[:, h], one[2][:, 0]) and torch.equal(q_tab[:, h], one[3][:, 0])
+        assert torch.equal(kv_ord[h], one[7][0])  # one permutation per instance
+    same = bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(bsfa.per_head([600, 700])), L, L, 128)
+    assert tb._gluon_bwd_interval_tables(same, cfg, cpu)[4:6] == (0, 0)
 
 
 def test_backward_of_an_interval_shard_runs_gluon_at_d128():

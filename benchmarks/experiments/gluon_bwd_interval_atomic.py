@@ -62,10 +62,10 @@ def gluon_interval_backward(q, k, v, out, lse, do, layout, s: Shapes, scale: flo
     cfg = cfg or GluonBwdConfig()
     intervals = None  # a dense layout: the kernels' dense mode
     if select.layout_class(layout).kind != "dense":
-        lo, hi, kv_tab, q_tab, lzb, empty, kv_ord = tb._gluon_bwd_interval_tables(layout, cfg, q.device)
+        lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = tb._gluon_bwd_interval_tables(layout, cfg, q.device)
         if empty is not None:
             lse = lse.masked_fill(empty, float("-inf"))
-        intervals = (lo, hi, kv_tab, q_tab, lzb, 0, kv_ord)
+        intervals = (lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)
     delta = tb.backward_delta(out, do, lse, s)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     tb._gluon_bwd_launch(q, k, v, do, grads, lse.contiguous(), delta, s, scale, False, atomic, cfg, layout,

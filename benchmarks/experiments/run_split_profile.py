@@ -4,7 +4,8 @@ whole mask, per kernel.
 For the cases of ``benchmarks/flex_equivalents.py`` whose name contains one of ``--only`` (16K,
 H 8, d 128, bf16), three variants: ``kernel_options={"run_split": True}`` (*split*), the same with
 the second part on its box (``ops/runs.BOX_SECOND``; *box*) and ``{"run_split": False}`` (*whole*).
-For each, the peak memory of a forward+backward above its inputs, then for the forward and the
+``--variants`` replaces them by ``kernel_options`` given as ``name=JSON`` (the library's defaults
+otherwise). For each, the peak memory of a forward+backward above its inputs, then for the forward and the
 forward+backward through ``bsfa.attention``: the host time to issue one call
 (``host_path.host_us``: mean of 20, no synchronisation between them), the wall time per call
 (``do_bench`` median) and the GPU time by kernel (``host_new_primitives.gpu_kernels``, mean of 10
@@ -12,6 +13,7 @@ calls). The recorded ``docs/data/run_split_profile_h200.json`` came from the fir
 script (wall time as the mean of the same 20 calls, kernels by ``key_averages``).
 
     PYTHONPATH=. python benchmarks/experiments/run_split_profile.py [--only SUBSTR ...] [--out DIR]
+        [--variants auto=null triton_bwd='{"backward": "triton"}']
 
 Results: ``run_split_profile.json`` in ``--out`` (default ``$OUT`` or the current folder).
 """
@@ -43,8 +45,14 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=None, metavar="NAME=JSON",
+                    help="kernel_options variants instead of split / box / whole (null: no options)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
+    variants = [("split", {"run_split": True}, False), ("box", {"run_split": True}, True),
+                ("whole", {"run_split": False}, False)]
+    if a.variants:
+        variants = [(n, json.loads(t), True) for n, _, t in (v.partition("=") for v in a.variants)]
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": {}}
     for name, mask, _, (B, _) in cases(a.n, H=a.heads, device="cuda"):
         if not any(s in name for s in a.only):
@@ -54,8 +62,7 @@ def main(argv=None) -> int:
                        for _ in range(4))
         for t in (q, k, v):
             t.requires_grad_()
-        for var, ko, box in (("split", {"run_split": True}, False), ("box", {"run_split": True}, True),
-                             ("whole", {"run_split": False}, False)):
+        for var, ko, box in variants:
             ops_runs.BOX_SECOND = box
             def fwd(ko=ko):
                 with torch.no_grad():

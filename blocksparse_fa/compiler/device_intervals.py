@@ -620,15 +620,15 @@ def _visit_one(tab: torch.Tensor) -> torch.Tensor:
 
 
 def key_tile_order(kv_tab: torch.Tensor, fast: bool | None = None) -> torch.Tensor:
-    """The key tiles of a dK/dV table ``(Zb, 1, P, 4)`` (:func:`gluon_backward_tables`) heaviest
-    first (most query blocks; ties in tile order): int32 ``(Zb, P)``, a permutation per instance,
+    """The key tiles of a dK/dV table ``(Zb, Zh, P, 4)`` (:func:`gluon_backward_tables`) heaviest
+    first (most query blocks; ties in tile order): int32 ``(Zb·Zh, P)``, a permutation per instance,
     which the persistent dK/dV kernel deals out so that programs finish together. ``fast``: one
     Triton launch (``kernels/interval_tables._tile_order``) or the torch sort; None: Triton on CUDA."""
     if kv_tab.is_cuda if fast is None else fast:
         from ..kernels.interval_tables import tile_order
 
         return tile_order(kv_tab)
-    steps = (kv_tab[..., 3] - kv_tab[..., 0]).reshape(kv_tab.shape[0], -1)
+    steps = (kv_tab[..., 3] - kv_tab[..., 0]).reshape(-1, kv_tab.shape[-2])
     return torch.argsort(-steps, dim=-1, stable=True).to(torch.int32).contiguous()
 
 

@@ -47,7 +47,8 @@ the dK/dV kernel's Q/dO descriptor spans the group's heads, so a ragged query ti
 next head's rows). Longest programs first.
 
 ``INTERVAL``: every query row ``r`` keeps one key interval ``[LO[r], HI[r])``, the same for every
-head (windows, contiguous documents, their intersections with ``causal()``), given as tables built
+head or (without GQA) one per head (windows, per-head windows, contiguous documents, their
+intersections with ``causal()``), given as tables built
 on the device (``compiler/device_intervals.gluon_backward_tables``, from device intervals or a compiled
 layout's): a dK/dV program walks the query blocks ``[first, end)`` of its key tile and a dQ program
 the key blocks of its row tile; blocks inside ``[f0, f1)`` are kept whole by every row and run
@@ -98,7 +99,7 @@ if gluon is not None:
         _tma_load(desc_b, [row_b, col_b], bar, smem_b)
 
     @gluon.jit
-    def _dkdv_item(t, TAB, ORD, n_prog, BH, HKV, LZB, q_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+    def _dkdv_item(t, TAB, ORD, n_prog, BH, HKV, LZB, LZH, q_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                    M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """Work item ``t`` of the dK/dV kernel: ``(b, hk, off_n, i0, n_i, f0, f1, z)`` (key tile
         ``off_n ..`` of batch ``b``, kv head ``hk``, query blocks ``[i0, i0 + n_i)`` of which
@@ -108,7 +109,7 @@ if gluon is not None:
         b = pid_bh // HKV
         hk = pid_bh % HKV
         if INTERVAL:  # this key tile's query blocks from the table
-            z = (b * LZB).to(gl.int64)
+            z = (b * LZB + hk * LZH).to(gl.int64)  # LZH: per-head intervals (MHA only)
             if M_MAJOR:
                 pid_n = gl.load(ORD + z * n_prog + pid_n)
             tab = TAB + (z * n_prog + pid_n) * 4
@@ -159,7 +160,8 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty, ready,
                        empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                       first, n_items, n_prog, BH, HKV, G, LZB, q_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                       first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL: gl.constexpr,
+                       INTERVAL: gl.constexpr,
                        M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lse_desc, delta_desc, rows_smem, H,
                        ROWS_SMEM: gl.constexpr):
@@ -170,8 +172,8 @@ if gluon is not None:
         tb = 0
         it = 0
         for item in range(first, n_items, gl.num_programs(0)):
-            b, hk, off_n, i0, n_i, f0, f1, z = _dkdv_item(item, TAB, ORD, n_prog, BH, HKV, LZB, q_len, CAUSAL, INTERVAL,
-                                                          M_MAJOR, BLOCK_M, BLOCK_N)
+            b, hk, off_n, i0, n_i, f0, f1, z = _dkdv_item(item, TAB, ORD, n_prog, BH, HKV, LZB, LZH, q_len, CAUSAL,
+                                                          INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
             n_t = G * n_i
             pre = gl.minimum(n_t, STAGES)
             for t in range(0, pre):
@@ -398,7 +400,7 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_consumer_item(item, tb, it, dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem,
                             do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn,
-                            n_prog, BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
+                            n_prog, BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                             stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                             C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
@@ -423,8 +425,8 @@ if gluon is not None:
         v_c = v_smem.index(C)
         ds_c = ds_smem.index(C)
         dtype: gl.constexpr = k_c.dtype
-        b, hk, off_n, i0, n_i, f0, f1, z = _dkdv_item(item, TAB, ORD, n_prog, BH, HKV, LZB, q_len, CAUSAL, INTERVAL,
-                                                      M_MAJOR, BLOCK_M, BLOCK_N)
+        b, hk, off_n, i0, n_i, f0, f1, z = _dkdv_item(item, TAB, ORD, n_prog, BH, HKV, LZB, LZH, q_len, CAUSAL,
+                                                      INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
         bh0 = b * H + hk * G
         # the dQ buffer's rows: persistent over every head, else over the group's heads
         hq0 = bh0 if PERSISTENT else bh0 * 0
@@ -545,7 +547,7 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
                        ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog, BH,
-                       HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                       HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                        stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                        C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
@@ -565,7 +567,7 @@ if gluon is not None:
                 tb += _dkdv_consumer_item(
                     item, tb, it, dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem,
                     v_smem, ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G,
-                    LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                    LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                     stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ,
                     PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS,
                     DIRECT_STORE, rows_smem, ROWS_SMEM)
@@ -573,7 +575,7 @@ if gluon is not None:
         else:
             _dkdv_consumer_item(
                 first, 0, 0, dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
-                ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G, LZB, q_len,
+                ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G, LZB, LZH, q_len,
                 qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR,
                 PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)
@@ -585,7 +587,7 @@ if gluon is not None:
                              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                             H, G, q_len, kv_len, LZB, qk_scale, sm_scale, n_prog, n_items,
+                             H, G, q_len, kv_len, LZB, LZH, qk_scale, sm_scale, n_prog, n_items,
                              q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                              dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -607,8 +609,9 @@ if gluon is not None:
         only with ``ATOMIC_DQ``: dQ/scale is TMA-reduce-added there in tiles of
         ``BLOCK_M × HEAD_DIM / 2``); ``qk_scale = scale · log2(e)``.
 
-        ``INTERVAL``: row ``r`` of batch ``b`` keeps keys ``LO[z, r] <= k < HI[z, r]`` for every
-        head (``z = b·LZB``, ``LZB`` 0 or 1; int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, n_prog, 4)``)
+        ``INTERVAL``: row ``r`` of batch ``b`` and kv head ``hk`` keeps keys ``LO[z, r] <= k <
+        HI[z, r]`` for every query head of the group (``z = b·LZB + hk·LZH``; ``LZH`` 0, or 1 for
+        intervals that differ per head, which needs ``G == 1``; int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, n_prog, 4)``)
         gives key tile ``pid_n`` its query blocks ``(first, f0, f1, end)``: it visits
         ``[first, end)`` (``end > first``), of which ``[f0, f1)`` every row keeps whole (rows that
         keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read.
@@ -747,20 +750,21 @@ if gluon is not None:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
-                              BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
+                              BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
-                              BH, HKV, H, G, LZB, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
+                              BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
                               ready, empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb,
-                              v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, q_len, CAUSAL, INTERVAL, M_MAJOR,
-                              PERSISTENT, BLOCK_M, BLOCK_N, STAGES, lse_desc, delta_desc, rows_smem, H, ROWS_SMEM)),
+                              v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,
+                              M_MAJOR, PERSISTENT, BLOCK_M, BLOCK_N, STAGES, lse_desc, delta_desc, rows_smem, H,
+                              ROWS_SMEM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ------------------------------------------------------------------ dQ (deterministic)

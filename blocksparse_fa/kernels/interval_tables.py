@@ -520,10 +520,12 @@ def col_tables(lo, hi, ilo, ihi, kv_len: int, block_m: int, block_n: int, visit_
 
 
 def tile_order(tab):
-    """int32 ``(Z, C)``: ``device_intervals.key_tile_order`` of a table ``(Z, .., C, 4)`` (one launch)."""
+    """int32 ``(Z, C)``: ``device_intervals.key_tile_order`` of a table ``(.., C, 4)`` with ``Z``
+    instances (one launch)."""
     import torch
 
-    z, n_tiles = tab.shape[0], tab.shape[-2]
+    n_tiles = tab.shape[-2]
+    z = tab.numel() // (4 * n_tiles)
     tab = tab.reshape(z, n_tiles, 4).contiguous()
     out = torch.empty((z, n_tiles), dtype=torch.int32, device=tab.device)
     _launch(_tile_order, (triton.cdiv(n_tiles, ORDER), z), (tab, out, n_tiles), BLOCK=ORDER, CHUNK=CHUNK,

@@ -659,8 +659,31 @@ def document(ids: torch.Tensor, contiguous: bool | None = None) -> Mask:
     ``contiguous=True`` promises that every document is one contiguous run of tokens (the usual
     packing, as in FlashAttention's varlen form): the kernels then compare positions, not ids
     (faster; ids on the CPU are checked, ids on a GPU are trusted). None: found from ids on the CPU,
-    else not assumed; False: never assumed."""
-    return Document(ids, contiguous)
+    else not assumed; False: never assumed.
+
+    Calls with the same ids tensor, unmodified since (its version counter), and the same
+    ``contiguous`` return the same mask object, so that layers which each build
+    ``causal() & document(ids)`` from one step's ids share its intervals, kernel tables and device
+    copies (kept on the document) as if they had been passed one mask. Not while tracing
+    (``torch.compile``, whose graph shares them itself) or for inference tensors."""
+    kept = _kept_documents(ids)
+    key = None if kept is None else (ids._version, contiguous)
+    doc = None if kept is None else kept.get(key)
+    if doc is None:
+        doc = Document(ids, contiguous)
+        if kept is not None:
+            if len(kept) >= 2:  # the ids' latest versions only
+                kept.pop(next(iter(kept)))
+            kept[key] = doc
+    return doc
+
+
+def _kept_documents(ids) -> dict | None:
+    """The documents kept on ``ids`` (a dict in the tensor's ``__dict__``: the tensor owns them,
+    they do not reference it), or None where none are kept."""
+    if not isinstance(ids, torch.Tensor) or torch.compiler.is_compiling() or ids.is_inference():
+        return None
+    return ids.__dict__.setdefault("_bsfa_documents", {})
 
 
 def random_blocks(r: int, block_size: int = 128, seed: int = 0) -> Mask:

@@ -250,8 +250,9 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     dQ kernel the key blocks of each row tile (:func:`~blocksparse_fa.compiler.device_intervals.row_tables`
     of ``2·dq_block_m`` rows), both masking partial blocks with the rows' bounds. Needs what
     :func:`~blocksparse_fa.ops.select.choose_backward` checks for its ``gluon:interval`` choice:
-    intervals without an id compare, the same for every head (``iv.lo`` ``(Zb, 1, Lq)``), 16-bit
-    inputs, head dim 64 or 128, lengths multiples of the tiles, tensors that descriptors address."""
+    intervals without an id compare, the same for every head (``iv.lo`` ``(Zb, 1, Lq)``) or, without
+    GQA, one per head, 16-bit inputs, head dim 64 or 128, lengths multiples of the tiles, tensors
+    that descriptors address."""
     from .options import GluonBwdConfig
     from .triton_backend import _gluon_bwd_launch, backward_delta
 
@@ -259,8 +260,8 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     lc = _class(iv, s)
     why = select.hardware(q.device).gluon
     if not why and select._gluon_bwd_mode(lc, s, cfg) != "interval":
-        why = (f"needs intervals without an id compare and the same for every head (got lo of shape "
-               f"{tuple(iv.lo.shape)}, ids compared: {iv.qid is not None}), head dim 64/128 and lengths that "
+        why = (f"needs intervals without an id compare, the same for every head unless G == 1 (got lo of shape "
+               f"{tuple(iv.lo.shape)}, G={s.G}, ids compared: {iv.qid is not None}), head dim 64/128 and lengths that "
                f"are multiples of the tiles (Lq % {max(cfg.block_m, 2 * cfg.dq_block_m)}, "
                f"Lk % {max(2 * cfg.block_n, cfg.dq_block_n)}); got D={s.D}, Lq={s.Lq}, Lk={s.Lk}")
     elif not why and q.dtype not in (torch.float16, torch.bfloat16):
@@ -273,13 +274,13 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     grads = _new_like(q), _new_like(k), _new_like(v)
     if not select.tma_ok(q, k, v, dout, *grads):
         raise ValueError("gluon_interval_backward: tensor descriptors need 16-byte aligned tensors and strides")
-    zb = iv.lo.shape[0]
+    zb, zh = iv.lo.shape[0], iv.lo.shape[1]
     key = ("gluon_bwd", s.Lk, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n)
     kv_tab, q_tab = cached_table(iv, key, lambda: gluon_backward_tables(iv, s.Lk, cfg))
     kv_ord = cached_table(iv, key + ("order", ), lambda: key_tile_order(kv_tab))
-    lo, hi = iv.lo.view(zb, s.Lq), iv.hi.view(zb, s.Lq)
+    lo, hi = iv.lo.view(zb * zh, s.Lq), iv.hi.view(zb * zh, s.Lq)
     _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, False, False, cfg,
-                      intervals=(lo, hi, kv_tab, q_tab, 1 if zb > 1 else 0, 0, kv_ord))
+                      intervals=(lo, hi, kv_tab, q_tab, zh if zb > 1 else 0, 1 if zh > 1 else 0, kv_ord))
     return grads
 
 

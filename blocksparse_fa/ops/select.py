@@ -421,9 +421,10 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | No
     ``"interval"`` for the interval and device-interval classes), or None where it does not compute it."""
     interval = lc.kind in ("interval", "device_interval")
     if interval:
-        # no id compare; the dK/dV program walks every head of a group. A context-parallel shard
-        # runs it too: rows its keys do not reach get a -inf logsumexp (triton_backend)
-        if lc.ids or lc.per_head:
+        # no id compare; the dK/dV program walks every head of a group with one table, so
+        # intervals that differ per head need G == 1. A context-parallel shard runs it too: rows
+        # its keys do not reach get a -inf logsumexp (triton_backend)
+        if lc.ids or (lc.per_head and s.G > 1):
             return None
     elif lc.kind not in ("dense", "causal"):
         return None

@@ -137,13 +137,16 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)``: the
     rows' intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``compiler/device_intervals.gluon_backward_tables``:
     device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`), the instance
-    strides (dK/dV needs ``lzh == 0``: one interval per row for every head) and the key tiles
+    strides (``lzh`` 1, intervals that differ per head, needs ``G == 1``: the dK/dV program walks
+    every query head of a group with one table) and the key tiles
     heaviest first (``device_intervals.key_tile_order``; read by the persistent dK/dV kernel).
     ``window_bytes``: K/V bytes of every head's key window, from which persistent interval items go
     head by head (:func:`~blocksparse_fa.ops.select.tile_major_deal`; None: tile-major)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
+    if lzh and s.G > 1:
+        raise ValueError(f"Gluon backward: intervals that differ per head need G == 1, got G={s.G}")
     dq, dk, dv = grads
     qk = scale * _LOG2E
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
@@ -168,7 +171,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        s.H, s.G, s.Lq, s.Lk, lzb, qk, scale, n_prog, n_items, *geo), 36, q.device, HEAD_DIM=s.D,
+        s.H, s.G, s.Lq, s.Lk, lzb, lzh, qk, scale, n_prog, n_items, *geo), 37, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
@@ -566,13 +569,14 @@ def _gluon_interval_tables(layout: BlockLayout, cfg: "GluonConfig", device):
 
 
 def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device):
-    """``(LO, HI, KV_TAB, Q_TAB, LZB, EMPTY, KV_ORD)``: the Gluon backward's interval mode on a layout whose
-    rows keep one key interval, the same for every head (``ops/select.layout_class``), built once
-    per layout, tiles and device from its host intervals with the device-interval path's table
-    code (``compiler/device_intervals.gluon_backward_tables``). ``LO/HI`` int32 ``(Zb, Lq)`` (one row
-    per batch row of the layout: ``Zb`` 1 or B, ``LZB`` its instance stride); ``EMPTY``: bool
-    ``(Zb, 1, Lq)`` of the rows that keep nothing, or None where every row keeps a key; ``KV_ORD``:
-    the key tiles heaviest first (``compiler/device_intervals.key_tile_order``)."""
+    """``(LO, HI, KV_TAB, Q_TAB, LZB, LZH, EMPTY, KV_ORD)``: the Gluon backward's interval mode on a
+    layout whose rows keep one key interval (``ops/select.layout_class``), built once per layout,
+    tiles and device from its host intervals with the device-interval path's table code
+    (``compiler/device_intervals.gluon_backward_tables``). ``LO/HI`` int32 ``(Z, Lq)``: one row per
+    batch row of the layout where every head keeps the same intervals, else one per batch row and
+    head (``Z = Zb·Zh``; for ``G == 1`` only); ``LZB``, ``LZH`` the instance strides; ``EMPTY``:
+    bool ``(Zb, Zh or 1, Lq)`` of the rows that keep nothing, or None where every row keeps a key;
+    ``KV_ORD``: the key tiles heaviest first (``compiler/device_intervals.key_tile_order``)."""
     key = ("gluon_bwd_interval", device, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n)
     hit = layout.cache.get(key)
     if hit is not None:
@@ -581,12 +585,16 @@ def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device)
     from ..compiler.device_intervals import gluon_backward_tables, key_tile_order
 
     bm, hm = layout.batch_shape or (1, 1)
-    # instance z = b·hm + h (row_interval); every head's intervals are head 0's (layout_class)
-    lo, hi = (np.ascontiguousarray(a.reshape(bm, hm, -1)[:, :1], dtype=np.int32) for a in row_interval(layout))
+    # instance z = b·hm + h (row_interval); heads that keep the same intervals share head 0's
+    lo, hi = (a.reshape(bm, hm, -1) for a in row_interval(layout))
+    if hm > 1 and not select._heads_differ(layout, lo, hi):
+        lo, hi, hm = lo[:, :1], hi[:, :1], 1
+    lo, hi = (np.ascontiguousarray(a, dtype=np.int32) for a in (lo, hi))
     iv = DeviceIntervals(torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device), None, None, None, None)
     kv_tab, q_tab = gluon_backward_tables(iv, layout.kv_len, cfg)
     empty = lo >= hi
-    out = layout.cache[key] = (iv.lo.view(bm, -1), iv.hi.view(bm, -1), kv_tab, q_tab, 1 if bm > 1 else 0,
+    out = layout.cache[key] = (iv.lo.view(bm * hm, -1), iv.hi.view(bm * hm, -1), kv_tab, q_tab,
+                               hm if bm > 1 else 0, 1 if hm > 1 else 0,
                                torch.from_numpy(empty).to(device) if empty.any() else None, key_tile_order(kv_tab))
     return out
 
@@ -944,10 +952,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         cfg, intervals, window = opts.gluon_bwd or GluonBwdConfig(), None, None
         if choice.mode == "interval":
             window = _window_bytes(layout, s, q.element_size())
-            lo, hi, kv_tab, q_tab, lzb, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
+            lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
             if empty is not None:  # the kernels skip rows by a -inf logsumexp; a rewrite's part
                 lse = lse.masked_fill(empty, float("-inf"))  # gets the whole mask's
-            intervals = (lo, hi, kv_tab, q_tab, lzb, 0, kv_ord)
+            intervals = (lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
                           choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window)
         return grads
