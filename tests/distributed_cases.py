@@ -34,7 +34,16 @@ def _max_err(a, b) -> float:
 def run_case(case, rank, world):
     """``(name, ok, detail)`` on rank 0; every rank runs the same collectives. ``fine_lists``: the
     kernels' lists at a finer block than the layout's (kernel tiles of 16 along every loop, the
-    ``lists="fine"`` option; ``compiler/finer.py``), restored afterwards."""
+    ``lists="fine"`` option; ``compiler/finer.py``), restored afterwards. ``return_dtype``: the
+    dtype fetched keys' gradients travel back in (``distributed/attention._RETURN_DTYPE``), restored."""
+    if case.get("return_dtype"):
+        from blocksparse_fa.distributed import attention as att
+
+        was, att._RETURN_DTYPE = att._RETURN_DTYPE, case["return_dtype"]
+        try:
+            return _run_case(case, rank, world)
+        finally:
+            att._RETURN_DTYPE = was
     if not case.get("fine_lists"):
         return _run_case(case, rank, world)
     from blocksparse_fa.ops.options import KernelOptions, TileConfig

@@ -445,6 +445,11 @@ CASES_2 = [
     dict(name="contiguous shards without a plan", mask="causal & window(40)", N=150, plan=False,
          lengths=[64, 86]),
     dict(name="float32", mask=LONGFORMER, N=200, split=1.5, dtype=torch.float32, tol=1e-5),
+    # fetched keys' dK/dV parts returned in 16 bits (rounded once, added in float32 by the owner)
+    dict(name="bfloat16, gradients returned in bfloat16", mask=BIGBIRD, N=200, split=1.2, dtype=torch.bfloat16,
+         tol=2e-2, H=4, Hkv=2, return_dtype="input"),
+    dict(name="bfloat16, gradients returned in float32", mask=BIGBIRD, N=200, split=1.2, dtype=torch.bfloat16,
+         tol=2e-2, H=4, Hkv=2, return_dtype="float32"),
     dict(name="Dv > D (v zero-padded q/k)", mask=LONGFORMER, N=200, split=1.5, H=4, Hkv=2, Dv=12,
          float64_reference=True),
     dict(name="Dv < D, overlap", mask="causal & window(30)", N=200, overlap=True, D=12, Dv=5),
@@ -564,3 +569,23 @@ def test_overlapped_calls_leave_sms_to_messages(monkeypatch):
     assert got.gluon_fwd.block_n == GluonConfig().block_n  # only the margin changes
     own = as_options(dict(gluon_fwd=dict(sm_margin=2)))
     assert att._beside_messages(own) is own
+
+
+def test_returned_gradients_travel_in_the_inputs_16_bit_dtype(monkeypatch):
+    """Fetched keys' dK/dV parts go back in the inputs' dtype when it is 16-bit (``input``), in the
+    accumulation dtype otherwise or with ``float32``; the token-major gather converts in its pass."""
+    from blocksparse_fa.distributed import attention as att
+
+    monkeypatch.setattr(att, "_RETURN_DTYPE", "input")
+    f32 = torch.float32
+    assert att._wire_dtype(torch.bfloat16, f32) == torch.bfloat16 and att._wire_dtype(torch.float16, f32) == \
+        torch.float16
+    assert att._wire_dtype(torch.float32, f32) == f32 and att._wire_dtype(torch.float64, torch.float64) == torch.float64
+    monkeypatch.setattr(att, "_RETURN_DTYPE", "float32")
+    assert att._wire_dtype(torch.bfloat16, f32) == f32
+    dk, dv = torch.randn(2, 3, 10, 4), torch.randn(2, 3, 10, 4)
+    idx = torch.tensor([7, 2, 5])
+    st = att._tokens_first(dk, dv, idx=idx, dtype=torch.bfloat16)
+    assert st.dtype == torch.bfloat16 and st.shape == (3, 2, 2, 3, 4)
+    assert torch.equal(st[1, 1], dv[:, :, 2].to(torch.bfloat16)) and torch.equal(st[0, 0], dk[:, :, 7].bfloat16())
+    assert torch.equal(att._tokens_first(dk, dv, idx=idx), att._tokens_first(dk, dv, idx=idx, dtype=f32))

@@ -6,7 +6,8 @@ Per mask (256K, GQA 8/2 x 128, bf16, the planner's plan), under torchrun with NC
    ``--passes`` times on the same inputs, slowest rank, so that they are compared on the same
    machine state: ``transports`` (``p2p``: grouped NCCL point-to-point; ``all_to_all``: one
    ``all_to_all_single`` per step), ``own_rows`` (the backward's own-key gradients gathered
-   whole in float32 then converted, or converted run by run) or ``sm_margin`` (the call not
+   whole in float32 then converted, or converted run by run), ``returns`` (fetched keys' dK/dV
+   parts sent back in float32 or in bf16) or ``sm_margin`` (the call not
    overlapped, then overlapped with the persistent Gluon grids leaving 0, 8 or 16 SMs to NCCL);
 2. the same forward+backward captured once in a CUDA graph (``torch.cuda.graph``, after warm-up on
    a side stream; ``check=False``: the call's description check synchronises) and replayed: time per
@@ -39,6 +40,7 @@ from blocksparse_fa.distributed import attention as att  # noqa: E402
 from blocksparse_fa.distributed import comm, context_parallel_attention, plan_context_parallel  # noqa: E402
 
 messages, max_runs, wait_sends, margin = comm.MESSAGES, att._MAX_RUN_COPIES, att._WAIT_SENDS, att._SM_MARGIN
+returns = att._RETURN_DTYPE
 GROUPS = {"default": None}  # "high": a group whose NCCL streams have high priority (made in main)
 _call = dict(group=None, overlap=None)  # overlap None: ``--overlap``
 
@@ -49,6 +51,7 @@ def _set(**kw):
         att._MAX_RUN_COPIES = kw.get("max_runs", max_runs)
         att._WAIT_SENDS = kw.get("wait_sends", wait_sends)
         att._SM_MARGIN = kw.get("margin", margin)
+        att._RETURN_DTYPE = kw.get("returns", returns)
         _call["group"] = GROUPS[kw.get("group", "default")]
         _call["overlap"] = kw.get("overlap")
     return setup
@@ -60,6 +63,8 @@ VARIANTS = {"transports": [("p2p", _set(messages="p2p")), ("all_to_all", _set(me
             "own_rows": [("gather", _set(max_runs=0)), ("runs", _set())],
             "wait_sends": [("no_wait", _set(wait_sends=False)), ("wait", _set())],
             "priority": [("default", _set()), ("high", _set(group="high"))],
+            # fetched keys' dK/dV parts returned in float32 or in the inputs' 16-bit dtype
+            "returns": [("float32", _set(returns="float32")), ("input", _set(returns="input"))],
             # overlapped calls whose persistent Gluon grids leave SMs to NCCL's kernels
             "sm_margin": [("no_overlap", _set(overlap=False)), ("overlap_m0", _set(overlap=True, margin=0)),
                           ("overlap_m8", _set(overlap=True, margin=8)),
@@ -169,6 +174,8 @@ def main():
             first = next(iter(grads.values()))
             row["variants_max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
                                                for g in grads.values() for a, b in zip(g, first))
+            row["variants_rel_diff"] = {n: {w: _rel(a, b) for w, a, b in zip(("out", "dq", "dk", "dv"), g, first)}
+                                        for n, g in grads.items()}
             # the last output held its autograd graph, whose AccumulateGrad nodes (made on the default
             # stream) a later capture would reach: "operation would make the legacy stream depend on
             # a capturing blocking stream" (torch 2.11, 2 x H200)

@@ -16,10 +16,13 @@ Each rank holds the q, k, v of its tokens (:meth:`ContextParallelPlan.indices`).
 Backward (recompute, FlashAttention-2 style): the split rows' ``dO``, output and logsumexp go to the
 ranks that computed a part; every launch runs its backward with the *merged* output and logsumexp
 (for disjoint key sets each part then yields its share of dQ and all of dK/dV for its keys), the
-fetched keys' parts first so that their float32 dK/dV travel back to the owners while the own
-keys' parts run (``overlap``); owners add them one peer at a time (deterministic); split rows' dQ
+fetched keys' parts first so that their dK/dV travel back to the owners while the own keys' parts
+run (``overlap``); owners add them in float32, one peer at a time (deterministic); split rows' dQ
 parts return to their owner. Only the gradients that are sums over ranks or launches are kept in
-float32; everything else is written once, in the inputs' dtype.
+float32; everything else is written once, in the inputs' dtype. The returned dK/dV parts travel in
+the inputs' dtype when it is 16-bit (``_RETURN_DTYPE``: half the bytes; each part is rounded once
+before its owner adds it in float32; on 4 × H200 the gradients' error against float64 stayed the
+one-GPU run's to two digits), else in float32.
 """
 
 from __future__ import annotations
@@ -66,10 +69,17 @@ def _kv_views(buf: torch.Tensor):
     return buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)
 
 
-def _tokens_first(*xs: torch.Tensor, idx=None) -> torch.Tensor:
-    """``(T, len(xs), B, H, D)``: the tokens ``idx`` (dim 2) of each ``(B, H, L, D)`` tensor, token-major."""
+def _tokens_first(*xs: torch.Tensor, idx=None, dtype=None) -> torch.Tensor:
+    """``(T, len(xs), B, H, D)``: the tokens ``idx`` (dim 2) of each ``(B, H, L, D)`` tensor,
+    token-major, in ``dtype`` (None: theirs; converted in the same pass)."""
     sel = [x if idx is None else x.index_select(2, idx) for x in xs]
-    return torch.stack([x.permute(2, 0, 1, 3) for x in sel], 1)
+    if dtype is None or all(x.dtype == dtype for x in sel):
+        return torch.stack([x.permute(2, 0, 1, 3) for x in sel], 1)
+    B, H, T, D = sel[0].shape
+    out = sel[0].new_empty((T, len(sel), B, H, D), dtype=dtype)
+    for i, x in enumerate(sel):
+        out[:, i].copy_(x.permute(2, 0, 1, 3))
+    return out
 
 
 def _slices(t: torch.Tensor, msgs, counts=None):
@@ -254,6 +264,11 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
 
 
 _WAIT_SENDS = True  # complete the fetch before the first launch when not overlapping (see cp_forward)
+# the dtype in which fetched keys' dK/dV parts travel back to their owners: "float32" (the
+# accumulation dtype) or "input" (16-bit inputs: half the bytes; each part is rounded once before its
+# owner adds it in float32). 4 x H200, 256K, BigBird fwd+bwd 5.40 -> 5.25 ms (benchmarks/NOTES.md,
+# section 11)
+_RETURN_DTYPE = "input"
 # SMs the persistent Gluon kernels of an overlapped call leave free for NCCL's kernels: a message
 # kernel queued beside a launch that fills every SM gets none until that launch drains
 _SM_MARGIN = 0
@@ -414,6 +429,7 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
         guest = _guest_backward(ex, q, k, v, lse, saved, gpack, scale, dropout_p, seed, backend, group, ranks, opts,
                                 acc)
     returned = sum(ex.ret_recv_n) > 0  # other ranks send gradients of own keys: own dK/dV are sums
+    wire = _wire_dtype(k.dtype, acc)
     parts = ex.bwd_parts["overlap" if over else "main"]
     several = len(parts) > 1
     dq = _Grads((B, H, L, D), acc, dev)
@@ -433,10 +449,10 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
         gv.add(g[2], part.span)
         last_remote = part.keys == "rem" and (i + 1 == len(parts) or parts[i + 1].keys != "rem")
         if over and last_remote:  # the fetched keys are done: their dK/dV go back while the rest runs
-            send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_rem, group, ranks, acc)
+            send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_rem, group, ranks, acc, wire)
     if not over and ex.has_kv:
         gk, gv = grads.get("buf", grads.get("own"))
-        send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_buf, group, ranks, acc)
+        send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_buf, group, ranks, acc, wire)
     # own keys' gradients: their rows of the buffer's. Own tokens in a few runs of the buffer (zigzag)
     # stay in buffer coordinates until the end: the returned parts are added there and each run is
     # converted once into the output (no float32 gather of the whole shard)
@@ -455,6 +471,7 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
     if send is not None:
         got = send.wait()
         if returned:
+            got = got if got.dtype == acc else got.to(acc)  # parts returned in 16 bits: added in float32
             dk, dv = (t if t.dtype == acc else t.to(acc) for t in (dk, dv))
             off, pos = 0, ex.ret_recv_buf if in_buf else ex.ret_recv_pos
             for c in ex.ret_recv_n:  # one peer at a time: indices distinct within a peer, sums deterministic
@@ -493,15 +510,21 @@ def _own_of_buf(ex: Exchange, dkb, dvb):
     return dkb.index_select(2, idx), dvb.index_select(2, idx)
 
 
-def _start_return(ex: Exchange, dk, dv, pos, group, ranks, acc):
-    """dK/dV of fetched keys (float32, token-major, one message per owner) back to their owners;
-    receive those of own keys other ranks fetched. Returns the pending receive ``(T, 2, B, Hkv, D)``."""
+def _wire_dtype(dtype, acc) -> torch.dtype:
+    """The dtype of returned dK/dV parts for inputs of ``dtype`` (``_RETURN_DTYPE``)."""
+    return dtype if _RETURN_DTYPE == "input" and dtype in (torch.float16, torch.bfloat16) else acc
+
+
+def _start_return(ex: Exchange, dk, dv, pos, group, ranks, acc, wire):
+    """dK/dV of fetched keys (token-major, in ``wire``: float32 or the inputs' 16-bit dtype, one
+    message per owner) back to their owners; receive those of own keys other ranks fetched.
+    Returns the pending receive ``(T, 2, B, Hkv, D)`` in ``wire``."""
     B, Hkv, _, D = dk.shape
     sends = []
     if sum(ex.ret_send_n):
-        st = _tokens_first(dk.to(acc), dv.to(acc), idx=pos)
+        st = _tokens_first(dk, dv, idx=pos, dtype=wire)
         sends = _slices(st, _TAG_DKV, ex.ret_send_n)
-    recv = dk.new_empty((sum(ex.ret_recv_n), 2, B, Hkv, D), dtype=acc)
+    recv = dk.new_empty((sum(ex.ret_recv_n), 2, B, Hkv, D), dtype=wire)
     return exchange(sends, _slices(recv, _TAG_DKV, ex.ret_recv_n), group, ranks, async_op=True, result=recv)
 
 
