@@ -231,10 +231,21 @@ def test_backward_gluon_on_host_intervals():
             c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
             assert (c.family, c.mode, c.kernels) == ("gluon", "interval", GLUON_BWD_KERNELS), opts
             assert str(c) == "gluon:interval"
-    s64 = Shapes(2, 8, 2, 4096, 2048, 64)  # Lq != Lk (bottom-right windows); d 64 only when asked
+    # Lq != Lk (bottom-right windows); d 64: by default on long rows only (short ones: asked for)
+    s64 = Shapes(2, 8, 2, 4096, 2048, 64)
+    for short in (dict(band_bwd=True), dict(short_partial=True)):
+        lc = LayoutClass("interval", 4096, 2048, (128, 128), **short)
+        assert str(choose_backward(lc, s64, torch.float16, HOPPER, KernelOptions(backward="gluon"))) \
+            == "gluon:interval"
+        assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "triton:blocks"
     lc = LayoutClass("interval", 4096, 2048, (128, 128))
-    assert str(choose_backward(lc, s64, torch.float16, HOPPER, KernelOptions(backward="gluon"))) == "gluon:interval"
-    assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "triton:blocks"
+    assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
+    lc = select.layout_class(bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(4096), 16384, 16384))
+    assert str(choose_backward(lc, Shapes(1, 16, 4, 16384, 16384, 64), torch.bfloat16, HOPPER, DEFAULT)) \
+        == "gluon:interval"  # a window of 4096 at d 64
+    lc = select.layout_class(bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(1024), 16384, 16384))
+    assert str(choose_backward(lc, Shapes(1, 16, 4, 16384, 16384, 64), torch.bfloat16, HOPPER, DEFAULT)) \
+        == "triton:blocks"  # of 1024: the Triton block backward
     with pytest.raises(ValueError, match="backward='gluon': it needs a GPU of compute capability 9.x"):
         choose_backward(_lc("interval"), S, torch.bfloat16, NO_GLUON, KernelOptions(backward="gluon"))
 
@@ -261,7 +272,7 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
     tables = tb._gluon_bwd_interval_tables(layout, GluonBwdConfig(), torch.device("cpu"))
     assert tables[6] is not None and tables[6].shape == (1, 1, L)
-    gluon = dict(backward="gluon")  # at d 64 the default is the Triton backward (ops/select)
+    gluon = dict(backward="gluon")  # short rows at d 64: the default is the Triton backward (ops/select)
     for opts, want in ((gluon, "gluon:interval"), (None, "triton:blocks"), (dict(backward="triton"), "triton:blocks")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton",
@@ -307,13 +318,14 @@ def test_host_interval_tables_per_head():
 def test_backward_of_an_interval_shard_runs_gluon_at_d128():
     """A context-parallel shard with one key interval per row (windows, documents) runs the Gluon
     interval mode under "auto" at d 128 (its rows without keys get a -inf logsumexp) and at d 64
-    only with backward="gluon", like the host interval class; backward="triton" keeps Triton."""
+    only with backward="gluon", like the host interval class's short rows; backward="triton"
+    keeps Triton."""
     lc = _lc("interval", shard=True)
     c = choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)
     assert (c.family, c.mode) == ("gluon", "interval")
     assert choose_backward(lc, S, torch.bfloat16, HOPPER, KernelOptions(backward="triton")).family == "triton"
     s64 = Shapes(1, 16, 4, 16384, 16384, 64)
-    for cls in (lc, _lc("interval")):
+    for cls in (lc, _lc("interval", band_bwd=True)):  # shards at d 64, and short rows: Triton
         assert choose_backward(cls, s64, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
         assert str(choose_backward(cls, s64, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))) \
             == "gluon:interval"

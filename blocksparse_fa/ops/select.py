@@ -155,10 +155,13 @@ GLUON_DEVICE_INTERVAL_BACKWARD = True
 # The same interval mode on compiled layouts of the ``"interval"`` class (windows, prefix-LM,
 # documents with ids known on the host, their combinations with ``causal()``), with tables built
 # once per layout from its host intervals (``ops/triton_backend._gluon_bwd_interval_tables``), where
-# the intervals are the same for every head, context-parallel shards included. Under
-# ``backward="auto"`` only at head dim 128: on an H100 (``benchmarks/experiments/gluon_bwd_host_interval.py``,
+# the intervals are the same for every head (or, without GQA, per head), context-parallel shards
+# included. Under ``backward="auto"`` at head dim 128, and at d 64 on rows of more than
+# ``kernels/config.BAND_BWD_ROW_BLOCKS`` blocks: on an H100 (``benchmarks/experiments/gluon_bwd_host_interval.py``,
 # 16K and 64K, H 16, MHA and GQA 16/4) the backward ran 1.04-1.22x the Triton block backward at
-# d 128 but 0.80-0.99x at d 64. On 4 x H100 shards (256K, GQA 8/2 x 128, ``cp_profile.py gpu``) it
+# d 128 but 0.80-0.99x at d 64; on an H200 later (``options_ab.py``, 16K, H 16, fwd+bwd) d 64
+# windows of 4096 ran 1.09x (MHA) / 1.11x (GQA 16/4) with it, of 1024 1.06x / 0.97x and of 256
+# 0.72x / 0.87x (host-bound: its launch path costs more host time). On 4 x H100 shards (256K, GQA 8/2 x 128, ``cp_profile.py gpu``) it
 # took the fwd+bwd of a sliding window from 10.30 to 9.35 ms and of packed documents from 27.00
 # to 25.10 ms (benchmarks/NOTES.md, "Context parallelism"). ``backward="gluon"`` runs it at d 64
 # too. Set False to keep the Triton block backward.
@@ -455,8 +458,10 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     if opts.backward == "gluon" and hw.gluon:
         raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
     det = opts.deterministic if deterministic is None else deterministic
+    # compiled interval layouts at d 64: Gluon on long rows only (short ones are host-bound)
+    long_rows = not (lc.band_bwd or lc.short_partial)
     auto = {"device_interval": GLUON_DEVICE_INTERVAL_BACKWARD,
-            "interval": GLUON_HOST_INTERVAL_BACKWARD and s.D == 128}
+            "interval": GLUON_HOST_INTERVAL_BACKWARD and (s.D == 128 or (long_rows and not lc.shard))}
     want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
             and grad_dtype in (False, "float32") and tma):
