@@ -278,7 +278,8 @@ def test_gluon_interval_backward_per_head(name, persistent):
     """Intervals that differ per head without GQA (per-head windows: a compiled layout, or with a
     document on device intervals) run the Gluon interval backward, one table per head (dK/dV
     programs of both kinds: persistent and one per tile); output and gradients against float64.
-    With GQA the same mask keeps the Triton backward."""
+    With GQA the same mask keeps the Triton backward; windows shared within each GQA group run
+    the Gluon pair again (the dK/dV program reads its group's table)."""
     from blocksparse_fa.ops import select
     from blocksparse_fa.ops.options import GluonBwdConfig
 
@@ -306,6 +307,18 @@ def test_gluon_interval_backward_per_head(name, persistent):
     with select.record() as ran:
         torch.autograd.grad(bsfa.attention(q, kg, vg, mask=mask), (q, kg, vg), do)
     assert ("backward", "gluon:interval") not in ran, ran
+    if name == "layout":  # GQA 4/2 with windows shared by each group's heads: the Gluon pair
+        pair = bsfa.causal() & bsfa.sliding_window(bsfa.per_head([64, 64, 512, 512]))
+        with select.record() as ran:
+            out = bsfa.attention(q, kg, vg, mask=bsfa.compile_mask(pair, n, n, device="cuda"), kernel_options=opts)
+            got = torch.autograd.grad(out, (q, kg, vg), do)
+        assert ("backward", "gluon:interval") in ran, ran
+        ins = [t.detach().double().requires_grad_() for t in (q, kg, vg)]
+        ref = bsfa.reference_attention(*ins, pair)
+        want = torch.autograd.grad(ref, ins, do.double())
+        for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
+            err = ((a.double() - b).norm() / b.norm()).item()
+            assert not a.isnan().any() and err < 2e-2, f"GQA per-group windows d{what}: relative error {err:.2e}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,

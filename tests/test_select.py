@@ -133,16 +133,23 @@ def test_backward_gluon_on_device_intervals():
     assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
 
 
-def test_backward_gluon_on_per_head_intervals_without_gqa():
-    """Intervals that differ per head (per-head windows): the Gluon interval pair where every
-    query head has its own kv head (each dK/dV program then reads its head's table); with GQA the
-    Triton backward of the class (a dK/dV program walks the group's heads with one table)."""
+def test_backward_gluon_on_per_head_intervals():
+    """Intervals that differ per head (per-head windows): the Gluon interval pair where they agree
+    within every GQA group (each dK/dV program reads its group's table; ``head_runs``: the heads
+    agree within aligned runs of that many), else the Triton backward of the class."""
     mha = Shapes(1, 16, 16, 16384, 16384, 128)
     for kind, (make, fallback, _) in _INTERVAL_CLASSES.items():
         lc = make(per_head=True)
         assert str(choose_backward(lc, mha, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval", kind
-        c = choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)  # G = 4
+        c = choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)  # G = 4, heads differ within groups
         assert (c.family, c.mode, c.kernels) == fallback, kind
+    for runs, want in ((4, "gluon:interval"), (8, "gluon:interval"), (2, "triton:blocks")):
+        lc = _lc("interval", batched=True, per_head=True, head_runs=runs)
+        assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)) == want, runs
+    for wins, runs in (([64, 64, 200, 200], 2), ([64, 200, 64, 200], 1), ([9] * 4, 1), ([5, 5, 5, 5, 7, 7, 7, 7], 4)):
+        lc = select.layout_class(bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(bsfa.per_head(wins)), 512,
+                                                   512, 64))
+        assert (lc.per_head, lc.head_runs) == (runs > 1 or len(set(wins)) > 1, runs), wins
 
 
 _COMMON = ["per_head", "dropout", "score_mod", "accumulate", "grad_dtype", "no_tma", "fp32", "d96", "ragged",

@@ -47,8 +47,8 @@ the dK/dV kernel's Q/dO descriptor spans the group's heads, so a ragged query ti
 next head's rows). Longest programs first.
 
 ``INTERVAL``: every query row ``r`` keeps one key interval ``[LO[r], HI[r])``, the same for every
-head or (without GQA) one per head (windows, per-head windows, contiguous documents, their
-intersections with ``causal()``), given as tables built
+head or one per head that agrees within each GQA group (windows, per-head windows, contiguous
+documents, their intersections with ``causal()``), given as tables built
 on the device (``compiler/device_intervals.gluon_backward_tables``, from device intervals or a compiled
 layout's): a dK/dV program walks the query blocks ``[first, end)`` of its key tile and a dQ program
 the key blocks of its row tile; blocks inside ``[f0, f1)`` are kept whole by every row and run
@@ -109,7 +109,7 @@ if gluon is not None:
         b = pid_bh // HKV
         hk = pid_bh % HKV
         if INTERVAL:  # this key tile's query blocks from the table
-            z = (b * LZB + hk * LZH).to(gl.int64)  # LZH: per-head intervals (MHA only)
+            z = (b * LZB + hk * LZH).to(gl.int64)  # LZH: per-head intervals (a kv head's stride)
             if M_MAJOR:
                 pid_n = gl.load(ORD + z * n_prog + pid_n)
             tab = TAB + (z * n_prog + pid_n) * 4
@@ -610,8 +610,9 @@ if gluon is not None:
         ``BLOCK_M × HEAD_DIM / 2``); ``qk_scale = scale · log2(e)``.
 
         ``INTERVAL``: row ``r`` of batch ``b`` and kv head ``hk`` keeps keys ``LO[z, r] <= k <
-        HI[z, r]`` for every query head of the group (``z = b·LZB + hk·LZH``; ``LZH`` 0, or 1 for
-        intervals that differ per head, which needs ``G == 1``; int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, n_prog, 4)``)
+        HI[z, r]`` for every query head of the group (``z = b·LZB + hk·LZH``; ``LZH`` 0, or ``G``
+        for intervals given per query head that agree within each group; int32 ``(Z, Lq)``);
+        ``TAB`` (int32 ``(Z, n_prog, 4)``)
         gives key tile ``pid_n`` its query blocks ``(first, f0, f1, end)``: it visits
         ``[first, end)`` (``end > first``), of which ``[f0, f1)`` every row keeps whole (rows that
         keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read.

@@ -104,7 +104,9 @@ class LayoutClass:
     kernels also compare document ids, for ids not known to be contiguous runs).
     ``batched``: the layout differs per batch row or head (``per_head``: the rows' intervals differ
     between heads; set for the ``"interval"`` and ``"device_interval"`` classes, whose Gluon
-    backward needs one interval per row for every head of a batch row). ``shard``: a
+    backward needs one interval per row for every query head of a GQA group; ``head_runs``: the
+    heads keep the same intervals within aligned runs of that many heads, so a group size that
+    divides it qualifies: 1 where unknown, as on device intervals). ``shard``: a
     context-parallel shard of a larger layout (its rows and keys sit at listed positions).
     ``band``/``short_partial``/``partial_heavy``/``band_bwd``: the tile class of
     ``kernels/config.py`` (which Triton tile tables apply)."""
@@ -121,6 +123,7 @@ class LayoutClass:
     band_bwd: bool = False
     ids: bool = False
     per_head: bool = False
+    head_runs: int = 1
 
 
 def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool, per_head: bool = False) -> LayoutClass:
@@ -155,16 +158,17 @@ GLUON_DEVICE_INTERVAL_BACKWARD = True
 # The same interval mode on compiled layouts of the ``"interval"`` class (windows, prefix-LM,
 # documents with ids known on the host, their combinations with ``causal()``), with tables built
 # once per layout from its host intervals (``ops/triton_backend._gluon_bwd_interval_tables``), where
-# the intervals are the same for every head (or, without GQA, per head), context-parallel shards
-# included. Under ``backward="auto"`` at head dim 128, and at d 64 on rows of more than
-# ``kernels/config.BAND_BWD_ROW_BLOCKS`` blocks: on an H100 (``benchmarks/experiments/gluon_bwd_host_interval.py``,
-# 16K and 64K, H 16, MHA and GQA 16/4) the backward ran 1.04-1.22x the Triton block backward at
-# d 128 but 0.80-0.99x at d 64; on an H200 later (``options_ab.py``, 16K, H 16, fwd+bwd) d 64
-# windows of 4096 ran 1.09x (MHA) / 1.11x (GQA 16/4) with it, of 1024 1.06x / 0.97x and of 256
-# 0.72x / 0.87x (host-bound: its launch path costs more host time). On 4 x H100 shards (256K, GQA 8/2 x 128, ``cp_profile.py gpu``) it
-# took the fwd+bwd of a sliding window from 10.30 to 9.35 ms and of packed documents from 27.00
-# to 25.10 ms (benchmarks/NOTES.md, "Context parallelism"). ``backward="gluon"`` runs it at d 64
-# too. Set False to keep the Triton block backward.
+# the intervals agree within each GQA group (the same for every head, or per head where the heads
+# of a group share them), context-parallel shards included. Under ``backward="auto"`` at head dim
+# 128, and at d 64 on rows of more than ``kernels/config.BAND_BWD_ROW_BLOCKS`` blocks: on an H100
+# (``benchmarks/experiments/gluon_bwd_host_interval.py``, 16K and 64K, H 16, MHA and GQA 16/4) the
+# backward ran 1.04-1.22x the Triton block backward at d 128 but 0.80-0.99x at d 64; on an H200
+# later (``options_ab.py``, 16K, H 16, fwd+bwd) d 64 windows of 4096 ran 1.09x (MHA) / 1.11x (GQA
+# 16/4) with it, of 1024 1.06x / 0.97x and of 256 0.72x / 0.87x (host-bound: its launch path costs
+# more host time). On 4 x H100 shards (256K, GQA 8/2 x 128, ``cp_profile.py gpu``) it took the
+# fwd+bwd of a sliding window from 10.30 to 9.35 ms and of packed documents from 27.00 to 25.10 ms
+# (benchmarks/NOTES.md, "Context parallelism"). ``backward="gluon"`` runs it at d 64 too. Set
+# False to keep the Triton block backward.
 GLUON_HOST_INTERVAL_BACKWARD = True
 
 
@@ -179,7 +183,7 @@ def layout_class(layout) -> LayoutClass:
 
     shard = getattr(layout, "positions", None) is not None
     batched = bool(layout.batch_shape)
-    per_head = False
+    per_head, head_runs = False, 1
     if not batched and not shard and layout.n_partial == 0 and layout.n_full == layout.n_blocks:
         kind = "dense"
     elif (not batched and not shard and isinstance(layout.mask, Causal) and layout.q_offset == 0
@@ -188,6 +192,7 @@ def layout_class(layout) -> LayoutClass:
     elif row_interval(layout) is not None:  # a shard only where its intervals were given (distributed)
         kind = "interval"
         per_head = _heads_differ(layout, *row_interval(layout))
+        head_runs = _head_runs(layout, *row_interval(layout)) if per_head else 1
     else:
         kind = "blocks"
     src = getattr(layout, "source", None) or layout  # a shard takes its source's tile class
@@ -195,9 +200,23 @@ def layout_class(layout) -> LayoutClass:
     band, short_partial = short_rows(mean_row, pf), short_partial_rows(mean_row, pf)
     partial_heavy, band_bwd = src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf)
     cls = LayoutClass(kind, layout.q_len, layout.kv_len, tuple(layout.block_size), batched, shard, band,
-                      short_partial, partial_heavy, band_bwd, per_head=per_head)
+                      short_partial, partial_heavy, band_bwd, per_head=per_head, head_runs=head_runs)
     layout.cache["layout_class"] = cls
     return cls
+
+
+def _head_runs(layout, lo, hi) -> int:
+    """The largest ``r`` dividing the layout's head count such that the rows' intervals ``(Z, Lq)``
+    are the same within every aligned run of ``r`` heads of a batch row (1: they differ between
+    neighbours)."""
+    bm, hm = layout.batch_shape or (1, 1)
+    lo, hi = lo.reshape(bm, hm, -1), hi.reshape(bm, hm, -1)
+    for r in range(hm, 1, -1):
+        if hm % r == 0:
+            a, b = lo.reshape(bm, hm // r, r, -1), hi.reshape(bm, hm // r, r, -1)
+            if (a == a[:, :, :1]).all() and (b == b[:, :, :1]).all():
+                return r
+    return 1
 
 
 def _heads_differ(layout, lo, hi) -> bool:
@@ -425,9 +444,9 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | No
     interval = lc.kind in ("interval", "device_interval")
     if interval:
         # no id compare; the dK/dV program walks every head of a group with one table, so
-        # intervals that differ per head need G == 1. A context-parallel shard runs it too: rows
-        # its keys do not reach get a -inf logsumexp (triton_backend)
-        if lc.ids or (lc.per_head and s.G > 1):
+        # intervals that differ per head must agree within each group. A context-parallel shard
+        # runs it too: rows its keys do not reach get a -inf logsumexp (triton_backend)
+        if lc.ids or (lc.per_head and lc.head_runs % s.G):
             return None
     elif lc.kind not in ("dense", "causal"):
         return None

@@ -137,16 +137,15 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     ``intervals``: the kernels' interval mode, ``(lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)``: the
     rows' intervals int32 ``(Z, Lq)``, the dK/dV and dQ tables (``compiler/device_intervals.gluon_backward_tables``:
     device intervals, or a layout's through :func:`_gluon_bwd_interval_tables`), the instance
-    strides (``lzh`` 1, intervals that differ per head, needs ``G == 1``: the dK/dV program walks
-    every query head of a group with one table) and the key tiles
+    strides (``lzh`` 1: intervals that differ per head, which must agree within each GQA group:
+    the dK/dV program of kv head ``hk`` walks its group's query heads with head ``hk·G``'s table)
+    and the key tiles
     heaviest first (``device_intervals.key_tile_order``; read by the persistent dK/dV kernel).
     ``window_bytes``: K/V bytes of every head's key window, from which persistent interval items go
     head by head (:func:`~blocksparse_fa.ops.select.tile_major_deal`; None: tile-major)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
-    if lzh and s.G > 1:
-        raise ValueError(f"Gluon backward: intervals that differ per head need G == 1, got G={s.G}")
     dq, dk, dv = grads
     qk = scale * _LOG2E
     dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
@@ -171,7 +170,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        s.H, s.G, s.Lq, s.Lk, lzb, lzh, qk, scale, n_prog, n_items, *geo), 37, q.device, HEAD_DIM=s.D,
+        s.H, s.G, s.Lq, s.Lk, lzb, lzh * s.G, qk, scale, n_prog, n_items, *geo), 37, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
@@ -574,7 +573,9 @@ def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device)
     tiles and device from its host intervals with the device-interval path's table code
     (``compiler/device_intervals.gluon_backward_tables``). ``LO/HI`` int32 ``(Z, Lq)``: one row per
     batch row of the layout where every head keeps the same intervals, else one per batch row and
-    head (``Z = Zb·Zh``; for ``G == 1`` only); ``LZB``, ``LZH`` the instance strides; ``EMPTY``:
+    head (``Z = Zb·Zh``; the heads of a GQA group must agree: ``select.LayoutClass.head_runs``);
+    ``LZB``, ``LZH`` the instance strides (the launcher scales ``LZH`` by ``G`` for the dK/dV
+    kernel, which reads each group's first head); ``EMPTY``:
     bool ``(Zb, Zh or 1, Lq)`` of the rows that keep nothing, or None where every row keeps a key;
     ``KV_ORD``: the key tiles heaviest first (``compiler/device_intervals.key_tile_order``)."""
     key = ("gluon_bwd_interval", device, cfg.block_m, cfg.block_n, cfg.dq_block_m, cfg.dq_block_n)
