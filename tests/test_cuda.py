@@ -241,6 +241,23 @@ def test_eager_and_compiled_run_the_kernels_explain_names(name):
     assert ran_eager == sorted(set(bsfa.explain(q, k, v, mask=mask).kernels))
 
 
+def _gluon_interval_against_float64(q, k, v, do, mask, ref_mask, opts, label):
+    """Runs ``mask`` (a layout or an expression) with ``opts``: the backward must be the Gluon
+    interval pair, and output and gradients within 2e-2 of float64 (``ref_mask``'s)."""
+    from blocksparse_fa.ops import select
+
+    with select.record() as ran:
+        out = bsfa.attention(q, k, v, mask=mask, kernel_options=opts)
+        got = torch.autograd.grad(out, (q, k, v), do)
+    assert ("backward", "gluon:interval") in ran, ran
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = bsfa.reference_attention(*ins, ref_mask)
+    want = torch.autograd.grad(ref, ins, do.double())
+    for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert not a.isnan().any() and err < 2e-2, f"{label} d{what}: relative error {err:.2e}"
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("d", [64, 128])
@@ -249,8 +266,6 @@ def test_gluon_interval_backward_on_host_layouts(name, d):
     """Compiled one-interval-per-row layouts (a sliding window; documents whose ids the host
     knows) run the Gluon backward's interval mode (by default at d 128, asked for at d 64): output and
     gradients against float64."""
-    from blocksparse_fa.ops import select
-
     n, ids = 1024, torch.repeat_interleave(torch.arange(4), torch.tensor([100, 412, 1, 511]))
     mask = bsfa.sliding_window(256) if name == "sliding_window" else bsfa.causal() & bsfa.document(ids)
     lay = bsfa.compile_mask(mask, n, n, device="cuda")
@@ -258,16 +273,8 @@ def test_gluon_interval_backward_on_host_layouts(name, d):
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (4, 2, 2, 4))
     for t in (q, k, v):
         t.requires_grad_()
-    with select.record() as ran:
-        out = bsfa.attention(q, k, v, mask=lay, kernel_options=None if d == 128 else dict(backward="gluon"))
-        got = torch.autograd.grad(out, (q, k, v), do)
-    assert ("backward", "gluon:interval") in ran, ran
-    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = bsfa.reference_attention(*ins, mask)
-    want = torch.autograd.grad(ref, ins, do.double())
-    for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
-        err = ((a.double() - b).norm() / b.norm()).item()
-        assert not a.isnan().any() and err < 2e-2, f"{name} d{d} d{what}: relative error {err:.2e}"
+    _gluon_interval_against_float64(q, k, v, do, lay, mask, None if d == 128 else dict(backward="gluon"),
+                                    f"{name} d{d}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
@@ -293,32 +300,15 @@ def test_gluon_interval_backward_per_head(name, persistent):
     for t in (q, k, v):
         t.requires_grad_()
     opts = dict(gluon_bwd=GluonBwdConfig(dkdv_persistent=persistent, persistent=persistent))
-    with select.record() as ran:
-        out = bsfa.attention(q, k, v, mask=mask, kernel_options=opts)
-        got = torch.autograd.grad(out, (q, k, v), do)
-    assert ("backward", "gluon:interval") in ran, ran
-    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = bsfa.reference_attention(*ins, mask if name == "device" else bsfa.causal() & win)
-    want = torch.autograd.grad(ref, ins, do.double())
-    for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
-        err = ((a.double() - b).norm() / b.norm()).item()
-        assert not a.isnan().any() and err < 2e-2, f"{name} d{what}: relative error {err:.2e}"
+    _gluon_interval_against_float64(q, k, v, do, mask, mask if name == "device" else bsfa.causal() & win, opts, name)
     kg, vg = (t.detach()[:, :2].requires_grad_() for t in (k, v))
     with select.record() as ran:
         torch.autograd.grad(bsfa.attention(q, kg, vg, mask=mask), (q, kg, vg), do)
     assert ("backward", "gluon:interval") not in ran, ran
     if name == "layout":  # GQA 4/2 with windows shared by each group's heads: the Gluon pair
         pair = bsfa.causal() & bsfa.sliding_window(bsfa.per_head([64, 64, 512, 512]))
-        with select.record() as ran:
-            out = bsfa.attention(q, kg, vg, mask=bsfa.compile_mask(pair, n, n, device="cuda"), kernel_options=opts)
-            got = torch.autograd.grad(out, (q, kg, vg), do)
-        assert ("backward", "gluon:interval") in ran, ran
-        ins = [t.detach().double().requires_grad_() for t in (q, kg, vg)]
-        ref = bsfa.reference_attention(*ins, pair)
-        want = torch.autograd.grad(ref, ins, do.double())
-        for what, a, b in zip("o q k v".split(), (out, *got), (ref, *want)):
-            err = ((a.double() - b).norm() / b.norm()).item()
-            assert not a.isnan().any() and err < 2e-2, f"GQA per-group windows d{what}: relative error {err:.2e}"
+        _gluon_interval_against_float64(q, kg, vg, do, bsfa.compile_mask(pair, n, n, device="cuda"), pair, opts,
+                                        "GQA per-group windows")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
