@@ -165,7 +165,8 @@ def run_error(case, rank, world):
         start = sum(lengths[:rank])
         idx = torch.arange(start, start + lengths[rank])
         try:
-            context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], case["mask"], block_size=16)
+            context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], case["mask"], block_size=16,
+                                       check=case.get("check", True))
         except ValueError as e:
             return case["name"], all(w in str(e) for w in case["expect"]), str(e)
         return case["name"], False, "no error raised"
@@ -177,11 +178,61 @@ def run_error(case, rank, world):
     idx = idx[: len(idx) - cut]
     kidx = idx[: len(idx) - case.get("k_cut", {}).get(rank, 0)]
     try:
-        context_parallel_attention(q[:, :, idx], k[:, :, kidx], v[:, :, kidx], plan=plan)
+        context_parallel_attention(q[:, :, idx], k[:, :, kidx], v[:, :, kidx], plan=plan, check=case.get("check", True))
     except ValueError as e:
         ok = all(w in str(e) for w in case["expect"])
         return case["name"], ok, str(e)
     return case["name"], False, "no error raised"
+
+
+def run_check_modes(case, rank, world):
+    """``check="first"``: one exchange per configuration (the first call; again for a new scale),
+    none after; every call with ``check=True`` and with dropout drawing its seed; the same
+    results as checking every call. ``(name, ok, detail)`` on rank 0."""
+    from blocksparse_fa.distributed import comm, context_parallel_attention, plan_context_parallel
+
+    N = case["N"]
+    q, k, v, _ = _inputs(case, N, torch.float64)
+    from blocksparse_fa.distributed import api
+
+    plan = plan_context_parallel(case["mask"], N, world, block_size=16, strategy="contiguous")
+    idx = plan.indices(rank)
+    ql, kl, vl = (t[:, :, idx] for t in (q, k, v))
+    calls, gathers = [], []
+    real, real_gather = api.check_call, api._gathered_plan
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    def spy_gather(*a, **kw):
+        gathers.append(1)
+        return real_gather(*a, **kw)
+
+    api.check_call, api._gathered_plan = spy, spy_gather
+    try:
+        comm._CHECKED.clear()
+        counts, outs = [], []
+        # the scale's second call, check=True twice, dropout drawing its seed twice, then with a
+        # seed (its configuration was checked by the calls before)
+        for kw in (dict(), dict(), dict(), dict(scale=0.3), dict(scale=0.3), dict(check=True), dict(check=True),
+                   dict(dropout_p=0.2), dict(dropout_p=0.2), dict(dropout_p=0.2, dropout_seed=3),
+                   dict(dropout_p=0.2, dropout_seed=3)):
+            before = len(calls)
+            outs.append(context_parallel_attention(ql, kl, vl, plan=plan, **kw))
+            counts.append(len(calls) - before)
+        no_plan = []
+        for _ in range(3):  # contiguous shards without a plan: the lengths are gathered once
+            before = len(gathers)
+            outs.append(context_parallel_attention(ql, kl, vl, case["mask"], block_size=16))
+            no_plan.append(len(gathers) - before)
+    finally:
+        api.check_call, api._gathered_plan = real, real_gather
+    want = [1, 0, 0, 1, 0, 1, 1, 1, 1, 0, 0]
+    ok = counts == want and no_plan == [1, 0, 0]
+    ok = ok and all(torch.equal(outs[0], outs[i]) for i in (1, 2, 5, 6, 11, 12, 13))
+    return (case["name"], ok, f"exchanges per call {counts} (want {want}); gathers without a plan {no_plan}") \
+        if rank == 0 else None
 
 
 def worker(rank, world, store_path, cases, queue):
@@ -193,6 +244,7 @@ def worker(rank, world, store_path, cases, queue):
                                 timeout=timedelta(seconds=GLOO_TIMEOUT))
         for case in cases:
             fn = (run_error if case.get("error") else run_compiled if case.get("compiled") else
+                  run_check_modes if case.get("check_modes") else
                   run_module if case.get("module") else run_case)
             try:
                 res = fn(case, rank, world)

@@ -463,6 +463,12 @@ CASES_2 = [
          expect=["different plan"]),
     dict(name="unaligned contiguous shards", error=True, mask="causal", N=200, lengths=[100, 100],
          expect=["multiple of 16"]),
+    # the default check="first": a configuration's first call exchanges its description, so an
+    # inconsistent first call still raises on every rank
+    dict(name="different plans, checked once", error=True, mask="causal", mask1="causal & window(24)", N=208,
+         check="first", expect=["different plan"]),
+    dict(name="check modes: one exchange per configuration", check_modes=True, mask="causal & window(40)", N=192,
+         strategy="contiguous"),
 ]
 
 CASES_2_KERNELS = [  # the Triton kernels in the interpreter (the slow part of the suite)

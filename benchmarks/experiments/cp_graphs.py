@@ -7,7 +7,9 @@ Per mask (256K, GQA 8/2 x 128, bf16, the planner's plan), under torchrun with NC
    machine state: ``transports`` (``p2p``: grouped NCCL point-to-point; ``all_to_all``: one
    ``all_to_all_single`` per step), ``own_rows`` (the backward's own-key gradients gathered
    whole in float32 then converted, or converted run by run), ``returns`` (fetched keys' dK/dV
-   parts sent back in float32 or in bf16) or ``sm_margin`` (the call not
+   parts sent back in float32 or in bf16), ``check`` (the call's description check, an all-gather
+   and a device-to-host read: never, every call, the first call of the configuration) or
+   ``sm_margin`` (the call not
    overlapped, then overlapped with the persistent Gluon grids leaving 0, 8 or 16 SMs to NCCL);
 2. the same forward+backward captured once in a CUDA graph (``torch.cuda.graph``, after warm-up on
    a side stream; ``check=False``: the call's description check synchronises) and replayed: time per
@@ -42,7 +44,7 @@ from blocksparse_fa.distributed import comm, context_parallel_attention, plan_co
 messages, max_runs, wait_sends, margin = comm.MESSAGES, att._MAX_RUN_COPIES, att._WAIT_SENDS, att._SM_MARGIN
 returns = att._RETURN_DTYPE
 GROUPS = {"default": None}  # "high": a group whose NCCL streams have high priority (made in main)
-_call = dict(group=None, overlap=None)  # overlap None: ``--overlap``
+_call = dict(group=None, overlap=None, check=False)  # overlap None: ``--overlap``
 
 
 def _set(**kw):
@@ -54,6 +56,7 @@ def _set(**kw):
         att._RETURN_DTYPE = kw.get("returns", returns)
         _call["group"] = GROUPS[kw.get("group", "default")]
         _call["overlap"] = kw.get("overlap")
+        _call["check"] = kw.get("check", False)
     return setup
 
 
@@ -63,6 +66,9 @@ VARIANTS = {"transports": [("p2p", _set(messages="p2p")), ("all_to_all", _set(me
             "own_rows": [("gather", _set(max_runs=0)), ("runs", _set())],
             "wait_sends": [("no_wait", _set(wait_sends=False)), ("wait", _set())],
             "priority": [("default", _set()), ("high", _set(group="high"))],
+            # the call's description check (an all-gather and a device-to-host read per call), as
+            # the nn modules and the transformers hook call it, against none
+            "check": [("no_check", _set()), ("check", _set(check=True)), ("first", _set(check="first"))],
             # fetched keys' dK/dV parts returned in float32 or in the inputs' 16-bit dtype
             "returns": [("float32", _set(returns="float32")), ("input", _set(returns="input"))],
             # overlapped calls whose persistent Gluon grids leave SMs to NCCL's kernels
@@ -150,13 +156,13 @@ def main():
 
             def fwd():
                 with torch.no_grad():
-                    return context_parallel_attention(ql, kl, vl, plan=plan, check=False, overlap=_overlap(),
+                    return context_parallel_attention(ql, kl, vl, plan=plan, check=_call["check"], overlap=_overlap(),
                                                       group=_call["group"])
 
             def fb():
                 for t in (qg, kg, vg):
                     t.grad = None
-                out = context_parallel_attention(qg, kg, vg, plan=plan, check=False, overlap=_overlap(),
+                out = context_parallel_attention(qg, kg, vg, plan=plan, check=_call["check"], overlap=_overlap(),
                                                  group=_call["group"])
                 out.backward(dl)
                 return out

@@ -4,6 +4,8 @@ all-gather, and if any rank is wrong every rank raises the same error."""
 
 from __future__ import annotations
 
+import collections
+
 import os
 import struct
 
@@ -167,6 +169,53 @@ _MAGIC = 0x6273666163
 
 def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+CHECK_MODES = {True: "always", False: "never", "first": "first"}
+_CHECKED: collections.OrderedDict = collections.OrderedDict()  # configurations checked ("first")
+_CHECKED_MAX = 256
+
+
+def check_mode(check) -> str:
+    """``"always"``, ``"never"`` or ``"first"`` for the ``check`` argument (True, False, "first")."""
+    if isinstance(check, str) and check in ("always", "never", "first"):
+        return check
+    mode = CHECK_MODES.get(check) if isinstance(check, (bool, str)) else None
+    if mode is None:
+        raise ValueError(f"check must be True, False or 'first', got {check!r}")
+    return mode
+
+
+def _config(group, plan, q, k, v, scale, dropout_p):
+    """What a ``"first"`` check is keyed on: the group, the plan, this rank's tensors' shapes,
+    dtypes and device, the scale and the dropout; None where the inputs are not tensors."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or plan is None:
+        return None
+    name = getattr(group, "group_name", None) or id(group)
+    return (name, plan.fingerprint, plan.world_size, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype,
+            k.dtype, v.dtype, str(q.device), scale, dropout_p)
+
+
+def needs_check(mode: str, group, plan, q, k, v, scale, dropout_p, seeded: bool) -> bool:
+    """Whether this call exchanges its description: always, never, or (``"first"``) where this
+    configuration (:func:`_config`) was not checked yet in this process, or where dropout draws
+    its seed on rank 0 (every call then exchanges it)."""
+    if mode != "first":
+        return mode == "always"
+    if float(dropout_p or 0.0) > 0 and not seeded:
+        return True
+    key = _config(group, plan, q, k, v, scale, dropout_p)
+    return key is None or key not in _CHECKED
+
+
+def checked(group, plan, q, k, v, scale, dropout_p) -> None:
+    """Records a configuration whose check passed (``"first"``)."""
+    key = _config(group, plan, q, k, v, scale, dropout_p)
+    if key is not None:
+        _CHECKED[key] = True
+        _CHECKED.move_to_end(key)
+        while len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
 
 
 def check_call(group, plan, rank: int, world: int, q, k, v, scale: float, dropout_p: float, seed: int,

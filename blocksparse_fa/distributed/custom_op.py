@@ -1,7 +1,7 @@
 """Context-parallel attention as ``torch.library`` custom ops, so ``torch.compile`` traces it.
 
     blocksparse_fa::cp_attention_fwd(Tensor q, Tensor k, Tensor v, int plan, str group, float scale,
-        float dropout_p, Tensor? seed, str backend, bool overlap, bool check, str kernel_options)
+        float dropout_p, Tensor? seed, str backend, bool overlap, str check, str kernel_options)
         -> (Tensor out, Tensor lse, Tensor seed)
     blocksparse_fa::cp_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout,
         Tensor? dlse, int plan, str group, float scale, float dropout_p, Tensor seed, str backend,
@@ -24,7 +24,7 @@ from .._oplib import custom_op
 from ..ops.prepare import encoded_options, resolve_backend
 from ..ops.options import decode_options
 from .attention import cp_backward, cp_forward, fetch
-from .comm import check_call, init_group, resolve_group
+from .comm import check_call, checked, init_group, needs_check, resolve_group
 from .exchange import exchange_for
 from .plan import ContextParallelPlan
 
@@ -59,13 +59,14 @@ def _plan(handle: int) -> ContextParallelPlan:
 @custom_op("blocksparse_fa::cp_attention_fwd", mutates_args=())
 def cp_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int, group: str, scale: float,
                      dropout_p: float, seed: torch.Tensor | None, backend: str, overlap: bool,
-                     check: bool, kernel_options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     check: str, kernel_options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _plan(plan)
     pg = resolve_group(group)
     rank, world = torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
     s = 0 if seed is None else int(seed.item())  # no seed tensor without dropout
-    if check:
+    if needs_check(check, pg, p, q, k, v, scale, dropout_p, True):  # check: "always", "never" or "first"
         s = check_call(pg, p, rank, world, q, k, v, scale, dropout_p, s, None, q.device)
+        checked(pg, p, q, k, v, scale, dropout_p)
     else:
         init_group(pg, q.device)
     ex = exchange_for(p, rank, q.device)
@@ -134,9 +135,10 @@ def _group_name(group) -> str:
 
 
 def cp_attention_op(q, k, v, plan: ContextParallelPlan, group, scale: float, dropout_p: float, seed: torch.Tensor,
-                    backend: str, overlap: bool, check: bool, opts=None):
+                    backend: str, overlap: bool, check: str, opts=None):
     """``(out, lse)`` through the custom op (the path :func:`context_parallel_attention` takes under
-    ``torch.compile``; ``opts``: the call's kernel options)."""
+    ``torch.compile``; ``check``: ``"always"``, ``"never"`` or ``"first"``, as
+    ``comm.check_mode`` names them; ``opts``: the call's kernel options)."""
     out, lse, _ = cp_attention_fwd(q, k, v, _handle(plan), _group_name(group), scale, dropout_p, seed, backend,
                                    overlap, check, encoded_options(opts))
     return out, lse
