@@ -4,13 +4,13 @@ all-gather, and if any rank is wrong every rank raises the same error."""
 
 from __future__ import annotations
 
-import collections
-
 import os
 import struct
 
 import torch
 import torch.distributed as dist
+
+from ..compiler.cache import LRUCache
 
 __all__ = ["resolve_group", "init_group", "all_to_all", "exchange", "check_call", "Pending"]
 
@@ -171,25 +171,25 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-CHECK_MODES = {True: "always", False: "never", "first": "first"}
-_CHECKED: collections.OrderedDict = collections.OrderedDict()  # configurations checked ("first")
-_CHECKED_MAX = 256
+_CHECKED = LRUCache(256)  # configurations whose check passed ("first")
 
 
 def check_mode(check) -> str:
-    """``"always"``, ``"never"`` or ``"first"`` for the ``check`` argument (True, False, "first")."""
+    """``"always"``, ``"never"`` or ``"first"`` for the ``check`` argument (True, False, "first"; the
+    compiled op passes the names themselves)."""
+    if isinstance(check, bool):
+        return "always" if check else "never"
     if isinstance(check, str) and check in ("always", "never", "first"):
         return check
-    mode = CHECK_MODES.get(check) if isinstance(check, (bool, str)) else None
-    if mode is None:
-        raise ValueError(f"check must be True, False or 'first', got {check!r}")
-    return mode
+    raise ValueError(f"check must be True, False or 'first', got {check!r}")
 
 
 def _config(group, plan, q, k, v, scale, dropout_p):
     """What a ``"first"`` check is keyed on: the group, the plan, this rank's tensors' shapes,
-    dtypes and device, the scale and the dropout; None where the inputs are not tensors."""
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or plan is None:
+    dtypes and device, the scale and the dropout as given; None where one of them is not what a
+    valid call passes (the call then checks)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or plan is None or \
+            not all(x is None or isinstance(x, (int, float)) for x in (scale, dropout_p)):
         return None
     name = getattr(group, "group_name", None) or id(group)
     return (name, plan.fingerprint, plan.world_size, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype,
@@ -202,20 +202,15 @@ def needs_check(mode: str, group, plan, q, k, v, scale, dropout_p, seeded: bool)
     its seed on rank 0 (every call then exchanges it)."""
     if mode != "first":
         return mode == "always"
-    if float(dropout_p or 0.0) > 0 and not seeded:
-        return True
     key = _config(group, plan, q, k, v, scale, dropout_p)
-    return key is None or key not in _CHECKED
+    return key is None or (bool(dropout_p) and not seeded) or _CHECKED.get(key) is None
 
 
 def checked(group, plan, q, k, v, scale, dropout_p) -> None:
     """Records a configuration whose check passed (``"first"``)."""
     key = _config(group, plan, q, k, v, scale, dropout_p)
     if key is not None:
-        _CHECKED[key] = True
-        _CHECKED.move_to_end(key)
-        while len(_CHECKED) > _CHECKED_MAX:
-            _CHECKED.popitem(last=False)
+        _CHECKED.put(key, True)
 
 
 def check_call(group, plan, rank: int, world: int, q, k, v, scale: float, dropout_p: float, seed: int,
