@@ -191,8 +191,9 @@ def layout_class(layout) -> LayoutClass:
         kind = "causal"
     elif row_interval(layout) is not None:  # a shard only where its intervals were given (distributed)
         kind = "interval"
-        per_head = _heads_differ(layout, *row_interval(layout))
-        head_runs = _head_runs(layout, *row_interval(layout)) if per_head else 1
+        runs = _head_runs(layout, *row_interval(layout))
+        per_head = runs < (layout.batch_shape or (1, 1))[1]
+        head_runs = runs if per_head else 1
     else:
         kind = "blocks"
     src = getattr(layout, "source", None) or layout  # a shard takes its source's tile class
@@ -222,11 +223,7 @@ def _head_runs(layout, lo, hi) -> int:
 def _heads_differ(layout, lo, hi) -> bool:
     """Whether the rows' intervals ``(Z, Lq)`` (:func:`~blocksparse_fa.compiler.intervals.row_interval`,
     ``Z`` the layout's batch·head instances) differ between the heads of a batch row."""
-    bm, hm = layout.batch_shape or (1, 1)
-    if hm == 1:
-        return False
-    lo, hi = lo.reshape(bm, hm, -1), hi.reshape(bm, hm, -1)
-    return not ((lo == lo[:, :1]).all() and (hi == hi[:, :1]).all())
+    return _head_runs(layout, lo, hi) < (layout.batch_shape or (1, 1))[1]
 
 
 @dataclass(frozen=True)
