@@ -7,6 +7,7 @@ table (plain loops and broadcasting), on odd lengths.
 from __future__ import annotations
 
 import ast
+import inspect
 import itertools
 import pathlib
 import sys
@@ -14,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import blocksparse_fa as bsfa
 from blocksparse_fa.compiler import compile_mask
@@ -703,6 +706,53 @@ def test_kernels_in_the_interpreter(name, mask, kw):
     from test_triton_interpreter import _check
 
     _check(mask(), D=16, block=16, **kw)
+
+
+def test_power_of_two_parameters_select_their_own_template():
+    """A scalar power-of-two period, stride or chunk is masked, not divided; other values and
+    per-head values keep the general helpers."""
+    for m, pow2 in [(bsfa.periodic_window(16, 1), True), (bsfa.periodic_window(12, 1), False),
+                    (bsfa.strided(8) | bsfa.summary(32, 2), True), (bsfa.chunked(16), True),
+                    (bsfa.chunked(12), False), (bsfa.strided(ph([8, 16])), False)]:
+        src = inspect.getsource(build_payload(compile_mask(m & bsfa.causal(), 120, 120, 16), "cpu").fn.fn)
+        helpers = [h for h in ("periodic_keep(", "strided_keep(", "summary_keep(", "chunked_keep(") if h in src]
+        assert bool(helpers) != pow2, (m, src)
+
+
+@triton.jit
+def _predicate_grid(OUT, PARAMS, AUX, q0, h, NQ: tl.constexpr, NK: tl.constexpr, PRED: tl.constexpr):
+    qp = q0 + tl.arange(0, NQ)[:, None]
+    kj = tl.arange(0, NK)[None, :]
+    keep = PRED(qp, kj, qp, 0, h, PARAMS, AUX, False)
+    tl.store(OUT + tl.arange(0, NQ)[:, None] * NK + kj, keep.to(tl.int8))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask,rule", [
+    (bsfa.window(ph([3, 2**31 - 1])) & bsfa.strided(3), lambda q, k, h: (abs(q - k) <= [3, 2**31 - 1][h]) & ((q - k) % 3 == 0)),
+    (bsfa.window(0) | bsfa.sliding_window(ph([5, 2**31 - 1])) & bsfa.strided(5),
+     lambda q, k, h: (q == k) | (q - k >= 0) & (q - k < [5, 2**31 - 1][h]) & ((q - k) % 5 == 0)),
+    (bsfa.periodic_window(16, 2) | bsfa.chunked(8) | bsfa.summary(32, 3),
+     lambda q, k, h: (abs(q % 16 - k % 16) <= 2) | (q >= 0) & (q // 8 == k // 8) | (k % 32 >= 29)),
+])
+def test_element_templates_at_negative_positions_and_huge_windows(mask, rule):
+    """The unsigned and low-bit templates keep the primitive's rule for query positions below zero
+    (shifted masks) and for windows up to the int32 limit."""
+    pay = build_payload(compile_mask(mask, 64, 64, 16), "cpu")
+    q, k = np.arange(-40, 24)[:, None], np.arange(64)[None, :]
+    for h in (0, 1):
+        out = torch.zeros(64, 64, dtype=torch.int8)
+        _predicate_grid[(1,)](out, pay.params, pay.aux, -40, h, NQ=64, NK=64, PRED=pay.fn)
+        assert np.array_equal(out.numpy().astype(bool), rule(q, k, h)), (mask, h)
+
+
+@pytest.mark.interpreter
+def test_power_of_two_templates_in_the_interpreter():
+    """The masks of low bits agree with the reference for negative (shifted) query positions too."""
+    from test_triton_interpreter import _check
+
+    m = bsfa.shift(bsfa.periodic_window(16, 2) | bsfa.strided(8) | bsfa.summary(32, 3), -13) | bsfa.chunked(16)
+    _check(m & bsfa.key_range(0, 70), D=16, block=16, Lq=57, Lk=70)
 
 
 @pytest.mark.interpreter

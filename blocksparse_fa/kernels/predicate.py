@@ -84,8 +84,11 @@ def _flag_suffix(leaf: Mask) -> str:
 _TEMPLATES = {
     "full": (0, "qp == qp"),
     "causal": (0, "kj <= qp"),
-    "window": (1, "tl.abs(qp - kj) <= {p0}"),
-    "sliding_window": (1, "((qp - kj) >= 0) & ((qp - kj) < {p0})"),
+    # one unsigned compare of kj - qp + w against 2w: modulo 2**32 a distance below -w lands above
+    # 2w (exact for every int32 distance and window)
+    "window": (1, "(kj - qp + {p0}).to(tl.uint32, bitcast=True) <= (2 * {p0}).to(tl.uint32, bitcast=True)"),
+    # one unsigned compare: a negative distance lands above any window
+    "sliding_window": (1, "(qp - kj).to(tl.uint32, bitcast=True) < {p0}.to(tl.uint32, bitcast=True)"),
     "global_tokens": (1, "(qp < {p0}) | (kj < {p0})"),
     "strided": (1, "strided_keep(qp, kj, {p0})"),
     "chunked": (1, "chunked_keep(qp, kj, {p0})"),
@@ -95,6 +98,12 @@ _TEMPLATES = {
     "key_range": (2, "(kj >= {p0}) & (kj < {p1})"),
     "query_range": (2, "(qp >= {p0}) & (qp < {p1})"),
     "periodic_window": (2, "periodic_keep(qp, kj, {p0}, {p1})"),
+    # the same with a scalar power-of-two period, stride or chunk: masks of the low bits, no branch
+    # on the parameter (whose untaken division would still occupy registers in the loop)
+    "strided_pow2": (1, "((qp - kj) & ({p0} - 1)) == 0"),
+    "chunked_pow2": (1, "(qp >= 0) & ((qp ^ kj) < {p0})"),
+    "summary_pow2": (2, "(kj & ({p0} - 1)) >= ({p0} - {p1})"),
+    "periodic_window_pow2": (2, "tl.abs((qp & ({p0} - 1)) - (kj & ({p0} - 1))) <= {p1}"),
     # position bitsets: AUX[p0 + b * p1 + x // 32], p2 bits
     "key_set": (3, "bitset_keep(kj, AUX + {p0} + b * {p1}, {p2})"),
     "query_set": (3, "bitset_keep(qp, AUX + {p0} + b * {p1}, {p2})"),
@@ -267,6 +276,14 @@ _SIMPLE = {"window", "sliding_window", "global_tokens", "strided", "chunked", "p
            "key_range", "query_range", "periodic_window"}
 
 
+# primitives whose first parameter, a scalar power of two, selects their ``_pow2`` template
+_POW2_FORMS = {"strided", "chunked", "summary", "periodic_window"}
+
+
+def _scalar_power_of_two(v) -> bool:
+    return not isinstance(v, ParamTensor) and int(v) > 0 and int(v) & (int(v) - 1) == 0
+
+
 def _payload_nodes(mask: Mask):
     """Leaves and ``shift`` nodes in the order :func:`_emit` assigns their parameter slots."""
     if isinstance(mask, Shift):
@@ -426,6 +443,8 @@ def build_payload(layout: BlockLayout, device, document_runs: bool = True) -> Pa
         if name in ("full", "causal"):
             continue
         if name in _SIMPLE:
+            if name in _POW2_FORMS and _scalar_power_of_two(leaf._params[0]):
+                forms[id(leaf)] = name + "_pow2"
             slots.extend(leaf._params)
         elif name == "document":
             ids = leaf.host_ids()

@@ -1,8 +1,11 @@
 """Building blocks of generated predicates (imported by the generated modules).
 
 Parameters arrive at run time, so a ``% s`` or ``// c`` would be a real integer division on every
-element of a partial tile — slow on GPUs. Each helper takes a uniform branch to shifts and masks
-when the parameter is a power of two (the common case), and divides only otherwise.
+element of a partial tile — slow on GPUs. A scalar power-of-two stride, chunk, summary stride or
+period selects a template of masks and shifts instead (``*_pow2`` in
+:mod:`blocksparse_fa.kernels.predicate`); the helpers below serve the other values and per-(batch,
+head) parameters (``strided_keep``, ``chunked_keep`` and ``summary_keep`` with a uniform branch to
+shifts and masks when a per-head value is a power of two).
 """
 
 import triton
@@ -88,7 +91,8 @@ def chunk_band_keep(qp, kj, qc, kc, lo, hi):
 
 @triton.jit
 def periodic_keep(qp, kj, period, w):
-    """``|qp % period - kj % period| <= w`` (floor modulo)."""
+    """``|qp % period - kj % period| <= w`` (floor modulo; a scalar power-of-two period has its
+    own template in :mod:`blocksparse_fa.kernels.predicate`)."""
     return tl.abs(floor_mod(qp, period) - floor_mod(kj, period)) <= w
 
 
