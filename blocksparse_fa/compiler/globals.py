@@ -28,7 +28,7 @@ import numpy as np
 
 from ..mask import primitives as P
 from ..mask.expr import Mask
-from .intervals import _sets, _supported, mask_row_interval, per_layout
+from .intervals import _sets, _supported, mask_row_interval, split_per_layout
 
 __all__ = ["GlobalSplit", "global_split", "MAX_GLOBAL"]
 
@@ -109,10 +109,7 @@ def global_split(layout, compile_fn) -> GlobalSplit | None:
     size), built once and cached on the layout; None where the mask does not split (and for shards
     of a larger layout). ``compile_fn``: :func:`~blocksparse_fa.compiler.compile.compile_mask`."""
 
-    def build():
-        hit = split_parts(layout.mask, layout.q_len, layout.kv_len, layout.q_offset)
-        if hit is None:
-            return None
+    def make(hit):
         g, band, corner, rows = hit
         dev, blk = layout.device, layout.block_size
         part = None if rows is None or isinstance(rows, str) else \
@@ -120,4 +117,4 @@ def global_split(layout, compile_fn) -> GlobalSplit | None:
         return GlobalSplit(g, compile_fn(band, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False),
                            corner, part, rows == "full")
 
-    return per_layout(layout, "global_split", build)
+    return split_per_layout(layout, "global_split", split_parts, make)

@@ -189,6 +189,17 @@ def per_layout(layout, key: str, build):
     return layout.cache[key]
 
 
+def split_per_layout(layout, key: str, find, make):
+    """A mask split cached on a compiled layout (:func:`per_layout`): ``make(hit)`` of
+    ``hit = find(mask, q_len, kv_len, q_offset)``, or None where ``find`` returns None."""
+
+    def build():
+        hit = find(layout.mask, layout.q_len, layout.kv_len, layout.q_offset)
+        return None if hit is None else make(hit)
+
+    return per_layout(layout, key, build)
+
+
 def tile_ranges(lo: np.ndarray, hi: np.ndarray, rows: int, block_n: int):
     """Key-block ranges of tiles of ``rows`` consecutive query rows, from :func:`mask_row_interval`'s
     arrays of one instance.

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..mask.expr import And, Mask, Or
-from .intervals import _sets, _supported, mask_row_interval, per_layout
+from .intervals import _sets, _supported, mask_row_interval, split_per_layout
 
 __all__ = ["RunSplit", "split_runs", "run_split", "MAX_TERMS"]
 
@@ -184,10 +184,7 @@ def run_split(layout, compile_fn) -> RunSplit | None:
     built once and cached on the layout; None where the mask does not split (and for shards of a
     larger layout). ``compile_fn``: :func:`~blocksparse_fa.compiler.compile.compile_mask`."""
 
-    def build():
-        hit = split_runs(layout.mask, layout.q_len, layout.kv_len, layout.q_offset)
-        if hit is None:
-            return None
+    def make(hit):
         (a, ia), (b, ib) = hit
         if _box(ib)[2] > _box(ia)[2]:  # the part added second spans less
             (a, ia), (b, ib) = (b, ib), (a, ia)
@@ -199,4 +196,4 @@ def run_split(layout, compile_fn) -> RunSplit | None:
                         compile_fn(b, layout.q_len, layout.kv_len, blk, device=dev, rewrite=False, align=al),
                         rows, keys, mean, box, bounds)
 
-    return per_layout(layout, "run_split", build)
+    return split_per_layout(layout, "run_split", split_runs, make)

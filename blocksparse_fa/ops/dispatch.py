@@ -104,28 +104,40 @@ def _global_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, bac
     return gs if ok else None
 
 
+def _may_split(name: str, option, layout: BlockLayout, backend: str, use_rewrite: bool, device) -> bool:
+    """Whether the split ``name`` (kernel option value ``option``) may apply: the Triton backend,
+    rewrites allowed, a layout that is not rewritten and not known not to split (the common case:
+    no imports), and, by default, a device with the Gluon kernels (elsewhere the parts are not
+    compiled)."""
+    return (backend == "triton" and use_rewrite and option is not False and layout.rewrite is None
+            and layout.cache.get(name, False) is not None
+            and not (option is None and select.hardware(device).gluon))
+
+
+def _chosen_split(layout: BlockLayout, key, build, decide):
+    """``build()`` (a split cached on the layout) where ``decide(split)`` takes it, else None; the
+    decision is cached in ``layout.cache[key]``, and a known refusal builds nothing."""
+    ok = layout.cache.get(key)
+    if ok is False:
+        return None
+    split = build()
+    if split is None:
+        return None
+    if ok is None:
+        ok = layout.cache[key] = decide(split)
+    return split if ok else None
+
+
 def _run_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, use_rewrite: bool,
                score_mod, opts: KernelOptions, partial_dtypes: bool = False, phase: str = "forward"):
     """The layout's :class:`~blocksparse_fa.compiler.runs.RunSplit` where the call's ``phase``
     (``"forward"``/``"backward"``) runs it (``select.choose_run_split``), else None."""
-    if backend != "triton" or not use_rewrite or opts.run_split is False or layout.rewrite is not None:
-        return None
-    if layout.cache.get("run_split", False) is None:  # known not to split: the common case, no imports
-        return None
-    if opts.run_split is None and select.hardware(q.device).gluon:  # no Gluon part: the parts are not compiled
-        return None
-    key = ("run_split_choice", phase, s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None,
-           partial_dtypes, select.tma_ok(q, k, v))
-    ok = layout.cache.get(key)
-    if ok is False:
+    if not _may_split("run_split", opts.run_split, layout, backend, use_rewrite, q.device):
         return None
     from ..compiler.compile import compile_mask
     from ..compiler.runs import run_split
 
-    rs = run_split(layout, compile_mask)
-    if rs is None:
-        return None
-    if ok is None:
+    def decide(rs):
         if phase == "forward":
             from .triton_backend import forward_choice
 
@@ -134,11 +146,33 @@ def _run_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backen
             from .triton_backend import backward_choice
 
             first, second = (backward_choice(q, k, v, q, part, s, 0.0, opts) for part in (rs.first, rs.second))
-        ok = layout.cache[key] = select.choose_run_split(first, second, q.dtype, opts, mean_keys=rs.mean_keys,
-                                                         dropout=dropout_p > 0.0,
-                                                         score_mod=score_mod is not None,
-                                                         partial_dtypes=partial_dtypes)
-    return rs if ok else None
+        return select.choose_run_split(first, second, q.dtype, opts, mean_keys=rs.mean_keys, dropout=dropout_p > 0.0,
+                                       score_mod=score_mod is not None, partial_dtypes=partial_dtypes)
+
+    key = ("run_split_choice", phase, s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None,
+           partial_dtypes, select.tma_ok(q, k, v))
+    return _chosen_split(layout, key, lambda: run_split(layout, compile_mask), decide)
+
+
+def _set_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, use_rewrite: bool,
+               score_mod, opts: KernelOptions, partial_dtypes: bool = False):
+    """The layout's :class:`~blocksparse_fa.compiler.sets.SetSplit` where the forward runs it
+    (``select.choose_set_split``), else None."""
+    if not _may_split("set_split", opts.set_split, layout, backend, use_rewrite, q.device):
+        return None
+    from ..compiler.compile import compile_mask
+    from ..compiler.sets import set_split
+
+    def decide(ss):
+        from .triton_backend import forward_choice
+
+        return select.choose_set_split(forward_choice(q, k, v, ss.band, s, 0.0, opts), q.dtype, opts,
+                                       dropout=dropout_p > 0.0, score_mod=score_mod is not None,
+                                       partial_dtypes=partial_dtypes)
+
+    key = ("set_split_choice", s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None, partial_dtypes,
+           select.tma_ok(q, k, v))
+    return _chosen_split(layout, key, lambda: set_split(layout, compile_mask), decide)
 
 
 def _residue_ok(rw, s: Shapes, dtype: torch.dtype, opts: KernelOptions) -> bool:
@@ -259,6 +293,12 @@ def forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropout_p: fl
 
         select.note("forward", "run_split")
         out, lse = runs_forward(q, k, v, rs, s, scale, opts, _fwd_one)
+    elif (ss := None if rw is not None else _set_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod,
+                                                      opts, out_dtype is not None)) is not None:
+        from .sets import split_forward as sets_forward
+
+        select.note("forward", "set_split")
+        out, lse = sets_forward(q, k, v, ss, s, scale, opts, _fwd_one)
     elif rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_forward

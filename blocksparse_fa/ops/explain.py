@@ -38,7 +38,9 @@ class Explanation:
         rewrite: ``"residue"`` (the strided rewrite on class views), ``"parts"`` (on permuted
             copies), ``"global_split"`` (global tokens as a band, the first rows and the global
             keys, ``compiler/globals.py``), ``"run_split"`` (two key runs per row as two one-run
-            parts, ``compiler/runs.py``; in the phases that split) or None.
+            parts, ``compiler/runs.py``; in the phases that split), ``"set_split"`` (global
+            positions anywhere as a band, the gathered global keys and rows, ``compiler/sets.py``;
+            the forward) or None.
         layout: the compiled layout's class (None on the PyTorch backend).
         kernels: the GPU kernels launched, forward then backward, as a profiler names them.
     """
@@ -75,7 +77,6 @@ def _device_interval(q, k, v, mask, s, dropout_p, score_mod, be, align, opts, ne
         return None
     if be == "torch":
         return Explanation("torch", "torch:interval", "torch:interval" if needs_grad else None)
-    from . import select
     from .interval_backend import _class, backward_choice, forward_choice
 
     iv = spec.bounds(q.device)
@@ -140,7 +141,22 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
         rsb = (dispatch._run_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts,
                                    phase="backward") if needs_grad else None)
         r = rsf or rsb
-    if gs is not None or gsb is not None:
+    ss = (dispatch._set_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts)
+          if gs is None and gsb is None and rw is None and r is None else None)
+    if ss is not None:
+        from .globals import _rows_opts
+        from .sets import _indices
+
+        keys, rows = _indices(ss, q4.device)
+        parts, how, extra = [(ss.band, s, (q4, k4, v4), opts)], "set_split", ("_merge_residue",)
+        if ss.keys_part is not None:
+            parts.append((ss.keys_part, replace(s, Lk=len(ss.keys)),
+                          (q4, k4.index_select(2, keys), v4.index_select(2, keys)), _rows_opts(opts)))
+        if ss.rows_part is not None:
+            parts.append((ss.rows_part, replace(s, Lq=len(ss.rows)), (q4.index_select(2, rows), k4, v4),
+                          _rows_opts(opts)))
+        bwd_parts = [(layout, s, (q4, k4, v4), opts)] if needs_grad else None
+    elif gs is not None or gsb is not None:
         from .globals import _fold_global_keys, _rows_opts
 
         split = gs if gs is not None else gsb

@@ -167,7 +167,7 @@ _CHOICES = {
     "fwd_other": ("load", "prefetch"),
     "band_backward": ("partial", "flex"),
 }
-_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic", "global_split", "run_split")
+_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic", "global_split", "run_split", "set_split")
 _CONFIGS = {"gluon_fwd": GluonConfig, "gluon_bwd": GluonBwdConfig, "fwd_tiles": TileConfig,
             "dkdv_tiles": TileConfig, "dq_tiles": TileConfig, "atomic_tiles": TileConfig}
 
@@ -240,6 +240,13 @@ class KernelOptions:
             backend runs; False: never (the whole mask on the block kernels). The split backward
             holds the second part's gradients (the size of its rows' and keys' q, k, v) while it
             adds them.
+        set_split: masks ``key_set(K) | query_set(R) | band`` (global tokens at any positions,
+            at most 128 of each; the band keeps one key interval per row; ``compiler/sets.py``)
+            run their forward as the band on the interval kernels, the global keys gathered into
+            one key tile and the global rows gathered into one row tile, merged through their
+            logsumexps; the backward runs the whole mask. None (default): where the band runs
+            the Gluon interval forward (Hopper); True: wherever the Triton backend runs; False:
+            never.
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
             run bounds (True) rather than by comparing ids.
         fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles
@@ -270,6 +277,7 @@ class KernelOptions:
     residue_gqa: bool = True
     global_split: bool | None = None
     run_split: bool | None = None
+    set_split: bool | None = None
     document_runs: bool = True
     fwd_tiles: TileConfig | None = None
     dkdv_tiles: TileConfig | None = None

@@ -34,7 +34,7 @@ from .options import GluonBwdConfig, GluonConfig, KernelOptions
 from .validate import Shapes
 
 __all__ = ["Hardware", "LayoutClass", "Choice", "hardware", "layout_class", "choose_forward", "choose_backward",
-           "choose_global_split", "choose_run_split", "tma_ok", "tile_major_deal", "record", "note"]
+           "choose_global_split", "choose_run_split", "choose_set_split", "tma_ok", "tile_major_deal", "record", "note"]
 
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -341,6 +341,29 @@ def choose_run_split(first: Choice, second: Choice, dtype: torch.dtype, opts: Ke
     if opts.run_split is True:
         return True
     return first.family == "gluon" and second.family == "gluon" and mean_keys >= RUN_SPLIT_MIN_KEYS
+
+
+def choose_set_split(band: Choice, dtype: torch.dtype, opts: KernelOptions, *, dropout: bool = False,
+                     score_mod: bool = False, partial_dtypes: bool = False) -> bool:
+    """Whether the forward of a mask with global positions anywhere (``key_set(K) | query_set(R) |
+    band``, ``compiler/sets.py``) runs as the band, the gathered global keys and the gathered global
+    rows (pure; the backward runs the whole mask with the merged output and logsumexp).
+
+    Args:
+        band: :func:`choose_forward`'s choice for the band's layout.
+        dtype: q's dtype; opts: the call's kernel options.
+        dropout, score_mod: attention dropout / a score modifier (never split).
+        partial_dtypes: a float32 output was asked for (never split).
+
+    ``set_split=None`` splits where the band runs the Gluon interval forward: as one layout every
+    row tile with a global row walks every key tile, and every row walks the global keys' tiles,
+    all through the element predicate (16 global positions and a window of 512 at 16K: 26 % of the
+    blocks for 3.3 % of the pairs; ``benchmarks/NOTES.md``, "Global positions anywhere")."""
+    if dropout or score_mod or partial_dtypes or opts.set_split is False or dtype not in _SPLIT_DTYPES:
+        return False
+    if opts.set_split is True:
+        return True
+    return band.family == "gluon" and band.mode == "interval"
 
 
 TILE_MAJOR_WINDOW_BYTES = 16 * 2**20
