@@ -13,8 +13,9 @@ key interval per row, three exact, disjoint parts cover it:
 * the **global rows** ``R`` over the keys outside their band and outside ``K``, gathered into a
   ``len(R)``-row tensor (one row tile; its long rows are split by the block kernels' work lists).
 
-Their outputs merge through their logsumexps (``ops/sets.py``). Only the forward runs as parts: the
-backward of the whole mask reads the merged output and logsumexp, which are exact.
+Their outputs merge through their logsumexps (``ops/sets.py``). By default only the forward runs as
+parts: the backward of the whole mask reads the merged output and logsumexp, which are exact (the
+parts' backward, which adds their gradients, is there with ``set_split=True``).
 
 :func:`set_split` finds the split on the expression (``O(L·|K|)``, never ``Lq × Lk`` but for the
 global rows' ``|R| × Lk`` bits).

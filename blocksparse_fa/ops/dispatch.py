@@ -155,23 +155,24 @@ def _run_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backen
 
 
 def _set_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, backend: str, use_rewrite: bool,
-               score_mod, opts: KernelOptions, partial_dtypes: bool = False):
-    """The layout's :class:`~blocksparse_fa.compiler.sets.SetSplit` where the forward runs it
-    (``select.choose_set_split``), else None."""
+               score_mod, opts: KernelOptions, partial_dtypes: bool = False, phase: str = "forward"):
+    """The layout's :class:`~blocksparse_fa.compiler.sets.SetSplit` where the call's ``phase``
+    (``"forward"``/``"backward"``) runs it (``select.choose_set_split``), else None."""
     if not _may_split("set_split", opts.set_split, layout, backend, use_rewrite, q.device):
         return None
     from ..compiler.compile import compile_mask
     from ..compiler.sets import set_split
 
     def decide(ss):
-        from .triton_backend import forward_choice
+        from .triton_backend import backward_choice, forward_choice
 
-        return select.choose_set_split(forward_choice(q, k, v, ss.band, s, 0.0, opts), q.dtype, opts,
-                                       dropout=dropout_p > 0.0, score_mod=score_mod is not None,
-                                       partial_dtypes=partial_dtypes)
+        band = (forward_choice(q, k, v, ss.band, s, 0.0, opts) if phase == "forward" else
+                backward_choice(q, k, v, q, ss.band, s, 0.0, opts))
+        return select.choose_set_split(band, q.dtype, opts, phase=phase, dropout=dropout_p > 0.0,
+                                       score_mod=score_mod is not None, partial_dtypes=partial_dtypes)
 
-    key = ("set_split_choice", s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None, partial_dtypes,
-           select.tma_ok(q, k, v))
+    key = ("set_split_choice", phase, s, q.dtype, q.device, opts, dropout_p > 0.0, score_mod is not None,
+           partial_dtypes, select.tma_ok(q, k, v))
     return _chosen_split(layout, key, lambda: set_split(layout, compile_mask), decide)
 
 
@@ -334,6 +335,12 @@ def backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, scale: flo
 
         select.note("backward", "run_split")
         dq, dk, dv = runs_backward(q, k, v, out, lse, dout, rs, s, scale, dlse, opts)
+    elif (ss := None if rw is not None else _set_split(q, k, v, layout, s, dropout_p, backend, use_rewrite, score_mod,
+                                                      opts, grad_dtype is not None, "backward")) is not None:
+        from .sets import split_backward as sets_backward
+
+        select.note("backward", "set_split")
+        dq, dk, dv = sets_backward(q, k, v, out, lse, dout, ss, s, scale, dlse, opts)
     elif rw is not None:
         if backend == "triton" and _residue_ok(rw, s, q.dtype, opts):
             from .residue import residue_backward

@@ -40,7 +40,7 @@ class Explanation:
             keys, ``compiler/globals.py``), ``"run_split"`` (two key runs per row as two one-run
             parts, ``compiler/runs.py``; in the phases that split), ``"set_split"`` (global
             positions anywhere as a band, the gathered global keys and rows, ``compiler/sets.py``;
-            the forward) or None.
+            in the phases that split) or None.
         layout: the compiled layout's class (None on the PyTorch backend).
         kernels: the GPU kernels launched, forward then backward, as a profiler names them.
     """
@@ -141,21 +141,28 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
         rsb = (dispatch._run_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts,
                                    phase="backward") if needs_grad else None)
         r = rsf or rsb
-    ss = (dispatch._set_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts)
-          if gs is None and gsb is None and rw is None and r is None else None)
-    if ss is not None:
+    ssf = ssb = None
+    if gs is None and gsb is None and rw is None and r is None:
+        ssf = dispatch._set_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts)
+        ssb = (dispatch._set_split(q4, k4, v4, layout, s, dropout_p, "triton", rewrite, score_mod, opts,
+                                   phase="backward") if needs_grad else None)
+    if ssf is not None or ssb is not None:
         from .globals import _rows_opts
         from .sets import _indices
 
+        ss = ssf or ssb
         keys, rows = _indices(ss, q4.device)
-        parts, how, extra = [(ss.band, s, (q4, k4, v4), opts)], "set_split", ("_merge_residue",)
+        split = [(ss.band, s, (q4, k4, v4), opts)]
         if ss.keys_part is not None:
-            parts.append((ss.keys_part, replace(s, Lk=len(ss.keys)),
+            split.append((ss.keys_part, replace(s, Lk=len(ss.keys)),
                           (q4, k4.index_select(2, keys), v4.index_select(2, keys)), _rows_opts(opts)))
         if ss.rows_part is not None:
-            parts.append((ss.rows_part, replace(s, Lq=len(ss.rows)), (q4.index_select(2, rows), k4, v4),
+            split.append((ss.rows_part, replace(s, Lq=len(ss.rows)), (q4.index_select(2, rows), k4, v4),
                           _rows_opts(opts)))
-        bwd_parts = [(layout, s, (q4, k4, v4), opts)] if needs_grad else None
+        whole = [(layout, s, (q4, k4, v4), opts)]
+        parts, how = split if ssf else whole, "set_split"
+        extra = ("_merge_residue",) if ssf else ()
+        bwd_parts = (split if ssb else whole) if needs_grad else None
     elif gs is not None or gsb is not None:
         from .globals import _fold_global_keys, _rows_opts
 
@@ -196,7 +203,7 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p: float = 0.0, return_ls
     fwd = [forward_choice(*ts, lay, ps, dropout_p, po, score_mod=score_mod) for lay, ps, ts, po in parts]
 
     def bwd_choice(i, lay, ps, ts, po):
-        acc = i > 0 and how in ("residue", "global_split", "run_split")
+        acc = i > 0 and how in ("residue", "global_split", "run_split", "set_split")
         if acc and how == "run_split":  # the second part adds into the first's gradients unless it runs Gluon
             acc = backward_choice(*ts, ts[0], lay, ps, dropout_p, po, score_mod=score_mod).family != "gluon"
         return backward_choice(*ts, ts[0], lay, ps, dropout_p, po, accumulate=acc, score_mod=score_mod)

@@ -242,11 +242,11 @@ class KernelOptions:
             adds them.
         set_split: masks ``key_set(K) | query_set(R) | band`` (global tokens at any positions,
             at most 128 of each; the band keeps one key interval per row; ``compiler/sets.py``)
-            run their forward as the band on the interval kernels, the global keys gathered into
-            one key tile and the global rows gathered into one row tile, merged through their
-            logsumexps; the backward runs the whole mask. None (default): where the band runs
-            the Gluon interval forward (Hopper); True: wherever the Triton backend runs; False:
-            never.
+            run as the band on the interval kernels, the global keys gathered into one key tile
+            and the global rows gathered into one row tile, merged through their logsumexps (the
+            backward adds the parts' gradients). None (default): the forward where the band runs
+            the Gluon interval forward (Hopper), the backward whole (``select.SET_SPLIT_BACKWARD``);
+            True: both phases wherever the Triton backend runs; False: never.
         document_runs: ``document`` masks whose documents are contiguous runs are evaluated from
             run bounds (True) rather than by comparing ids.
         fwd_tiles, dkdv_tiles, dq_tiles, atomic_tiles: force the Triton kernels' tiles

@@ -260,6 +260,18 @@ split against the forward alone: 64K, H 8 (2^19): Longformer 2.57 / 3.05, 64 sin
 0.85 / 0.96, 1.41 / 1.70), but there the eager call is bound by its host path."""
 
 
+def _split_rules(fn: str, phase: str, option, dtype: torch.dtype, dropout: bool, score_mod: bool,
+                 partial_dtypes: bool) -> bool | None:
+    """The rules every split shares: never with dropout, a score modifier, float32 partial results
+    or another dtype, nor with the option False; always with it True; None where the split's own
+    rule decides (``fn``: the caller, named in the error for a wrong ``phase``)."""
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"{fn}: phase must be 'forward' or 'backward', got {phase!r}")
+    if dropout or score_mod or partial_dtypes or option is False or dtype not in _SPLIT_DTYPES:
+        return False
+    return True if option is True else None
+
+
 def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: KernelOptions, *, n_global: int,
                         long_rows: bool, dropout: bool = False, score_mod: bool = False,
                         partial_dtypes: bool = False, phase: str = "forward", folds: bool = False) -> bool:
@@ -292,12 +304,9 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
     / 1.698, both with a second pass for the global keys. H200, Longformer with ``folds`` (the
     forward split, the backward whole): 0.345 / 1.581 against 0.457 / 1.671 whole; both phases split
     0.342 / 1.544 (within this run's noise of the whole backward, which is kept)."""
-    if phase not in ("forward", "backward"):
-        raise ValueError(f"choose_global_split: phase must be 'forward' or 'backward', got {phase!r}")
-    if dropout or score_mod or partial_dtypes or opts.global_split is False or dtype not in _SPLIT_DTYPES:
-        return False
-    if opts.global_split is True:
-        return True
+    forced = _split_rules("choose_global_split", phase, opts.global_split, dtype, dropout, score_mod, partial_dtypes)
+    if forced is not None:
+        return forced
     if band.family != "gluon" or band.mode != "interval":
         return False
     if not long_rows and n_global <= AUTO_GLOBAL_SPLIT_MAX:
@@ -336,33 +345,44 @@ def choose_run_split(first: Choice, second: Choice, dtype: torch.dtype, opts: Ke
     against 0.772 / 3.117; a shared prefix of 1024 before documents of 1-4K (~1.7K) 0.519 / 1.700
     against 0.334 / 1.322, a rectangle or a sliding window of 256 (~430) 0.482 / 2.108 against
     0.160 / 0.983."""
-    if dropout or score_mod or partial_dtypes or opts.run_split is False or dtype not in _SPLIT_DTYPES:
-        return False
-    if opts.run_split is True:
-        return True
+    forced = _split_rules("choose_run_split", "forward", opts.run_split, dtype, dropout, score_mod, partial_dtypes)
+    if forced is not None:
+        return forced
     return first.family == "gluon" and second.family == "gluon" and mean_keys >= RUN_SPLIT_MIN_KEYS
 
 
-def choose_set_split(band: Choice, dtype: torch.dtype, opts: KernelOptions, *, dropout: bool = False,
-                     score_mod: bool = False, partial_dtypes: bool = False) -> bool:
-    """Whether the forward of a mask with global positions anywhere (``key_set(K) | query_set(R) |
-    band``, ``compiler/sets.py``) runs as the band, the gathered global keys and the gathered global
-    rows (pure; the backward runs the whole mask with the merged output and logsumexp).
+SET_SPLIT_BACKWARD = False
+"""Whether ``set_split=None`` splits the backward too (where the band's backward runs Gluon). Off:
+on an H200 (16K, H 8, d 128, 16 global positions and a window of 512) the split backward's GPU
+time is about 1.0 ms against about 2.2 for the whole mask's, but its eager fwd+bwd reads the same
+(2.78 against 2.77 ms): its ~25 launches and gathers make the call host-bound
+(``benchmarks/NOTES.md``, "Global positions anywhere")."""
+
+
+def choose_set_split(band: Choice, dtype: torch.dtype, opts: KernelOptions, *, phase: str = "forward",
+                     dropout: bool = False, score_mod: bool = False, partial_dtypes: bool = False) -> bool:
+    """Whether a mask with global positions anywhere (``key_set(K) | query_set(R) | band``,
+    ``compiler/sets.py``) runs as the band, the gathered global keys and the gathered global rows in
+    ``phase`` (``"forward"`` or ``"backward"``; either phase reads the other's output and
+    logsumexp, which are exact either way) (pure).
 
     Args:
-        band: :func:`choose_forward`'s choice for the band's layout.
+        band: :func:`choose_forward`'s (forward) or :func:`choose_backward`'s (backward) choice for
+            the band's layout.
         dtype: q's dtype; opts: the call's kernel options.
         dropout, score_mod: attention dropout / a score modifier (never split).
-        partial_dtypes: a float32 output was asked for (never split).
+        partial_dtypes: a float32 output or gradients were asked for (never split).
 
-    ``set_split=None`` splits where the band runs the Gluon interval forward: as one layout every
-    row tile with a global row walks every key tile, and every row walks the global keys' tiles,
-    all through the element predicate (16 global positions and a window of 512 at 16K: 26 % of the
-    blocks for 3.3 % of the pairs; ``benchmarks/NOTES.md``, "Global positions anywhere")."""
-    if dropout or score_mod or partial_dtypes or opts.set_split is False or dtype not in _SPLIT_DTYPES:
+    ``set_split=None`` splits where the band runs the Gluon interval kernels in the phase (the
+    backward only with ``SET_SPLIT_BACKWARD``): as one layout every row tile with a global row walks
+    every key tile, and every row walks the global keys' tiles, all through the element predicate
+    (16 global positions and a window of 512 at 16K: 26 % of the blocks for 3.3 % of the pairs;
+    ``benchmarks/NOTES.md``, "Global positions anywhere")."""
+    forced = _split_rules("choose_set_split", phase, opts.set_split, dtype, dropout, score_mod, partial_dtypes)
+    if forced is not None:
+        return forced
+    if phase == "backward" and not SET_SPLIT_BACKWARD:
         return False
-    if opts.set_split is True:
-        return True
     return band.family == "gluon" and band.mode == "interval"
 
 
