@@ -29,6 +29,8 @@ def _dense_parts(mask, lq, lk):
     (bsfa.query_set(T([2, 50])) | bsfa.sliding_window(4) & bsfa.query_range(40, 150), 70, 90),
     (bsfa.key_set(T([1, 2, 3])) | (bsfa.query_set(T([10])) | bsfa.causal() & bsfa.document(T([0] * 30 + [1] * 34))),
      64, 64),
+    (bsfa.causal() & (bsfa.key_set(T([3, 40])) | bsfa.query_set(T([50, 61])) | bsfa.sliding_window(9)), 90, 90),
+    ((bsfa.key_set(T([7, 33])) & bsfa.key_range(0, 30) | bsfa.window(5)) & bsfa.query_range(2, 80), 85, 85),
 ])
 def test_parts_are_disjoint_and_cover_the_mask(mask, lq, lk):
     a, b, c = _dense_parts(mask, lq, lk)
@@ -37,8 +39,10 @@ def test_parts_are_disjoint_and_cover_the_mask(mask, lq, lk):
 
 
 @pytest.mark.parametrize("mask", [
-    bsfa.causal() & (bsfa.key_set(T([3, 40])) | bsfa.sliding_window(9)),  # not a union at the top
+    ~bsfa.key_set(T([3, 40])) & bsfa.sliding_window(9),  # a set that removes pairs
+    bsfa.shift(bsfa.query_set(T([3, 40])), 5) | bsfa.sliding_window(9),  # a set at shifted positions
     bsfa.key_set(T([[3, 40], [5, 6]])) | bsfa.sliding_window(9),  # a set per batch row
+    bsfa.key_set(T([3, 40])) & bsfa.sliding_window(9),  # nothing left without the set
     bsfa.key_set(T([3, 40])) | bsfa.sliding_window(9) | bsfa.strided(16),  # the rest keeps two runs
     bsfa.key_set(T([3, 40])) | bsfa.query_set(T([7])),  # no band
     bsfa.key_set(torch.arange(0, 2 * (MAX_SET + 1), 2)) | bsfa.sliding_window(9),  # too many keys
@@ -54,6 +58,8 @@ def test_masks_that_do_not_split(mask):
      dict(Lq=97, Lk=97)),
     (bsfa.key_set(T([5, 60])) | bsfa.causal() & bsfa.window(7), dict(H=4, Hkv=2, Lq=80, Lk=80)),
     (bsfa.query_set(T([2, 50])) | bsfa.sliding_window(4) & bsfa.query_range(40, 150), dict(B=2, Lq=70, Lk=70)),
+    (bsfa.causal() & (bsfa.key_set(T([3, 40])) | bsfa.query_set(T([50, 61])) | bsfa.sliding_window(9)),
+     dict(H=4, Hkv=1, Lq=90, Lk=90)),
 ])
 @pytest.mark.parametrize("phases", ["both", "forward"])
 def test_split_matches_float64(mask, kw, phases, monkeypatch):

@@ -4,14 +4,19 @@
 memory tokens) keeps, on most rows, a band and a few scattered keys; on the rows in ``S``, every
 key. As one layout every row tile that holds a global row walks all key tiles and every row walks
 the global keys' tiles, all through the element predicate (16 positions at 16K: 26 % of the blocks
-for 3 % of the pairs). For a union ``key_set(K) | query_set(R) | band`` whose ``band`` keeps one
-key interval per row, three exact, disjoint parts cover it:
+for 3 % of the pairs). Where the ``key_set(K)`` and ``query_set(R)`` leaves only ever add pairs
+(none under ``~`` or a ``shift``: ``key_set(K) | query_set(R) | band``, ``causal & (key_set(K) |
+sliding_window(w))``, ...) and the mask without them, the **band**, keeps one key interval per row,
+three exact, disjoint parts cover it (on the rows outside ``R`` and the keys outside ``K`` the mask
+is its band):
 
 * the **band** on every row: the interval kernels, Gluon on Hopper;
-* the **global keys** ``K`` outside each row's band, gathered into a ``len(K)``-key tensor that
-  every row attends (one key tile; a dense bit mask says which key each row keeps);
-* the **global rows** ``R`` over the keys outside their band and outside ``K``, gathered into a
-  ``len(R)``-row tensor (one row tile; its long rows are split by the block kernels' work lists).
+* the **global keys** ``K`` that each row keeps outside its band, gathered into a ``len(K)``-key
+  tensor that every row attends (one key tile; a dense bit mask, the mask evaluated on those
+  columns, says which key each row keeps);
+* the **global rows** ``R`` over the keys they keep outside their band and outside ``K``, gathered
+  into a ``len(R)``-row tensor (one row tile; its long rows are split by the block kernels' work
+  lists).
 
 Their outputs merge through their logsumexps (``ops/sets.py``). By default only the forward runs as
 parts: the backward of the whole mask reads the merged output and logsumexp, which are exact (the
@@ -23,13 +28,18 @@ global rows' ``|R| × Lk`` bits).
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
+import torch
+
 from ..mask import primitives as P
 from ..mask.custom import DenseMask
-from ..mask.expr import Mask, Or
+from ..mask.expr import And, EvalContext, Mask, Not, Or
+from ..mask.shift import Shift
 from .intervals import mask_row_interval, split_per_layout
 
 __all__ = ["SetSplit", "set_split", "split_parts", "MAX_SET"]
@@ -40,7 +50,7 @@ MAX_SET = 128
 
 @dataclass
 class SetSplit:
-    """The parts of ``key_set(K) | query_set(R) | band`` (see the module docstring).
+    """The parts of a mask with global positions anywhere (see the module docstring).
 
     Attributes:
         band: the compiled layout of the band at the mask's lengths.
@@ -58,41 +68,72 @@ class SetSplit:
     rows_part: object = None
 
 
-def _flat_or(mask: Mask) -> list:
-    if isinstance(mask, Or):
-        return [leaf for c in mask.children for leaf in _flat_or(c)]
-    return [mask]
+MAX_PART_BITS = 2**24
+"""Largest ``q_len · |K|`` or ``|R| · kv_len`` at which the mask is evaluated for the gathered parts' bit
+masks (once per layout, in int64 tensors of that many elements)."""
+
+_SETS = (P.KeySet, P.QuerySet)
+
+
+def _without_sets(mask: Mask):
+    """``mask`` with every ``key_set``/``query_set`` leaf replaced by "keeps nothing" (None: the
+    whole expression keeps nothing), or ``False`` where a set sits under ``~``, a ``shift`` or per
+    batch row (then the mask is not split)."""
+    if isinstance(mask, _SETS):
+        return None if mask.tensor.shape[0] == 1 else False
+    if isinstance(mask, (Not, Shift)):
+        return False if any(isinstance(leaf, _SETS) for leaf in mask.leaves()) else mask
+    if isinstance(mask, (And, Or)):
+        kids = [_without_sets(c) for c in mask.children]
+        if any(c is False for c in kids):
+            return False
+        if isinstance(mask, And):
+            return None if any(c is None for c in kids) else functools.reduce(operator.and_, kids)
+        kids = [c for c in kids if c is not None]
+        return functools.reduce(operator.or_, kids) if kids else None
+    return mask
+
+
+def _positions(mask: Mask, kind, limit: int) -> np.ndarray:
+    sets = [leaf.positions(0) for leaf in mask.leaves() if isinstance(leaf, kind)]
+    pos = np.unique(np.concatenate([np.zeros(0, np.int64)] + sets)).astype(np.int64)
+    return pos[pos < limit]
+
+
+def _keeps(mask: Mask, q_len: int, kv_len: int, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """``mask`` at the pairs ``rows × keys`` (top-left rows), bool ``(len(rows), len(keys))``."""
+    i = torch.from_numpy(rows).view(-1, 1)
+    ctx = EvalContext(q_len, kv_len, i, i, torch.from_numpy(keys).view(1, -1))
+    return mask._eval(ctx).expand(len(rows), len(keys)).numpy()
 
 
 def split_parts(mask: Mask, q_len: int, kv_len: int, q_offset: int):
     """``(band mask, keys, rows, keep_keys (q_len, nk) bool, keep_rows (nr, kv_len) bool)`` when
-    ``mask`` is a union of unbatched ``key_set``/``query_set`` terms and a band of one key interval
-    per row, else None. ``keep_keys[i, t]``: row ``i`` keeps global key ``keys[t]`` outside its
-    band; ``keep_rows[r, j]``: global row ``rows[r]`` keeps key ``j``, outside its band and ``keys``."""
-    if mask.batch_shape or q_offset != 0:
+    ``mask`` keeps, besides a band of one key interval per row, what its unbatched
+    ``key_set``/``query_set`` leaves add (leaves that only ever add pairs: none under ``~`` or a
+    ``shift``), else None. The band is the mask without those leaves. ``keep_keys[i, t]``: row
+    ``i`` keeps global key ``keys[t]`` outside its band; ``keep_rows[r, j]``: global row
+    ``rows[r]`` keeps key ``j`` outside its band and ``keys``."""
+    if mask.batch_shape or q_offset != 0 or not any(isinstance(leaf, _SETS) for leaf in mask.leaves()):
         return None
-    terms = _flat_or(mask)
-    sets = [t for t in terms if isinstance(t, (P.KeySet, P.QuerySet))]
-    others = [t for t in terms if not isinstance(t, (P.KeySet, P.QuerySet))]
-    if not sets or not others or any(t.tensor.shape[0] != 1 for t in sets):
+    band = _without_sets(mask)
+    if band is None or band is False:
         return None
-    if any(isinstance(leaf, (P.KeySet, P.QuerySet)) for t in others for leaf in t.leaves()):
-        return None
-    keys = np.unique(np.concatenate([[]] + [t.positions(0) for t in sets if isinstance(t, P.KeySet)]))
-    rows = np.unique(np.concatenate([[]] + [t.positions(0) for t in sets if isinstance(t, P.QuerySet)]))
-    keys, rows = keys[keys < kv_len].astype(np.int64), rows[rows < q_len].astype(np.int64)
+    keys, rows = _positions(mask, P.KeySet, kv_len), _positions(mask, P.QuerySet, q_len)
     if not (len(keys) or len(rows)) or len(keys) > MAX_SET or len(rows) > MAX_SET:
         return None
-    band = others[0]
-    for t in others[1:]:
-        band = band | t
+    if q_len * len(keys) > MAX_PART_BITS or len(rows) * kv_len > MAX_PART_BITS:
+        return None
     iv = mask_row_interval(band, q_len, kv_len, q_offset=0)
     if iv is None:
         return None
     lo, hi = iv[0][0].astype(np.int64), iv[1][0].astype(np.int64)
-    keep_keys = ~((lo[:, None] <= keys[None, :]) & (keys[None, :] < hi[:, None]))
+    all_rows = np.arange(q_len, dtype=np.int64)
+    keep_keys = _keeps(mask, q_len, kv_len, all_rows, keys)
+    keep_keys &= ~((lo[:, None] <= keys[None, :]) & (keys[None, :] < hi[:, None]))
     j = np.arange(kv_len, dtype=np.int64)
-    keep_rows = ~((lo[rows, None] <= j[None, :]) & (j[None, :] < hi[rows, None]))
+    keep_rows = _keeps(mask, q_len, kv_len, rows, j)
+    keep_rows &= ~((lo[rows, None] <= j[None, :]) & (j[None, :] < hi[rows, None]))
     keep_rows[:, keys] = False
     return band, keys, rows, keep_keys, keep_rows
 
@@ -101,8 +142,6 @@ def set_split(layout, compile_fn) -> SetSplit | None:
     """The :class:`SetSplit` of a compiled layout (its mask, lengths, query offset and block size),
     built once and cached on the layout; None where the mask does not split (and for shards of a
     larger layout). ``compile_fn``: :func:`~blocksparse_fa.compiler.compile.compile_mask`."""
-    import torch
-
     dev, blk = layout.device, layout.block_size
 
     def part(keep: np.ndarray, q_len: int, kv_len: int):

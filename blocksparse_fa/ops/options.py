@@ -240,8 +240,9 @@ class KernelOptions:
             backend runs; False: never (the whole mask on the block kernels). The split backward
             holds the second part's gradients (the size of its rows' and keys' q, k, v) while it
             adds them.
-        set_split: masks ``key_set(K) | query_set(R) | band`` (global tokens at any positions,
-            at most 128 of each; the band keeps one key interval per row; ``compiler/sets.py``)
+        set_split: masks with global tokens at any positions beside a band (``key_set(K) |
+            query_set(R) | band``, also under ``causal &``; at most 128 of each; the mask without
+            the sets keeps one key interval per row; ``compiler/sets.py``)
             run as the band on the interval kernels, the global keys gathered into one key tile
             and the global rows gathered into one row tile, merged through their logsumexps (the
             backward adds the parts' gradients). None (default): the forward where the band runs
