@@ -31,6 +31,9 @@ def _dense_parts(mask, lq, lk):
      64, 64),
     (bsfa.causal() & (bsfa.key_set(T([3, 40])) | bsfa.query_set(T([50, 61])) | bsfa.sliding_window(9)), 90, 90),
     ((bsfa.key_set(T([7, 33])) & bsfa.key_range(0, 30) | bsfa.window(5)) & bsfa.query_range(2, 80), 85, 85),
+    # parts that depend on one side only (broadcast evaluations)
+    (bsfa.key_set(T([4, 50])) & bsfa.key_range(0, 40) | bsfa.query_set(T([9])) & bsfa.query_range(0, 20)
+     | bsfa.sliding_window(3), 70, 70),
 ])
 def test_parts_are_disjoint_and_cover_the_mask(mask, lq, lk):
     a, b, c = _dense_parts(mask, lq, lk)

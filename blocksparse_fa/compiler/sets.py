@@ -101,10 +101,12 @@ def _positions(mask: Mask, kind, limit: int) -> np.ndarray:
 
 
 def _keeps(mask: Mask, q_len: int, kv_len: int, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """``mask`` at the pairs ``rows × keys`` (top-left rows), bool ``(len(rows), len(keys))``."""
-    i = torch.from_numpy(rows).view(-1, 1)
-    ctx = EvalContext(q_len, kv_len, i, i, torch.from_numpy(keys).view(1, -1))
-    return mask._eval(ctx).expand(len(rows), len(keys)).numpy()
+    """``mask`` at the pairs ``rows × keys`` (top-left rows), a writable bool numpy array
+    ``(len(rows), len(keys))`` (evaluated where the mask's tensors live, as ``Mask.to_dense``)."""
+    dev = next((leaf._device() for leaf in mask.leaves() if leaf._device() is not None), None)
+    i = torch.from_numpy(rows).view(-1, 1).to(dev or "cpu")
+    ctx = EvalContext(q_len, kv_len, i, i, torch.from_numpy(keys).view(1, -1).to(i.device))
+    return mask._eval(ctx).expand(len(rows), len(keys)).cpu().numpy().copy()
 
 
 def split_parts(mask: Mask, q_len: int, kv_len: int, q_offset: int):
