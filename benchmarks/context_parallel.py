@@ -7,7 +7,8 @@ skipped and recorded; results are written after every row):
 1. the links: all-gather and all-to-all bandwidth;
 2. per mask (default the five targets at 256K: causal, sliding window 4096, causal Longformer,
    causal BigBird, packed documents), on one GPU and on ``P`` GPUs with the planner's plan: forward
-   and forward+backward time (``T1``, ``TP``, slowest rank), efficiency ``T1 / (P · TP)``, the
+   and forward+backward time (``T1``, ``TP``, slowest rank; back-to-back calls, at least 3 and on
+   GPUs as many as fill 0.25 s), efficiency ``T1 / (P · TP)``, the
    error of the context-parallel output and gradients against the one-GPU run (relative L2 over
    the whole sequence), both runs' error against float64 on a slice (the last key block's queries
    and keys), per-rank peak memory, bytes sent, the strategy and whether the fetch is overlapped;
@@ -114,7 +115,8 @@ class Run:
         self.out = os.path.join(args.out, "context_parallel.json")
         self.res = dict(world_size=self.world, torch=torch.__version__, device=self._device_name(), sections={},
                         skipped=[], errors=[], args={k: v for k, v in vars(args).items() if k != "fn"},
-                        command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]))
+                        command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                        timing=_timing(args.fill))
         try:
             import triton
 
@@ -184,17 +186,27 @@ class Run:
         self.dist.all_reduce(t)
         return t.item()
 
-    def time(self, fn, iters: int, warmup: int = 1) -> float:
-        """Seconds per call (after a barrier), the slowest rank's."""
+    def time(self, fn, iters: int, warmup: int = 1, most: int = 100) -> float:
+        """Seconds per call of back-to-back calls after a barrier, the slowest rank's: at least
+        ``iters`` calls, on GPUs as many more (up to ``most``) as fill ``--fill`` seconds, so that a
+        1-ms call is timed as in a loop of layers (the host launching ahead of the GPU) and not
+        dominated by the first call's launch latency on an idle GPU."""
         for _ in range(warmup):
             fn()
+        n, budget = iters, self.args.fill
+        if not self.cpu and budget > 0:
+            self.sync()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            n = max(iters, min(most, math.ceil(budget / max(self.max(time.perf_counter() - t), 1e-6))))
         self.sync()
         t = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(n):
             fn()
         if not self.cpu:
             torch.cuda.synchronize()
-        return self.max((time.perf_counter() - t) / iters)
+        return self.max((time.perf_counter() - t) / n)
 
     def peak(self) -> float | None:
         return None if self.cpu else torch.cuda.max_memory_allocated(self.dev) / 2**30
@@ -203,6 +215,12 @@ class Run:
         if not self.cpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self.dev)
+
+
+def _timing(fill: float) -> str:
+    """How the scaling rows were timed (``--fill``), for the report."""
+    return ("back-to-back calls after a barrier, at least 3" +
+            (f", on GPUs as many as fill {fill:g} s" if fill > 0 else ""))
 
 
 def _qkv(n, dev, dtype, seed=0, heads=HEADS, kv_heads=KV_HEADS, d=HEAD_DIM):
@@ -356,15 +374,15 @@ def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small, o
 
     def cp_fwd():
         with torch.no_grad():
-            context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, check=False, kernel_options=opts)
+            context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, kernel_options=opts)
 
     def cp_fb():
         for t in (qg, kg, vg):
             t.grad = None
-        context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, check=False,
-                                   kernel_options=opts).backward(dl)
+        context_parallel_attention(qg, kg, vg, plan=plan, backend=backend, kernel_options=opts).backward(dl)
 
-    context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, kernel_options=opts)  # checked once
+    # the default check="first": this first call checks the configuration, the timed ones skip it
+    context_parallel_attention(ql, kl, vl, plan=plan, backend=backend, kernel_options=opts)
     t_f = run.time(cp_fwd, iters)
     run.reset_peak()
     t_fb = run.time(cp_fb, iters)
@@ -582,7 +600,8 @@ def report(res: dict) -> str:
             lines.append(f"- all-to-all of {r['MB_per_rank']:.0f} MB per rank: {r['send_GBps']:.0f} GB/s sent per rank")
     sc = res.get("sections", {}).get("scaling", [])
     if sc:
-        lines += ["", f"**Strong scaling** (times in ms, slowest rank; `eff` = T1 / ({P} · T{P}); `ovl`: fetch "
+        timing = f"; {res['timing']}" if res.get("timing") else ""
+        lines += ["", f"**Strong scaling** (times in ms, slowest rank{timing}; `eff` = T1 / ({P} · T{P}); `ovl`: fetch "
                   "overlapped with the own-key launch; MB = most any rank sends per fwd+bwd):", "",
                   f"| pattern | N | strategy | ovl | imbalance | T1 fwd | T{P} fwd | eff fwd | T1 fwd+bwd | "
                   f"T{P} fwd+bwd | eff fwd+bwd | T{P} fwd / fwd+bwd, other ovl | MB sent | "
@@ -765,6 +784,8 @@ def main(argv=None):
     r.add_argument("--cp-overlap", default="auto", choices=["auto", "true", "false"],
                    help="overlap= of the context-parallel training calls")
     r.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    r.add_argument("--fill", type=float, default=0.25,
+                   help="seconds of back-to-back calls per timing on GPUs (at most 100 calls; 0: 3 calls)")
     r.add_argument("--update-docs", action="store_true",
                    help="rewrite the results section of docs/distributed.md and docs/data/context_parallel.json")
     r.add_argument("--docs", default=DOCS, help=argparse.SUPPRESS)

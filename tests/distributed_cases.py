@@ -73,16 +73,19 @@ def _run_case(case, rank, world, opts=None):
         start = sum(lengths[:rank])
         idx = torch.arange(start, start + lengths[rank])
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    with _launch_order(case.get("first_event")) as order:
+    steps = []  # message steps of the forward, then of the backward
+    with _launch_order(case.get("first_event")) as order, _message_steps(steps):
         out, lse = context_parallel_attention(ql, kl, vl, None if plan else case["mask"], plan=plan, dropout_p=p,
                                               dropout_seed=case.get("dropout_seed", 5), return_lse=True,
                                               overlap=case.get("overlap", False), backend=backend,
                                               block_size=None if plan else case.get("block", 16),
                                               kernel_options=opts)
-    loss = (out * do[:, :, idx]).sum()
-    if case.get("lse_grad"):
-        loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * 0.37).sum()
-    loss.backward()
+        steps.append("|")
+        loss = (out * do[:, :, idx]).sum()
+        if case.get("lse_grad"):
+            loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * 0.37).sum()
+        loss.backward()
+    n_steps = (steps.index("|"), len(steps) - steps.index("|") - 1)
     if plan is None:
         lengths = case["lengths"]
         plan = plan_context_parallel(case["mask"], N, world, block_size=case.get("block", 16), shard_lengths=lengths)
@@ -107,6 +110,8 @@ def _run_case(case, rank, world, opts=None):
         e = _max_err(a[fin], b[fin]) / max(1.0, b[fin].abs().max().item() if fin.any() else 1.0)
         if e > tol:
             errs.append(f"{name}: {e:.2e} > {tol:.0e}")
+    if case.get("steps") and n_steps != case["steps"]:
+        errs.append(f"rank 0's message steps (forward, backward) {n_steps}: expected {case['steps']}")
     if case.get("first_event") and order[:1] != [case["first_event"]]:
         errs.append(f"rank 0's forward events {order}: expected {case['first_event']!r} first")
     if case.get("exact_forward") and not torch.equal(got[0], want[0]):
@@ -151,6 +156,24 @@ def _launch_order(active):
         yield order
     finally:
         att._Fetch.wait, att._fwd = wait0, fwd0
+
+
+@contextlib.contextmanager
+def _message_steps(steps):
+    """Each message step of the context-parallel calls (one batch of messages) appended to ``steps``."""
+    from blocksparse_fa.distributed import attention as att
+
+    exchange0 = att.exchange
+
+    def exchange(*a, **kw):
+        steps.append("step")
+        return exchange0(*a, **kw)
+
+    att.exchange = exchange
+    try:
+        yield steps
+    finally:
+        att.exchange = exchange0
 
 
 def run_error(case, rank, world):

@@ -440,6 +440,13 @@ CASES_2 = [
     # its launch (NCCL's kernel would get no SM beside the attention kernel); with overlap it launches first
     dict(name="send-only rank waits before launching", mask="causal & (window(12) | global_tokens(16))", N=200,
          strategy="contiguous", first_event="wait"),
+    # without overlap the split rows' queries travel with the K/V fetch, their dQ parts with the
+    # returned dK/dV: forward = that step + the split rows' parts back, backward = their dO/O/LSE
+    # out + the returns; overlapped, each is a step of its own
+    dict(name="split rows: two message steps each way", mask=LONGFORMER, N=200, strategy="contiguous", split=1.5,
+         steps=(2, 2)),
+    dict(name="split rows overlapped: three message steps each way", mask=LONGFORMER, N=200, strategy="contiguous",
+         split=1.5, overlap=True, steps=(3, 3)),
     dict(name="send-only rank of an overlapped plan launches first", mask="causal & (window(12) | global_tokens(16))",
          N=200, strategy="contiguous", overlap=True, first_event="launch"),
     dict(name="contiguous shards without a plan", mask="causal & window(40)", N=150, plan=False,
@@ -496,6 +503,8 @@ CASES_4 = [
     dict(name="packed messages, overlap", mask=RANDOM, N=600, strategy="greedy", overlap=True, lse_grad=True),
     dict(name="causal zigzag overlap, 4 pieces", mask="causal", N=256, strategy="zigzag", overlap=True),
     dict(name="strided ulysses, 2 kv heads on 4 ranks", mask=STRIDED, N=256, strategy="ulysses", H=4, Hkv=2),
+    dict(name="longformer split rows (first steps fused)", mask=LONGFORMER, N=256, split=1.2, strategy="contiguous",
+         H=4, Hkv=2, float64_reference=True),
     dict(name="mismatched shard", error=True, mask="causal", N=200, cut={2: 3}, expect=["rank 2 passed"]),
 ]
 

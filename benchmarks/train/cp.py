@@ -7,8 +7,8 @@ of a process group (``torchrun``), attention through blocksparse_fa's context pa
 Each rank holds its shard of every sequence: one permutation from the plan
 (:meth:`~blocksparse_fa.distributed.ContextParallelPlan.indices`) is applied to the tokens, the
 targets, the loss weights and the rotary positions, so every token keeps its global position.
-Attention runs through ``context_parallel_attention`` with the plan (its call checks on the first
-step only); the rest of the model is per token and needs no communication. Packed documents
+Attention runs through ``context_parallel_attention`` with the plan and its default check (the
+first call of each plan and shape); the rest of the model is per token and needs no communication. Packed documents
 (``documents``) change their mask with every batch: the step's plan (or, in one process, its
 layout) is made before the step's timer starts, like the batch itself, and its time is reported
 apart (``plan_ms``). The loss weights are normalised over the whole batch, so the ranks' partial
@@ -53,17 +53,18 @@ CP_FAMILIES = ("causal", "sliding", "longformer", "bigbird", "documents")
 class CPCore(nn.Module):
     """Attention core. ``arg``: a :class:`~blocksparse_fa.distributed.ContextParallelPlan` (this
     rank's shard of ``group``), a compiled layout (one process, per-batch masks) or None (one
-    process, the static ``mask``). Calls are checked across ranks until ``checked`` is set."""
+    process, the static ``mask``). Calls check across ranks as the library's default does (``check="first"``:
+    the first call of each plan and shape)."""
 
     def __init__(self, mask, block_size: int, group=None, cp_kw: dict | None = None):
         super().__init__()
-        self.mask, self.block_size, self.group, self.checked = mask, block_size, group, False
+        self.mask, self.block_size, self.group = mask, block_size, group
         self.cp_kw = dict(cp_kw or {})  # further arguments of context_parallel_attention (overlap, kernel_options)
 
     def forward(self, q, k, v, arg):
         if isinstance(arg, bsfa.BlockLayout) or arg is None:
             return bsfa.attention(q, k, v, mask=self.mask if arg is None else arg, block_size=self.block_size)
-        return context_parallel_attention(q, k, v, plan=arg, group=self.group, check=not self.checked, **self.cp_kw)
+        return context_parallel_attention(q, k, v, plan=arg, group=self.group, **self.cp_kw)
 
 
 @dataclass
@@ -188,7 +189,6 @@ def train_cp(cfg: RunConfig, pats: Patterns, family: str, stream, group=None, *,
         with amp:
             loss, _, _ = model(tokens, targets, weights, cos, sin, arg)
         loss.backward()
-        core.checked = True
         total = loss.detach().double().clone()
         if group is not None:
             _all_reduce_grads(params, group)

@@ -35,7 +35,7 @@ from ..ops import dispatch, select
 from ..ops.merge import merge_attention
 from ..ops.options import DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig
 from ..ops.validate import Shapes
-from .comm import exchange
+from .comm import Pending, exchange
 from .exchange import Exchange, Part
 
 __all__ = ["cp_forward", "cp_backward", "fetch", "Saved"]
@@ -108,7 +108,7 @@ class Saved:
 class _Fetch:
     """The K/V messages of one call in flight; ``wait()`` fills the destination buffer."""
 
-    def __init__(self, ex: Exchange, k, v, group, ranks, overlap: bool):
+    def __init__(self, ex: Exchange, k, v, group, ranks, overlap: bool, extra=((), ())):
         f = ex.fetch
         B, Hkv, _, D = k.shape
         self.buf = self.rem = self.stage = None
@@ -131,8 +131,8 @@ class _Fetch:
         if f.n_recv_packed:
             self.stage = k.new_empty((f.n_recv_packed, 2, B, Hkv, D))
             recvs += _slices(self.stage, f.recv_packed)
-        sends = [(p, t, tag + _TAG_KV) for p, t, tag in sends]
-        recvs = [(p, t, tag + _TAG_KV) for p, t, tag in recvs]
+        sends = [(p, t, tag + _TAG_KV) for p, t, tag in sends] + list(extra[0])
+        recvs = [(p, t, tag + _TAG_KV) for p, t, tag in recvs] + list(extra[1])
         self.dst = dst
         self.pending = exchange(sends, recvs, group, ranks, async_op=True)
 
@@ -146,19 +146,36 @@ class _Fetch:
         return self
 
 
-def _start_guest_q(ex: Exchange, q, group, ranks):
-    """Split rows' queries to the ranks that compute a part; returns ``(pending, gq)`` with ``gq``
-    ``(G, B, H, D)`` token-major: own split rows first, then the received ones (peer-major)."""
-    if not ex.has_split:
-        return None, None
+def _guest_q(ex: Exchange, q):
+    """The messages of the split rows' queries to the ranks that compute a part: ``(sends, recvs,
+    gq)`` with ``gq`` ``(G, B, H, D)`` token-major: own split rows first, then the received ones
+    (peer-major)."""
     B, H, _, D = q.shape
     gq = q.new_empty((ex.n_split + ex.guest_len, B, H, D))
     if ex.n_split:
         gq[:ex.n_split].copy_(q.index_select(2, ex.split_idx).permute(2, 0, 1, 3))
     sends = _slices(q.index_select(2, ex.gq_send_idx).permute(2, 0, 1, 3).contiguous(), _TAG_GQ, ex.gq_send_n) \
         if sum(ex.gq_send_n) else []
-    recvs = _slices(gq[ex.n_split:], _TAG_GQ, ex.gq_recv_n)
-    return exchange(sends, recvs, group, ranks, async_op=True), gq
+    return sends, _slices(gq[ex.n_split:], _TAG_GQ, ex.gq_recv_n), gq
+
+
+def _start_exchanges(ex: Exchange, q, k, v, group, ranks, over: bool, fuse: bool):
+    """The first step of a call: the split rows' queries and the K/V fetch, ``(gpend, gq, fetch)``
+    (``over``: this rank's fetch overlaps its own-key launch). Where ``fuse`` (plans without
+    overlap, whose launches wait for the fetch anyway; the same on every rank, which must reach the
+    same steps) they travel as one batch of messages: one step's host cost and one message kernel,
+    not two."""
+    gpend = gq = fetch = None
+    if ex.has_split:
+        gs, gr, gq = _guest_q(ex, q)
+        if ex.has_kv and fuse:
+            fetch = _Fetch(ex, k, v, group, ranks, over, extra=(gs, gr))
+            gpend = fetch
+        else:
+            gpend = exchange(gs, gr, group, ranks, async_op=True)
+    if ex.has_kv and fetch is None:
+        fetch = _Fetch(ex, k, v, group, ranks, over)
+    return gpend, gq, fetch
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:
@@ -235,8 +252,7 @@ def cp_forward(ex: Exchange, q, k, v, scale: float, dropout_p: float, seed: int,
     if over:
         opts = _beside_messages(opts)
     saved = Saved()
-    gpend, gq = _start_guest_q(ex, q, group, ranks)
-    fetch = _Fetch(ex, k, v, group, ranks, over) if ex.has_kv else None
+    gpend, gq, fetch = _start_exchanges(ex, q, k, v, group, ranks, over, not plan_overlaps and _WAIT_SENDS)
     if fetch is not None and not plan_overlaps and _WAIT_SENDS:
         # Before any launch: a rank that only sends (it fetches nothing) would start its kernels
         # at once, NCCL's kernel would get no SM until they end, and every receiver would wait
@@ -320,9 +336,9 @@ def fetch(ex: Exchange, q, k, v, group, overlap=False) -> Saved:
     ranks = ex.peers(group)
     over = ex.overlap(overlap) and ex.fetches
     saved = Saved()
-    gpend, gq = _start_guest_q(ex, q, group, ranks)
-    if ex.has_kv:
-        f = _Fetch(ex, k, v, group, ranks, over).wait()
+    gpend, gq, f = _start_exchanges(ex, q, k, v, group, ranks, over, not ex.overlap(overlap))
+    if f is not None:
+        f.wait()
         saved.kvbuf, saved.kvrem = f.buf, f.rem
     if gpend is not None:
         gpend.wait()
@@ -424,10 +440,13 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
     B, H, L, D = q.shape
     Hkv, dev = k.shape[1], k.device
     guest = None
-    if ex.has_split:  # split rows first, as in the forward: their dQ parts travel while the rest runs
+    # the split rows' dQ parts travel with the fetched keys' dK/dV (one step) in plans without
+    # overlap, else while the rest runs
+    defer = not ex.overlap(overlap) and ex.has_kv
+    if ex.has_split:  # split rows first, as in the forward
         gpack = _start_split_packs(ex, dout, out, lse, dlse, group, ranks, acc)
         guest = _guest_backward(ex, q, k, v, lse, saved, gpack, scale, dropout_p, seed, backend, group, ranks, opts,
-                                acc)
+                                acc, defer)
     returned = sum(ex.ret_recv_n) > 0  # other ranks send gradients of own keys: own dK/dV are sums
     wire = _wire_dtype(k.dtype, acc)
     parts = ex.bwd_parts["overlap" if over else "main"]
@@ -452,7 +471,11 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
             send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_rem, group, ranks, acc, wire)
     if not over and ex.has_kv:
         gk, gv = grads.get("buf", grads.get("own"))
-        send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_buf, group, ranks, acc, wire)
+        dq_msgs = guest[0] if defer and guest is not None else None
+        send = _start_return(ex, gk.get(), gv.get(), ex.ret_send_buf, group, ranks, acc, wire,
+                             extra=dq_msgs[:2] if dq_msgs else ((), ()))
+        if dq_msgs:  # the dQ parts arrive with the step
+            guest = (Pending(dq_msgs[2], then=send.wait), *guest[1:])
     # own keys' gradients: their rows of the buffer's. Own tokens in a few runs of the buffer (zigzag)
     # stay in buffer coordinates until the end: the returned parts are added there and each run is
     # converted once into the output (no float32 gather of the whole shard)
@@ -515,17 +538,19 @@ def _wire_dtype(dtype, acc) -> torch.dtype:
     return dtype if _RETURN_DTYPE == "input" and dtype in (torch.float16, torch.bfloat16) else acc
 
 
-def _start_return(ex: Exchange, dk, dv, pos, group, ranks, acc, wire):
+def _start_return(ex: Exchange, dk, dv, pos, group, ranks, acc, wire, extra=((), ())):
     """dK/dV of fetched keys (token-major, in ``wire``: float32 or the inputs' 16-bit dtype, one
-    message per owner) back to their owners; receive those of own keys other ranks fetched.
-    Returns the pending receive ``(T, 2, B, Hkv, D)`` in ``wire``."""
+    message per owner) back to their owners; receive those of own keys other ranks fetched
+    (``extra``: further ``(sends, recvs)`` of the same step). Returns the pending receive
+    ``(T, 2, B, Hkv, D)`` in ``wire``."""
     B, Hkv, _, D = dk.shape
     sends = []
     if sum(ex.ret_send_n):
         st = _tokens_first(dk, dv, idx=pos, dtype=wire)
         sends = _slices(st, _TAG_DKV, ex.ret_send_n)
     recv = dk.new_empty((sum(ex.ret_recv_n), 2, B, Hkv, D), dtype=wire)
-    return exchange(sends, _slices(recv, _TAG_DKV, ex.ret_recv_n), group, ranks, async_op=True, result=recv)
+    return exchange(sends + list(extra[0]), _slices(recv, _TAG_DKV, ex.ret_recv_n) + list(extra[1]), group, ranks,
+                    async_op=True, result=recv)
 
 
 def _start_split_packs(ex: Exchange, dout, out, lse, dlse, group, ranks, acc):
@@ -546,9 +571,10 @@ def _start_split_packs(ex: Exchange, dout, out, lse, dlse, group, ranks, acc):
 
 
 def _guest_backward(ex: Exchange, q, k, v, lse, saved: Saved, gpack, scale, dropout_p, seed, backend, group, ranks,
-                    opts, acc):
+                    opts, acc, defer: bool = False):
     """Backward of every split row's part over the own keys: dQ of received rows back to their
-    owners (in flight), of own rows kept; dK/dV of the own keys (float32)."""
+    owners (in flight; ``defer``: as ``(sends, recvs, received)`` messages for a later step), of
+    own rows kept; dK/dV of the own keys (float32)."""
     pend, own = gpack
     got = pend.wait()
     allp = got if own is None else torch.cat([own, got])  # (G, B, H, 2D + 2), own rows first
@@ -561,8 +587,8 @@ def _guest_backward(ex: Exchange, q, k, v, lse, saved: Saved, gpack, scale, drop
     n = ex.n_split
     back = gdq[:, :, n:].permute(2, 0, 1, 3).contiguous()
     recv = back.new_empty((sum(ex.gq_send_n), *back.shape[1:]))
-    dq_pend = exchange(_slices(back, _TAG_GDQ, ex.gq_recv_n), _slices(recv, _TAG_GDQ, ex.gq_send_n), group, ranks,
-                       async_op=True, result=recv)
+    msgs = (_slices(back, _TAG_GDQ, ex.gq_recv_n), _slices(recv, _TAG_GDQ, ex.gq_send_n), recv)
+    dq_pend = msgs if defer else exchange(*msgs[:2], group, ranks, async_op=True, result=recv)
     return dq_pend, gdq[:, :, :n], gdk, gdv
 
 
