@@ -7,8 +7,7 @@ Per mask (256K, GQA 8/2 x 128, bf16, the planner's plan), under torchrun with NC
    machine state: ``transports`` (``p2p``: grouped NCCL point-to-point; ``all_to_all``: one
    ``all_to_all_single`` per step), ``own_rows`` (the backward's own-key gradients gathered
    whole in float32 then converted, or converted run by run), ``returns`` (fetched keys' dK/dV
-   parts sent back in float32 or in bf16), ``grads16`` (a one-launch backward's own dK/dV in
-   float32 for the whole shard, or in bf16 with the returned parts added on their rows), ``check`` (the call's description check, an all-gather
+   parts sent back in float32 or in bf16), ``check`` (the call's description check, an all-gather
    and a device-to-host read: never, every call, the first call of the configuration) or
    ``sm_margin`` (the call not
    overlapped, then overlapped with the persistent Gluon grids leaving 0, 8 or 16 SMs to NCCL);
@@ -43,7 +42,7 @@ from blocksparse_fa.distributed import attention as att  # noqa: E402
 from blocksparse_fa.distributed import comm, context_parallel_attention, plan_context_parallel  # noqa: E402
 
 messages, max_runs, wait_sends, margin = comm.MESSAGES, att._MAX_RUN_COPIES, att._WAIT_SENDS, att._SM_MARGIN
-returns, grads16 = att._RETURN_DTYPE, att._GRADS_16
+returns = att._RETURN_DTYPE
 GROUPS = {"default": None}  # "high": a group whose NCCL streams have high priority (made in main)
 _call = dict(group=None, overlap=None, check=False)  # overlap None: ``--overlap``
 
@@ -55,7 +54,6 @@ def _set(**kw):
         att._WAIT_SENDS = kw.get("wait_sends", wait_sends)
         att._SM_MARGIN = kw.get("margin", margin)
         att._RETURN_DTYPE = kw.get("returns", returns)
-        att._GRADS_16 = kw.get("grads16", grads16)
         _call["group"] = GROUPS[kw.get("group", "default")]
         _call["overlap"] = kw.get("overlap")
         _call["check"] = kw.get("check", False)
@@ -73,9 +71,6 @@ VARIANTS = {"transports": [("p2p", _set(messages="p2p")), ("all_to_all", _set(me
             "check": [("no_check", _set()), ("check", _set(check=True)), ("first", _set(check="first"))],
             # fetched keys' dK/dV parts returned in float32 or in the inputs' 16-bit dtype
             "returns": [("float32", _set(returns="float32")), ("input", _set(returns="input"))],
-            # a one-launch backward's own dK/dV in float32 for the whole shard (converted at the end)
-            # or in the inputs' dtype with the returned parts added in float32 on their rows
-            "grads16": [("float32", _set(grads16=False)), ("input", _set(grads16=True))],
             # overlapped calls whose persistent Gluon grids leave SMs to NCCL's kernels
             "sm_margin": [("no_overlap", _set(overlap=False)), ("overlap_m0", _set(overlap=True, margin=0)),
                           ("overlap_m8", _set(overlap=True, margin=8)),

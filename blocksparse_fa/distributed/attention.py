@@ -285,10 +285,6 @@ _WAIT_SENDS = True  # complete the fetch before the first launch when not overla
 # owner adds it in float32). 4 x H200, 256K, BigBird fwd+bwd 5.40 -> 5.25 ms (benchmarks/NOTES.md,
 # section 11)
 _RETURN_DTYPE = "input"
-# one launch of a call whose returns travel in 16 bits writes dK/dV in the inputs' dtype, and the
-# returned parts are added in float32 on their rows only (``_add_returns``), instead of a float32
-# dK/dV of the whole shard converted at the end
-_GRADS_16 = True
 # SMs the persistent Gluon kernels of an overlapped call leave free for NCCL's kernels: a message
 # kernel queued beside a launch that fills every SM gets none until that launch drains
 _SM_MARGIN = 0
@@ -463,12 +459,7 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
         n = {"own": L, "buf": ex.buf_len, "rem": ex.rem_len}[src]
         K, V = _keys(part, k, v, None, saved)
         qdt = acc if several else None  # sums over launches or ranks: float32 parts (Gluon ones too)
-        # dK/dV: float32 where launches sum, where the split rows' float32 parts are added to every
-        # own key, or where returns are float32; with 16-bit returns one launch writes the inputs'
-        # dtype (its fetched keys' parts travel rounded anyway, and returned parts are added in
-        # float32 on the rows that get them: ``_add_returns``)
-        low = _GRADS_16 and wire != acc
-        kdt = acc if (several or guest is not None or (not low and (returned or src != "own"))) else None
+        kdt = acc if (several or returned or src != "own") else None
         g = _bwd(_rows(q, part), K, V, _rows(out, part), _rows(lse, part), _rows(dout, part), part.layout, scale,
                  dropout_p, seed, backend, None if dlse is None else _rows(dlse, part), (qdt, kdt, kdt), opts)
         dq.add(g[0], part.rows)
@@ -503,46 +494,21 @@ def cp_backward(ex: Exchange, q, k, v, out, lse, dout, dlse, saved: Saved, scale
     if send is not None:
         got = send.wait()
         if returned:
-            dk, dv = _add_returns(ex, dk, dv, got, in_buf, acc)
+            got = got if got.dtype == acc else got.to(acc)  # parts returned in 16 bits: added in float32
+            dk, dv = (t if t.dtype == acc else t.to(acc) for t in (dk, dv))
+            off, pos = 0, ex.ret_recv_buf if in_buf else ex.ret_recv_pos
+            for c in ex.ret_recv_n:  # one peer at a time: indices distinct within a peer, sums deterministic
+                if c:
+                    idx = pos[off:off + c]
+                    dk.index_add_(2, idx, _heads_view(got[off:off + c, 0]))
+                    dv.index_add_(2, idx, _heads_view(got[off:off + c, 1]))
+                off += c
     # separate, contiguous tensors (never views of one buffer): the custom op may not return aliases
     cf = torch.contiguous_format
     dq = dq if dq.dtype == q.dtype and dq.is_contiguous() else dq.to(q.dtype, memory_format=cf)
     if in_buf:
         return dq, _own_rows(ex, dk, k.dtype), _own_rows(ex, dv, v.dtype)
-    return dq, _fresh(dk, k.dtype), _fresh(dv, v.dtype)
-
-
-def _fresh(t, dtype):
-    """``t`` in ``dtype`` as a tensor of its own (``t`` itself when it already is one)."""
-    if t.dtype == dtype and t.is_contiguous() and t._base is None:
-        return t
-    return t.to(dtype, copy=True, memory_format=torch.contiguous_format)
-
-
-def _add_returns(ex: Exchange, dk, dv, got, in_buf: bool, acc):
-    """Own keys' dK/dV plus the parts other ranks returned (``got``, peer-major, in the wire dtype),
-    summed in float32 one peer at a time (indices distinct within a peer: deterministic). A float32
-    ``dk``/``dv`` is added to in place; a 16-bit one (one launch wrote the inputs' dtype) only on the
-    rows that get parts: gathered in float32, every peer's part added, written back rounded once."""
-    got = got if got.dtype == acc else got.to(acc)
-    low = dk.dtype != acc
-    if low:
-        rows = ex.ret_rows_buf if in_buf else ex.ret_rows_pos
-        tk, tv = dk.index_select(2, rows).to(acc), dv.index_select(2, rows).to(acc)
-        pos = ex.ret_slot
-    else:
-        tk, tv, pos = dk, dv, ex.ret_recv_buf if in_buf else ex.ret_recv_pos
-    off = 0
-    for c in ex.ret_recv_n:
-        if c:
-            idx = pos[off:off + c]
-            tk.index_add_(2, idx, _heads_view(got[off:off + c, 0]))
-            tv.index_add_(2, idx, _heads_view(got[off:off + c, 1]))
-        off += c
-    if low:
-        dk.index_copy_(2, rows, tk.to(dk.dtype))
-        dv.index_copy_(2, rows, tv.to(dv.dtype))
-    return dk, dv
+    return dq, dk.to(k.dtype, copy=True, memory_format=cf), dv.to(v.dtype, copy=True, memory_format=cf)
 
 
 _MAX_RUN_COPIES = 4  # own runs converted one copy each; more runs: one gather (``_own_of_buf``)

@@ -122,8 +122,6 @@ class Exchange:
             owners (positions in ``buf`` / ``rem``, peer-major; counts per peer).
         ret_recv_pos, ret_recv_buf, ret_recv_n: gradients of own tokens other ranks fetched (own
             positions, the same in ``buf``, peer-major; counts per peer).
-        ret_rows_pos, ret_rows_buf, ret_slot: those tokens once each (ascending own positions, the
-            same in ``buf``) and each received row's index among them (peer-major).
         gq_send_idx, gq_send_n, gq_recv_n: split rows' queries sent to the ranks that compute a
             part of them (own positions, peer-major) and received from their owners (peer-major;
             ``guest``'s rows are in that order).
@@ -162,11 +160,6 @@ class Exchange:
         self.ret_recv_pos = _t(recv_own, dev)
         self.ret_recv_buf = _t(own_in_buf[recv_own], dev)
         self.ret_recv_n = [len(t) for t in sent]
-        # the same own tokens once each (ascending), and each received row's slot among them: a
-        # 16-bit gradient adds its returned parts in float32 on these rows only
-        uniq, slot = np.unique(recv_own, return_inverse=True)
-        self.ret_rows_pos, self.ret_rows_buf = _t(uniq, dev), _t(own_in_buf[uniq], dev)
-        self.ret_slot = _t(slot.reshape(-1), dev)
         # -- layouts ---------------------------------------------------------------------------
         # own split rows are left empty here: the guest launch computes every split row's part
         # over the own keys (in float32), and the owner merges the parts
