@@ -457,6 +457,11 @@ def cell_check(r: dict) -> str:
     return " / ".join(parts)
 
 
+def _cell_text(text: str) -> str:
+    """``text`` for a Markdown table cell: pipes escaped (mask names such as ``key_range | causal``)."""
+    return str(text).replace("|", "\\|")
+
+
 def markdown_tables(cases: list[dict], impls=IMPLS) -> list[str]:
     """Per shape: times, TFLOP/s and errors, one row per mask, one column per implementation."""
     lines = []
@@ -479,9 +484,9 @@ def markdown_tables(cases: list[dict], impls=IMPLS) -> list[str]:
             lines += ["", f"**{title}; {what}**", "", head, sep]
             for c in sel:
                 if "skipped" in c:
-                    lines.append(f"| {c['mask']} | – | " + " | ".join("skipped" for _ in used) + " |")
+                    lines.append(f"| {_cell_text(c['mask'])} | – | " + " | ".join("skipped" for _ in used) + " |")
                     continue
-                cells = [cell(c["impls"][i]) if i in c["impls"] else "–" for i in used]
-                lines.append(f"| {c['mask']} | {c.get('element_density', float('nan')):.3f} | "
+                cells = [_cell_text(cell(c["impls"][i])) if i in c["impls"] else "–" for i in used]
+                lines.append(f"| {_cell_text(c['mask'])} | {c.get('element_density', float('nan')):.3f} | "
                              + " | ".join(cells) + " |")
     return lines

@@ -142,3 +142,17 @@ def test_context_parallel_docs_sections(tmp_path):
     assert text.startswith("intro\n") and text.endswith("## Testing\nend\n")
     with pytest.raises(ValueError, match="no results section"):
         cpb.update_docs(res(2), str(doc), None, mark="<!-- results 8 GPUs -->")
+
+
+def test_markdown_tables_escape_pipes_in_mask_names():
+    """A mask named with the algebra's ``|`` stays one cell: every row has the header's columns."""
+    case = dict(mask="key_range | causal", B=1, H=2, Hkv=2, N=256, D=32, element_density=0.5,
+                impls={"ours": dict(fwd_ms=0.1, fb_ms=0.3, fwd_tflops=1.0, fb_tflops=1.0,
+                                    fwd_check={"o": dict(err=1e-3, eager_err=2e-3, ratio=0.5, nan=False)},
+                                    fb_check={"o": dict(err=1e-3, eager_err=2e-3, ratio=0.5, nan=False)},
+                                    max_ratio=0.5, ok=True)})
+    lines = harness.markdown_tables([case], ["ours"])
+    rows = [ln for ln in lines if ln.startswith("| ")]
+    assert any("key_range \\| causal" in ln for ln in rows)
+    cols = {ln.replace("\\|", "").count("|") for ln in rows}
+    assert cols == {rows[0].count("|")}, rows
