@@ -321,14 +321,15 @@ def section_scaling(run: Run, n: int, names, small: bool, reserve: float = 0.0):
     iters = 1 if run.cpu else 3
     block = 64 if small else 128
     masks = lead_masks(n, small)
-    for name in names:
+    strategies = _strategies(run.args.strategy)
+    for name, strategy in ((nm, st) for nm in names for st in strategies.get(nm, ["auto"])):
         est = 6 if run.cpu else 15 + (45 if name == "causal" else 5) * (n / 262144) ** 2
         if not run.fits(f"scaling {name} {_tokens(n)}", est + reserve):
             continue
         first = dict(backward=run.args.cp_backward) if run.args.cp_backward != "auto" else None
         for opts in (first, dict(forward="triton", backward="triton")):  # then without the Gluon kernels
             try:
-                _scaling_row(run, n, name, masks[name], dtype, backend, iters, block, small, opts)
+                _scaling_row(run, n, name, masks[name], dtype, backend, iters, block, small, opts, strategy)
                 break
             except Exception as e:  # noqa: BLE001
                 run.error(f"scaling {name} {_tokens(n)}" + (f" kernel_options={opts}" if opts else ""), e)
@@ -339,9 +340,20 @@ def section_scaling(run: Run, n: int, names, small: bool, reserve: float = 0.0):
                 break
 
 
-def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small, opts=None):
+def _strategies(pairs) -> dict:
+    """``{pattern: [strategy, ...]}`` from ``--strategy`` items ``pattern=s1,s2`` (others: the planner's)."""
+    out = {}
+    for item in pairs or ():
+        name, sep, strategies = item.partition("=")
+        if not sep or not strategies:
+            raise ValueError(f"--strategy takes pattern=strategy[,strategy...], got {item!r}")
+        out[name] = strategies.split(",")
+    return out
+
+
+def _scaling_row(run: Run, n, name, mask, dtype, backend, iters, block, small, opts=None, strategy="auto"):
     plan = plan_context_parallel(mask, n, run.world, heads=(HEADS, KV_HEADS), head_dim=HEAD_DIM, block_size=block,
-                                 cost_model=_cost_model(run))
+                                 cost_model=_cost_model(run), strategy=strategy)
     est = plan.candidates[plan.strategy]
     row = dict(pattern=name, N=n, mask=str(mask), strategy=plan.strategy, overlap=bool(est.get("overlap", False)),
                kernel_options=opts,
@@ -622,10 +634,12 @@ def report(res: dict) -> str:
                   "key block and that block's keys):", "",
                   "| pattern | out vs 1 GPU | dq | dk | dv | out cp / 1 GPU vs fp64 | dq | dk | dv | within 2x |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
+        repeated = {r["pattern"] for r in sc if sum(x["pattern"] == r["pattern"] for x in sc) > 1}
         for r in sc:
             pair = lambda key: (f"{r[key + '_err_cp']:.1e} / {r[key + '_err_single']:.1e}"  # noqa: E731
                                 if key + "_err_cp" in r else "")
-            lines.append(f"| {r['pattern']} | {_f(r.get('out_vs_single'), '{:.1e}')} | "
+            label = f"{r['pattern']} ({r['strategy']})" if r["pattern"] in repeated else r["pattern"]
+            lines.append(f"| {label} | {_f(r.get('out_vs_single'), '{:.1e}')} | "
                          f"{_f(r.get('dq_vs_single'), '{:.1e}')} | {_f(r.get('dk_vs_single'), '{:.1e}')} | "
                          f"{_f(r.get('dv_vs_single'), '{:.1e}')} | {pair('out')} | {pair('dq')} | {pair('dk')} | "
                          f"{pair('dv')} | {'' if 'within_2x' not in r else 'yes' if r['within_2x'] else 'no'} |")
@@ -784,6 +798,9 @@ def main(argv=None):
     r.add_argument("--cp-overlap", default="auto", choices=["auto", "true", "false"],
                    help="overlap= of the context-parallel training calls")
     r.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    r.add_argument("--strategy", nargs="*", default=[],
+                   help="pattern=strategy[,strategy...]: scaling rows with these plans (one row each) instead of "
+                        "the planner's choice, e.g. bigbird=zigzag,greedy,contiguous")
     r.add_argument("--fill", type=float, default=0.25,
                    help="seconds of back-to-back calls per timing on GPUs (at most 100 calls; 0: 3 calls)")
     r.add_argument("--update-docs", action="store_true",

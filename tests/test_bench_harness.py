@@ -156,3 +156,16 @@ def test_markdown_tables_escape_pipes_in_mask_names():
     assert any("key_range \\| causal" in ln for ln in rows)
     cols = {ln.replace("\\|", "").count("|") for ln in rows}
     assert cols == {rows[0].count("|")}, rows
+
+
+def test_context_parallel_strategy_pairs_and_timing_label():
+    """``--strategy pattern=s1,s2`` gives one scaling row per listed plan (others: the planner's);
+    malformed items are refused by name; the report says how rows were timed."""
+    import context_parallel as cpb
+
+    assert cpb._strategies(["bigbird=zigzag,greedy", "causal=zigzag"]) == {"bigbird": ["zigzag", "greedy"],
+                                                                         "causal": ["zigzag"]}
+    assert cpb._strategies([]) == {}
+    with pytest.raises(ValueError, match="--strategy"):
+        cpb._strategies(["bigbird"])
+    assert "0.25 s" in cpb._timing(0.25) and "fill" not in cpb._timing(0)
