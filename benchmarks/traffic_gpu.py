@@ -167,7 +167,7 @@ def _kernel_tiles(cfg: dict) -> dict | None:
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
         dp = kc.head_dim_pad(cfg["head_dim"])
         lc = layout_class(_layout(cfg, device="cpu"))  # band-like and partial-heavy layouts: own tile tables
-        f = kc.fwd_config(dp, dt, cfg["block"], cfg["block"], lc.band, lc.short_partial)
+        f = kc.fwd_config(dp, dt, cfg["block"], cfg["block"], lc.band, lc.partial_rows)
         a, b = kc.bwd_configs(dp, dt, cfg["block"], cfg["block"], lc.band, lc.partial_heavy)
         return dict(fwd_block_m=f.block_m, fwd_block_n=f.block_n, dkdv_block_m=a.block_m, dkdv_block_n=a.block_n,
                     dq_block_m=b.block_m, dq_block_n=b.block_n)

@@ -334,7 +334,7 @@ def main():
         opts = as_options(OPTIONS)
         lay = bsfa.compile_mask(bsfa.causal() & bsfa.window(w), n, n, 128)
         lc, even = layout_class(lay), _even(lay, opts)  # a length that is not a multiple of 128: its own variant
-        fc = kc.fwd_config(128, torch.bfloat16, 128, 128, lc.band, lc.short_partial)
+        fc = kc.fwd_config(128, torch.bfloat16, 128, 128, lc.band, lc.partial_rows)
         kv, dq = kc.bwd_configs(128, torch.bfloat16, 128, 128, lc.band, lc.partial_heavy)
         # finer lists (--lists): a layout whose list blocks change compiles its own variant too
         return ((fc, even, _list_block(lay, "row", fc.block_n, opts)),

@@ -537,7 +537,7 @@ def test_kernel_options_reject_unknown_names_and_values():
 
 
 def test_tile_classes_follow_the_layout_shape():
-    """Forward and backward tiles per layout class (H100 A/B, benchmarks/NOTES.md "Forward kernel" and "Backward kernels"): short rows mostly
+    """Forward and backward tiles per layout class (H100 and H200 A/B, benchmarks/NOTES.md "Forward kernel" and "Backward kernels"): rows mostly
     partial get 128x64 forward steps with three stages; >= 10 % partial blocks get the spill-free
     backward pair; dense and causal keep the default tables."""
     from blocksparse_fa.kernels.config import TileConfig, bwd_configs, fwd_config
@@ -546,7 +546,7 @@ def test_tile_classes_follow_the_layout_shape():
 
     def tiles(mask, n=16384):
         lc = layout_class(bsfa.compile_mask(mask, n, n, 128))
-        return (fwd_config(128, torch.bfloat16, 128, 128, lc.band, lc.short_partial),
+        return (fwd_config(128, torch.bfloat16, 128, 128, lc.band, lc.partial_rows),
                 bwd_configs(128, torch.bfloat16, 128, 128, lc.band, lc.partial_heavy))
 
     f, (kv, q) = tiles(bsfa.load_pattern("longformer"))
@@ -555,6 +555,12 @@ def test_tile_classes_follow_the_layout_shape():
     assert f == TileConfig(128, 64, 8, 2) and kv.block_m == 32
     f, (kv, q) = tiles(bsfa.causal())
     assert f == TileConfig(128, 128, 8, 2) and kv == TileConfig(64, 128, 8, 2) and q == TileConfig(128, 128, 8, 2)
+    # long rows, every visited block partial: the forward takes the partial rows' steps too
+    f, _ = tiles(bsfa.periodic_window(1024, 16) & bsfa.causal())
+    assert f == TileConfig(128, 64, 8, 3)
+    # long rows, few partial blocks: the default forward
+    f, _ = tiles(bsfa.key_range(2048, 3072) | bsfa.causal())
+    assert f == TileConfig(128, 128, 8, 2)
 
 
 def test_short_partial_forward_tiles_need_128_blocks():

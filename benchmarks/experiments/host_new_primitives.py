@@ -44,11 +44,37 @@ def gpu_kernels(fn, calls: int = 5) -> dict:
     return dict(out)
 
 
+def _profile(fn, calls: int, top: int = 40) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (GPU synchronised once at the end): the ``top`` functions
+    by own time, then by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=None, metavar="SUBSTR", help="cases whose name contains one")
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cprofile", type=int, default=0, metavar="CALLS",
+                    help="also print a cProfile of this many eager fwd+bwd calls per case (top functions)")
+    ap.add_argument("--phases", nargs="+", default=["fwd", "fb", "compiled_fwd", "compiled_fb"],
+                    help="which calls to time")
     a = ap.parse_args()
     from triton.testing import do_bench
 
@@ -73,6 +99,8 @@ def main():
             fns["fb"]()
         row = {"case": name, "kernels_chosen": sorted(ran)}
         for tag, fn in fns.items():
+            if tag not in a.phases:
+                continue
             fn()
             torch.cuda.synchronize()
             kern = gpu_kernels(fn)
@@ -80,6 +108,9 @@ def main():
                         "gpu_ms": sum(kern.values()), "kernels": kern}
             print(f"{name:28s} {tag:13s} host {row[tag]['host_us']:7.0f} us  wall {row[tag]['wall_ms']:.3f} ms  "
                   f"gpu {row[tag]['gpu_ms']:.3f} ms", flush=True)
+        if a.cprofile:
+            print(f"--- cProfile {name}, {a.cprofile} eager fwd+bwd calls\n{_profile(fns['fb'], a.cprofile)}",
+                  flush=True)
         res.append(row)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "host_new_primitives.json"), "w") as f:

@@ -38,7 +38,7 @@ def _kernel_tiles(layout, head_dim: int, dtype: str):
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     bm, bn = layout.block_size
     lc = layout_class(layout)
-    f = fwd_config(head_dim_pad(head_dim), dt, bm, bn, lc.band, lc.short_partial)
+    f = fwd_config(head_dim_pad(head_dim), dt, bm, bn, lc.band, lc.partial_rows)
     kv, q = bwd_configs(head_dim_pad(head_dim), dt, bm, bn, lc.band, lc.partial_heavy)
     return (f.block_m, f.block_n), (kv.block_m, kv.block_n), (q.block_m, q.block_n)
 

@@ -66,6 +66,13 @@ def short_partial_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
     return 0 < mean_row_blocks <= SHORT_ROW_BLOCKS and partial_fraction > SHORT_ROW_PARTIAL
 
 
+def partial_rows(mean_row_blocks: float, partial_fraction: float) -> bool:
+    """Rows of any length of which more than ``SHORT_ROW_PARTIAL`` of the visited blocks are partial:
+    the forward's masked loop dominates, and it runs faster in 128 x 64 steps with three stages
+    (H200, 16K: periodic window 0.703 -> 0.456 ms; ``benchmarks/NOTES.md``, "Mostly partial rows")."""
+    return mean_row_blocks > 0 and partial_fraction > SHORT_ROW_PARTIAL
+
+
 def head_dim_pad(d: int) -> int:
     """The head dim rounded up to a power of two (>= 16): the kernels' tile width."""
     return max(16, 1 << (d - 1).bit_length())
@@ -90,16 +97,16 @@ def _fit(c: TileConfig, layout_bm: int, layout_bn: int) -> TileConfig:
 
 
 def fwd_config(d_pad: int, dtype: torch.dtype, layout_bm: int, layout_bn: int, band: bool = False,
-               short_partial: bool = False, force: TileConfig | None = None) -> TileConfig:
-    """Forward tiles; ``band`` (see :func:`short_rows`) and ``short_partial`` (see
-    :func:`short_partial_rows`) pick their tables where they have one; ``force`` (the
+               partial: bool = False, force: TileConfig | None = None) -> TileConfig:
+    """Forward tiles; ``band`` (see :func:`short_rows`) and ``partial`` (see :func:`partial_rows`)
+    pick their tables where they have one; ``force`` (the
     ``fwd_tiles`` kernel option) replaces the tables."""
     if force is not None:
         return _fit(force, layout_bm, layout_bn)
     table = _FWD
     if band and d_pad in _FWD_SHORT:
         table = _FWD_SHORT
-    elif short_partial and d_pad in _FWD_SHORT_PARTIAL and min(layout_bm, layout_bn) >= 128:
+    elif partial and d_pad in _FWD_SHORT_PARTIAL and min(layout_bm, layout_bn) >= 128:
         table = _FWD_SHORT_PARTIAL  # measured on 128-blocks only; smaller layout blocks keep _FWD
     cfg = _pick(table, d_pad, layout_bm, layout_bn)
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory

@@ -108,7 +108,7 @@ class LayoutClass:
     heads keep the same intervals within aligned runs of that many heads, so a group size that
     divides it qualifies: 1 where unknown, as on device intervals). ``shard``: a
     context-parallel shard of a larger layout (its rows and keys sit at listed positions).
-    ``band``/``short_partial``/``partial_heavy``/``band_bwd``: the tile class of
+    ``band``/``short_partial``/``partial_rows``/``partial_heavy``/``band_bwd``: the tile class of
     ``kernels/config.py`` (which Triton tile tables apply)."""
 
     kind: str
@@ -121,6 +121,7 @@ class LayoutClass:
     short_partial: bool = False
     partial_heavy: bool = False
     band_bwd: bool = False
+    partial_rows: bool = False
     ids: bool = False
     per_head: bool = False
     head_runs: int = 1
@@ -178,7 +179,7 @@ def layout_class(layout) -> LayoutClass:
     if cls is not None:
         return cls
     from ..compiler.intervals import row_interval
-    from ..kernels.config import PARTIAL_HEAVY, band_backward_rows, short_partial_rows, short_rows
+    from ..kernels.config import PARTIAL_HEAVY, band_backward_rows, partial_rows, short_partial_rows, short_rows
     from ..mask.primitives import Causal
 
     shard = getattr(layout, "positions", None) is not None
@@ -201,7 +202,8 @@ def layout_class(layout) -> LayoutClass:
     band, short_partial = short_rows(mean_row, pf), short_partial_rows(mean_row, pf)
     partial_heavy, band_bwd = src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf)
     cls = LayoutClass(kind, layout.q_len, layout.kv_len, tuple(layout.block_size), batched, shard, band,
-                      short_partial, partial_heavy, band_bwd, per_head=per_head, head_runs=head_runs)
+                      short_partial, partial_heavy, band_bwd, partial_rows=partial_rows(mean_row, pf),
+                      per_head=per_head, head_runs=head_runs)
     layout.cache["layout_class"] = cls
     return cls
 

@@ -483,7 +483,7 @@ def _fwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, opts: KernelO
     check_layout_block(lbm, lbn)
     d_pad = head_dim_pad(s.D)
     lc = select.layout_class(layout)
-    wanted = _deepen(layout, "row", fwd_config(d_pad, dtype, lbm, lbn, lc.band, lc.short_partial, opts.fwd_tiles),
+    wanted = _deepen(layout, "row", fwd_config(d_pad, dtype, lbm, lbn, lc.band, lc.partial_rows, opts.fwd_tiles),
                      opts)
     fkey = ("fwd", wanted, d_pad, dtype, lbm, lbn, _payload(layout, device, opts).gathers)  # the config that fits
     if cfg is None:
