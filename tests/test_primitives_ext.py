@@ -205,6 +205,7 @@ CASES = {
     "natten_2d": lambda n: bsfa.neighborhood((9, 11), 3),
     "natten_2d_dilated": lambda n: bsfa.neighborhood((10, 9), (3, 3), dilation=(3, 2), start=4),
     "natten_3d": lambda n: bsfa.neighborhood((3, 5, 6), (3, 3, 5)),
+    "natten_2d_offset": lambda n: bsfa.neighborhood((7, 13), (3, 5), start=9),
     "natten_2d_tiles": lambda n: bsfa.neighborhood((8, 12), (3, 5), tile=(2, 4)),
     "natten_3d_tiles_dilated": lambda n: bsfa.neighborhood((4, 4, 6), 3, dilation=(1, 1, 2), tile=(2, 2, 3), start=1),
     "sta_2d": lambda n: bsfa.sliding_tiles((8, 12), (2, 3), 3),
@@ -424,7 +425,9 @@ def test_new_values_reuse_the_generated_predicate():
     pa = build_payload(compile_mask(a, 96, 96, 16), "cpu")
     pb_ = build_payload(compile_mask(b, 96, 96, 16), "cpu")
     assert pa.fn is pb_.fn and not torch.equal(pa.params, pb_.params)
-    for m1, m2 in [(bsfa.neighborhood((8, 12), 3), bsfa.neighborhood((6, 20), (5, 3), dilation=(1, 2), start=9)),
+    for m1, m2 in [(bsfa.neighborhood((8, 12), 3), bsfa.neighborhood((6, 20), (5, 3), start=9)),
+                   (bsfa.neighborhood((8, 12), 3, dilation=(2, 1)),
+                    bsfa.neighborhood((6, 20), (5, 3), dilation=(1, 2), start=9)),
                    (bsfa.periodic_window(10, 2), bsfa.periodic_window(77, 0)),
                    (bsfa.key_set(torch.tensor([1, 5])), bsfa.key_set(torch.tensor([[3], [90]]))),
                    (bsfa.chunk_band(3, 4), bsfa.chunk_band(5, 9, -3, 7))]:
@@ -800,18 +803,42 @@ def test_grid_neighbourhoods_in_the_kernels(name):
 
 
 def test_grid_tables_chosen_and_fallback():
-    """Grids that fit the packing use the division-free tables; a grid extent of 2**15 or more
-    keeps the coordinate arithmetic (and both give the mask's own element rule)."""
+    """Raster grids without dilation compute coordinates by multiply-shift (no table loads); other
+    grids that fit the packing use the division-free tables; a dilated grid extent of 2**15 or more
+    keeps the coordinate arithmetic with divisions (each gives the mask's own element rule: the
+    kernel tests above)."""
     import inspect
 
-    from blocksparse_fa.kernels.predicate import _grid_tables, build_payload
+    from blocksparse_fa.kernels.predicate import _grid_arith, _grid_tables, build_payload
 
     small = bsfa.neighborhood((10, 9), (3, 3), dilation=(3, 2), start=4)
     rows, keys, ks = _grid_tables(small)
     assert rows.shape == keys.shape == (2, 90) and ks == [3, 3]
-    assert _grid_tables(bsfa.neighborhood(1 << 15, 5)) is None
-    for m, form in ((small, "grid_table2"), (bsfa.neighborhood(1 << 15, 5), "neighborhood")):
+    assert _grid_tables(bsfa.neighborhood(1 << 15, 5, dilation=2)) is None
+    raster = bsfa.neighborhood((7, 13), (3, 5), start=9)
+    assert _grid_arith(raster)[:2] == [9, 91] and _grid_arith(small) is None
+    assert _grid_arith(bsfa.neighborhood((8, 12), 3, tile=(2, 4))) is None
+    assert _grid_arith(bsfa.sliding_tiles((8, 12), (2, 3), 3)) is None
+    for m, helper in ((small, "grid_table_keep"), (bsfa.neighborhood(1 << 15, 5, dilation=2), "grid_keep"),
+                      (raster, "grid_arith_keep"), (bsfa.neighborhood(1 << 15, 5), "grid_arith_keep")):
         lay = compile_mask(m, 128, 128, 16)
         fn = build_payload(lay, "cpu").fn
         src = inspect.getsource(getattr(fn, "fn", fn))
-        assert ("grid_table_keep" in src) == form.startswith("grid_table"), src
+        body = src[src.index("def predicate"):]
+        assert f"{helper}(" in body and sum(f"{h}(" in body for h in ("grid_table_keep", "grid_keep",
+                                                                       "grid_arith_keep")) == 1, body
+
+
+@pytest.mark.parametrize("w", [2, 3, 7, 13, 91, 127, 128, 129, 4095, 1 << 20, (1 << 29) - 1, (1 << 31) - 1])
+def test_magic_divisor_is_exact(w):
+    """``umulhi(x, M) >> S == x // w`` for int32 offsets (all up to 2**20, the top 2**16 and a
+    random sample), ``M`` unsigned 32-bit."""
+    from blocksparse_fa.kernels.predicate import magic_divisor
+
+    M, S = magic_divisor(w)
+    assert 0 < M < 2 ** 32 and S >= 0
+    x = np.concatenate([np.arange(1 << 20), (1 << 31) - 1 - np.arange(1 << 16),
+                        np.random.default_rng(w).integers(0, 1 << 31, 1 << 18)]).astype(np.uint64)
+    assert np.array_equal(((x * np.uint64(M)) >> np.uint64(32)) >> np.uint64(S), x // np.uint64(w))
+    with pytest.raises(ValueError, match="w=1"):
+        magic_divisor(1)
