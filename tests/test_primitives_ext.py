@@ -803,10 +803,10 @@ def test_grid_neighbourhoods_in_the_kernels(name):
 
 
 def test_grid_tables_chosen_and_fallback():
-    """Raster grids without dilation compute coordinates by multiply-shift (no table loads); other
-    grids that fit the packing use the division-free tables; a dilated grid extent of 2**15 or more
+    """Raster grids without dilation compute key coordinates by multiply-high (no key gathers);
+    other grids that fit the packing use the division-free tables; a grid extent of 2**15 or more
     keeps the coordinate arithmetic with divisions (each gives the mask's own element rule: the
-    kernel tests above)."""
+    kernel tests above, which run both sides of the predicate)."""
     import inspect
 
     from blocksparse_fa.kernels.predicate import _grid_arith, _grid_tables, build_payload
@@ -816,11 +816,13 @@ def test_grid_tables_chosen_and_fallback():
     assert rows.shape == keys.shape == (2, 90) and ks == [3, 3]
     assert _grid_tables(bsfa.neighborhood(1 << 15, 5, dilation=2)) is None
     raster = bsfa.neighborhood((7, 13), (3, 5), start=9)
-    assert _grid_arith(raster)[:2] == [9, 91] and _grid_arith(small) is None
-    assert _grid_arith(bsfa.neighborhood((8, 12), 3, tile=(2, 4))) is None
-    assert _grid_arith(bsfa.sliding_tiles((8, 12), (2, 3), 3)) is None
+    aux = []
+    assert _grid_arith(raster, lambda t: aux.append(t) or 0)[:2] == [9, 91] and aux[0].shape == aux[1].shape == (2, 91)
+    for other in (small, bsfa.neighborhood((8, 12), 3, tile=(2, 4)), bsfa.sliding_tiles((8, 12), (2, 3), 3),
+                  bsfa.neighborhood(1 << 15, 5)):
+        assert _grid_arith(other, lambda t: 0) is None
     for m, helper in ((small, "grid_table_keep"), (bsfa.neighborhood(1 << 15, 5, dilation=2), "grid_keep"),
-                      (raster, "grid_arith_keep"), (bsfa.neighborhood(1 << 15, 5), "grid_arith_keep")):
+                      (raster, "grid_arith_keep"), (bsfa.neighborhood(1 << 15, 5), "grid_keep")):
         lay = compile_mask(m, 128, 128, 16)
         fn = build_payload(lay, "cpu").fn
         src = inspect.getsource(getattr(fn, "fn", fn))

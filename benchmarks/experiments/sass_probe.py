@@ -62,7 +62,8 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
     consts = dict(PREDICATE=pay.fn, HAS_DROPOUT=False, USE_WORK=True, HEAD_DIM=d, HEAD_DIM_PAD=d,
                   BLOCK_M=bm, BLOCK_N=bn, LAYOUT_BM=128, LAYOUT_BN=128, DOT_PRECISION="tf32",
                   STAGES=stages, MASKED_STAGES=stages if masked_stages is None else masked_stages,
-                  FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut, ACCUMULATE=False,
+                  FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut, ROW_PART_LUT=lut, COL_PART_LUT=lut,
+                  ACCUMULATE=False,
                   KV_DESC=False, WARP_SPEC=False, KV_EVEN=False, EVEN=False, DQ_DESC=False, KV_FLAT=False, Q_FLAT=False, SCORE_MOD=0,
                   HAS_POS=False, LIST_BN=0, KV_LIST_BM=0, Q_LIST_BN=0)
     if kernel not in ("fwd", "atomic"):  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at dq_tile)

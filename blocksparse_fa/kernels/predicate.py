@@ -112,8 +112,10 @@ _TEMPLATES = {
     "sliding_tiles": (30, "grid_keep(qp, kj, PARAMS + {base})", "raw"),
     # the same through per-token tables (start, V, row table, key table, K per dim): no divisions
     **{f"grid_table{n}": (7, f"grid_table_keep(qp, kj, PARAMS + {{base}}, AUX, {n})", "raw") for n in range(4)},
-    # raster order, no dilation: coordinates by multiply-shift (start, V, then M, S, R, K per digit)
-    **{f"grid_arith{n}": (2 + 4 * n, f"grid_arith_keep(qp, kj, PARAMS + {{base}}, {n})", "raw") for n in range(1, 4)},
+    # raster order, no dilation: the seven table slots, then M, S, R per digit; coordinates by
+    # multiply-high where keys move in the loop, the tables where query rows do
+    **{f"grid_arith{n}": (7 + 3 * n, f"grid_arith_keep(qp, kj, PARAMS + {{base}}, AUX, {n}, KEY_SIDE)", "raw")
+       for n in range(1, 4)},
     # mask_mod: bits of partial layout blocks; instance z = b * p0 + h * p1; per layout row
     # (cmin, count, base) at AUX[p2 + 3 * (z * p5 + r)], block index at AUX[p3 + base + c - cmin]
     # (-1 full, -2 empty), bits at AUX[p4 + idx * p6 * p10 + ...]; p7, p9 = log2 of p6, p8
@@ -352,19 +354,24 @@ def magic_divisor(w: int, n_max: int = 1 << 31) -> tuple[int, int]:
     return -(-(1 << (31 + l)) // w), l - 1
 
 
-def _grid_arith(leaf):
+def _grid_arith(leaf, add_aux):
     """Parameters of ``grid_arith_keep`` for a raster-order neighbourhood without dilation
-    (``[start, V, (M, S, R, K) per digit]``), or None for tile orders, dilations, STA and grids of
-    more than ``_GRID_ARITH_MAX_TOKENS`` tokens."""
+    (``grid_table_keep``'s seven, its tables added with ``add_aux``, then ``(M, S, R)`` per
+    digit), or None for tile orders, dilations, STA and grids the tables do not fit
+    (:func:`_grid_tables`)."""
     geo = leaf.geometry
     grid, kernel, dilation, tile, start = leaf._params
     if (leaf.name != "neighborhood" or tile or any(d != 1 for d in geo.D) or geo.V > _GRID_ARITH_MAX_TOKENS
             or any(m != 1 for m in geo.mults.tolist())):
         return None
-    out = [int(start), geo.V]
-    for r, d, w in zip(geo.radices.tolist(), geo.dims.tolist(), geo.weights.tolist()):
+    tables = _grid_tables(leaf)
+    if tables is None:
+        return None
+    rows, keys, ks = tables
+    out = [int(start), geo.V, add_aux(rows), add_aux(keys)] + ks + [1] * (3 - len(ks))
+    for r, w in zip(geo.radices.tolist(), geo.weights.tolist()):
         M, S = magic_divisor(int(w)) if w > 1 else (0, 0)  # the last digit (weight 1) reads x itself
-        out.extend([M - (1 << 32) if M >= 1 << 31 else M, S, int(r), int(geo.K[d])])  # M as int32 bits
+        out.extend([M - (1 << 32) if M >= 1 << 31 else M, S, int(r)])  # M as int32 bits
     return out
 
 
@@ -491,10 +498,10 @@ def build_payload(layout: BlockLayout, device, document_runs: bool = True) -> Pa
             bits = leaf.bits().numpy()  # (B, W)
             slots.extend([add_aux(bits), bits.shape[1] if bits.shape[0] > 1 else 0, bits.shape[1] * 32])
         elif name in ("neighborhood", "sliding_tiles"):
-            arith = _grid_arith(leaf)
+            arith = _grid_arith(leaf, add_aux)
             tables = None if arith is not None else _grid_tables(leaf)
-            if arith is not None:  # no table loads on the loop's moving side
-                forms[id(leaf)] = f"grid_arith{(len(arith) - 2) // 4}"
+            if arith is not None:  # no key gathers in the loops
+                forms[id(leaf)] = f"grid_arith{(len(arith) - 7) // 3}"
                 slots.extend(arith)
             elif tables is None:
                 slots.extend(_grid_params(leaf))

@@ -160,48 +160,57 @@ def grid_keep(qp, kj, P):
 
 
 @triton.jit
-def grid_arith_keep(qp, kj, P, NDIM: tl.constexpr):
-    """Neighbourhood on a raster-order token grid without dilation, from the positions alone:
-    parameters at ``P``: start, token count V, then per grid digit (most significant first, radix
-    > 1) ``M, S, R, K``: ``x // W == umulhi(x, M) >> S`` for every offset ``0 <= x < V`` (``W``
-    the digit's weight, ``M`` an unsigned 32-bit multiplier stored in an int32 slot:
-    :func:`blocksparse_fa.kernels.predicate.magic_divisor`; the last digit has weight 1 and reads
-    ``x`` itself), ``R`` the dim's extent and ``K`` its kernel. Digit ``k``'s coordinate is
-    ``q_k - q_(k-1) * R_k`` with ``q_k = x // W_k``: one multiply-high per digit and side, no
-    division, no table."""
-    start = tl.load(P)
-    V = tl.load(P + 1)
-    xq = qp - start
-    xk = kj - start
-    okq = (xq >= 0) & (xq < V)
-    okk = (xk >= 0) & (xk < V)
-    xq = tl.minimum(tl.maximum(xq, 0), V - 1)
-    xk = tl.minimum(tl.maximum(xk, 0), V - 1)
-    prev_q = xq * 0
-    prev_k = xk * 0
-    r = okq & okk  # replaced by the first digit's test, which folds these bounds into its operands
-    for d in tl.static_range(NDIM):
-        R = tl.load(P + 4 + 4 * d)
-        K = tl.load(P + 5 + 4 * d)
-        if d == NDIM - 1:  # weight 1
-            quo_q = xq
-            quo_k = xk
-        else:
-            M = tl.load(P + 2 + 4 * d).to(tl.uint32, bitcast=True)
-            S = tl.load(P + 3 + 4 * d).to(tl.uint32)
-            quo_q = (tl.umulhi(xq.to(tl.uint32), M) >> S).to(tl.int32)
-            quo_k = (tl.umulhi(xk.to(tl.uint32), M) >> S).to(tl.int32)
-        cq = quo_q - prev_q * R
-        ck = quo_k - prev_k * R
-        prev_q = quo_q
-        prev_k = quo_k
-        lo = tl.minimum(tl.maximum(cq - K // 2, 0), R - K)
-        if d == 0:  # a row or key outside the grid: a difference far outside [0, K), on one side each
-            lo = tl.where(okq, lo, 1 << 30)
-            ck = tl.where(okk, ck, -(1 << 30))
-            r = (ck - lo).to(tl.uint32, bitcast=True) < K.to(tl.uint32)
-        else:
-            r = r & ((ck - lo).to(tl.uint32, bitcast=True) < K.to(tl.uint32))
+def grid_arith_keep(qp, kj, P, AUX, NDIM: tl.constexpr, KEY_SIDE: tl.constexpr):
+    """Neighbourhood on a raster-order token grid without dilation. Parameters at ``P``: the seven
+    of :func:`grid_table_keep` (start, token count V, row- and key-table offsets, ``K`` per dim),
+    then per grid digit (most significant first, radix > 1) ``M, S, R``: ``x // W == umulhi(x, M)
+    >> S`` for every offset ``0 <= x < V`` (``W`` the digit's weight, ``M`` an unsigned 32-bit
+    multiplier stored in an int32 slot: :func:`blocksparse_fa.kernels.predicate.magic_divisor`;
+    the last digit has weight 1 and reads ``x`` itself) and ``R`` the dim's extent. Digit ``k``'s
+    coordinate is ``q_k - q_(k-1) * R_k`` with ``q_k = x // W_k``: one multiply-high per digit.
+
+    Where keys move in the kernel's loop (forward, dQ) both sides are computed so (the rows' part
+    is hoisted out of the loop), with no gather per key; the grid bounds fold into the first
+    digit's operands (a row outside the grid gets a window start of 2**30, a key the coordinate
+    -2**30). Where query rows move (``KEY_SIDE``: the dK/dV loop) the tables are read, as
+    :func:`grid_table_keep` does: one gather per row costs fewer instructions there than the
+    clamps of the window start."""
+    if KEY_SIDE:
+        r = grid_table_keep(qp, kj, P, AUX, NDIM)
+    else:
+        start = tl.load(P)
+        V = tl.load(P + 1)
+        xq = qp - start
+        xk = kj - start
+        okq = (xq >= 0) & (xq < V)
+        okk = (xk >= 0) & (xk < V)
+        xq = tl.minimum(tl.maximum(xq, 0), V - 1)
+        xk = tl.minimum(tl.maximum(xk, 0), V - 1)
+        prev_q = xq * 0
+        prev_k = xk * 0
+        r = okq & okk  # replaced by the first digit's test, which folds these bounds into its operands
+        for d in tl.static_range(NDIM):
+            K = tl.load(P + 4 + d)
+            R = tl.load(P + 9 + 3 * d)
+            if d == NDIM - 1:  # weight 1
+                quo_q = xq
+                quo_k = xk
+            else:
+                M = tl.load(P + 7 + 3 * d).to(tl.uint32, bitcast=True)
+                S = tl.load(P + 8 + 3 * d).to(tl.uint32)
+                quo_q = (tl.umulhi(xq.to(tl.uint32), M) >> S).to(tl.int32)
+                quo_k = (tl.umulhi(xk.to(tl.uint32), M) >> S).to(tl.int32)
+            cq = quo_q - prev_q * R
+            ck = quo_k - prev_k * R
+            prev_q = quo_q
+            prev_k = quo_k
+            lo = tl.minimum(tl.maximum(cq - K // 2, 0), R - K)
+            if d == 0:
+                lo = tl.where(okq, lo, 1 << 30)
+                ck = tl.where(okk, ck, -(1 << 30))
+                r = (ck - lo).to(tl.uint32, bitcast=True) < K.to(tl.uint32)
+            else:
+                r = r & ((ck - lo).to(tl.uint32, bitcast=True) < K.to(tl.uint32))
     return r
 
 
