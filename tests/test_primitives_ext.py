@@ -700,6 +700,11 @@ def test_cpu_backend_matches_reference(name):
     ("natten tiles | periodic", lambda: bsfa.neighborhood((6, 8), (3, 5), dilation=(2, 1), tile=(2, 4), start=3) |
      bsfa.periodic_window(11, 1) & bsfa.causal(), dict(Lq=57, Lk=57)),
     ("sta 3-d", lambda: bsfa.sliding_tiles((2, 6, 6), (1, 2, 3), (1, 3, 1)), dict(Lq=72, Lk=72)),
+    # the periodic band as one unsigned compare: power-of-two and other periods, negative positions,
+    # per-head widths and widths beyond the period (clamped, so the sums cannot wrap)
+    ("periodic windows", lambda: bsfa.shift(bsfa.periodic_window(16, ph([0, 3])), pb([-21, 0])) & bsfa.causal() |
+     bsfa.periodic_window(32, 2 ** 30) & bsfa.key_range(50, 53) | bsfa.periodic_window(13, 2 ** 31 - 1) &
+     bsfa.query_range(7, 9) | bsfa.periodic_window(ph([6, 9]), 1) & bsfa.key_range(30, 45), dict(B=2, H=2, Lq=45, Lk=61)),
     ("mask_mod", lambda: bsfa.mask_mod(lambda b, h, q, kv: ((q + 2 * kv + h) % 3) != 0, H=2) & bsfa.window(20),
      dict(Lq=50, Lk=61)),
     ("shift per batch", lambda: bsfa.shift(bsfa.causal() & bsfa.sliding_window(9) | bsfa.periodic_window(7, 1),

@@ -103,7 +103,10 @@ _TEMPLATES = {
     "strided_pow2": (1, "((qp - kj) & ({p0} - 1)) == 0"),
     "chunked_pow2": (1, "(qp >= 0) & ((qp ^ kj) < {p0})"),
     "summary_pow2": (2, "(kj & ({p0} - 1)) >= ({p0} - {p1})"),
-    "periodic_window_pow2": (2, "tl.abs((qp & ({p0} - 1)) - (kj & ({p0} - 1))) <= {p1}"),
+    # |a - b| <= w as one unsigned compare of a - b + w against 2w (w clamped to the period, so
+    # neither sum wraps past 2**32)
+    "periodic_window_pow2": (2, "((kj & ({p0} - 1)) - (qp & ({p0} - 1)) + tl.minimum({p1}, {p0})).to(tl.uint32, "
+                                "bitcast=True) <= (2 * tl.minimum({p1}, {p0})).to(tl.uint32, bitcast=True)"),
     # position bitsets: AUX[p0 + b * p1 + x // 32], p2 bits
     "key_set": (3, "bitset_keep(kj, AUX + {p0} + b * {p1}, {p2})"),
     "query_set": (3, "bitset_keep(qp, AUX + {p0} + b * {p1}, {p2})"),

@@ -92,8 +92,11 @@ def chunk_band_keep(qp, kj, qc, kc, lo, hi):
 @triton.jit
 def periodic_keep(qp, kj, period, w):
     """``|qp % period - kj % period| <= w`` (floor modulo; a scalar power-of-two period has its
-    own template in :mod:`blocksparse_fa.kernels.predicate`)."""
-    return tl.abs(floor_mod(qp, period) - floor_mod(kj, period)) <= w
+    own template in :mod:`blocksparse_fa.kernels.predicate`), as one unsigned compare of ``a - b +
+    w`` against ``2w`` with ``w`` clamped to ``period - 1`` (every sum then lies below 2**32)."""
+    wc = tl.minimum(w, period - 1)
+    d = floor_mod(kj, period) - floor_mod(qp, period) + wc
+    return d.to(tl.uint32, bitcast=True) <= (2 * wc).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
