@@ -65,7 +65,7 @@ def compile_kernel(kernel: str, mask, bm, bn, warps, stages, masked_stages=None,
                   FULL_LUT=lut, PART_LUT=lut, ROW_LUT=lut, COL_LUT=lut, ROW_PART_LUT=lut, COL_PART_LUT=lut,
                   ACCUMULATE=False,
                   KV_DESC=False, WARP_SPEC=False, KV_EVEN=False, EVEN=False, DQ_DESC=False, KV_FLAT=False, Q_FLAT=False, SCORE_MOD=0,
-                  HAS_POS=False, LIST_BN=0, KV_LIST_BM=0, Q_LIST_BN=0)
+                  HAS_POS=False, LIST_BN=0, KV_LIST_BM=0, Q_LIST_BN=0, LSE_BASE2=True)
     if kernel not in ("fwd", "atomic"):  # _attn_bwd: "dkdv" / "dq" alone with (bm, bn), "bwd" = both (dQ at dq_tile)
         ms = consts["MASKED_STAGES"]
         kv = (bm, bn) if kernel != "dq" else (64, 128)

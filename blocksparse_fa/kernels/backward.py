@@ -13,8 +13,12 @@ from .common import layout_block
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _attn_bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                         H, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_preprocess(O, DO, DELTA, LSE, LSE2, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                         H, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                         WRITE_LSE2: tl.constexpr = False):
+    """``DELTA = rowsum(dO ∘ O)`` per row; with ``WRITE_LSE2`` also ``LSE2``, the rows' logsumexp
+    in base 2 with -inf (a row that keeps nothing) as +inf: what :func:`_load_lse2` makes of
+    ``LSE``, once per call instead of once per step of every dK/dV program."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -27,17 +31,24 @@ def _attn_bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_d
                    offs_m, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * n_rows + offs_m, delta, mask=offs_m < n_rows)
+    if WRITE_LSE2:
+        row = pid_bh.to(tl.int64) * n_rows + offs_m
+        lse = tl.load(LSE + row, mask=offs_m < n_rows, other=0.0)
+        tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), mask=offs_m < n_rows)
 
 
 @triton.jit
-def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr):
+def _load_lse2(LSE_row, offs_m, q_len, MASKED: tl.constexpr, BASE2: tl.constexpr = False):
     """Base-2 logsumexp of rows; fully masked rows (-inf) and out-of-range rows become +inf so
-    their recomputed probabilities are exactly 0."""
+    their recomputed probabilities are exactly 0. ``BASE2``: ``LSE_row`` holds that already
+    (``_attn_bwd_preprocess``'s ``LSE2``)."""
     if MASKED:
         lse = tl.load(LSE_row + offs_m, mask=offs_m < q_len, other=float("inf"))
     else:
         lse = tl.load(LSE_row + offs_m)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    if not BASE2:
+        lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return lse
 
 
 @triton.jit
@@ -49,7 +60,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 LAYOUT_BM: tl.constexpr, LIST_BM: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
                 LUT_MODE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                SCORE_MOD: tl.constexpr):
+                SCORE_MOD: tl.constexpr, LSE_BASE2: tl.constexpr = False):
     # EVEN: both lengths are multiples of the layout blocks: no bounds terms or row checks (see _attn_bwd)
     # FLAT: one loop iteration per kernel tile instead of per list entry (see _attn_bwd)
     # LIST_BM: queries per LUT entry (the layout block or a finer list block, compiler/finer.py)
@@ -64,7 +75,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
             do = load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
                            HEAD_DIM, HEAD_DIM_PAD, MASKED and not EVEN)
-            lse2 = _load_lse2(LSE_row, offs_m, q_len, MASKED and not EVEN)
+            lse2 = _load_lse2(LSE_row, offs_m, q_len, MASKED and not EVEN, LSE_BASE2)
             if MASKED and not EVEN:
                 delta = tl.load(DELTA_row + offs_m, mask=offs_m < q_len, other=0.0)
             else:
@@ -123,7 +134,8 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                    LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                    ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                   SCORE_MOD: tl.constexpr, LIST_BM: tl.constexpr, PART_LUT: tl.constexpr):
+                   SCORE_MOD: tl.constexpr, LIST_BM: tl.constexpr, PART_LUT: tl.constexpr,
+                   LSE_BASE2: tl.constexpr = False):
     """dK/dV of one key tile (or work item ``pid_w``) and batch·kv-head ``pid_bhk``; sums over the
     GQA group; ``LIST_BM`` queries per column-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -170,13 +182,13 @@ def _dkdv_program(pid_w, pid_bhk, Q, K, V, DO, DK, DV, LSE, DELTA,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                              BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn,
                              PREDICATE, False, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, STAGES, FULL_LUT,
-                             False, FLAT, HAS_POS, SCORE_MOD)
+                             False, FLAT, HAS_POS, SCORE_MOD, LSE_BASE2)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, k_shift, offs_d, b, h, H, Q_base, DO_base, LSE_row, DELTA_row,
                              stride_qm, stride_dom, PART_IDX, line, p0, p1, q_len, kv_len, Q_OFF, qk_scale,
                              PARAMS, AUX, QPOS, seed_lo, seed_hi, drop_thresh, drop_scale, slope, softcap,
                              BIAS_base, stride_bm, stride_bn, DBIAS_base, stride_dbm, stride_dbn,
                              PREDICATE, True, HAS_DROPOUT, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, LAYOUT_BM, LIST_BM, DOT_PRECISION, MASKED_STAGES, PART_LUT,
-                             EVEN, FLAT, HAS_POS, SCORE_MOD)
+                             EVEN, FLAT, HAS_POS, SCORE_MOD, LSE_BASE2)
     if slot < 0:
         store_grad_tile(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
                         + offs_d[None, :], dk * sm_scale, offs_n, kv_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, ACCUMULATE)
@@ -263,7 +275,8 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                  LAYOUT_BM: tl.constexpr, LAYOUT_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FULL_LUT: tl.constexpr,
                  ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr, HAS_POS: tl.constexpr,
-                 SCORE_MOD: tl.constexpr, LIST_BN: tl.constexpr, PART_LUT: tl.constexpr):
+                 SCORE_MOD: tl.constexpr, LIST_BN: tl.constexpr, PART_LUT: tl.constexpr,
+                 LSE_BASE2: tl.constexpr = False):
     """dQ of one query tile (or work item ``pid_w``) and batch·head ``pid_bh``; ``LIST_BN`` keys
     per row-LUT entry."""
     tl.static_assert(LAYOUT_BM % BLOCK_M == 0, "kernel tile BLOCK_M must divide the layout block")
@@ -285,7 +298,7 @@ def _dq_program(pid_w, pid_bh, Q, K, V, DO, DQ, LSE, DELTA,
                   offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
                    offs_m, q_len, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-    lse2 = _load_lse2(LSE + pid_bh.to(tl.int64) * q_len, offs_m, q_len, True)
+    lse2 = _load_lse2(LSE + pid_bh.to(tl.int64) * q_len, offs_m, q_len, True, LSE_BASE2)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * q_len + offs_m, mask=offs_m < q_len, other=0.0)
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
@@ -358,7 +371,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
               EVEN: tl.constexpr = False, KV_FLAT: tl.constexpr = False, Q_FLAT: tl.constexpr = False,
               HAS_POS: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
               KV_LIST_BM: tl.constexpr = 0, Q_LIST_BN: tl.constexpr = 0,
-              ROW_PART_LUT: tl.constexpr = "load", COL_PART_LUT: tl.constexpr = "load"):
+              ROW_PART_LUT: tl.constexpr = "load", COL_PART_LUT: tl.constexpr = "load",
+              LSE_BASE2: tl.constexpr = False):
     """The backward's main kernel on a 1-D grid of dK/dV programs (key tiles or work items of one
     batch·kv-head) and dQ programs (query tiles or items of one batch·head).
 
@@ -390,7 +404,9 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     the layout block, or a divisor of it when the tables list a finer classification
     (``compiler/finer.py``); with the kernel tile's step, each loop iteration is one tile.
     ``ROW_PART_LUT``/``COL_PART_LUT``: how the dQ/dK/dV loops read the masked lists (``"load"``, or
-    ``"step"`` for tables whose masked lists are arithmetic progressions, ``kernels/common.lut_first``)."""
+    ``"step"`` for tables whose masked lists are arithmetic progressions, ``kernels/common.lut_first``).
+    ``LSE_BASE2``: ``LSE`` holds the preprocess's ``LSE2`` (base 2, -inf as +inf), read as is in
+    every step of the dK/dV loops instead of converted there."""
     tl.static_assert(RUN_KV or RUN_Q, "the launch must run dK/dV, dQ or both")
     KV_STEP: tl.constexpr = KV_LIST_BM if KV_LIST_BM > 0 else LAYOUT_BM
     Q_STEP: tl.constexpr = Q_LIST_BN if Q_LIST_BN > 0 else LAYOUT_BN
@@ -426,7 +442,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                       stride_dbh, stride_dbm, stride_dbn, PREDICATE, HAS_DROPOUT, USE_WORK, HEAD_DIM,
                       HEAD_DIM_PAD, KV_BLOCK_M,
                       KV_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, KV_STAGES, KV_MASKED_STAGES, COL_LUT, ACCUMULATE,
-                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD, KV_STEP, COL_PART_LUT)
+                      EVEN, KV_FLAT, HAS_POS, SCORE_MOD, KV_STEP, COL_PART_LUT, LSE_BASE2)
     else:
         _dq_program(q_item, q_bh, Q, K, V, DO, DQ, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -437,7 +453,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     drop_scale, SLOPES, SOFTCAP, BIAS, stride_bb, stride_bh, stride_bm, stride_bn, DSLOPES, PREDICATE,
                     HAS_DROPOUT, USE_WORK, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK_M,
                     Q_BLOCK_N, LAYOUT_BM, LAYOUT_BN, DOT_PRECISION, Q_STAGES, Q_MASKED_STAGES, ROW_LUT, ACCUMULATE, EVEN,
-                    Q_FLAT, HAS_POS, SCORE_MOD, Q_STEP, ROW_PART_LUT)
+                    Q_FLAT, HAS_POS, SCORE_MOD, Q_STEP, ROW_PART_LUT, LSE_BASE2)
 
 
 @triton.jit(do_not_specialize=["n_rows", "NSLOT"])

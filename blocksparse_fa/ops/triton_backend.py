@@ -785,27 +785,32 @@ def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed, sargs, o
 _PRE: dict = {}  # head dim -> launcher of the backward's preprocess
 
 
-def backward_delta(out, dout, lse, s: Shapes, dlse=None) -> torch.Tensor:
+def backward_delta(out, dout, lse, s: Shapes, dlse=None, lse2=None) -> torch.Tensor:
     """``delta = rowsum(dO ∘ O) − dlse`` ``(B, H, Lq)`` float32: the backward's per-row term
-    (``dlse``, the gradient of the returned logsumexp, enters because ``∂lse/∂s = p``)."""
+    (``dlse``, the gradient of the returned logsumexp, enters because ``∂lse/∂s = p``).
+    ``lse2``: a float32 buffer like ``lse`` (contiguous) that the same launch fills with the base-2
+    logsumexp, -inf as +inf (what ``_attn_bwd`` reads with ``LSE_BASE2``)."""
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
     delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=out.device)
     pre_m = 64
-    launch = _PRE.get((s.D, out.device))  # the launcher keys on the tensors' dtypes itself
+    write = lse2 is not None
+    launch = _PRE.get((s.D, out.device, write))  # the launcher keys on the tensors' dtypes itself
     if launch is None:
-        launch = _PRE[(s.D, out.device)] = Launch(
-            _attn_bwd_preprocess, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=pre_m), 11, out.device)
-    launch((_cdiv(s.Lq, pre_m), s.B * s.H), out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-           dout.stride(0), dout.stride(1), dout.stride(2), s.H, s.Lq)
+        launch = _PRE[(s.D, out.device, write)] = Launch(
+            _attn_bwd_preprocess, dict(HEAD_DIM=s.D, HEAD_DIM_PAD=head_dim_pad(s.D), BLOCK_M=pre_m, WRITE_LSE2=write),
+            13, out.device)
+    launch((_cdiv(s.Lq, pre_m), s.B * s.H), out, dout, delta, lse, lse2 if write else delta, out.stride(0),
+           out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), s.H, s.Lq)
     if dlse is not None:
         delta.sub_(torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float()))
     return delta
 
 
 def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: bool, opts: KernelOptions,
-              run=(True, True), cfgs=None, grad_dtype=None, smod_kind: int = 0, bias_dtype=None) -> _Plan:
+              run=(True, True), cfgs=None, grad_dtype=None, smod_kind: int = 0, bias_dtype=None,
+              lse_base2: bool = False) -> _Plan:
     key = _plan_key("bwd", layout, s, dtype, device, has_dropout, opts,
-                    (accumulate, run, grad_dtype, smod_kind, bias_dtype))
+                    (accumulate, run, grad_dtype, smod_kind, bias_dtype, lse_base2))
     plan = layout.cache.get(key) if cfgs is None else None
     if plan is not None:
         return plan
@@ -856,6 +861,8 @@ def _bwd_plan(layout, s: Shapes, dtype, device, has_dropout: bool, accumulate: b
         consts["HAS_POS"] = True
     if smod_kind:
         consts["SCORE_MOD"] = smod_kind
+    if lse_base2:
+        consts["LSE_BASE2"] = True
     for side in ("ROW_PART_LUT", "COL_PART_LUT"):  # masked lists as arithmetic progressions (strided masks)
         if modes[side] != "load":
             consts[side] = modes[side]
@@ -932,8 +939,14 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         dout = dout.contiguous()  # an upstream layout of dO must not change the kernel choice
     lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
     dev = q.device
+    choice = backward_choice(q, k, v, dout, layout, s, dropout_p, opts, accumulate is not None, deterministic,
+                             grad_dtype, score_mod)
+    select.note("backward", choice)
+    lse2 = None  # the block kernels' base-2 logsumexp, made by the preprocess where it runs here
     if delta is None:
-        delta = backward_delta(out, dout, lse, s, dlse)
+        if choice.family == "triton" and choice.mode == "blocks":
+            lse2 = torch.empty(lse.shape, dtype=torch.float32, device=dev)
+        delta = backward_delta(out, dout, lse, s, dlse, lse2)
     gdts = tuple(None if d in (None, t.dtype) or accumulate is not None else d
                  for d, t in zip(_grad_dtypes(grad_dtype), (q, k, v)))
     gdt = gdts if any(gdts) else None
@@ -947,8 +960,6 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                                  f"contiguous last dim, got {tuple(g.shape)}, {g.dtype}, strides {g.stride()}")
     grads = (dq, dk, dv)
     has_drop, acc = dropout_p > 0.0, accumulate is not None
-    choice = backward_choice(q, k, v, dout, layout, s, dropout_p, opts, acc, deterministic, grad_dtype, score_mod)
-    select.note("backward", choice)
     if choice.family == "gluon":
         cfg, intervals, window = opts.gluon_bwd or GluonBwdConfig(), None, None
         if choice.mode == "interval":
@@ -970,12 +981,15 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         score_grads = (torch.zeros((s.B * s.H * s.Lq, 3), dtype=torch.float32, device=dev), score_grads[1])
     sargs = (*_score_args(score_mod, s.H, dev), *_grad_args(score_grads, dev))
     bdt = _bias_dtype(score_mod)
+    base2 = lse2 is not None
+    lse_k = lse2 if base2 else lse  # what the kernel reads
     if opts.fused_backward:
-        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, opts, grad_dtype=gdt, smod_kind=kind, bias_dtype=bdt)
+        plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, opts, grad_dtype=gdt, smod_kind=kind, bias_dtype=bdt,
+                         lse_base2=base2)
         cfg_kv, cfg_q = plan.cfg
         if cfg_kv.num_warps == cfg_q.num_warps and _FALLBACK.get(("bwd_fused_fits", *plan.cfg), True):
             try:
-                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed, sargs)
+                _bwd_launch(q, k, v, dout, grads, lse_k, delta, plan, scale, dropout_p, seed, sargs)
                 if dslopes is not None:
                     _slopes_grad(dslopes, score_grads[0], lse, dlse, s, layout)
                 return grads
@@ -983,10 +997,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                 _FALLBACK[("bwd_fused_fits", *plan.cfg)] = False  # the two programs do not fit one kernel
     for run in ((True, False), (False, True)):
         plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, opts, run, grad_dtype=gdt, smod_kind=kind,
-                         bias_dtype=bdt)
+                         bias_dtype=bdt, lse_base2=base2)
         while True:
             try:
-                _bwd_launch(q, k, v, dout, grads, lse, delta, plan, scale, dropout_p, seed, sargs)
+                _bwd_launch(q, k, v, dout, grads, lse_k, delta, plan, scale, dropout_p, seed, sargs)
                 break
             except OutOfResources:
                 i = 0 if run[0] else 1
@@ -995,7 +1009,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                     raise
                 cfgs = (smaller, plan.cfg[1]) if i == 0 else (plan.cfg[0], smaller)
                 plan = _bwd_plan(layout, s, q.dtype, dev, has_drop, acc, opts, run, cfgs=cfgs, grad_dtype=gdt,
-                                 smod_kind=kind, bias_dtype=bdt)
+                                 smod_kind=kind, bias_dtype=bdt, lse_base2=base2)
     if dslopes is not None:
         _slopes_grad(dslopes, score_grads[0], lse, dlse, s, layout)
     return grads
