@@ -50,6 +50,9 @@ def test_l2_to_sm_counts_visited_tiles_exactly():
         assert rep.bwd_dq.loads["K+V"] == 2 * visited * kv_block
         # dK/dV: 64-key programs, two per layout column, each loads Q, dO, LSE, delta of its blocks
         assert rep.bwd_dkdv.loads["Q+dO+LSE+delta"] == 2 * visited * 128 * (2 * D * e + 8)
+        # the preprocess: O and dO read, delta written, and the base-2 logsumexp the block backward reads
+        assert rep.bwd_preprocess.loads == {"O": H * n * D * e, "dO": H * n * D * e, "LSE": 4 * H * n}
+        assert rep.bwd_preprocess.stores == {"delta": 4 * H * n, "LSE2": 4 * H * n}
         xs.append(visited)
         ys.append(rep.total.l2_to_sm_bytes)
     slope, icpt, r2 = linear_fit(xs, ys)

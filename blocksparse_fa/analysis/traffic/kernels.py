@@ -150,16 +150,22 @@ def _dkdv_kernel(geo: _Geometry, p: TrafficParams, lut_bytes: int, *, name: str 
         fits_l2=ru["reuse_max"] <= p.l2_bytes)
 
 
-def _preprocess_kernel(geo: _Geometry, p: TrafficParams) -> KernelTraffic:
+def _preprocess_kernel(geo: _Geometry, p: TrafficParams, lse2: bool = False) -> KernelTraffic:
+    """``_attn_bwd_preprocess``: O and dO read, Δ written per row; ``lse2`` (the block backward's
+    call): the logsumexp read and its base-2 copy written as well."""
     rows = p.batch * p.heads * geo.q_len
     od = rows * p.head_dim * p.elem
     loads = {"O": od, "dO": od}
     stores = {"delta": 4 * rows}
+    if lse2:
+        loads["LSE"] = 4 * rows
+        stores["LSE2"] = 4 * rows
     n_prog = p.batch * p.heads * -(-geo.q_len // p.tiles.preprocess_block_m)
     waves = -(-n_prog // p.programs_in_flight("bwd_preprocess"))
+    rd, wr = sum(loads.values()), sum(stores.values())
     return KernelTraffic(name="bwd_preprocess", programs=n_prog, waves=waves,
-                         l2_to_sm_bytes=2 * od, sm_to_l2_bytes=4 * rows, loads=loads, stores=stores,
-                         dram_read_bytes=float(2 * od), dram_write_bytes=4 * rows, compulsory_read_bytes=2 * od)
+                         l2_to_sm_bytes=rd, sm_to_l2_bytes=wr, loads=loads, stores=stores,
+                         dram_read_bytes=float(rd), dram_write_bytes=wr, compulsory_read_bytes=rd)
 
 
 def _check_tiles(geo: _Geometry, t: TileSizes) -> None:

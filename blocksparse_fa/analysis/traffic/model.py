@@ -81,7 +81,7 @@ def _model(layout, p: TrafficParams, progress: bool, label: str) -> TrafficRepor
     if gl_bwd:
         pre, dkdv, dq, *extra = _gluon.backward(layout, p, bc.mode, progress, label)
     else:
-        pre = _preprocess_kernel(geo, p)
+        pre = _preprocess_kernel(geo, p, lse2=True)  # the block backward's base-2 logsumexp
         dkdv = _dkdv_kernel(geo, p, col_lut_bytes)
         dq = _row_kernel("bwd_dq", geo, p, p.tiles.dq_block_m,
                          q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
