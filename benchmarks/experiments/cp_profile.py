@@ -75,10 +75,11 @@ def _nbytes(x) -> int:
 class GlueCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts operators and the bytes they write (outputs, or the source of an in-place copy/add)."""
 
-    def __init__(self):
+    def __init__(self, sites: bool = False):
         super().__init__()
         self.ops = defaultdict(lambda: [0, 0])
         self.paused = False
+        self.sites = defaultdict(lambda: [0, 0]) if sites else None  # (op, library line) -> count, bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -95,6 +96,15 @@ class GlueCounter(torch.utils._python_dispatch.TorchDispatchMode):
         rec = self.ops[name]
         rec[0] += 1
         rec[1] += b
+        if self.sites is not None:  # the innermost library frame that issued it
+            import traceback
+
+            frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}blocksparse_fa{os.sep}" in f.filename]
+            where = (f"{frames[-1].filename.split(os.sep + 'blocksparse_fa' + os.sep)[-1]}:{frames[-1].lineno}"
+                     if frames else "?")
+            site = self.sites[(name, where)]
+            site[0] += 1
+            site[1] += b
         return out
 
 
@@ -174,7 +184,7 @@ def _glue_worker(rank, world, args, store_path, q):
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    counter = GlueCounter()
+    counter = GlueCounter(sites=args.sites)
     _stub_kernels(counter)
     rows = []
     masks = lead_masks(args.n)
@@ -199,6 +209,8 @@ def _glue_worker(rank, world, args, store_path, q):
             for t in (qg, kg, vg):
                 t.grad = None
             counter.ops.clear()
+            if counter.sites is not None:
+                counter.sites.clear()
             msgs = Messages()
             dist.barrier()
             t0 = time.perf_counter()
@@ -210,7 +222,11 @@ def _glue_worker(rank, world, args, store_path, q):
                 if rank == 0:
                     print(f"--- cProfile {name} {phase}, 10 calls (kernels stubbed)\n{text}", flush=True)
             ops = {k: tuple(v) for k, v in sorted(counter.ops.items())}
-            rows.append(dict(rank=rank, pattern=name, phase=phase, strategy=plan.strategy, tokens=L,
+            extra = {}
+            if counter.sites is not None:
+                extra["sites"] = {f"{op} {where}": tuple(v) for (op, where), v in
+                                  sorted(counter.sites.items(), key=lambda kv: -kv[1][1])}
+            rows.append(dict(extra, rank=rank, pattern=name, phase=phase, strategy=plan.strategy, tokens=L,
                              n_ops=sum(v[0] for v in ops.values()), bytes=sum(v[1] for v in ops.values()),
                              ops=ops, messages={k: tuple(v) for k, v in msgs.calls.items()},
                              n_messages_calls=sum(v[0] for v in msgs.calls.values()),
@@ -249,6 +265,8 @@ def cmd_glue(args):
         for r in sorted(rows, key=lambda r: (r["pattern"], r["phase"], r["rank"])):
             print(r["pattern"], r["phase"], "rank", r["rank"], {k: (v[0], round(v[1] / 1e6, 2)) for k, v in
                                                                r["ops"].items()}, r["messages"])
+            for site, (n_calls, b) in r.get("sites", {}).items():
+                print(f"    {site}: {n_calls} calls, {b / 1e6:.2f} MB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(world=args.world, n=args.n, rows=rows), f, indent=1)
@@ -756,6 +774,8 @@ def main():
                         "versions of the code are counted on the same plans); others 'auto'")
     c.add_argument("--json", default=None)
     c.add_argument("--verbose", action="store_true")
+    c.add_argument("--sites", action="store_true",
+                   help="with --verbose: every operator by the library line that issued it (count, MB)")
     c.add_argument("--cprofile", type=int, default=0, help="rank 0's cProfile of 10 fwd+bwd calls: top N functions")
     c.add_argument("--timeout", type=float, default=900)
     c.set_defaults(fn=cmd_glue)
