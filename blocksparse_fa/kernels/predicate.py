@@ -342,7 +342,6 @@ def _grid_params(leaf) -> list:
 
 
 _GRID_TABLE_MAX_WORDS = 1 << 28
-_GRID_ARITH_MAX_TOKENS = 1 << 31  # offsets are int32
 
 
 def magic_divisor(w: int, n_max: int = 1 << 31) -> tuple[int, int]:
@@ -363,11 +362,10 @@ def _grid_arith(leaf, add_aux):
     digit), or None for tile orders, dilations, STA and grids the tables do not fit
     (:func:`_grid_tables`)."""
     geo = leaf.geometry
-    grid, kernel, dilation, tile, start = leaf._params
-    if (leaf.name != "neighborhood" or tile or any(d != 1 for d in geo.D) or geo.V > _GRID_ARITH_MAX_TOKENS
-            or any(m != 1 for m in geo.mults.tolist())):
+    tile, start = leaf._params[3], leaf._params[4]
+    if leaf.name != "neighborhood" or tile or any(d != 1 for d in geo.D) or any(m != 1 for m in geo.mults.tolist()):
         return None
-    tables = _grid_tables(leaf)
+    tables = _grid_tables(leaf)  # also bounds V (int32 offsets)
     if tables is None:
         return None
     rows, keys, ks = tables

@@ -782,7 +782,7 @@ def _fwd_launch(q, k, v, out, lse, plan: _Plan, scale, dropout_p, seed, sargs, o
                out.stride(2), H, Lq)
 
 
-_PRE: dict = {}  # head dim -> launcher of the backward's preprocess
+_PRE: dict = {}  # (head dim, device, writes the base-2 logsumexp) -> launcher of the backward's preprocess
 
 
 def backward_delta(out, dout, lse, s: Shapes, dlse=None, lse2=None) -> torch.Tensor:
