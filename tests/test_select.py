@@ -14,7 +14,7 @@ import blocksparse_fa as bsfa
 from blocksparse_fa.ops import select
 from blocksparse_fa.ops import triton_backend as tb
 from blocksparse_fa.ops.merge import merge_attention
-from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
+from blocksparse_fa.ops.options import GluonBwdConfig, GluonConfig, KernelOptions
 from blocksparse_fa.ops.select import Hardware, LayoutClass, choose_backward, choose_forward
 from blocksparse_fa.ops.torch_backend import torch_backward, torch_forward
 from blocksparse_fa.ops.validate import Shapes
@@ -268,7 +268,7 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     launch = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None):
+            window_bytes=None, lists=False):
         seen.append((causal, atomic, intervals, lse.clone()))
         launch(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -392,7 +392,7 @@ def hopper(monkeypatch):
         lse.copy_(l)
 
     def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None):
+            window_bytes=None, lists=False):
         o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
         for g, r in zip(grads, torch_backward(q, k, v, o.to(q.dtype), l, dout, layout, s, scale, 0.0, 0)):
             g.copy_(r)
@@ -523,7 +523,7 @@ def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
     bwd = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None):
+            window_bytes=None, lists=False):
         seen.append((causal, atomic, cfg.block_n))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -632,3 +632,79 @@ def test_longformer_forward_split_batches_and_memory_orders(hopper, monkeypatch,
     assert rel_err(out, ref) < 1e-2 and torch.allclose(lse.double(), ref_lse, atol=2e-2)
     for name, a, r in zip("qkv", grads, want):
         assert rel_err(a, r) < 2e-2, name
+
+
+@pytest.mark.interpreter
+def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
+    """A block layout whose partial blocks hold at most two key runs per row (``key_range |
+    causal``) runs the Gluon kernels' list mode in both phases with ``block_lists=True``, the tables
+    built once on the layout; ``block_lists=False``, and the default where most blocks are partial,
+    keep the Triton block kernels. Gradients are the exact backend's."""
+    monkeypatch.setattr(select, "_LIST_DEVICES", ("cuda", "cpu"))
+    seen = []
+    fwd, bwd = tb._gluon_launch, tb._gluon_bwd_launch
+
+    def fwd_spy(q, k, v, out, lse, s, scale, case, cfg, layout=None, global_keys=(0, False)):
+        seen.append(("forward", case, tb._gluon_list_tables(layout, q.device)))
+        fwd(q, k, v, out, lse, s, scale, case, cfg, layout, global_keys)
+
+    def bwd_spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
+                window_bytes=None, lists=False):
+        seen.append(("backward", lists, intervals))
+        bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
+
+    monkeypatch.setattr(tb, "_gluon_launch", fwd_spy)
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", bwd_spy)
+    mask = bsfa.key_range(40, 100) | bsfa.causal()
+    layout = bsfa.compile_mask(mask, L, L, 128)
+    assert select.layout_class(layout).lists and select.layout_class(layout).kind == "blocks"
+    q, k, v = _inputs(Hkv=1)
+    ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
+    # two of three visited blocks partial: the default (select.BLOCK_LISTS) keeps the Triton kernels
+    assert select.layout_class(layout).partial_fraction > select.BLOCK_LISTS["forward"]
+    for opts, want in ((dict(block_lists=True), "gluon:list"), (dict(block_lists=False), None), (None, None)):
+        seen.clear()
+        ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton",
+                                                            kernel_options=opts), q, k, v)
+        if want is None:
+            assert [c for _, c in ran] == ["triton:blocks", "triton:blocks"] and not seen
+        else:
+            assert ran == [("forward", want), ("backward", want)]
+            (_, case, tables), (_, lists, intervals) = seen
+            assert case == "list" and lists
+            lo, hi, _, q_tab, kv_tab, kv_ord, _ = tables
+            assert lo.dtype == torch.int64  # two runs per row: packed
+            assert all(a is b for a, b in zip(intervals, (lo, hi, kv_tab, q_tab, 0, 0, kv_ord)))
+        for a, b in zip(grads, ref):
+            assert rel_err(a, b) < 2e-2  # bf16 gradients against the exact backend's
+    on = dict(block_lists=True)
+    assert bsfa.explain(q, k, v, mask=layout, backend="triton", kernel_options=on).backward == "gluon:list"
+
+
+def test_block_lists_in_the_choice():
+    # by default up to half the blocks partial in the forward, 30 % in the backward
+    lc = _lc("blocks", lists=True, partial_fraction=0.4)
+    assert str(choose_forward(lc, S, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:list"
+    assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
+    on = KernelOptions(block_lists=True)
+    assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, on)) == "gluon:list"
+    assert str(choose_forward(_lc("blocks", lists=True, partial_fraction=0.6), S, torch.bfloat16, HOPPER,
+                              DEFAULT)) == "triton:blocks"
+    lc = _lc("blocks", lists=True, partial_fraction=0.2)
+    c = choose_forward(lc, S, torch.bfloat16, HOPPER, DEFAULT)
+    assert (c.family, c.mode, c.kernels) == ("gluon", "list", ("_attn_fwd_gluon",))
+    c = choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)
+    assert (c.family, c.mode) == ("gluon", "list") and c.kernels[1:] == ("_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon")
+    off = KernelOptions(block_lists=False)
+    assert str(choose_forward(lc, S, torch.bfloat16, HOPPER, off)) == "triton:blocks"
+    assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, off)) == "triton:blocks"
+    # other tiles than the lists', another head dim, no Gluon, a layout that does not qualify
+    other = KernelOptions(gluon_fwd=GluonConfig(block_n=64), gluon_bwd=GluonBwdConfig(block_m=32))
+    assert str(choose_forward(lc, S, torch.bfloat16, HOPPER, other)) == "triton:blocks"
+    assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, other)) == "triton:blocks"
+    d96 = Shapes(1, 16, 4, 16384, 16384, 96)
+    assert str(choose_forward(lc, d96, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
+    assert str(choose_forward(lc, S, torch.bfloat16, NO_GLUON, DEFAULT)) == "triton:blocks"
+    assert str(choose_forward(_lc("blocks"), S, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
+    with pytest.raises(ValueError, match="block_lists must be True, False or None"):
+        KernelOptions(block_lists="yes")

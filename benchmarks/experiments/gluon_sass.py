@@ -7,7 +7,7 @@ first on the path:
         --stages 2 --causal --interval --no-pingpong --no-overlap --persistent --dtype bf16] [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
         [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops
-        --interval --out-f32]
+        --interval --out-f32 --list --two]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dq [--bm 64 --bn 64
         --interval --out-f32 ...]
 """
@@ -29,7 +29,7 @@ from sass_probe import report  # noqa: E402
 
 def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
                   consumer_regs=240, dtype="bf16", interval=False, persistent=False, global_keys=0,
-                  global_causal=False):
+                  global_causal=False, lists=False, two=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
@@ -37,9 +37,11 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, INTERVAL=interval,
                   PINGPONG=pingpong, OVERLAP=overlap, PERSISTENT=persistent, M_MAJOR=persistent and interval,
                   PRODUCER_REGS=producer_regs,
-                  CONSUMER_REGS=consumer_regs, GLOBAL_KEYS=global_keys, GLOBAL_CAUSAL=global_causal)
+                  CONSUMER_REGS=consumer_regs, GLOBAL_KEYS=global_keys, GLOBAL_CAUSAL=global_causal,
+                  LIST=lists)
     types = {n: "*" + dtype for n in "QKVO"}
-    types.update(LSE="*fp32", LO="*i32", HI="*i32", TILES="*i32", qk_scale="fp32")
+    iv = "*i64" if two else "*i32"
+    types.update(LSE="*fp32", LO=iv, HI=iv, TILES="*i32", qk_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     div16 = [i for i, n in enumerate(fn.arg_names)
              if n not in consts and (types.get(n, "").startswith("*") or n.startswith("stride_"))]
@@ -50,9 +52,12 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
                       consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
-                      out_f32=False, direct=False, persistent=False, rows_smem=False):
+                      out_f32=False, direct=False, persistent=False, rows_smem=False, lists=False,
+                      two=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
-    ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored from the registers (``DIRECT_STORE``)."""
+    ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored
+    from the registers (``DIRECT_STORE``); ``lists``: the interval mode over block lists (``LIST``),
+    ``two``: two intervals per row (int64 bounds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels import backward_gluon as bg
@@ -68,8 +73,8 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ="fp32" if out_f32 else dtype, LSE="fp32", DELTA="fp32")
     consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, INTERVAL=interval,
-                  DIRECT_STORE=out_f32 or direct)
-    ptrs.update(LO="i32", HI="i32", TAB="i32", ORD="i32")
+                  DIRECT_STORE=out_f32 or direct, LIST=lists)
+    ptrs.update(LO="i64" if two else "i32", HI="i64" if two else "i32", TAB="i32", ORD="i32")
     types = {n: "*" + t for n, t in ptrs.items()}
     types.update(qk_scale="fp32", sm_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -106,16 +111,19 @@ def main():
     ap.add_argument("--direct", action="store_true", help="backward: gradients stored from the registers")
     ap.add_argument("--rows-smem", action="store_true", help="dK/dV kernel: LSE/Δ staged with Q/dO (ROWS_SMEM)")
     ap.add_argument("--loops", action="store_true", help="per loop of the SASS: size, wgmma, local loads/stores")
+    ap.add_argument("--list", action="store_true", help="interval mode over block lists (LIST)")
+    ap.add_argument("--two", action="store_true", help="two intervals per row (int64 LO/HI)")
     a = ap.parse_args()
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
                                interval=a.interval, out_f32=a.out_f32, direct=a.direct,
-                               persistent=a.persistent, rows_smem=a.rows_smem)
+                               persistent=a.persistent, rows_smem=a.rows_smem, lists=a.list, two=a.two)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,
-                           persistent=a.persistent, global_keys=a.global_keys, global_causal=a.global_causal)
+                           persistent=a.persistent, global_keys=a.global_keys, global_causal=a.global_causal,
+                           lists=a.list, two=a.two)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

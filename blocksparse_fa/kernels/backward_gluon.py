@@ -133,14 +133,15 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, u, t, n_i, i0, b, hk, G, q_rb, q_rh, q_ch,
                        do_rb, do_rh, do_ch, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       lse_desc, delta_desc, rows_smem, H, q_len, ROWS_SMEM: gl.constexpr):
+                       lse_desc, delta_desc, rows_smem, H, q_len, ROWS_SMEM: gl.constexpr, TAB, LIST: gl.constexpr):
         """Step ``t`` of a work item at ring position ``u``: Q and dO of query block
-        ``i0 + t % n_i`` of the group's head ``t // n_i`` into slot ``u % STAGES`` (``ROWS_SMEM``:
-        with its rows' logsumexp and Δ, one barrier phase for the four copies)."""
+        ``i0 + t % n_i`` (``LIST``: ``TAB[i0 + t % n_i]``) of the group's head ``t // n_i`` into slot
+        ``u % STAGES`` (``ROWS_SMEM``: with its rows' logsumexp and Δ, one barrier phase for the four
+        copies)."""
         g = t // n_i
         # persistent: the whole tensors' row views; else the group's heads from their first
         h = hk * G + g if PERSISTENT else g
-        m = (i0 + t % n_i) * BLOCK_M
+        m = (_fg._step_base(TAB, i0, t % n_i, LIST) + t % n_i) * BLOCK_M
         s = u % STAGES
         # a fresh barrier counts as having completed the phase before its first: the first
         # pass through the ring waits on parity 1 and does not block
@@ -164,7 +165,7 @@ if gluon is not None:
                        INTERVAL: gl.constexpr,
                        M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lse_desc, delta_desc, rows_smem, H,
-                       ROWS_SMEM: gl.constexpr):
+                       ROWS_SMEM: gl.constexpr, LIST: gl.constexpr):
         """One warp: per work item, the first ``STAGES`` steps' Q and dO (their slots free up as the
         consumers finish the previous item), both consumers' K/V tiles once the consumers have
         released the previous item's (stored dK/dV), then the other steps' Q and dO; ring
@@ -179,7 +180,7 @@ if gluon is not None:
             for t in range(0, pre):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
-                               rows_smem, H, q_len, ROWS_SMEM)
+                               rows_smem, H, q_len, ROWS_SMEM, TAB, LIST)
             for c in gl.static_range(2):
                 mbarrier.wait(kv_empty.index(c), (it & 1) ^ 1)
                 _load_pair(k_desc, v_desc, kv_bar.index(c), k_smem.index(c), v_smem.index(c),
@@ -188,7 +189,7 @@ if gluon is not None:
             for t in range(pre, n_t):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
-                               rows_smem, H, q_len, ROWS_SMEM)
+                               rows_smem, H, q_len, ROWS_SMEM, TAB, LIST)
             tb += n_t
             it += 1
 
@@ -213,9 +214,8 @@ if gluon is not None:
             offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(offs_q, 0) >= offs_k
         else:
-            lo_q = gl.expand_dims(gl.convert_layout(lo, gl.SliceLayout(0, s_layout)), 0)
-            hi_q = gl.expand_dims(gl.convert_layout(hi, gl.SliceLayout(0, s_layout)), 0)
-            keep = (offs_k >= lo_q) & (offs_k < hi_q)
+            keep = _fg._in_rows(offs_k, gl.convert_layout(lo, gl.SliceLayout(0, s_layout)),
+                                gl.convert_layout(hi, gl.SliceLayout(0, s_layout)), 0)
         return gl.where(keep, pt, 0.0)
 
     @gluon.jit
@@ -406,14 +406,15 @@ if gluon is not None:
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
                             PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr,
-                            DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr):
+                            DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr,
+                            LIST: gl.constexpr):
         """Work item ``item`` (:func:`_dkdv_item`, ring steps from ``tb``, its ``it``-th) for
         consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
         ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV; returns its steps.
         ``CAUSAL``: the first ``2·BLOCK_N / BLOCK_M`` blocks are masked; ``INTERVAL``: blocks outside
         ``[f0, f1)`` are masked against each row's interval (``LO[z, r] <= k < HI[z, r]``, the same
-        for every head). With ``PERSISTENT`` K's and V's slots go back to the producer once dK and dV
-        have left them."""
+        for every head); with ``LIST`` position ``i`` visits query block ``TAB[i]``. With ``PERSISTENT``
+        K's and V's slots go back to the producer once dK and dV have left them."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -474,21 +475,24 @@ if gluon is not None:
                                                           BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
                 if INTERVAL:
                     for i in range(i0, i_full):
-                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, i, k_c, v_c, ds_c, q_smem, do_smem,
-                                                          ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
-                                                          off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M,
-                                                          BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
+                        blk = _fg._step_base(TAB, i, 0, LIST)
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, blk, k_c, v_c, ds_c, q_smem,
+                                                          do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
+                                                          hi_row, off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM,
+                                                          BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
                 for i in range(i_full, i_tail):
-                    dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, i, k_c, v_c, ds_c, q_smem, do_smem,
+                    blk = _fg._step_base(TAB, i, 0, LIST)
+                    dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, blk, k_c, v_c, ds_c, q_smem, do_smem,
                                                       ready, empty, turn, lse_row, delta_row, lo_row, hi_row, off_k,
                                                       qk_scale, C, 0, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N,
                                                       STAGES, s_layout, kv_layout, vec_layout)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
-                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, i, k_c, v_c, ds_c, q_smem, do_smem,
-                                                          ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
-                                                          off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM, BLOCK_M,
-                                                          BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
+                        blk = _fg._step_base(TAB, i, 0, LIST)
+                        dk, dv, ds16 = _dkdv_step_overlap(dk, dv, ds16, t0 + i, tb, blk, k_c, v_c, ds_c, q_smem,
+                                                          do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
+                                                          hi_row, off_k, qk_scale, C, 2, INTERVAL, PINGPONG, DS_SMEM,
+                                                          BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, vec_layout)
             sl = (tb + G * n_i - 1) % STAGES  # the last step's dK, then its slot (n_i >= 1: the tables say so)
             dk = _last_deferred(dk, ds_c, ds16, q_smem.index(sl), empty, sl, DS_SMEM)
         else:
@@ -507,20 +511,23 @@ if gluon is not None:
                                             vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
                 if INTERVAL:
                     for i in range(i0, i_full):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
+                        blk = _fg._step_base(TAB, i, 0, LIST)
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
                                             dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
                                             DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
                 for i in range(i_full, i_tail):
-                    dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
+                    blk = _fg._step_base(TAB, i, 0, LIST)
+                    dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
                                         empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row,
                                         off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
                                         BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS,
                                         rows_smem, ROWS_SMEM)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
+                        blk = _fg._step_base(TAB, i, 0, LIST)
+                        dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
                                             dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
@@ -553,7 +560,7 @@ if gluon is not None:
                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
                        PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr,
-                       DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr):
+                       DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, LIST: gl.constexpr):
         """Consumer ``C`` (a warp group): its program's work items (:func:`_dkdv_consumer_item`);
         ring steps (ping-pong turns, dSᵀ buffers) count on across them. One program per item runs
         the item without the loop (fewer values live across the steps)."""
@@ -570,7 +577,7 @@ if gluon is not None:
                     LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                     stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ,
                     PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS,
-                    DIRECT_STORE, rows_smem, ROWS_SMEM)
+                    DIRECT_STORE, rows_smem, ROWS_SMEM, LIST)
                 it += 1
         else:
             _dkdv_consumer_item(
@@ -578,7 +585,8 @@ if gluon is not None:
                 ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G, LZB, LZH, q_len,
                 qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR,
-                PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)
+                PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
+                LIST)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
                                   "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dk_rb", "dk_rh", "dk_ch",
@@ -596,7 +604,7 @@ if gluon is not None:
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                              INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
                              PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
-                             ROWS_SMEM: gl.constexpr = False):
+                             ROWS_SMEM: gl.constexpr = False, LIST: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
         items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
@@ -618,7 +626,10 @@ if gluon is not None:
         keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read.
         ``M_MAJOR`` (persistent interval mode): items in ``forward_gluon._item_tile``'s
         key-tile-major snake order over the key tiles of ``ORD`` (int32 ``(Z, n_prog)``, a
-        permutation per instance: heaviest first).
+        permutation per instance: heaviest first). ``LIST``: ``first .. end`` are positions in ``TAB``
+        (after the programs' rows) holding the query blocks, and the masked steps' intervals are
+        exact on the blocks they visit (``compiler/block_lists.py``; int64 ``LO``/``HI``: two
+        intervals per row).
 
         ``DIRECT_STORE``: dK and dV are written from the registers (not staged in shared memory for a
         TMA store); needed where DK/DV are float32 (partial sums), and fewer values stay live across
@@ -627,6 +638,7 @@ if gluon is not None:
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
         gl.static_assert(OVERLAP == 0 or not ROWS_SMEM, "ROWS_SMEM is not read by the OVERLAP steps")
+        gl.static_assert(not LIST or (INTERVAL and not ATOMIC_DQ), "lists need the interval mode")
         DQ_CHUNK: gl.constexpr = HEAD_DIM // 2  # ATOMIC_DQ: dQ columns per consumer group
         HKV = H // G
         BH = n_items // n_prog
@@ -754,18 +766,20 @@ if gluon is not None:
                               BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)),
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
+                              LIST)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
                               BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM)),
+                              BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
+                              LIST)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
                               ready, empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb,
                               v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,
                               M_MAJOR, PERSISTENT, BLOCK_M, BLOCK_N, STAGES, lse_desc, delta_desc, rows_smem, H,
-                              ROWS_SMEM)),
+                              ROWS_SMEM, LIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ------------------------------------------------------------------ dQ (deterministic)
@@ -804,11 +818,13 @@ if gluon is not None:
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
                      TAB, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items,
                      n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
-                     M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     LIST: gl.constexpr):
         """One warp: per work item both consumers' Q and dO tiles (once the consumers have released
         the previous item's), then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring, whose
-        positions count on across items. ``*_rb``, ``*_rh``, ``*_ch``: where a batch·head's tiles lie
-        in the descriptors' 2-D views (zeros where a descriptor covers one batch·head)."""
+        positions count on across items (``LIST``: key blocks ``TAB[kb0 + j]``). ``*_rb``, ``*_rh``,
+        ``*_ch``: where a batch·head's tiles lie in the descriptors' 2-D views (zeros where a
+        descriptor covers one batch·head)."""
         rb = 0
         it = 0
         for t in range(first, n_items, gl.num_programs(0)):
@@ -824,14 +840,15 @@ if gluon is not None:
                 _load_pair(q_desc, do_desc, q_bar.index(c), q_smem.index(c), do_smem.index(c),
                            b * q_rb + h * q_rh + off_m + c * BLOCK_M, h * q_ch,
                            b * do_rb + h * do_rh + off_m + c * BLOCK_M, h * do_ch)
-            k_row = b * k_rb + hk * k_rh + kb0 * BLOCK_N
-            v_row = b * v_rb + hk * v_rh + kb0 * BLOCK_N
+            k_row = b * k_rb + hk * k_rh
+            v_row = b * v_rb + hk * v_rh
             for j in range(n_blocks):
                 g = rb + j
                 s = g % STAGES
+                kb = _fg._step_base(TAB, kb0, j, LIST) + j  # LIST: TAB[kb0 + j], else kb0 + j
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-                _load_pair(k_desc, v_desc, ready.index(s), k_smem.index(s), v_smem.index(s), k_row + j * BLOCK_N,
-                           hk * k_ch, v_row + j * BLOCK_N, hk * v_ch)
+                _load_pair(k_desc, v_desc, ready.index(s), k_smem.index(s), v_smem.index(s), k_row + kb * BLOCK_N,
+                           hk * k_ch, v_row + kb * BLOCK_N, hk * v_ch)
             rb += n_blocks
             it += 1
 
@@ -846,7 +863,7 @@ if gluon is not None:
             offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             keep = offs_n <= gl.expand_dims(offs_m, 1)
         else:
-            keep = (offs_n >= gl.expand_dims(lo_r, 1)) & (offs_n < gl.expand_dims(hi_r, 1))
+            keep = _fg._in_rows(offs_n, lo_r, hi_r, 1)
         return gl.where(keep, p, 0.0)
 
     @gluon.jit
@@ -926,13 +943,15 @@ if gluon is not None:
                      n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, C: gl.constexpr,
                      CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
                      PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr,
+                     LIST: gl.constexpr):
         """Consumer ``C``: per work item, query rows ``off_m + C·BLOCK_M ..`` against steps
         ``0 .. n_blocks - 1`` (key blocks ``kb0 ..``), then dQ. Steps ``[e1, e2)`` are full;
         ``CAUSAL``: the ``2·BLOCK_M / BLOCK_N`` after them are masked by the diagonal; ``INTERVAL``:
         those before and after them are masked against each row's interval ``[LO[r], HI[r])``
-        (``row_base + r``). Ring positions (and ping-pong turns) count on across items; the Q/dO
-        slots go back to the producer once the item's dQ has left Q's slot."""
+        (``row_base + r``); with ``LIST`` step ``j`` visits key block ``TAB[kb0 + j]``. Ring positions
+        (and ping-pong turns) count on across items; the Q/dO slots go back to the producer once the
+        item's dQ has left Q's slot."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -973,7 +992,8 @@ if gluon is not None:
                     ds16 = 0
                 if INTERVAL:
                     for j in range(0, e1):
-                        dq, ds16 = _dq_step_overlap(dq, ds16, j, rb, kb0, q, do, ds_c, k_smem, v_smem, ready, empty,
+                        kbj = _fg._step_base(TAB, kb0, j, LIST)
+                        dq, ds16 = _dq_step_overlap(dq, ds16, j, rb, kbj, q, do, ds_c, k_smem, v_smem, ready, empty,
                                                     turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG,
                                                     DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
                 for j in range(e1, e2):
@@ -987,7 +1007,8 @@ if gluon is not None:
                                                     PINGPONG, DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
                 if INTERVAL:
                     for j in range(e2, n_blocks):
-                        dq, ds16 = _dq_step_overlap(dq, ds16, j, rb, kb0, q, do, ds_c, k_smem, v_smem, ready, empty,
+                        kbj = _fg._step_base(TAB, kb0, j, LIST)
+                        dq, ds16 = _dq_step_overlap(dq, ds16, j, rb, kbj, q, do, ds_c, k_smem, v_smem, ready, empty,
                                                     turn, lse2, delta, lo_r, hi_r, off_m, qk_scale, C, 2, PINGPONG,
                                                     DS_SMEM, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
                 sl = (rb + n_blocks - 1) % STAGES  # n_blocks >= 1
@@ -995,7 +1016,8 @@ if gluon is not None:
             else:
                 if INTERVAL:
                     for j in range(0, e1):
-                        dq = _dq_step(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                        kbj = _fg._step_base(TAB, kb0, j, LIST)
+                        dq = _dq_step(dq, j, rb, kbj, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
                                       hi_r, off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
                                       o_layout)
                 for j in range(e1, e2):
@@ -1008,7 +1030,8 @@ if gluon is not None:
                                       o_layout)
                 if INTERVAL:
                     for j in range(e2, n_blocks):
-                        dq = _dq_step(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                        kbj = _fg._step_base(TAB, kb0, j, LIST)
+                        dq = _dq_step(dq, j, rb, kbj, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
                                       hi_r, off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
                                       o_layout)
             pid_b = pid_bh // H
@@ -1040,7 +1063,7 @@ if gluon is not None:
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                            OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
-                           PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False):
+                           PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False, LIST: gl.constexpr = False):
         """1-D grid, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q, or float32 with
         ``DIRECT_STORE`` (written from the registers, as the dK/dV kernel's). Work items:
         ``n_prog = Lq / (2·BLOCK_M)`` row tiles of each of the ``B·H`` heads (``n_items``); program
@@ -1052,8 +1075,12 @@ if gluon is not None:
         ``INTERVAL``: row ``r`` of layout instance ``z = b·LZB + h·LZH`` keeps keys
         ``LO[z, r] <= k < HI[z, r]`` (int32 ``(Z, Lq)``); ``TAB`` (int32 ``(Z, P, 4)``) gives row tile
         ``pid`` its key blocks ``(first, f0, f1, end)``: it visits ``[first, end)`` (``end > first``),
-        of which ``[f0, f1)`` every row keeps whole (rows that keep nothing excepted)."""
+        of which ``[f0, f1)`` every row keeps whole (rows that keep nothing excepted). ``LIST``: those are
+        positions in ``TAB`` (after the programs' rows) holding the key blocks, and the masked steps'
+        intervals are exact on the blocks they visit (``compiler/block_lists.py``; int64 ``LO``/``HI``:
+        two intervals per row)."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_M) % BLOCK_N == 0, "causal needs BLOCK_N | 2·BLOCK_M")
+        gl.static_assert(not LIST or INTERVAL, "lists need the interval mode")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or STAGES >= 2, "OVERLAP needs 2+ stages")
         BH = n_items // n_prog
@@ -1126,14 +1153,14 @@ if gluon is not None:
                             q_empty, ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch,
                             first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, 0, CAUSAL,
                             INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            DIRECT_STORE)),
+                            DIRECT_STORE, LIST)),
             (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, TAB, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
                             q_empty, ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch,
                             first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, 1, CAUSAL,
                             INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            DIRECT_STORE)),
+                            DIRECT_STORE, LIST)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_empty, ready,
                             empty, TAB, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                             first, n_items, n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR,
-                            BLOCK_M, BLOCK_N, STAGES)),
+                            BLOCK_M, BLOCK_N, STAGES, LIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

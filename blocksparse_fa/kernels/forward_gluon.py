@@ -120,6 +120,30 @@ if gluon is not None:
         return pid_m, pid_bh
 
     @gluon.jit
+    def _step_base(TAB, kb0, j, LIST: gl.constexpr):
+        """The block index ``x`` with ``x + j`` the key (or query) block of step ``j``: ``kb0`` where an
+        item visits a contiguous range, else from the item's list (``LIST``: ``TAB[kb0 + j]``)."""
+        if LIST:
+            x = gl.load(TAB + kb0 + j) - j
+        else:
+            x = kb0
+        return x
+
+    @gluon.jit
+    def _in_rows(n2, lo, hi, AXIS: gl.constexpr):
+        """Whether keys ``n2`` (2-D, broadcast along ``AXIS``) lie in their rows' intervals: ``lo``/``hi``
+        int32 one interval per row, or int64 two (low and high 32 bits: ``[lo, hi)`` each)."""
+        if lo.dtype == gl.int64:
+            lo1 = gl.expand_dims(lo.to(gl.int32), AXIS)
+            hi1 = gl.expand_dims(hi.to(gl.int32), AXIS)
+            lo2 = gl.expand_dims((lo >> 32).to(gl.int32), AXIS)
+            hi2 = gl.expand_dims((hi >> 32).to(gl.int32), AXIS)
+            keep = ((n2 >= lo1) & (n2 < hi1)) | ((n2 >= lo2) & (n2 < hi2))
+        else:
+            keep = (n2 >= gl.expand_dims(lo, AXIS)) & (n2 < gl.expand_dims(hi, AXIS))
+        return keep
+
+    @gluon.jit
     def _fwd_item(t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                   M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """Work item ``t``: ``(pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base)``, in
@@ -171,11 +195,12 @@ if gluon is not None:
                       v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog,
                       H, G, BH, LZB, LZH, kv_len,
                       CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_PRE: gl.constexpr):
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_PRE: gl.constexpr, LIST: gl.constexpr):
         """One warp: per work item both consumers' Q tiles (once the consumers have released the
         previous item's), then the global keys' ``N_PRE`` blocks ``0 ..`` (interval mode with global
         keys) and K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring. Ring positions count on
-        across items (position ``g`` uses slot ``g % STAGES``).
+        across items (position ``g`` uses slot ``g % STAGES``); with ``LIST`` step ``j`` visits key
+        block ``TILES[kb0 + j]``.
 
         ``*_rb``, ``*_rh``, ``*_ch``: where a batch·head's tiles lie in the descriptor's 2-D view
         (rows per batch, rows per head, columns per head; zeros where the descriptor covers one
@@ -200,9 +225,16 @@ if gluon is not None:
             for j in gl.static_range(N_PRE):  # the global keys' blocks
                 _fwd_load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, rb + j,
                              k_row + (j - kb0) * BLOCK_N, v_row + (j - kb0) * BLOCK_N, hk * k_ch, hk * v_ch, STAGES)
+            if LIST:  # step j visits key block TILES[kb0 + j]
+                k_row -= kb0 * BLOCK_N
+                v_row -= kb0 * BLOCK_N
             for j in range(n_blocks):
+                if LIST:
+                    kb = gl.load(TILES + kb0 + j)
+                else:
+                    kb = j
                 _fwd_load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, rb + N_PRE + j,
-                             k_row + j * BLOCK_N, v_row + j * BLOCK_N, hk * k_ch, hk * v_ch, STAGES)
+                             k_row + kb * BLOCK_N, v_row + kb * BLOCK_N, hk * k_ch, hk * v_ch, STAGES)
             rb += N_PRE + n_blocks
             it += 1
 
@@ -224,8 +256,7 @@ if gluon is not None:
                 offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1)
             elif MASK == 2:
-                n2 = gl.expand_dims(offs_n, 0)
-                keep = (n2 >= gl.expand_dims(lo_r, 1)) & (n2 < gl.expand_dims(hi_r, 1))
+                keep = _in_rows(gl.expand_dims(offs_n, 0), lo_r, hi_r, 1)
             else:
                 offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 n2 = gl.expand_dims(offs_n, 0)
@@ -348,7 +379,8 @@ if gluon is not None:
                       qk_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                       M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, GLOBAL_KEYS: gl.constexpr, GLOBAL_CAUSAL: gl.constexpr):
+                      STAGES: gl.constexpr, GLOBAL_KEYS: gl.constexpr, GLOBAL_CAUSAL: gl.constexpr,
+                      LIST: gl.constexpr):
         """Consumer ``C`` (a warp group): per work item, query rows ``off_m + C·BLOCK_M ..``.
 
         Dense / ``CAUSAL``: ``n_full`` full key blocks from block 0 (and, with ``CAUSAL``, the
@@ -357,10 +389,11 @@ if gluon is not None:
         ``[LO[r], HI[r])`` (read once per item, ``row_base + r``), steps ``[e1, e2)`` are full for
         every row; with ``GLOBAL_KEYS`` ``g > 0`` the item first visits the global keys' ``N_PRE``
         blocks ``0 ..``, keeping keys ``k < g`` (and ``k <=`` the row with ``GLOBAL_CAUSAL``): the
-        band's steps then count from ``N_PRE``. Then O and LSE (rows that kept nothing: O = 0, LSE = -inf). Ring positions and
-        ping-pong turns count on across items; the Q slot is released to the producer once the
-        item's products are done, and with ``PERSISTENT`` O is staged in its own tile, whose TMA
-        store completes while the next item runs."""
+        band's steps then count from ``N_PRE``; with ``LIST`` step ``j`` visits key block
+        ``TILES[kb0 + j]`` instead of ``kb0 + j``. Then O and LSE (rows that kept nothing: O = 0,
+        LSE = -inf). Ring positions and ping-pong turns count on across items; the Q slot is released
+        to the producer once the item's products are done, and with ``PERSISTENT`` O is staged in its
+        own tile, whose TMA store completes while the next item runs."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -403,16 +436,19 @@ if gluon is not None:
                                                                    v_empty, turn, qk_scale, C, PMASK, PINGPONG, BLOCK_M,
                                                                    BLOCK_N, STAGES, s_layout, o_layout)
                         for j in range(N_PRE, N_PRE + e1):
-                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r,
+                            kbj = _step_base(TILES, kbb, j, LIST)
+                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r,
                                                                    hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                                    v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
                                                                    BLOCK_N, STAGES, s_layout, o_layout)
                     else:
-                        p16, m_i, l_i = _fwd_first(q, rb, tb, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready,
+                        kbj = _step_base(TILES, kb0, 0, LIST)
+                        p16, m_i, l_i = _fwd_first(q, rb, tb, kbj, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready,
                                                    k_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                                    s_layout, o_layout)
                         for j in range(1, e1):
-                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r,
+                            kbj = _step_base(TILES, kb0, j, LIST)
+                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r,
                                                                    hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                                    v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
                                                                    BLOCK_N, STAGES, s_layout, o_layout)
@@ -422,7 +458,8 @@ if gluon is not None:
                                                                qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                                                s_layout, o_layout)
                     for j in range(N_PRE + e2, N_PRE + n_blocks):
-                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r,
+                        kbj = _step_base(TILES, kbb, j, LIST)
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r,
                                                                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                                                qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                                                s_layout, o_layout)
@@ -434,7 +471,8 @@ if gluon is not None:
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, PMASK,
                                                   PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
                     for j in range(N_PRE, N_PRE + e1):
-                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r, k_smem, v_smem,
+                        kbj = _step_base(TILES, kbb, j, LIST)
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
                     for j in range(N_PRE + e1, N_PRE + e2):
@@ -442,7 +480,8 @@ if gluon is not None:
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
                     for j in range(N_PRE + e2, N_PRE + n_blocks):
-                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r, k_smem, v_smem,
+                        kbj = _step_base(TILES, kbb, j, LIST)
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
             elif OVERLAP:
@@ -511,7 +550,7 @@ if gluon is not None:
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, M_MAJOR: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, GLOBAL_KEYS: gl.constexpr = 0,
-                        GLOBAL_CAUSAL: gl.constexpr = False):
+                        GLOBAL_CAUSAL: gl.constexpr = False, LIST: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer.
         ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q; ``qk_scale = scale · log2(e)``.
         Work items: ``n_prog = cdiv(Lq, 2·BLOCK_M)`` query tiles of each of the ``B·H`` heads
@@ -535,10 +574,17 @@ if gluon is not None:
 
         ``GLOBAL_KEYS`` ``g > 0`` (interval mode): every row also keeps the keys ``k < g`` (with
         ``GLOBAL_CAUSAL`` those ``<=`` the row), visited as the first ``cdiv(g, BLOCK_N)`` steps of
-        every item; the band's intervals must not hold them (``compiler/globals.py``)."""
+        every item; the band's intervals must not hold them (``compiler/globals.py``).
+
+        ``LIST`` (interval mode): an item's key blocks are a list, not a range: ``kb0`` is an offset
+        into ``TILES`` (whose entries after the programs' rows hold the lists), step ``j`` visits key
+        block ``TILES[kb0 + j]``, steps ``[e1, e2)`` are full for every row and the others are masked
+        against the rows' intervals, exact on those blocks (``compiler/block_lists.py``). ``LO``/``HI``
+        int64 hold two intervals per row (low and high 32 bits)."""
         gl.static_assert(not CAUSAL or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(GLOBAL_KEYS == 0 or INTERVAL, "global keys need the interval mode")
+        gl.static_assert(not LIST or (INTERVAL and GLOBAL_KEYS == 0), "lists need the interval mode, no global keys")
         BH = n_items // n_prog
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -601,13 +647,13 @@ if gluon is not None:
             (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                              v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
                              LZH, q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL)),
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST)),
             (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                              v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
                              LZH, q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL)),
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                              k_empty, v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first,
                              n_items, n_prog, H, G, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M,
-                             BLOCK_N, STAGES, (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N)),
+                             BLOCK_N, STAGES, (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -259,7 +259,7 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     cfg = cfg or GluonBwdConfig()
     lc = _class(iv, s)
     why = select.hardware(q.device).gluon
-    if not why and select._gluon_bwd_mode(lc, s, cfg) != "interval":
+    if not why and select._gluon_bwd_mode(lc, s, cfg, DEFAULT_OPTIONS) != "interval":
         why = (f"needs intervals without an id compare, the same for every head unless G == 1 (got lo of shape "
                f"{tuple(iv.lo.shape)}, G={s.G}, ids compared: {iv.qid is not None}), head dim 64/128 and lengths that "
                f"are multiples of the tiles (Lq % {max(cfg.block_m, 2 * cfg.dq_block_m)}, "

@@ -167,7 +167,8 @@ _CHOICES = {
     "fwd_other": ("load", "prefetch"),
     "band_backward": ("partial", "flex"),
 }
-_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic", "global_split", "run_split", "set_split")
+_OPTIONAL_BOOL = ("col_arith", "head_major", "deterministic", "global_split", "run_split", "set_split",
+                  "block_lists")
 _CONFIGS = {"gluon_fwd": GluonConfig, "gluon_bwd": GluonBwdConfig, "fwd_tiles": TileConfig,
             "dkdv_tiles": TileConfig, "dq_tiles": TileConfig, "atomic_tiles": TileConfig}
 
@@ -189,6 +190,13 @@ class KernelOptions:
             ``BSFA_EXPERIMENTAL_WS=1``).
         interval: let the Gluon forward run layouts whose rows keep one key interval (windows,
             documents, their combinations with ``causal()``).
+        block_lists: let the Gluon kernels run block layouts (no one interval per row) through
+            per-tile block lists, masking the partial blocks against at most two key intervals per
+            row (``compiler/block_lists.py``: sliding tiles, block masks, Longformer, BigBird,
+            ``key_range | causal``, ...; 128 × 128 layout blocks, every head keeping the same
+            blocks). None (default): where at most a fraction of the visited blocks are partial
+            (``select.BLOCK_LISTS``: half in the forward, 30 % in the backward, whose masked steps
+            cost more); True: in both phases where a layout qualifies; False: never.
         gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default).
         backward: ``"auto"`` (default): the Gluon backward on Hopper for dense, ``causal()`` and
             one-interval-per-row layouts whose intervals are the same for every head (windows,
@@ -258,6 +266,7 @@ class KernelOptions:
 
     forward: str = "auto"
     interval: bool = True
+    block_lists: bool | None = None
     gluon_fwd: GluonConfig | None = None
     backward: str = "auto"
     gluon_bwd: GluonBwdConfig | None = None

@@ -109,7 +109,9 @@ class LayoutClass:
     divides it qualifies: 1 where unknown, as on device intervals). ``shard``: a
     context-parallel shard of a larger layout (its rows and keys sit at listed positions).
     ``band``/``short_partial``/``partial_rows``/``partial_heavy``/``band_bwd``: the tile class of
-    ``kernels/config.py`` (which Triton tile tables apply)."""
+    ``kernels/config.py`` (which Triton tile tables apply). ``lists``: a ``"blocks"`` layout that the
+    Gluon kernels' list mode can run (:func:`block_lists_of`); ``partial_fraction``: of its visited
+    blocks, the partial ones."""
 
     kind: str
     q_len: int
@@ -125,6 +127,8 @@ class LayoutClass:
     ids: bool = False
     per_head: bool = False
     head_runs: int = 1
+    lists: bool = False
+    partial_fraction: float = 0.0
 
 
 def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool, per_head: bool = False) -> LayoutClass:
@@ -172,6 +176,51 @@ GLUON_DEVICE_INTERVAL_BACKWARD = True
 # False to keep the Triton block backward.
 GLUON_HOST_INTERVAL_BACKWARD = True
 
+# The Gluon kernels' list mode on block layouts (``compiler/block_lists.py``: per tile a list of
+# blocks, partial ones masked against at most two key intervals per row) under
+# ``block_lists=None``: per phase, the largest fraction of partial blocks it runs. H200, 16K, d 128,
+# GPU time by kernel against the Triton block kernels (torch.profiler; raw
+# ``docs/data/block_lists_gpu_time_h200.json``, benchmarks/NOTES.md section 20), forward / backward
+# (partial fraction): sliding tiles 3-D (0) 144 / 436 against 231 / 626 us, shared prefix (0.19)
+# 238 / 830 against 341 / 942, rectangle | sliding (0.47) 117 / 346 against 155 / 386, BigBird
+# (0.39, H 16) 486 / 1370 against 485 / 1344, Longformer whole (0.57) 547 / 1582 against 451 (its
+# split forward: 249) / 1127, causal Longformer (0.75) backward 1090 against 705. Mostly masked rows
+# and columns cost more in the Gluon backward: Longformer's and the sinks' global key tile is one
+# item of all query blocks, every step masked, where the Triton kernel splits long columns.
+BLOCK_LISTS = {"forward": 0.5, "backward": 0.3}
+# Partial blocks that building the lists may evaluate on the host, per row of layout blocks on
+# average and in all (a layout with more keeps the Triton block kernels without the cost: strided,
+# periodic and grid-neighbourhood masks, whose rows hold many partial blocks; Longformer and BigBird
+# hold about 4).
+BLOCK_LISTS_MAX_PARTIAL_PER_ROW = 6
+BLOCK_LISTS_MAX_ELEMENTS = 1 << 26
+_LIST_TILES = (128, 128, 64, 128)  # forward/dQ rows and keys per step, dK/dV query rows per step and keys
+_LIST_DEVICES = ("cuda",)  # where the lists are built: the Gluon kernels run on CUDA devices only
+
+
+def block_lists_of(layout):
+    """The Gluon list mode's tables of a ``"blocks"`` layout on a CUDA device
+    (:func:`~blocksparse_fa.compiler.block_lists.block_lists` for the default Gluon tiles; cached on
+    the layout), or None where it does not qualify."""
+    if "block_lists" in layout.cache:
+        return layout.cache["block_lists"]
+    from ..compiler.block_lists import block_lists
+
+    out = None
+    if (torch.device(layout.device).type in _LIST_DEVICES and tuple(layout.block_size) == (128, 128)
+            and layout.n_partial <= BLOCK_LISTS_MAX_PARTIAL_PER_ROW * layout.n_rows
+            and layout.n_partial * 128 * 128 <= BLOCK_LISTS_MAX_ELEMENTS):
+        out = block_lists(layout, *_LIST_TILES)
+    layout.cache["block_lists"] = out
+    return out
+
+
+def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str) -> bool:
+    """Whether the list mode runs this layout in ``phase`` under ``opts.block_lists``."""
+    if opts.block_lists is None:
+        return lc.lists and lc.partial_fraction <= BLOCK_LISTS[phase]
+    return lc.lists and opts.block_lists
+
 
 def layout_class(layout) -> LayoutClass:
     """The :class:`LayoutClass` of a :class:`~blocksparse_fa.BlockLayout` (cached on it)."""
@@ -201,9 +250,10 @@ def layout_class(layout) -> LayoutClass:
     mean_row, pf = src.n_nonempty / max(1, src.n_rows), src.partial_fraction
     band, short_partial = short_rows(mean_row, pf), short_partial_rows(mean_row, pf)
     partial_heavy, band_bwd = src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf)
+    lists = kind == "blocks" and not shard and block_lists_of(layout) is not None
     cls = LayoutClass(kind, layout.q_len, layout.kv_len, tuple(layout.block_size), batched, shard, band,
                       short_partial, partial_heavy, band_bwd, partial_rows=partial_rows(mean_row, pf),
-                      per_head=per_head, head_runs=head_runs)
+                      per_head=per_head, head_runs=head_runs, lists=lists, partial_fraction=float(pf))
     layout.cache["layout_class"] = cls
     return cls
 
@@ -437,6 +487,9 @@ def _gluon_fwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonConfig, opts: KernelOp
         return lc.kind
     if lc.kind == "interval" and opts.interval:
         return "interval"
+    if (lc.kind == "blocks" and _lists_on(lc, opts, "forward")
+            and (2 * cfg.block_m, cfg.block_n) == _LIST_TILES[:2]):
+        return "list"
     return None
 
 
@@ -480,10 +533,16 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
     return Choice("triton", "blocks", ("_attn_fwd",))
 
 
-def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig) -> str | None:
+def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig, opts: KernelOptions) -> str | None:
     """The Gluon backward's mode for this layout and shapes (``"dense"``, ``"causal"``,
-    ``"interval"`` for the interval and device-interval classes), or None where it does not compute it."""
+    ``"interval"`` for the interval and device-interval classes, ``"list"`` for block layouts in
+    the list mode), or None where it does not compute it."""
     interval = lc.kind in ("interval", "device_interval")
+    if lc.kind == "blocks":
+        tiles = (2 * cfg.dq_block_m, cfg.dq_block_n, cfg.block_m, 2 * cfg.block_n)
+        if not _lists_on(lc, opts, "backward") or tiles != _LIST_TILES or s.D not in (64, 128):
+            return None
+        return "list"
     if interval:
         # no id compare; the dK/dV program walks every head of a group with one table, so
         # intervals that differ per head must agree within each group. A context-parallel shard
@@ -526,8 +585,8 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
             and grad_dtype in (False, "float32") and tma):
-        mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig())
-        if mode == "interval":  # deterministic either way: dK/dV and dQ kernels
+        mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig(), opts)
+        if mode in ("interval", "list"):  # deterministic either way: dK/dV and dQ kernels
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
         if mode is not None:
             if det is False or (det is None and mode in GLUON_FIVE_GEMM_DEFAULT and not lc.shard):

@@ -125,7 +125,7 @@ def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
 
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None,
-                      window_bytes: float | None = None) -> None:
+                      window_bytes: float | None = None, lists: bool = False) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (one program per ``2·block_n`` keys and
     batch·kv head, or persistent: ``GluonBwdConfig.dkdv_persistent``), then the dQ kernel (one
     program per row tile and head, or persistent: ``GluonBwdConfig.persistent``) or, with
@@ -142,7 +142,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     and the key tiles
     heaviest first (``device_intervals.key_tile_order``; read by the persistent dK/dV kernel).
     ``window_bytes``: K/V bytes of every head's key window, from which persistent interval items go
-    head by head (:func:`~blocksparse_fa.ops.select.tile_major_deal`; None: tile-major)."""
+    head by head (:func:`~blocksparse_fa.ops.select.tile_major_deal`; None: tile-major). ``lists``:
+    ``intervals`` holds the list mode's tables (``compiler/block_lists.py``: the tiles' blocks are
+    listed, not ranges)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
@@ -174,7 +176,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=cfg.rows_smem and not cfg.overlap, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=cfg.rows_smem and not cfg.overlap, LIST=lists, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -196,7 +198,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal,
         PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=deal, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=deal, LIST=lists, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
@@ -600,6 +602,23 @@ def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device)
     return out
 
 
+def _gluon_list_tables(layout: BlockLayout, device):
+    """``(LO, HI, FWD, DQ, DKDV, DKDV_ORD, mean_keys)``: the Gluon kernels' list-mode tables of a block
+    layout (``compiler/block_lists.py``, via ``select.block_lists_of``) on ``device``, built once
+    per layout and device; ``mean_keys``: keys visited per row on average."""
+    key = ("gluon_lists", device)
+    hit = layout.cache.get(key)
+    if hit is None:
+        t = select.block_lists_of(layout)
+        if t is None:
+            raise ValueError("the Gluon list mode: this layout does not qualify (compiler/block_lists.py)")
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        n_rows = t.lo.shape[0] * (layout.q_len // layout.block_size[0])
+        mean_keys = float(t.fwd[4:5 * n_rows:5].mean()) * layout.block_size[1]
+        hit = layout.cache[key] = (to(t.lo), to(t.hi), to(t.fwd), to(t.dq), to(t.dkdv), to(t.dkdv_order), mean_keys)
+    return hit
+
+
 def _on(flag: bool | None, auto: bool) -> bool:
     """A kernel option that is True, False or None (then ``auto``)."""
     return auto if flag is None else flag
@@ -649,7 +668,8 @@ def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
 def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shapes, scale: float, case: str,
                    cfg: GluonConfig, global_keys: tuple = (0, False), window_bytes: float | None = None) -> None:
     """Launch ``kernels/forward_gluon._attn_fwd_gluon`` in mode ``case`` (``"dense"``, ``"causal"``,
-    ``"interval"`` with its ``lo``/``hi``/``tiles`` tables): persistent (one program per SM) for
+    ``"interval"`` with its ``lo``/``hi``/``tiles`` tables, ``"list"`` with the list mode's):
+    persistent (one program per SM) for
     dense and interval layouts where ``cfg.persistent`` and the tensors allow it
     (:class:`~blocksparse_fa.ops.options.GluonConfig`), else one program per query tile and head.
     Persistent interval items run one query tile of every head at a time, heaviest first, or head
@@ -664,26 +684,30 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     # causal stays one program per tile: persistent it measured 0.98-1.00x (16K / 64K, H100)
     persistent, geo, grid = _persistent_grid((q, k, v, out), n_items, cfg.persistent and case != "causal"
                                              and s.Lq % rows == 0, cfg.sm_margin)
-    m_major = _tile_major(persistent and case == "interval", n_items, grid, window_bytes)
+    m_major = _tile_major(persistent and case in ("interval", "list"), n_items, grid, window_bytes)
     _launch(_fg._attn_fwd_gluon, (grid, ), (
         q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         s.H, s.G, lzb, lzh, s.Lq, s.Lk, n_prog, n_items, scale * _LOG2E, *geo), 26, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=case == "causal",
-        INTERVAL=case == "interval", PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
-        M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs,
-        CONSUMER_REGS=cfg.consumer_regs, GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], num_warps=4)
+        INTERVAL=case in ("interval", "list"), PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
+        M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+        GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], LIST=case == "list", num_warps=4)
 
 
 def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: GluonConfig,
                   layout: BlockLayout | None = None, global_keys: tuple = (0, False)) -> None:
     """The Gluon forward (``kernels/forward_gluon.py``, :func:`_gluon_fwd_run`); ``case``: the chosen
-    mode (``"dense"``, ``"causal"``, ``"interval"``; the last needs ``layout``)."""
+    mode (``"dense"``, ``"causal"``, ``"interval"``, ``"list"``; the last two need ``layout``)."""
     window_bytes = None
     if case == "interval":
         lo, hi, tiles = _gluon_interval_tables(layout, cfg, q.device)
         lzb, lzh = _layout_strides(layout)
         window_bytes = _window_bytes(layout, s, q.element_size())
+    elif case == "list":
+        lo, hi, tiles, _, _, _, keys = _gluon_list_tables(layout, q.device)
+        lzb, lzh = _layout_strides(layout)
+        window_bytes = s.B * s.Hkv * keys * 2 * s.D * q.element_size()
     else:
         lo = hi = tiles = _placeholder(torch.int32, q.device)
         lzb = lzh = 0
@@ -968,8 +992,13 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             if empty is not None:  # the kernels skip rows by a -inf logsumexp; a rewrite's part
                 lse = lse.masked_fill(empty, float("-inf"))  # gets the whole mask's
             intervals = (lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)
+        elif choice.mode == "list":  # rows that keep nothing are masked in every step: no -inf fill
+            lo, hi, _, q_tab, kv_tab, kv_ord, keys = _gluon_list_tables(layout, dev)
+            window = s.B * s.Hkv * keys * 2 * s.D * q.element_size()
+            intervals = (lo, hi, kv_tab, q_tab, *_layout_strides(layout), kv_ord)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
-                          choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window)
+                          choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window,
+                          lists=choice.mode == "list")
         return grads
     if choice.mode == "five_gemm":
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc, opts)

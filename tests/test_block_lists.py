@@ -1,0 +1,128 @@
+"""The Gluon kernels' list mode (``compiler/block_lists.py``): the tables, replayed as the kernels
+walk them (full steps keep every key, masked steps compare each key with its row's intervals),
+must give exactly the mask, for the forward, the dQ and the dK/dV kernel."""
+
+import numpy as np
+import pytest
+import torch
+
+import blocksparse_fa as bsfa
+from blocksparse_fa.compiler.block_lists import block_lists
+
+BM = 128
+
+
+def _intervals(lo, hi, n_iv):
+    """``(Z, Lq, 2)`` int64 starts and ends from the tables' int32 / packed int64 form."""
+    if n_iv == 1:
+        z = np.zeros_like(lo)
+        return np.stack([lo, z], -1).astype(np.int64), np.stack([hi, z], -1).astype(np.int64)
+    lo, hi = lo.astype(np.int64), hi.astype(np.int64)
+    return np.stack([lo & 0xFFFFFFFF, lo >> 32], -1), np.stack([hi & 0xFFFFFFFF, hi >> 32], -1)
+
+
+def _keep(lo2, hi2, rows, keys):
+    """Kept ``(len(rows), len(keys))`` by the rows' intervals."""
+    k = keys[None, :, None]
+    return ((k >= lo2[rows][:, None, :]) & (k < hi2[rows][:, None, :])).any(-1)
+
+
+def _replay(t, layout, q_step=64):
+    z = t.lo.shape[0]
+    lq, lk = layout.q_len, layout.kv_len
+    tr, tc = lq // BM, lk // BM
+    lo2, hi2 = _intervals(t.lo, t.hi, t.n_intervals)
+    fwd = np.zeros((z, lq, lk), bool)
+    dq = np.zeros((z, lq, lk), bool)
+    dkdv = np.zeros((z, lq, lk), bool)
+    seen_f = np.zeros((z, tr), int)
+    for a in range(z):
+        for p in range(tr):  # forward: (tile, first, e1, e2, n), step 0 always masked
+            tile, first, e1, e2, n = t.fwd[(a * tr + p) * 5:(a * tr + p) * 5 + 5]
+            assert n >= 1 and 1 <= e1 <= e2 <= n
+            seen_f[a, tile] += 1
+            rows = np.arange(tile * BM, tile * BM + BM)
+            for j in range(n):
+                kb = t.fwd[first + j]
+                keys = np.arange(kb * BM, kb * BM + BM)
+                blk = np.ones((BM, BM), bool) if e1 <= j < e2 else _keep(lo2[a], hi2[a], rows, keys)
+                assert not (fwd[a][np.ix_(rows, keys)] & blk).any(), "a block visited twice"
+                fwd[a][np.ix_(rows, keys)] |= blk
+            first, f0, f1, end = t.dq[(a * tr + p) * 4:(a * tr + p) * 4 + 4]  # dQ, tile order
+            rows = np.arange(p * BM, p * BM + BM)
+            assert end > first and first <= f0 <= f1 <= end
+            for pos in range(first, end):
+                kb = t.dq[pos]
+                keys = np.arange(kb * BM, kb * BM + BM)
+                blk = np.ones((BM, BM), bool) if f0 <= pos < f1 else _keep(lo2[a], hi2[a], rows, keys)
+                dq[a][np.ix_(rows, keys)] |= blk
+        for c in range(tc):  # dK/dV: query blocks of q_step rows
+            first, f0, f1, end = t.dkdv[(a * tc + c) * 4:(a * tc + c) * 4 + 4]
+            assert end > first
+            keys = np.arange(c * BM, c * BM + BM)
+            for pos in range(first, end):
+                qb = t.dkdv[pos]
+                rows = np.arange(qb * q_step, qb * q_step + q_step)
+                blk = np.ones((q_step, BM), bool) if f0 <= pos < f1 else _keep(lo2[a], hi2[a], rows, keys)
+                dkdv[a][np.ix_(rows, keys)] |= blk
+        assert sorted(t.dkdv_order[a]) == list(range(tc))
+    assert (seen_f == 1).all(), "every row tile once"
+    return fwd, dq, dkdv
+
+
+def _dense(layout):
+    d = layout.to_dense().cpu().numpy().astype(bool)
+    return d.reshape(-1, layout.q_len, layout.kv_len)
+
+
+N = 1024
+CASES = {
+    "sliding tiles 3-D (full blocks only)": (lambda: bsfa.sliding_tiles((1, 32, 64), (1, 8, 16), (1, 3, 3)), 1),
+    "Longformer": (lambda: bsfa.load_pattern("longformer", window=200, n_global=64), 2),
+    "causal Longformer": (lambda: bsfa.causal() & (bsfa.sliding_window(300) | bsfa.global_tokens(40)), 2),
+    "key_range | causal": (lambda: bsfa.key_range(300, 460) | bsfa.causal(), 2),
+    "BigBird": (lambda: bsfa.load_pattern("bigbird", window=150, n_global=128, n_random=2), 1),
+    "empty rows and columns": (lambda: bsfa.query_range(200, 700) & bsfa.key_range(128, 600) & bsfa.causal(), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lists_replay_the_mask(name):
+    make, n_iv = CASES[name]
+    n = 2048 if name.startswith("sliding tiles") else N
+    layout = bsfa.compile_mask(make(), n, n, block_size=BM)
+    t = block_lists(layout, BM, BM, 64, BM)
+    assert t is not None and t.n_intervals == n_iv
+    assert t.lo.dtype == (np.int32 if n_iv == 1 else np.int64)
+    want = _dense(layout)
+    fwd, dq, dkdv = _replay(t, layout)
+    np.testing.assert_array_equal(fwd, want)
+    np.testing.assert_array_equal(dq, want)
+    np.testing.assert_array_equal(dkdv, want)
+
+
+def test_per_batch_layouts_and_refusals():
+    lens = torch.tensor([700, 1024, 384])
+    layout = bsfa.compile_mask(bsfa.load_pattern("padded_batch", length=bsfa.per_batch(lens)), N, N, block_size=BM)
+    t = block_lists(layout, BM, BM, 64, BM)
+    assert t is not None and t.lo.shape == (3, N)
+    for got in _replay(t, layout):
+        np.testing.assert_array_equal(got, _dense(layout))
+    # three runs per row inside partial blocks; blocks that do not match the tiles; heads that differ
+    strided = bsfa.compile_mask(bsfa.strided(100) & bsfa.causal(), N, N, block_size=BM)
+    assert block_lists(strided, BM, BM, 64, BM) is None
+    small = bsfa.compile_mask(bsfa.causal(), N, N, block_size=64)
+    assert block_lists(small, BM, BM, 64, BM) is None
+    per_head = bsfa.causal() & bsfa.sliding_window(bsfa.per_head(torch.tensor([100, 300])))
+    assert block_lists(bsfa.compile_mask(per_head, N, N, block_size=BM), BM, BM, 64, BM) is None
+
+
+def test_a_wrong_interval_fails_the_replay():
+    layout = bsfa.compile_mask(bsfa.causal() & (bsfa.sliding_window(300) | bsfa.global_tokens(40)), N, N,
+                               block_size=BM)
+    t = block_lists(layout, BM, BM, 64, BM)
+    lo = t.lo.copy()
+    lo[0, 700] += 1 << 32  # the row's second interval starts one key later
+    bad = type(t)(lo, t.hi, t.fwd, t.dq, t.dkdv, t.dkdv_order, t.n_intervals)
+    fwd, _, _ = _replay(bad, layout)
+    assert (fwd != _dense(layout)).sum() == 1
