@@ -365,6 +365,42 @@ def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
     assert run(q, k, GluonBwdConfig(dkdv_persistent=True), causal=True) == (8, False, (0,) * 18)
 
 
+def test_gluon_dkdv_list_and_bounds_constexprs(monkeypatch):
+    """The dK/dV and dQ kernels get ``LIST`` for the list mode's tables; the dK/dV kernel stages the
+    rows' interval bounds with Q and dO (``BOUNDS_SMEM``) by default where they are two intervals
+    (int64), not one (int32), and never without ``rows_smem`` or intervals;
+    ``GluonBwdConfig.bounds_smem`` forces it."""
+    from blocksparse_fa.ops.options import GluonBwdConfig
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append(c))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(1, 2, 256, 128, **meta)
+    s = Shapes(1, 2, 2, 256, 256, 128)
+    lse = torch.empty(2, 256, device="meta")
+    t32, t64 = (torch.empty(1, dtype=d, device="meta") for d in (torch.int32, torch.int64))
+
+    def run(bounds, cfg=GluonBwdConfig(), lists=True):
+        seen.clear()
+        intervals = None if bounds is None else (bounds, bounds, t32, t32, 0, 0, t32)
+        tb._gluon_bwd_launch(q, q, q, q, [torch.empty_like(q)] * 3, lse, lse, s, 0.1, False, False, cfg,
+                             intervals=intervals, lists=lists)
+        dkdv, dq = seen
+        assert dkdv["LIST"] == dq["LIST"] == lists
+        return dkdv["BOUNDS_SMEM"]
+
+    assert run(t64) and not run(t32)
+    assert run(t64, lists=False)  # by the bounds' dtype, whichever mode
+    assert run(t32, GluonBwdConfig(bounds_smem=True)) and not run(t64, GluonBwdConfig(bounds_smem=False))
+    assert not run(t64, GluonBwdConfig(rows_smem=False)) and not run(None, lists=False)
+    with pytest.raises(ValueError, match="bounds_smem"):
+        GluonBwdConfig(bounds_smem=1)
+
+
 def test_interval_kernels_deal_head_by_head_where_windows_leave_l2(monkeypatch):
     """The persistent interval kernels (forward, dK/dV, dQ) are tile-major unless every head's key
     window is at least ``TILE_MAJOR_WINDOW_BYTES`` of K/V and each program has

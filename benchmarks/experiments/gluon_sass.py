@@ -53,7 +53,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
                       consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
                       out_f32=False, direct=False, persistent=False, rows_smem=False, lists=False,
-                      two=False):
+                      two=False, bounds_smem=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
     ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored
     from the registers (``DIRECT_STORE``); ``lists``: the interval mode over block lists (``LIST``),
@@ -64,7 +64,8 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
 
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
-        consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval, ROWS_SMEM=rows_smem)
+        consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval, ROWS_SMEM=rows_smem,
+                      BOUNDS_SMEM=bounds_smem)
         g = "fp32" if out_f32 else dtype
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
@@ -113,12 +114,14 @@ def main():
     ap.add_argument("--loops", action="store_true", help="per loop of the SASS: size, wgmma, local loads/stores")
     ap.add_argument("--list", action="store_true", help="interval mode over block lists (LIST)")
     ap.add_argument("--two", action="store_true", help="two intervals per row (int64 LO/HI)")
+    ap.add_argument("--bounds-smem", action="store_true", help="dK/dV kernel: interval bounds staged (BOUNDS_SMEM)")
     a = ap.parse_args()
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
                                interval=a.interval, out_f32=a.out_f32, direct=a.direct,
-                               persistent=a.persistent, rows_smem=a.rows_smem, lists=a.list, two=a.two)
+                               persistent=a.persistent, rows_smem=a.rows_smem, lists=a.list, two=a.two,
+                               bounds_smem=a.bounds_smem)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,

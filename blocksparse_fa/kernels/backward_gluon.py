@@ -133,11 +133,12 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, u, t, n_i, i0, b, hk, G, q_rb, q_rh, q_ch,
                        do_rb, do_rh, do_ch, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       lse_desc, delta_desc, rows_smem, H, q_len, ROWS_SMEM: gl.constexpr, TAB, LIST: gl.constexpr):
+                       lse_desc, delta_desc, rows_smem, H, q_len, ROWS_SMEM: gl.constexpr, TAB, LIST: gl.constexpr,
+                       lo_desc, hi_desc, bounds_smem, z, BOUNDS_SMEM: gl.constexpr):
         """Step ``t`` of a work item at ring position ``u``: Q and dO of query block
         ``i0 + t % n_i`` (``LIST``: ``TAB[i0 + t % n_i]``) of the group's head ``t // n_i`` into slot
         ``u % STAGES`` (``ROWS_SMEM``: with its rows' logsumexp and Δ, one barrier phase for the four
-        copies)."""
+        copies; ``BOUNDS_SMEM``: and the rows' interval bounds of layout instance ``z``)."""
         g = t // n_i
         # persistent: the whole tensors' row views; else the group's heads from their first
         h = hk * G + g if PERSISTENT else g
@@ -149,11 +150,19 @@ if gluon is not None:
         if ROWS_SMEM:  # LSE/Δ (B·H, Lq): persistent over every head, else over the group's heads
             r = ((b * H + h) if PERSISTENT else h) * q_len + m
             bar = ready.index(s)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * BLOCK_M * 4)
+            if BOUNDS_SMEM:
+                mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * BLOCK_M * 4
+                                + 2 * lo_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * BLOCK_M * 4)
             _tma_load(q_desc, [b * q_rb + h * q_rh + m, h * q_ch], bar, q_smem.index(s))
             _tma_load(do_desc, [b * do_rb + h * do_rh + m, h * do_ch], bar, do_smem.index(s))
             _tma_load(lse_desc, [r], bar, rows_smem.index(2 * s))
             _tma_load(delta_desc, [r], bar, rows_smem.index(2 * s + 1))
+            if BOUNDS_SMEM:  # the rows' bounds (Z, Lq): instance z
+                rz = (z * q_len + m).to(gl.int32)
+                _tma_load(lo_desc, [rz], bar, bounds_smem.index(2 * s))
+                _tma_load(hi_desc, [rz], bar, bounds_smem.index(2 * s + 1))
         else:
             _load_pair(q_desc, do_desc, ready.index(s), q_smem.index(s), do_smem.index(s), b * q_rb + h * q_rh + m,
                        h * q_ch, b * do_rb + h * do_rh + m, h * do_ch)
@@ -165,7 +174,8 @@ if gluon is not None:
                        INTERVAL: gl.constexpr,
                        M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lse_desc, delta_desc, rows_smem, H,
-                       ROWS_SMEM: gl.constexpr, LIST: gl.constexpr):
+                       ROWS_SMEM: gl.constexpr, LIST: gl.constexpr, lo_desc, hi_desc, bounds_smem,
+                       BOUNDS_SMEM: gl.constexpr):
         """One warp: per work item, the first ``STAGES`` steps' Q and dO (their slots free up as the
         consumers finish the previous item), both consumers' K/V tiles once the consumers have
         released the previous item's (stored dK/dV), then the other steps' Q and dO; ring
@@ -180,7 +190,8 @@ if gluon is not None:
             for t in range(0, pre):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
-                               rows_smem, H, q_len, ROWS_SMEM, TAB, LIST)
+                               rows_smem, H, q_len, ROWS_SMEM, TAB, LIST, lo_desc, hi_desc, bounds_smem, z,
+                               BOUNDS_SMEM)
             for c in gl.static_range(2):
                 mbarrier.wait(kv_empty.index(c), (it & 1) ^ 1)
                 _load_pair(k_desc, v_desc, kv_bar.index(c), k_smem.index(c), v_smem.index(c),
@@ -189,7 +200,8 @@ if gluon is not None:
             for t in range(pre, n_t):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
-                               rows_smem, H, q_len, ROWS_SMEM, TAB, LIST)
+                               rows_smem, H, q_len, ROWS_SMEM, TAB, LIST, lo_desc, hi_desc, bounds_smem, z,
+                               BOUNDS_SMEM)
             tb += n_t
             it += 1
 
@@ -228,9 +240,11 @@ if gluon is not None:
 
     @gluon.jit
     def _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK: gl.constexpr, INTERVAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, vec_layout: gl.constexpr, ROWS_SMEM: gl.constexpr = False):
+                   BLOCK_M: gl.constexpr, vec_layout: gl.constexpr, ROWS_SMEM: gl.constexpr = False,
+                   BOUNDS_SMEM: gl.constexpr = False):
         """The logsumexp, Δ and (``MASK == 2``) interval bounds of query block ``i``'s rows, loaded
-        before the step's wait (``ROWS_SMEM``: the bounds only; the producer stages the others)."""
+        before the step's wait (``ROWS_SMEM``: the bounds only; the producer stages the others;
+        ``BOUNDS_SMEM``: nothing, the producer stages the bounds too)."""
         offs_v = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
         if ROWS_SMEM:
             lse = 0
@@ -238,7 +252,7 @@ if gluon is not None:
         else:
             lse = _finite_lse(gl.load(lse_row + offs_v), INTERVAL)
             delta = gl.load(delta_row + offs_v)
-        if MASK == 2:
+        if MASK == 2 and not BOUNDS_SMEM:
             lo = gl.load(lo_row + offs_v)
             hi = gl.load(hi_row + offs_v)
         else:
@@ -254,7 +268,7 @@ if gluon is not None:
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
                    vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, rows_smem,
-                   ROWS_SMEM: gl.constexpr):
+                   ROWS_SMEM: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr):
         """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``; ``ROWS_SMEM``:
         its rows' logsumexp and Δ come with Q and dO in slot ``t % STAGES`` of ``rows_smem``
         (tiles ``2·s`` and ``2·s + 1``), read where they are used. With
@@ -267,7 +281,7 @@ if gluon is not None:
         # global loads issued before the wait, so that their latency hides behind it (with ROWS_SMEM
         # only the interval bounds: the logsumexp and Δ arrive with the slot)
         lse, delta, lo, hi = _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK, INTERVAL, BLOCK_M, vec_layout,
-                                        ROWS_SMEM)
+                                        ROWS_SMEM, BOUNDS_SMEM)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q = q_smem.index(s)
         do = do_smem.index(s)
@@ -285,6 +299,9 @@ if gluon is not None:
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         if MASK > 0:
+            if BOUNDS_SMEM and MASK == 2:  # staged with Q and dO, read in the score tile's row layout
+                lo = bounds_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
+                hi = bounds_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
             pt = _masked_t(pt, i, off_k, lo, hi, MASK, BLOCK_M, BLOCK_N, s_layout)
         dtype: gl.constexpr = k_c.dtype
         pt16 = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
@@ -407,7 +424,7 @@ if gluon is not None:
                             PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr,
                             DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr,
-                            LIST: gl.constexpr):
+                            LIST: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr):
         """Work item ``item`` (:func:`_dkdv_item`, ring steps from ``tb``, its ``it``-th) for
         consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
         ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV; returns its steps.
@@ -508,7 +525,8 @@ if gluon is not None:
                                             do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
                                             dq_smem, dq_row, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
                                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
-                                            vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
+                                            vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
+                                            BOUNDS_SMEM)
                 if INTERVAL:
                     for i in range(i0, i_full):
                         blk = _fg._step_base(TAB, i, 0, LIST)
@@ -516,14 +534,15 @@ if gluon is not None:
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
                                             dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
-                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
+                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
+                                            BOUNDS_SMEM)
                 for i in range(i_full, i_tail):
                     blk = _fg._step_base(TAB, i, 0, LIST)
                     dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
                                         empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row,
                                         off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
                                         BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS,
-                                        rows_smem, ROWS_SMEM)
+                                        rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
                         blk = _fg._step_base(TAB, i, 0, LIST)
@@ -531,7 +550,8 @@ if gluon is not None:
                                             ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
                                             dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
-                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM)
+                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
+                                            BOUNDS_SMEM)
         if DIRECT_STORE:  # dK, dV (any dtype) from the registers
             b64 = b.to(gl.int64)
             hk64 = hk.to(gl.int64)
@@ -560,7 +580,8 @@ if gluon is not None:
                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
                        PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr,
-                       DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, LIST: gl.constexpr):
+                       DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, LIST: gl.constexpr,
+                       bounds_smem, BOUNDS_SMEM: gl.constexpr):
         """Consumer ``C`` (a warp group): its program's work items (:func:`_dkdv_consumer_item`);
         ring steps (ping-pong turns, dSᵀ buffers) count on across them. One program per item runs
         the item without the loop (fewer values live across the steps)."""
@@ -577,7 +598,7 @@ if gluon is not None:
                     LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                     stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ,
                     PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS,
-                    DIRECT_STORE, rows_smem, ROWS_SMEM, LIST)
+                    DIRECT_STORE, rows_smem, ROWS_SMEM, LIST, bounds_smem, BOUNDS_SMEM)
                 it += 1
         else:
             _dkdv_consumer_item(
@@ -586,7 +607,7 @@ if gluon is not None:
                 qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR,
                 PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                LIST)
+                LIST, bounds_smem, BOUNDS_SMEM)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
                                   "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dk_rb", "dk_rh", "dk_ch",
@@ -604,7 +625,8 @@ if gluon is not None:
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                              INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
                              PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
-                             ROWS_SMEM: gl.constexpr = False, LIST: gl.constexpr = False):
+                             ROWS_SMEM: gl.constexpr = False, LIST: gl.constexpr = False,
+                             BOUNDS_SMEM: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
         items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
@@ -639,6 +661,7 @@ if gluon is not None:
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
         gl.static_assert(OVERLAP == 0 or not ROWS_SMEM, "ROWS_SMEM is not read by the OVERLAP steps")
         gl.static_assert(not LIST or (INTERVAL and not ATOMIC_DQ), "lists need the interval mode")
+        gl.static_assert(not BOUNDS_SMEM or (ROWS_SMEM and INTERVAL), "BOUNDS_SMEM stages with ROWS_SMEM")
         DQ_CHUNK: gl.constexpr = HEAD_DIM // 2  # ATOMIC_DQ: dQ columns per consumer group
         HKV = H // G
         BH = n_items // n_prog
@@ -742,6 +765,20 @@ if gluon is not None:
             rows_smem = 0
             lse_desc = 0
             delta_desc = 0
+        if BOUNDS_SMEM:  # each ring slot's interval bounds (tiles 2·s, 2·s + 1), loaded with Q and dO
+            iv_dtype: gl.constexpr = LO.dtype.element_ty
+            iv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                           element_bitwidth=iv_dtype.primitive_bitwidth, rank=1)
+            bounds_smem = gl.allocate_shared_memory(iv_dtype, [2 * STAGES, BLOCK_M], iv_layout)
+            n_iv = ((n_b - 1) * LZB + (HKV - 1) * LZH + 1) * q_len  # rows of the (Z, Lq) tables
+            lo_desc = tma.make_tensor_descriptor(LO, shape=[n_iv], strides=[1], block_shape=[BLOCK_M],
+                                                 layout=iv_layout)
+            hi_desc = tma.make_tensor_descriptor(HI, shape=[n_iv], strides=[1], block_shape=[BLOCK_M],
+                                                 layout=iv_layout)
+        else:  # not read
+            bounds_smem = 0
+            lo_desc = 0
+            hi_desc = 0
         # ATOMIC_DQ: dS buffer b written by both groups
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -767,19 +804,19 @@ if gluon is not None:
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST)),
+                              LIST, bounds_smem, BOUNDS_SMEM)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
                               BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST)),
+                              LIST, bounds_smem, BOUNDS_SMEM)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
                               ready, empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb,
                               v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,
                               M_MAJOR, PERSISTENT, BLOCK_M, BLOCK_N, STAGES, lse_desc, delta_desc, rows_smem, H,
-                              ROWS_SMEM, LIST)),
+                              ROWS_SMEM, LIST, lo_desc, hi_desc, bounds_smem, BOUNDS_SMEM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ------------------------------------------------------------------ dQ (deterministic)

@@ -118,7 +118,15 @@ class GluonBwdConfig:
     read them in the score tile's row layout where they are used; False loads them from global
     memory before the slot's wait and converts their layout (more registers live across the
     wait: more spills). Same gradients; on an H200 the backward took 2–9 % less time with it
-    (``benchmarks/NOTES.md``, section 5). Not read with ``overlap``."""
+    (``benchmarks/NOTES.md``, section 5). Not read with ``overlap``.
+
+    ``bounds_smem`` (interval and list modes, with ``rows_smem``): the producer also copies the query
+    block's interval bounds into the slot, which masked dK/dV steps then read in the score tile's
+    row layout instead of loading them from global memory and converting them. None (default):
+    where the rows keep two intervals (int64 bounds): H200, 16K, the dK/dV kernel of Longformer's
+    list mode 1018 -> 814 us, causal Longformer 889 -> 680, rectangle | sliding 216 -> 195, but
+    one interval (int32) 3-10 % slower (BigBird, shared prefix, window 1024, documents;
+    ``benchmarks/NOTES.md`` section 20). Same gradients bit for bit."""
 
     block_m: int = 64
     block_n: int = 64
@@ -137,6 +145,7 @@ class GluonBwdConfig:
     dkdv_persistent: bool | None = None
     sm_margin: int = 0
     rows_smem: bool = True
+    bounds_smem: bool | None = None
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
@@ -149,6 +158,8 @@ class GluonBwdConfig:
                 raise ValueError(f"GluonBwdConfig({name}={value!r}): expected True, False or None")
         if not isinstance(self.rows_smem, bool):
             raise ValueError(f"GluonBwdConfig(rows_smem={self.rows_smem!r}): expected True or False")
+        if self.bounds_smem is not None and not isinstance(self.bounds_smem, bool):
+            raise ValueError(f"GluonBwdConfig(bounds_smem={self.bounds_smem!r}): expected True, False or None")
         for name in ("stages", "dq_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected at least 1")

@@ -167,6 +167,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     if s.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
     deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
+    rows_smem = cfg.rows_smem and not cfg.overlap
     _launch(_bg._attn_bwd_dkdv_gluon, (grid, ), (
         qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab, kv_ord,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -176,7 +177,8 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=cfg.rows_smem and not cfg.overlap, LIST=lists, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=rows_smem, LIST=lists,
+        BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64), num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
