@@ -786,7 +786,9 @@ def test_auto_models_the_kernels_the_library_chooses():
     n = 2048
     cases = {"full": ("gluon:dense", "gluon:dense+atomic_dq"), "causal": ("gluon:causal", "gluon:causal+atomic_dq"),
              "sliding_window(256)": ("gluon:interval", "gluon:interval"),
-             "random_blocks(4, 128, 1)": ("triton:blocks", "triton:blocks")}
+             # block-aligned random blocks: full blocks only, the list mode (as on a GPU: ops/select)
+             "random_blocks(4, 128, 1)": ("gluon:list", "gluon:list"),
+             "strided(100) & causal": ("triton:blocks", "triton:blocks")}
     for mask, choice in cases.items():
         rep = _traffic_model(layout(mask, n), heads=2, compare=False)
         assert rep.choice == choice, mask
@@ -819,6 +821,25 @@ def test_gluon_interval_kernels_read_the_64_row_blocks_their_keys_reach():
     rep_t = _traffic_model(layout(bsfa.sliding_window(192), n), heads=H, head_dim=D, compare=False, kernels="triton")
     rep_g = _traffic_model(layout(bsfa.sliding_window(192), n), heads=H, head_dim=D, compare=False)
     assert rep_g.bwd_dkdv.loads["Q+dO+LSE+delta"] < 0.9 * rep_t.bwd_dkdv.loads["Q+dO+LSE+delta"]
+
+
+def test_gluon_list_mode_reads_the_layouts_blocks():
+    """The list mode (sliding tiles: full blocks only) loads K/V per non-empty layout block in the
+    forward and dQ kernels, Q/dO/LSE/δ per 64-row step of every kept block in the dK/dV kernel, and
+    reads its tables: a table row and bounds per program, a 4-byte entry per step. The same layout
+    on the Triton kernels loads the same tiles but other tables."""
+    n, H, D, e = 2048, 2, 128, 2
+    lay = layout(bsfa.sliding_tiles((1, 32, 64), (1, 8, 16), (1, 3, 3)), n)
+    rep = _traffic_model(lay, heads=H, head_dim=D, compare=False)
+    assert rep.choice == ("gluon:list", "gluon:list")
+    assert rep.forward.loads["K+V"] == H * lay.n_nonempty * 2 * 128 * D * e
+    assert rep.bwd_dq.loads["K+V"] == rep.forward.loads["K+V"]
+    assert rep.bwd_dkdv.loads["Q+dO+LSE+delta"] == H * lay.n_nonempty * 128 * (2 * D * e + 8)
+    tr = lay.q_len // 128
+    # forward: per program a 20-byte row and 128 rows' bounds (one interval: 8 bytes), per step 4 bytes
+    assert rep.forward.loads["LUT"] == H * (tr * (20 + 8 * 128) + 4 * lay.n_nonempty)
+    tri = _traffic_model(lay, heads=H, head_dim=D, compare=False, kernels="triton")
+    assert tri.forward.loads["K+V"] == rep.forward.loads["K+V"] and tri.forward.loads["LUT"] != rep.forward.loads["LUT"]
 
 
 def test_gluon_five_gemm_backward_adds_dq_in_fp32():

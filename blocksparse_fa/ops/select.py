@@ -198,16 +198,19 @@ _LIST_TILES = (128, 128, 64, 128)  # forward/dQ rows and keys per step, dK/dV qu
 _LIST_DEVICES = ("cuda",)  # where the lists are built: the Gluon kernels run on CUDA devices only
 
 
-def block_lists_of(layout):
-    """The Gluon list mode's tables of a ``"blocks"`` layout on a CUDA device
+def block_lists_of(layout, any_device: bool = False):
+    """The Gluon list mode's tables of a ``"blocks"`` layout on a CUDA device (``any_device``: on
+    any device, as the traffic model asks for the kernels a GPU would run)
     (:func:`~blocksparse_fa.compiler.block_lists.block_lists` for the default Gluon tiles; cached on
     the layout), or None where it does not qualify."""
+    if not any_device and torch.device(layout.device).type not in _LIST_DEVICES:
+        return None
     if "block_lists" in layout.cache:
         return layout.cache["block_lists"]
     from ..compiler.block_lists import block_lists
 
     out = None
-    if (torch.device(layout.device).type in _LIST_DEVICES and tuple(layout.block_size) == (128, 128)
+    if (tuple(layout.block_size) == (128, 128)
             and layout.n_partial <= BLOCK_LISTS_MAX_PARTIAL_PER_ROW * layout.n_rows
             and layout.n_partial * 128 * 128 <= BLOCK_LISTS_MAX_ELEMENTS):
         out = block_lists(layout, *_LIST_TILES)

@@ -26,6 +26,11 @@ tiles (:class:`_TileLayout`) and counts them with the same per-kernel code as th
   layouts, dealt as the dK/dV kernel. With the five-GEMM variant ``_dq_finish`` instead reads the fp32
   accumulator and LSE and writes dQ, after a fill kernel zeroed the accumulator.
 
+* the list mode (``compiler/block_lists.py``: block layouts whose partial blocks hold at most two
+  key runs per row) visits the layout's own non-empty 128 × 128 blocks in the same kernels: per
+  program a table row and its rows' bounds (8 bytes per row and interval), per step a 4-byte list
+  entry (and, in the dK/dV kernel, the step rows' bounds).
+
 Not modelled: masks whose global tokens the launcher splits off (attention sinks, and Longformer's
 forward, ``ops/select.choose_global_split``) and masks of two key runs per row that it runs as two
 one-run parts (``ops/select.choose_run_split``) are counted whole, with the Triton kernels; the persistent
@@ -65,7 +70,7 @@ def choices(layout, p: TrafficParams):
     import torch
 
     from ...ops.options import KernelOptions
-    from ...ops.select import Hardware, LayoutClass, choose_backward, choose_forward, layout_class
+    from ...ops.select import Hardware, LayoutClass, block_lists_of, choose_backward, choose_forward, layout_class
     from ...ops.validate import Shapes
 
     dtype = {2: torch.bfloat16 if "bf" in p.dtype else torch.float16, 4: torch.float32}[p.elem]
@@ -73,6 +78,8 @@ def choices(layout, p: TrafficParams):
         lc = LayoutClass("dense", layout.q_len, layout.kv_len, tuple(layout.block_size))
     else:
         lc = layout_class(layout)
+        if lc.kind == "blocks" and not lc.lists and block_lists_of(layout, any_device=True) is not None:
+            lc = replace(lc, lists=True)  # a layout on the CPU: the class a GPU's copy would have
     s = Shapes(p.batch, p.heads, p.hkv, layout.q_len, layout.kv_len, p.head_dim)
     hw = Hardware("cuda", (9, 0), "", p.n_sm)
     opts = KernelOptions()
@@ -122,6 +129,43 @@ def _intervals(layout, kind: str):
     return np.asarray(lo, np.int64), np.asarray(hi, np.int64), tuple(layout.batch_shape)
 
 
+class _ListLayout:
+    """What :class:`~.geometry._Geometry` reads, for the blocks the list mode visits
+    (``compiler/block_lists.py``): the layout's own non-empty 128 × 128 blocks, each layout row
+    split into steps of ``rows`` query rows that keep its blocks and states."""
+
+    def __init__(self, layout, rows: int):
+        bm, bn = layout.block_size
+        per = bm // rows
+        tr, tc = layout.shape[-2], layout.shape[-1]
+        self.q_len, self.kv_len, self.block_size = layout.q_len, layout.kv_len, (rows, bn)
+        self.batch_shape = tuple(layout.batch_shape)
+        self.shape = (tr * per, tc)
+        segs = layout._segs
+        sel = segs.state != 0
+        r = segs.rows[sel]
+        new_rows = ((r // tr) * tr * per + (r % tr) * per)[:, None] + np.arange(per)[None, :]
+        rep = lambda a: np.repeat(a[sel], per)  # noqa: E731
+        self._segs = SimpleNamespace(rows=new_rows.ravel().astype(np.int64), starts=rep(segs.starts).astype(np.int64),
+                                     ends=rep(segs.ends).astype(np.int64), state=rep(segs.state))
+
+
+def _list_bounds(layout) -> tuple[int, float]:
+    """``(bytes of one row's bounds, mean keys per row)`` of a layout in the list mode."""
+    from ...ops.select import block_lists_of
+
+    t = block_lists_of(layout, any_device=True)
+    n_rows = t.lo.shape[0] * (layout.q_len // layout.block_size[0])
+    return 8 * t.n_intervals, float(t.fwd[4:5 * n_rows:5].mean()) * layout.block_size[1]
+
+
+def _deal_keys(mean_keys: float, n_items: int, p: TrafficParams) -> bool:
+    """:func:`_deal` from the mean keys per row."""
+    from ...ops.select import tile_major_deal
+
+    return tile_major_deal(n_items, min(n_items, p.n_sm), p.batch * p.hkv * mean_keys * 2 * p.head_dim * p.elem)
+
+
 STATIC_DEAL = True
 """Persistent kernels (the dense and interval forwards, the interval backward's dK/dV and dQ) play
 their work items in their static deal: program ``p`` runs items ``p, p + grid, ...``
@@ -134,15 +178,23 @@ def _tiles() -> TileSizes:
 
 
 def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: str = "") -> KernelTraffic:
-    """The Gluon forward of ``mode`` (``"dense"``, ``"causal"``, ``"interval"``)."""
-    lo, hi, bs = _intervals(layout, mode)
-    geo = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
+    """The Gluon forward of ``mode`` (``"dense"``, ``"causal"``, ``"interval"``, ``"list"``)."""
     pt = replace(p, tiles=_tiles())
-    interval = mode == "interval"
-    lut = (_FWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
-    table = int(lo.size * _BOUNDS + geo.n_inst * geo.tr * _FWD_TABLE) if interval else 0
-    launch = dict(order="grid" if mode == "dense" else "steps",
-                  tile_major=interval and _deal(lo, hi, p.batch * p.heads * geo.tr, p))
+    if mode == "list":  # the layout's blocks; per program a table row and its rows' bounds, per step an entry
+        geo = _Geometry(_ListLayout(layout, _ROWS))
+        bounds, keys = _list_bounds(layout)
+        lut = (_FWD_TABLE + bounds * _ROWS, 4)
+        table = int(geo.n_inst * (layout.q_len * bounds + geo.tr * _FWD_TABLE) + 4 * geo.visited)
+        launch = dict(order="steps", tile_major=_deal_keys(keys, p.batch * p.heads * geo.tr, p))
+        interval = True
+    else:
+        lo, hi, bs = _intervals(layout, mode)
+        geo = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
+        interval = mode == "interval"
+        lut = (_FWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
+        table = int(lo.size * _BOUNDS + geo.n_inst * geo.tr * _FWD_TABLE) if interval else 0
+        launch = dict(order="grid" if mode == "dense" else "steps",
+                      tile_major=interval and _deal(lo, hi, p.batch * p.heads * geo.tr, p))
     k = _row_kernel("_attn_fwd_gluon", geo, pt, _ROWS, q_side_loads={"Q": p.head_dim * p.elem},
                     q_side_stores={"O": p.head_dim * p.elem, "LSE": 4}, lut_bytes=table, lut=lut, **launch)
     if p.policy == "trace":  # dense and interval forwards are persistent (a static deal), causal is not
@@ -167,19 +219,29 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
     (``mode`` ``"dense"``, ``"causal"``, ``"interval"``) or ``[preprocess, dK/dV, _dq_finish,
     accumulator fill]`` for the five-GEMM kernel (``"dense+atomic_dq"``, ``"causal+atomic_dq"``)."""
     kind, _, atomic = mode.partition("+")
-    lo, hi, bs = _intervals(layout, kind)
+    lists = kind == "list"
     D, e = p.head_dim, p.elem
     pt = replace(p, tiles=_tiles(), bwd_fused=False)
-    interval = kind == "interval"
-    lut = (_BWD_TABLE, _BOUNDS * _STEP_ROWS) if interval else (0, 0)  # the step rows' bounds per entry
+    interval = kind in ("interval", "list")
     acc = 4 * D if atomic else 0
     rows = p.batch * p.heads * layout.q_len
     # dK/dV: 128-key programs stepping over 64-row query blocks
-    geo_kv = _Geometry(_TileLayout(lo, hi, layout.kv_len, _STEP_ROWS, _ROWS, bs, visit_one=False))
+    if lists:  # per step a list entry and the step rows' bounds
+        bounds, keys = _list_bounds(layout)
+        lut = (_BWD_TABLE, 4 + bounds * _STEP_ROWS)
+        geo_kv = _Geometry(_ListLayout(layout, _STEP_ROWS))
+        deal = lambda n_items: _deal_keys(keys, n_items, p)  # noqa: E731
+    else:
+        lo, hi, bs = _intervals(layout, kind)
+        lut = (_BWD_TABLE, _BOUNDS * _STEP_ROWS) if interval else (0, 0)  # the step rows' bounds per entry
+        geo_kv = _Geometry(_TileLayout(lo, hi, layout.kv_len, _STEP_ROWS, _ROWS, bs, visit_one=False))
+        deal = lambda n_items: _deal(lo, hi, n_items, p)  # noqa: E731
     pkv = replace(pt, tiles=replace(pt.tiles, dq_block_m=_STEP_ROWS))
     kv_launch = dict(order="steps" if interval else "grid",
-                     tile_major=interval and _deal(lo, hi, p.batch * p.hkv * geo_kv.tc, p))
+                     tile_major=interval and deal(p.batch * p.hkv * geo_kv.tc))
     kv_table = int(geo_kv.n_inst * geo_kv.tc * 2 * _BWD_TABLE) if interval else 0  # table + heaviest-first order
+    if lists:
+        kv_table += 4 * geo_kv.visited
     dkdv = _dkdv_kernel(geo_kv, pkv, kv_table, name="_attn_bwd_dkdv_gluon", lut=lut, acc_row=acc, **kv_launch)
     if p.policy == "trace":
         tr = _trace_backward(geo_kv, pkv, progress, f"trace {label}", parts=("bwd_dkdv",), lut=lut, acc_row=acc,
@@ -200,11 +262,16 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
                                stores={"dQ": rows * D * e}, dram_read_bytes=float(sum(loads.values())),
                                dram_write_bytes=rows * D * e, compulsory_read_bytes=sum(loads.values()))
         return [pre, dkdv, finish, fill]
-    geo_q = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
-    q_launch = dict(order="steps" if kind == "causal" else "grid",
-                    tile_major=interval and _deal(lo, hi, p.batch * p.heads * geo_q.tr, p))
-    lut_q = (_BWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
-    q_table = int(lo.size * _BOUNDS + geo_q.n_inst * geo_q.tr * _BWD_TABLE) if interval else 0
+    q_launch = dict(order="steps" if kind == "causal" else "grid")
+    if lists:
+        geo_q = _Geometry(_ListLayout(layout, _ROWS))
+        lut_q = (_BWD_TABLE + bounds * _ROWS, 4)
+        q_table = int(geo_q.n_inst * (layout.q_len * bounds + geo_q.tr * _BWD_TABLE) + 4 * geo_q.visited)
+    else:
+        geo_q = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
+        lut_q = (_BWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
+        q_table = int(lo.size * _BOUNDS + geo_q.n_inst * geo_q.tr * _BWD_TABLE) if interval else 0
+    q_launch["tile_major"] = interval and deal(p.batch * p.heads * geo_q.tr)
     dq = _row_kernel("_attn_bwd_dq_gluon", geo_q, pt, _ROWS, q_side_loads={"Q": D * e, "dO": D * e, "LSE+delta": 8},
                      q_side_stores={"dQ": D * e}, lut_bytes=q_table, lut=lut_q, **q_launch)
     if p.policy == "trace":
