@@ -702,6 +702,10 @@ def test_block_lists_in_the_choice():
     other = KernelOptions(gluon_fwd=GluonConfig(block_n=64), gluon_bwd=GluonBwdConfig(block_m=32))
     assert str(choose_forward(lc, S, torch.bfloat16, HOPPER, other)) == "triton:blocks"
     assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, other)) == "triton:blocks"
+    d64 = Shapes(1, 16, 4, 16384, 16384, 64)  # the backward at d 64 only when asked for
+    assert str(choose_forward(lc, d64, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:list"
+    assert str(choose_backward(lc, d64, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
+    assert str(choose_backward(lc, d64, torch.bfloat16, HOPPER, on)) == "gluon:list"
     d96 = Shapes(1, 16, 4, 16384, 16384, 96)
     assert str(choose_forward(lc, d96, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
     assert str(choose_forward(lc, S, torch.bfloat16, NO_GLUON, DEFAULT)) == "triton:blocks"

@@ -207,7 +207,8 @@ class KernelOptions:
             ``key_range | causal``, ...; 128 × 128 layout blocks, every head keeping the same
             blocks). None (default): where at most a fraction of the visited blocks are partial
             (``select.BLOCK_LISTS``: half in the forward, 30 % in the backward, whose masked steps
-            cost more); True: in both phases where a layout qualifies; False: never.
+            cost more; the backward at head dim 128, where it was measured); True: in both phases
+            where a layout qualifies; False: never.
         gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default).
         backward: ``"auto"`` (default): the Gluon backward on Hopper for dense, ``causal()`` and
             one-interval-per-row layouts whose intervals are the same for every head (windows,
