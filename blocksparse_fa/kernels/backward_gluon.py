@@ -91,6 +91,14 @@ if gluon is not None:
     # ------------------------------------------------------------------ dK / dV (and atomic dQ)
 
     @gluon.jit
+    def _vec_descs(A, B, n, BLOCK: gl.constexpr, layout: gl.constexpr):
+        """Descriptors of ``BLOCK``-element tiles over the first ``n`` elements of the 1-D tables
+        ``A`` and ``B`` (a query block's logsumexp and Δ, or its rows' interval bounds)."""
+        a = tma.make_tensor_descriptor(A, shape=[n], strides=[1], block_shape=[BLOCK], layout=layout)
+        b = tma.make_tensor_descriptor(B, shape=[n], strides=[1], block_shape=[BLOCK], layout=layout)
+        return a, b
+
+    @gluon.jit
     def _load_pair(desc_a, desc_b, bar, smem_a, smem_b, row_a, col_a, row_b, col_b):
         """Two TMA tile loads (``desc_a`` at ``[row_a, col_a]`` into ``smem_a``, likewise b) that
         complete one phase of the mbarrier ``bar``."""
@@ -757,10 +765,7 @@ if gluon is not None:
                 n_rows = G * q_len
                 lse_base = LSE + (b64 * H + g0) * q_len
                 delta_base = DELTA + (b64 * H + g0) * q_len
-            lse_desc = tma.make_tensor_descriptor(lse_base, shape=[n_rows], strides=[1], block_shape=[BLOCK_M],
-                                                  layout=rows_layout)
-            delta_desc = tma.make_tensor_descriptor(delta_base, shape=[n_rows], strides=[1], block_shape=[BLOCK_M],
-                                                    layout=rows_layout)
+            lse_desc, delta_desc = _vec_descs(lse_base, delta_base, n_rows, BLOCK_M, rows_layout)
         else:  # not read
             rows_smem = 0
             lse_desc = 0
@@ -771,10 +776,7 @@ if gluon is not None:
                                                            element_bitwidth=iv_dtype.primitive_bitwidth, rank=1)
             bounds_smem = gl.allocate_shared_memory(iv_dtype, [2 * STAGES, BLOCK_M], iv_layout)
             n_iv = ((n_b - 1) * LZB + (HKV - 1) * LZH + 1) * q_len  # rows of the (Z, Lq) tables
-            lo_desc = tma.make_tensor_descriptor(LO, shape=[n_iv], strides=[1], block_shape=[BLOCK_M],
-                                                 layout=iv_layout)
-            hi_desc = tma.make_tensor_descriptor(HI, shape=[n_iv], strides=[1], block_shape=[BLOCK_M],
-                                                 layout=iv_layout)
+            lo_desc, hi_desc = _vec_descs(LO, HI, n_iv, BLOCK_M, iv_layout)
         else:  # not read
             bounds_smem = 0
             lo_desc = 0
