@@ -101,6 +101,16 @@ def test_lists_replay_the_mask(name):
     np.testing.assert_array_equal(dkdv, want)
 
 
+def test_fewer_queries_than_keys():
+    """``Lq < Lk`` (bottom-right aligned: the queries are the last ``Lq`` positions)."""
+    layout = bsfa.compile_mask(bsfa.causal() & (bsfa.sliding_window(300) | bsfa.global_tokens(40)), 1024, 2048,
+                               block_size=BM)
+    t = block_lists(layout, BM, BM, 64, BM)
+    assert t is not None and t.lo.shape == (1, 1024)
+    for got in _replay(t, layout):
+        np.testing.assert_array_equal(got, _dense(layout))
+
+
 def test_per_batch_layouts_and_refusals():
     lens = torch.tensor([700, 1024, 384])
     layout = bsfa.compile_mask(bsfa.load_pattern("padded_batch", length=bsfa.per_batch(lens)), N, N, block_size=BM)
