@@ -712,3 +712,22 @@ def test_block_lists_in_the_choice():
     assert str(choose_forward(_lc("blocks"), S, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
     with pytest.raises(ValueError, match="block_lists must be True, False or None"):
         KernelOptions(block_lists="yes")
+
+
+@pytest.mark.interpreter
+def test_block_lists_under_compile(hopper, monkeypatch):
+    """A compiled call (``fullgraph``, the custom op under AOT autograd) runs the list mode in both
+    phases as the eager call does, and agrees with it."""
+    monkeypatch.setattr(select, "_LIST_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    q, k, v = _inputs()
+    mask = bsfa.key_range(40, 100) | bsfa.causal()
+    opts = {"block_lists": True}
+    f = torch.compile(lambda q, k, v, o: bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=128,
+                                                        kernel_options=o), backend="aot_eager", fullgraph=True)
+    ran, out, grads = _run(lambda q, k, v: f(q, k, v, opts), q, k, v)
+    ran_eager, out_e, grads_e = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="triton",
+                                                                     block_size=128, kernel_options=opts), q, k, v)
+    assert ran == ran_eager == [("forward", "gluon:list"), ("backward", "gluon:list")]
+    for a, b in zip((out, *grads), (out_e, *grads_e)):
+        assert rel_err(a, b) < 1e-2
