@@ -95,6 +95,7 @@ def test_lists_replay_the_mask(name):
     assert t is not None and t.n_intervals == n_iv
     assert t.lo.dtype == (np.int32 if n_iv == 1 else np.int64)
     want = _dense(layout)
+    assert t.mean_keys == (layout.block_states() > 0).sum().item() / layout.n_rows * BM
     fwd, dq, dkdv = _replay(t, layout)
     np.testing.assert_array_equal(fwd, want)
     np.testing.assert_array_equal(dq, want)
@@ -133,6 +134,6 @@ def test_a_wrong_interval_fails_the_replay():
     t = block_lists(layout, BM, BM, 64, BM)
     lo = t.lo.copy()
     lo[0, 700] += 1 << 32  # the row's second interval starts one key later
-    bad = type(t)(lo, t.hi, t.fwd, t.dq, t.dkdv, t.dkdv_order, t.n_intervals)
+    bad = type(t)(lo, t.hi, t.fwd, t.dq, t.dkdv, t.dkdv_order, t.n_intervals, t.mean_keys)
     fwd, _, _ = _replay(bad, layout)
     assert (fwd != _dense(layout)).sum() == 1

@@ -51,6 +51,7 @@ class BlockLists:
             query blocks of ``q_step`` rows (the dK/dV kernel's table).
         dkdv_order: int32 ``(Z, Pk)``: the key tiles heaviest first.
         n_intervals: 1 or 2.
+        mean_keys: keys per row visited on average (listed blocks times the column block).
     """
 
     lo: np.ndarray
@@ -60,6 +61,7 @@ class BlockLists:
     dkdv: np.ndarray
     dkdv_order: np.ndarray
     n_intervals: int
+    mean_keys: float
 
 
 def _lists(states: np.ndarray, axis_rows: bool):
@@ -169,7 +171,7 @@ def block_lists(layout, fwd_rows: int, fwd_step: int, q_step: int, key_tile: int
     dkdv = np.concatenate([kv_tab.ravel(), cblocks]).astype(np.int32)
     order = np.argsort(-cn, axis=1, kind="stable").astype(np.int32)
     return BlockLists(np.ascontiguousarray(lo_t), np.ascontiguousarray(hi_t), fwd, dq, dkdv,
-                      np.ascontiguousarray(order), n_iv)
+                      np.ascontiguousarray(order), n_iv, float(counts.mean()) * bn)
 
 
 def _row_runs(layout, states: np.ndarray, zz: np.ndarray, rr: np.ndarray, cc: np.ndarray):

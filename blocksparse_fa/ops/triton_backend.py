@@ -178,7 +178,8 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
         PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=rows_smem, LIST=lists,
-        BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64), num_warps=4)
+        BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64),
+        num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -615,9 +616,7 @@ def _gluon_list_tables(layout: BlockLayout, device):
         if t is None:
             raise ValueError("the Gluon list mode: this layout does not qualify (compiler/block_lists.py)")
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        n_rows = t.lo.shape[0] * (layout.q_len // layout.block_size[0])
-        mean_keys = float(t.fwd[4:5 * n_rows:5].mean()) * layout.block_size[1]
-        hit = layout.cache[key] = (to(t.lo), to(t.hi), to(t.fwd), to(t.dq), to(t.dkdv), to(t.dkdv_order), mean_keys)
+        hit = layout.cache[key] = (to(t.lo), to(t.hi), to(t.fwd), to(t.dq), to(t.dkdv), to(t.dkdv_order), t.mean_keys)
     return hit
 
 
@@ -709,7 +708,7 @@ def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: Gl
     elif case == "list":
         lo, hi, tiles, _, _, _, keys = _gluon_list_tables(layout, q.device)
         lzb, lzh = _layout_strides(layout)
-        window_bytes = s.B * s.Hkv * keys * 2 * s.D * q.element_size()
+        window_bytes = _window_bytes(layout, s, q.element_size(), keys)
     else:
         lo = hi = tiles = _placeholder(torch.int32, q.device)
         lzb = lzh = 0
@@ -724,10 +723,11 @@ def _tile_major(on: bool, n_items: int, grid: int, window_bytes: float | None) -
     return select.tile_major_deal(n_items, grid, window_bytes) if _M_MAJOR is None else _M_MAJOR
 
 
-def _window_bytes(layout: BlockLayout, s: Shapes, elem: int) -> float:
+def _window_bytes(layout: BlockLayout, s: Shapes, elem: int, keys: float | None = None) -> float:
     """K/V bytes of every head's key window of a host-interval layout (batch × kv heads × mean keys
-    per row × 2·D × ``elem``): what a tile-major deal keeps in L2 at once."""
-    return s.B * s.Hkv * _mean_keys(layout) * 2 * s.D * elem
+    per row × 2·D × ``elem``; ``keys``: the mean keys per row where known, else from the host
+    intervals): what a tile-major deal keeps in L2 at once."""
+    return s.B * s.Hkv * (_mean_keys(layout) if keys is None else keys) * 2 * s.D * elem
 
 
 def _mean_keys(layout: BlockLayout) -> float:
@@ -996,7 +996,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             intervals = (lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)
         elif choice.mode == "list":  # rows that keep nothing are masked in every step: no -inf fill
             lo, hi, _, q_tab, kv_tab, kv_ord, keys = _gluon_list_tables(layout, dev)
-            window = s.B * s.Hkv * keys * 2 * s.D * q.element_size()
+            window = _window_bytes(layout, s, q.element_size(), keys)
             intervals = (lo, hi, kv_tab, q_tab, *_layout_strides(layout), kv_ord)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
                           choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window,

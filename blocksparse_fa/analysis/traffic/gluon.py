@@ -155,8 +155,7 @@ def _list_bounds(layout) -> tuple[int, float]:
     from ...ops.select import block_lists_of
 
     t = block_lists_of(layout, any_device=True)
-    n_rows = t.lo.shape[0] * (layout.q_len // layout.block_size[0])
-    return 8 * t.n_intervals, float(t.fwd[4:5 * n_rows:5].mean()) * layout.block_size[1]
+    return 8 * t.n_intervals, t.mean_keys
 
 
 def _deal_keys(mean_keys: float, n_items: int, p: TrafficParams) -> bool:
