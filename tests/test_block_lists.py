@@ -137,3 +137,22 @@ def test_a_wrong_interval_fails_the_replay():
     bad = type(t)(lo, t.hi, t.fwd, t.dq, t.dkdv, t.dkdv_order, t.n_intervals, t.mean_keys)
     fwd, _, _ = _replay(bad, layout)
     assert (fwd != _dense(layout)).sum() == 1
+
+
+def test_the_lists_budget(monkeypatch):
+    """``select.block_lists_of`` builds the lists on CUDA layouts (or when asked for any device),
+    within its budgets of grid blocks and partial blocks, and caches them on the layout."""
+    from blocksparse_fa.ops import select
+
+    layout = bsfa.compile_mask(bsfa.causal() & (bsfa.sliding_window(300) | bsfa.global_tokens(40)), N, N,
+                               block_size=BM)
+    assert select.block_lists_of(layout) is None  # a CPU layout
+    monkeypatch.setattr(select, "BLOCK_LISTS_MAX_BLOCKS", layout.n_blocks - 1)
+    assert select.block_lists_of(layout, any_device=True) is None
+    layout.cache.pop("block_lists")
+    monkeypatch.setattr(select, "BLOCK_LISTS_MAX_BLOCKS", layout.n_blocks)
+    t = select.block_lists_of(layout, any_device=True)
+    assert t is not None and select.block_lists_of(layout, any_device=True) is t
+    layout.cache.pop("block_lists")
+    monkeypatch.setattr(select, "BLOCK_LISTS_MAX_PARTIAL_PER_ROW", 0)
+    assert select.block_lists_of(layout, any_device=True) is None

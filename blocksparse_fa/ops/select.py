@@ -194,6 +194,9 @@ BLOCK_LISTS = {"forward": 0.5, "backward": 0.3}
 # hold about 4).
 BLOCK_LISTS_MAX_PARTIAL_PER_ROW = 6
 BLOCK_LISTS_MAX_ELEMENTS = 1 << 26
+# Blocks of the layout's grid (every instance) the builder holds as a dense array: 2^24 is 512K
+# tokens squared in 128-token blocks; longer layouts keep the Triton block kernels.
+BLOCK_LISTS_MAX_BLOCKS = 1 << 24
 _LIST_TILES = (128, 128, 64, 128)  # forward/dQ rows and keys per step, dK/dV query rows per step and keys
 _LIST_DEVICES = ("cuda",)  # where the lists are built: the Gluon kernels run on CUDA devices only
 
@@ -210,7 +213,7 @@ def block_lists_of(layout, any_device: bool = False):
     from ..compiler.block_lists import block_lists
 
     out = None
-    if (tuple(layout.block_size) == (128, 128)
+    if (tuple(layout.block_size) == (128, 128) and layout.n_blocks <= BLOCK_LISTS_MAX_BLOCKS
             and layout.n_partial <= BLOCK_LISTS_MAX_PARTIAL_PER_ROW * layout.n_rows
             and layout.n_partial * 128 * 128 <= BLOCK_LISTS_MAX_ELEMENTS):
         out = block_lists(layout, *_LIST_TILES)
