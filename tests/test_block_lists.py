@@ -102,6 +102,24 @@ def test_lists_replay_the_mask(name):
     np.testing.assert_array_equal(dkdv, want)
 
 
+@pytest.mark.parametrize("name", ["Longformer", "causal Longformer", "BigBird"])
+def test_column_work_counts_each_key_tiles_steps(name):
+    """``select.list_column_work``: per key tile its 64-row steps, masked ones at
+    ``LIST_MASKED_STEP_COST``, counted again from the block states; Longformer's global key tile
+    is the longest."""
+    from blocksparse_fa.ops import select
+
+    layout = bsfa.compile_mask(CASES[name][0](), N, N, block_size=BM)
+    longest, mean = select.list_column_work(block_lists(layout, BM, BM, 64, BM))
+    st = layout.block_states().cpu().numpy().reshape(N // BM, N // BM)
+    per = BM // 64
+    work = per * ((st == 2).sum(0) + select.LIST_MASKED_STEP_COST * (st == 1).sum(0))
+    work = np.where(work == 0, per * select.LIST_MASKED_STEP_COST, work)  # an empty column walks one block
+    assert longest == work.max() and mean == pytest.approx(work.mean())
+    if name == "Longformer":  # the global keys' tile
+        assert work.argmax() == 0
+
+
 def test_fewer_queries_than_keys():
     """``Lq < Lk`` (bottom-right aligned: the queries are the last ``Lq`` positions)."""
     layout = bsfa.compile_mask(bsfa.causal() & (bsfa.sliding_window(300) | bsfa.global_tokens(40)), 1024, 2048,
@@ -156,3 +174,43 @@ def test_the_lists_budget(monkeypatch):
     layout.cache.pop("block_lists")
     monkeypatch.setattr(select, "BLOCK_LISTS_MAX_PARTIAL_PER_ROW", 0)
     assert select.block_lists_of(layout, any_device=True) is None
+
+
+def _snake(t, grid, n):
+    """``forward_gluon._item_tile``'s snake over ``n`` items on ``grid`` programs (an involution)."""
+    sweep = t // grid
+    return np.where((sweep % 2 == 1) & ((sweep + 1) * grid <= n), sweep * grid + grid - 1 - t % grid, t)
+
+
+@pytest.mark.parametrize("grid", [8, 13])
+def test_the_deal_table_balances_heavy_key_tiles(grid):
+    """``triton_backend._deal_table``: Longformer's global key tile is one dK/dV item per head;
+    dealing every grid-th item leaves the programs that draw one far behind. The table, read as the
+    kernel reads it (``forward_gluon._dealt``, then the snake of ``_item_tile``), runs every item
+    exactly once and shortens the most loaded program's work; equal tiles get no table."""
+    from blocksparse_fa.ops import select
+    from blocksparse_fa.ops import triton_backend as tb
+
+    n, heads = 2048, 4
+    layout = bsfa.compile_mask(bsfa.load_pattern("longformer", window=200, n_global=64), n, n, block_size=BM)
+    bl = block_lists(layout, BM, BM, 64, BM)
+    work = select.list_tile_work(bl)
+    table = tb._deal_table(layout, work, bl.dkdv_order, 1, heads, 0, 0, grid, torch.device("cpu"))
+    assert table is not None and tb._deal_table(layout, work, bl.dkdv_order, 1, heads, 0, 0, grid,
+                                                torch.device("cpu")) is table  # cached
+    table = table.numpy()
+    width, counts = table[0], table[1:1 + grid]
+    items = table[1 + grid:].reshape(grid, width)
+    n_items = heads * (n // BM)
+    got = np.concatenate([_snake(items[p, :counts[p]], grid, n_items) for p in range(grid)])
+    assert sorted(got.tolist()) == list(range(n_items))
+    wt = work[0][bl.dkdv_order[0]][np.arange(n_items) // heads]  # item t: the (t // BH)-th heaviest tile
+    dealt = max(wt[_snake(items[p, :counts[p]], grid, n_items)].sum() for p in range(grid))
+    every = max(wt[_snake(np.arange(p, n_items, grid), grid, n_items)].sum() for p in range(grid))
+    assert dealt <= (1 - tb.DEAL_MIN_GAIN) * every
+    for p in range(grid):  # each program's items in canonical order: heaviest first
+        t = _snake(items[p, :counts[p]], grid, n_items)
+        assert (np.diff(t) > 0).all()
+    flat = np.ones_like(work)
+    assert tb._deal_table(layout, flat, bl.dkdv_order, 1, heads, 0, 0, grid, torch.device("cpu")) is None
+    assert tb._deal_table(layout, None, bl.dkdv_order, 1, heads, 0, 0, grid, torch.device("cpu")) is None

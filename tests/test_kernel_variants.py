@@ -401,6 +401,47 @@ def test_gluon_dkdv_list_and_bounds_constexprs(monkeypatch):
         GluonBwdConfig(bounds_smem=1)
 
 
+def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
+    """The list mode's persistent dK/dV launch reads a deal table (``DEALT``) where the host knows
+    the key tiles' work and they differ (Longformer's global key tile), tile-major; not with
+    ``GluonBwdConfig(deal=False)``, without the work, head by head (forced through
+    ``triton_backend._M_MAJOR``) or for tiles of equal work."""
+    import numpy as np
+
+    import blocksparse_fa as bsfa
+    from blocksparse_fa.compiler.block_lists import block_lists
+    from blocksparse_fa.ops.options import GluonBwdConfig
+    from blocksparse_fa.ops.select import Hardware, list_tile_work
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((args, c)))
+    n, heads = 4096, 32
+    lay = bsfa.compile_mask(bsfa.load_pattern("longformer", window=256, n_global=64), n, n, 128)
+    bl = block_lists(lay, 128, 128, 64, 128)
+    work = (list_tile_work(bl), bl.dkdv_order)
+    q = torch.empty(1, heads, n, 128, device="meta", dtype=torch.bfloat16)
+    lse = torch.empty(heads, n, device="meta")
+    t = torch.empty(1, dtype=torch.int32, device="meta")
+    s = Shapes(1, heads, heads, n, n, 128)
+
+    def run(cfg=GluonBwdConfig(), kv_work=work, m_major=None):
+        seen.clear()
+        monkeypatch.setattr(tb, "_M_MAJOR", m_major)
+        tb._gluon_bwd_launch(q, q, q, q, (q, q, q), lse, lse, s, 0.1, False, False, cfg, lay,
+                             intervals=(t, t, t, t, 0, 0, t), lists=True, kv_work=kv_work)
+        (args, consts), _ = seen
+        return consts["DEALT"], args[13]
+
+    dealt, table = run()
+    assert dealt and table.dtype == torch.int32 and int(table.numel()) > 1 + 132
+    assert not run(GluonBwdConfig(deal=False))[0] and not run(kv_work=None)[0]
+    assert not run(m_major=False)[0]  # head by head: every grid-th item
+    assert not run(kv_work=(np.ones_like(work[0]), work[1]))[0]  # equal tiles: no gain
+
+
 def test_interval_kernels_deal_head_by_head_where_windows_leave_l2(monkeypatch):
     """The persistent interval kernels (forward, dK/dV, dQ) are tile-major unless every head's key
     window is at least ``TILE_MAJOR_WINDOW_BYTES`` of K/V and each program has

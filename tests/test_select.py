@@ -229,15 +229,28 @@ def test_device_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch
     assert ex.backward == "gluon:interval"
 
 
-def test_backward_gluon_on_host_intervals():
+def test_backward_gluon_on_host_intervals(monkeypatch):
     """Compiled layouts whose rows keep one key interval, the same for every head (per batch row is
-    fine): the Gluon pair in its interval mode, deterministic either way, as on device intervals."""
-    for lc in (_lc("interval"), _lc("interval", batched=True)):
-        for opts in (DEFAULT, KernelOptions(backward="gluon"), KernelOptions(deterministic=False),
-                     KernelOptions(backward="gluon", deterministic=False)):
+    fine): the Gluon pair in its interval mode, as on device intervals; ``deterministic=False`` the
+    five-GEMM kernel (not on context-parallel shards), by default only on rows of at least
+    ``GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS`` blocks."""
+    five = ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_dq_finish")
+    for lc in (_lc("interval", row_blocks=40.0), _lc("interval", batched=True, row_blocks=40.0)):
+        for opts in (DEFAULT, KernelOptions(backward="gluon"), KernelOptions(deterministic=True)):
             c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
             assert (c.family, c.mode, c.kernels) == ("gluon", "interval", GLUON_BWD_KERNELS), opts
             assert str(c) == "gluon:interval"
+        for opts in (KernelOptions(deterministic=False), KernelOptions(backward="gluon", deterministic=False)):
+            c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
+            assert (c.family, c.mode, c.kernels) == ("gluon", "interval+atomic_dq", five), opts
+        shard = dataclasses.replace(lc, shard=True)
+        assert str(choose_backward(shard, S, torch.bfloat16, HOPPER, KernelOptions(deterministic=False))) \
+            == "gluon:interval"
+    monkeypatch.setattr(select, "GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS", 32.0)
+    for rows, want in ((40.0, "gluon:interval+atomic_dq"), (8.0, "gluon:interval")):
+        assert str(choose_backward(_lc("interval", row_blocks=rows), S, torch.bfloat16, HOPPER, DEFAULT)) == want
+    assert str(choose_backward(_lc("interval", row_blocks=40.0), S, torch.bfloat16, HOPPER,
+                               KernelOptions(deterministic=True))) == "gluon:interval"
     # Lq != Lk (bottom-right windows); d 64: by default on long rows only (short ones: asked for)
     s64 = Shapes(2, 8, 2, 4096, 2048, 64)
     for short in (dict(band_bwd=True), dict(short_partial=True)):
@@ -268,7 +281,7 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     launch = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None, lists=False):
+            window_bytes=None, lists=False, kv_work=None, q_work=None):
         seen.append((causal, atomic, intervals, lse.clone()))
         launch(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -280,7 +293,9 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     tables = tb._gluon_bwd_interval_tables(layout, GluonBwdConfig(), torch.device("cpu"))
     assert tables[6] is not None and tables[6].shape == (1, 1, L)
     gluon = dict(backward="gluon")  # short rows at d 64: the default is the Triton backward (ops/select)
-    for opts, want in ((gluon, "gluon:interval"), (None, "triton:blocks"), (dict(backward="triton"), "triton:blocks")):
+    five = dict(backward="gluon", deterministic=False)
+    for opts, want in ((gluon, "gluon:interval"), (None, "triton:blocks"), (dict(backward="triton"), "triton:blocks"),
+                       (five, "gluon:interval+atomic_dq")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton",
                                                             kernel_options=opts), q, k, v)
@@ -288,7 +303,7 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
         assert len(seen) == (1 if want.startswith("gluon") else 0)
         if seen:
             causal, atomic, intervals, _ = seen[0]
-            assert not causal and not atomic and intervals[4:6] == (0, 0)
+            assert not causal and atomic == (opts is five) and intervals[4:6] == (0, 0)
             # built once, kept on the layout
             assert all(a is b for a, b in zip(intervals[:4] + intervals[6:], tables[:4] + tables[7:]))
         for a, b in zip(grads, ref):
@@ -392,7 +407,7 @@ def hopper(monkeypatch):
         lse.copy_(l)
 
     def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None, lists=False):
+            window_bytes=None, lists=False, kv_work=None, q_work=None):
         o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
         for g, r in zip(grads, torch_backward(q, k, v, o.to(q.dtype), l, dout, layout, s, scale, 0.0, 0)):
             g.copy_(r)
@@ -523,7 +538,7 @@ def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
     bwd = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None, lists=False):
+            window_bytes=None, lists=False, kv_work=None, q_work=None):
         seen.append((causal, atomic, cfg.block_n))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -649,7 +664,7 @@ def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
         fwd(q, k, v, out, lse, s, scale, case, cfg, layout, global_keys)
 
     def bwd_spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-                window_bytes=None, lists=False):
+                window_bytes=None, lists=False, kv_work=None, q_work=None):
         seen.append(("backward", lists, intervals))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -682,12 +697,28 @@ def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
 
 
 def test_block_lists_in_the_choice():
-    # by default up to half the blocks partial in the forward, 30 % in the backward
-    lc = _lc("blocks", lists=True, partial_fraction=0.4)
-    assert str(choose_forward(lc, S, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:list"
-    assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
+    # by default the forward where up to half the blocks are partial, the backward whatever the
+    # fraction but not where one key column outweighs the work per SM (LIST_COLUMN_SHARE): S has
+    # 128 key tiles x 4 kv heads, 20 steps each on average, so ~78 steps per SM of 132
+    hw = Hardware("cuda", (9, 0), "", 132)
+    lc = _lc("blocks", lists=True, partial_fraction=0.4, list_columns=(60.0, 20.0))
+    assert str(choose_forward(lc, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
+    assert str(choose_backward(lc, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
+    long = dataclasses.replace(lc, list_columns=(200.0, 20.0))
+    assert str(choose_forward(long, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
+    assert str(choose_backward(long, S, torch.bfloat16, hw, DEFAULT)) == "triton:blocks"
     on = KernelOptions(block_lists=True)
-    assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, on)) == "gluon:list"
+    assert str(choose_backward(long, S, torch.bfloat16, hw, on)) == "gluon:list"
+    assert str(choose_backward(dataclasses.replace(lc, list_columns=(150.0, 20.0)), S, torch.bfloat16, hw,
+                               DEFAULT)) == "gluon:list"
+    # more SMs than work: the longest column against the mean one (LIST_LONG_COLUMN)
+    small = Shapes(1, 2, 1, 16384, 16384, 128)
+    for longest, want in ((70.0, "gluon:list"), (90.0, "triton:blocks")):
+        lc_small = dataclasses.replace(lc, list_columns=(longest, 20.0))
+        assert str(choose_backward(lc_small, small, torch.bfloat16, hw, DEFAULT)) == want
+    heavy = _lc("blocks", lists=True, partial_fraction=0.8)  # mostly partial: the backward only
+    assert str(choose_forward(heavy, S, torch.bfloat16, hw, DEFAULT)) == "triton:blocks"
+    assert str(choose_backward(heavy, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
     assert str(choose_forward(_lc("blocks", lists=True, partial_fraction=0.6), S, torch.bfloat16, HOPPER,
                               DEFAULT)) == "triton:blocks"
     lc = _lc("blocks", lists=True, partial_fraction=0.2)

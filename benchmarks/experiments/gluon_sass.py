@@ -29,7 +29,7 @@ from sass_probe import report  # noqa: E402
 
 def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
                   consumer_regs=240, dtype="bf16", interval=False, persistent=False, global_keys=0,
-                  global_causal=False, lists=False, two=False):
+                  global_causal=False, lists=False, two=False, dealt=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
@@ -38,10 +38,10 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
                   PINGPONG=pingpong, OVERLAP=overlap, PERSISTENT=persistent, M_MAJOR=persistent and interval,
                   PRODUCER_REGS=producer_regs,
                   CONSUMER_REGS=consumer_regs, GLOBAL_KEYS=global_keys, GLOBAL_CAUSAL=global_causal,
-                  LIST=lists)
+                  LIST=lists, DEALT=dealt)
     types = {n: "*" + dtype for n in "QKVO"}
     iv = "*i64" if two else "*i32"
-    types.update(LSE="*fp32", LO=iv, HI=iv, TILES="*i32", qk_scale="fp32")
+    types.update(LSE="*fp32", LO=iv, HI=iv, TILES="*i32", DEAL="*i32", qk_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     div16 = [i for i, n in enumerate(fn.arg_names)
              if n not in consts and (types.get(n, "").startswith("*") or n.startswith("stride_"))]
@@ -53,7 +53,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
                       consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
                       out_f32=False, direct=False, persistent=False, rows_smem=False, lists=False,
-                      two=False, bounds_smem=False):
+                      two=False, bounds_smem=False, dealt=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
     ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored
     from the registers (``DIRECT_STORE``); ``lists``: the interval mode over block lists (``LIST``),
@@ -65,17 +65,17 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
         consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval, ROWS_SMEM=rows_smem,
-                      BOUNDS_SMEM=bounds_smem)
+                      BOUNDS_SMEM=bounds_smem, DEALT=dealt)
         g = "fp32" if out_f32 else dtype
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
         fn = bg._attn_bwd_dq_gluon
-        consts = dict(PERSISTENT=persistent, M_MAJOR=persistent and interval)
+        consts = dict(PERSISTENT=persistent, M_MAJOR=persistent and interval, DEALT=dealt)
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DQ="fp32" if out_f32 else dtype, LSE="fp32", DELTA="fp32")
     consts.update(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   OVERLAP=overlap, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, INTERVAL=interval,
                   DIRECT_STORE=out_f32 or direct, LIST=lists)
-    ptrs.update(LO="i64" if two else "i32", HI="i64" if two else "i32", TAB="i32", ORD="i32")
+    ptrs.update(LO="i64" if two else "i32", HI="i64" if two else "i32", TAB="i32", ORD="i32", DEAL="i32")
     types = {n: "*" + t for n, t in ptrs.items()}
     types.update(qk_scale="fp32", sm_scale="fp32")
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -115,18 +115,19 @@ def main():
     ap.add_argument("--list", action="store_true", help="interval mode over block lists (LIST)")
     ap.add_argument("--two", action="store_true", help="two intervals per row (int64 LO/HI)")
     ap.add_argument("--bounds-smem", action="store_true", help="dK/dV kernel: interval bounds staged (BOUNDS_SMEM)")
+    ap.add_argument("--dealt", action="store_true", help="persistent: items from a deal table (DEALT)")
     a = ap.parse_args()
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
                                interval=a.interval, out_f32=a.out_f32, direct=a.direct,
                                persistent=a.persistent, rows_smem=a.rows_smem, lists=a.list, two=a.two,
-                               bounds_smem=a.bounds_smem)
+                               bounds_smem=a.bounds_smem, dealt=a.dealt)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,
                            persistent=a.persistent, global_keys=a.global_keys, global_causal=a.global_causal,
-                           lists=a.list, two=a.two)
+                           lists=a.list, two=a.two, dealt=a.dealt)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

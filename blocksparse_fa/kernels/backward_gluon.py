@@ -177,20 +177,21 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty, ready,
-                       empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                       first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL: gl.constexpr,
+                       empty, TAB, ORD, DEAL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                       v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL: gl.constexpr,
                        INTERVAL: gl.constexpr,
                        M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lse_desc, delta_desc, rows_smem, H,
                        ROWS_SMEM: gl.constexpr, LIST: gl.constexpr, lo_desc, hi_desc, bounds_smem,
-                       BOUNDS_SMEM: gl.constexpr):
+                       BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr):
         """One warp: per work item, the first ``STAGES`` steps' Q and dO (their slots free up as the
         consumers finish the previous item), both consumers' K/V tiles once the consumers have
         released the previous item's (stored dK/dV), then the other steps' Q and dO; ring
         positions count on across items."""
         tb = 0
         it = 0
-        for item in range(first, n_items, gl.num_programs(0)):
+        for k in range(0, _fg._n_dealt(DEAL, first, n_items, DEALT)):
+            item = _fg._dealt(DEAL, first, k, DEALT)
             b, hk, off_n, i0, n_i, f0, f1, z = _dkdv_item(item, TAB, ORD, n_prog, BH, HKV, LZB, LZH, q_len, CAUSAL,
                                                           INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
             n_t = G * n_i
@@ -580,16 +581,16 @@ if gluon is not None:
         return G * n_i
 
     @gluon.jit
-    def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog, BH,
-                       HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+    def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, DEAL, q_smem, do_smem, k_smem,
+                       v_smem, ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
+                       BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                        stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                        C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, M_MAJOR: gl.constexpr,
                        PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr,
                        DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, LIST: gl.constexpr,
-                       bounds_smem, BOUNDS_SMEM: gl.constexpr):
+                       bounds_smem, BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr):
         """Consumer ``C`` (a warp group): its program's work items (:func:`_dkdv_consumer_item`);
         ring steps (ping-pong turns, dSᵀ buffers) count on across them. One program per item runs
         the item without the loop (fewer values live across the steps)."""
@@ -599,7 +600,8 @@ if gluon is not None:
         if PERSISTENT:
             tb = 0
             it = 0
-            for item in range(first, n_items, gl.num_programs(0)):
+            for k in range(0, _fg._n_dealt(DEAL, first, n_items, DEALT)):
+                item = _fg._dealt(DEAL, first, k, DEALT)
                 tb += _dkdv_consumer_item(
                     item, tb, it, dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem,
                     v_smem, ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, n_prog, BH, HKV, H, G,
@@ -620,7 +622,7 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
                                   "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dk_rb", "dk_rh", "dk_ch",
                                   "dv_rb", "dv_rh", "dv_ch"])
-    def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, LO, HI, TAB, ORD,
+    def _attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, LO, HI, TAB, ORD, DEAL,
                              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -634,7 +636,7 @@ if gluon is not None:
                              INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
                              PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
                              ROWS_SMEM: gl.constexpr = False, LIST: gl.constexpr = False,
-                             BOUNDS_SMEM: gl.constexpr = False):
+                             BOUNDS_SMEM: gl.constexpr = False, DEALT: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
         items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
@@ -656,7 +658,9 @@ if gluon is not None:
         keep nothing excepted: their logsumexp is -inf). Otherwise LO/HI/TAB are not read.
         ``M_MAJOR`` (persistent interval mode): items in ``forward_gluon._item_tile``'s
         key-tile-major snake order over the key tiles of ``ORD`` (int32 ``(Z, n_prog)``, a
-        permutation per instance: heaviest first). ``LIST``: ``first .. end`` are positions in ``TAB``
+        permutation per instance: heaviest first); ``DEALT`` (persistent): each program runs the items
+        its row of the deal table ``DEAL`` lists (``forward_gluon._dealt``: items of unequal work
+        balanced on the host), else items ``p, p + grid, ...``. ``LIST``: ``first .. end`` are positions in ``TAB``
         (after the programs' rows) holding the query blocks, and the masked steps' intervals are
         exact on the blocks they visit (``compiler/block_lists.py``; int64 ``LO``/``HI``: two
         intervals per row).
@@ -800,25 +804,27 @@ if gluon is not None:
         fence_async_shared()
         first = gl.program_id(0)
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, DEAL, q_smem, do_smem, k_smem,
+                              v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
                               BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST, bounds_smem, BOUNDS_SMEM)),
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, q_smem, do_smem, k_smem, v_smem,
+                              LIST, bounds_smem, BOUNDS_SMEM, DEALT)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, DEAL, q_smem, do_smem, k_smem,
+                              v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
                               BH, HKV, H, G, LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh,
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST, bounds_smem, BOUNDS_SMEM)),
+                              LIST, bounds_smem, BOUNDS_SMEM, DEALT)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
-                              ready, empty, TAB, ORD, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb,
-                              v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,
+                              ready, empty, TAB, ORD, DEAL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
+                              v_rb, v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,
                               M_MAJOR, PERSISTENT, BLOCK_M, BLOCK_N, STAGES, lse_desc, delta_desc, rows_smem, H,
-                              ROWS_SMEM, LIST, lo_desc, hi_desc, bounds_smem, BOUNDS_SMEM)),
+                              ROWS_SMEM, LIST, lo_desc, hi_desc, bounds_smem, BOUNDS_SMEM, DEALT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ------------------------------------------------------------------ dQ (deterministic)
@@ -855,10 +861,10 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
-                     TAB, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items,
-                     n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                     TAB, DEAL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first,
+                     n_items, n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                      M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     LIST: gl.constexpr):
+                     LIST: gl.constexpr, DEALT: gl.constexpr):
         """One warp: per work item both consumers' Q and dO tiles (once the consumers have released
         the previous item's), then K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring, whose
         positions count on across items (``LIST``: key blocks ``TAB[kb0 + j]``). ``*_rb``, ``*_rh``,
@@ -866,7 +872,8 @@ if gluon is not None:
         descriptor covers one batch·head)."""
         rb = 0
         it = 0
-        for t in range(first, n_items, gl.num_programs(0)):
+        for k in range(0, _fg._n_dealt(DEAL, first, n_items, DEALT)):
+            t = _fg._dealt(DEAL, first, k, DEALT)
             pid_bh, off_m, kb0, e1, e2, n_blocks, lse_base, row_base = _dq_item(
                 t, TAB, n_prog, H, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
             b = pid_bh // H
@@ -977,13 +984,13 @@ if gluon is not None:
         return dq, ds16
 
     @gluon.jit
-    def _dq_consumer(dq_desc, LSE, DELTA, LO, HI, TAB, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar, q_empty,
-                     ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch, first, n_items,
-                     n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, C: gl.constexpr,
+    def _dq_consumer(dq_desc, LSE, DELTA, LO, HI, TAB, DEAL, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
+                     q_empty, ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch, first,
+                     n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, C: gl.constexpr,
                      CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
                      PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr,
-                     LIST: gl.constexpr):
+                     LIST: gl.constexpr, DEALT: gl.constexpr):
         """Consumer ``C``: per work item, query rows ``off_m + C·BLOCK_M ..`` against steps
         ``0 .. n_blocks - 1`` (key blocks ``kb0 ..``), then dQ. Steps ``[e1, e2)`` are full;
         ``CAUSAL``: the ``2·BLOCK_M / BLOCK_N`` after them are masked by the diagonal; ``INTERVAL``:
@@ -1003,7 +1010,8 @@ if gluon is not None:
                 mbarrier.arrive(turn.index(0))
         rb = 0
         it = 0
-        for t in range(first, n_items, gl.num_programs(0)):
+        for k in range(0, _fg._n_dealt(DEAL, first, n_items, DEALT)):
+            t = _fg._dealt(DEAL, first, k, DEALT)
             pid_bh, off_m0, kb0, e1, e2, n_blocks, lse_base, row_base = _dq_item(
                 t, TAB, n_prog, H, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
             off_m = off_m0 + C * BLOCK_M
@@ -1091,7 +1099,7 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
                                   "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dq_rb", "dq_rh", "dq_ch"])
-    def _attn_bwd_dq_gluon(Q, K, V, DO, DQ, LSE, DELTA, LO, HI, TAB,
+    def _attn_bwd_dq_gluon(Q, K, V, DO, DQ, LSE, DELTA, LO, HI, TAB, DEAL,
                            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                            stride_dqb, stride_dqh, stride_dqm,
@@ -1102,7 +1110,8 @@ if gluon is not None:
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                            OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
-                           PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False, LIST: gl.constexpr = False):
+                           PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
+                           LIST: gl.constexpr = False, DEALT: gl.constexpr = False):
         """1-D grid, 4 + 4 + 1 warps as the dK/dV kernel. ``DQ`` like Q, or float32 with
         ``DIRECT_STORE`` (written from the registers, as the dK/dV kernel's). Work items:
         ``n_prog = Lq / (2·BLOCK_M)`` row tiles of each of the ``B·H`` heads (``n_items``); program
@@ -1117,7 +1126,8 @@ if gluon is not None:
         of which ``[f0, f1)`` every row keeps whole (rows that keep nothing excepted). ``LIST``: those are
         positions in ``TAB`` (after the programs' rows) holding the key blocks, and the masked steps'
         intervals are exact on the blocks they visit (``compiler/block_lists.py``; int64 ``LO``/``HI``:
-        two intervals per row)."""
+        two intervals per row). ``DEALT`` (persistent): each program runs the items its row of the deal
+        table ``DEAL`` lists, as the dK/dV kernel's."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_M) % BLOCK_N == 0, "causal needs BLOCK_N | 2·BLOCK_M")
         gl.static_assert(not LIST or INTERVAL, "lists need the interval mode")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
@@ -1188,18 +1198,18 @@ if gluon is not None:
         fence_async_shared()
         first = gl.program_id(0)
         gl.warp_specialize([
-            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, TAB, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
+            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, TAB, DEAL, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
                             q_empty, ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch,
                             first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, 0, CAUSAL,
                             INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            DIRECT_STORE, LIST)),
-            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, TAB, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
+                            DIRECT_STORE, LIST, DEALT)),
+            (_dq_consumer, (dq_desc, LSE, DELTA, LO, HI, TAB, DEAL, q_smem, do_smem, ds_smem, k_smem, v_smem, q_bar,
                             q_empty, ready, empty, turn, DQ, stride_dqb, stride_dqh, stride_dqm, dq_rb, dq_rh, dq_ch,
                             first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len, qk_scale, sm_scale, 1, CAUSAL,
                             INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            DIRECT_STORE, LIST)),
+                            DIRECT_STORE, LIST, DEALT)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_empty, ready,
-                            empty, TAB, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                            first, n_items, n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR,
-                            BLOCK_M, BLOCK_N, STAGES, LIST)),
+                            empty, TAB, DEAL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                            v_ch, first, n_items, n_prog, H, G, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR,
+                            BLOCK_M, BLOCK_N, STAGES, LIST, DEALT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

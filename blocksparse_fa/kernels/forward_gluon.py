@@ -120,6 +120,27 @@ if gluon is not None:
         return pid_m, pid_bh
 
     @gluon.jit
+    def _n_dealt(DEAL, first, n_items, DEALT: gl.constexpr):
+        """How many work items persistent program ``first`` runs: ``DEAL[1 + first]`` from a deal
+        table (``DEALT``), else every grid-th item from ``first`` on."""
+        if DEALT:
+            n = gl.load(DEAL + 1 + first)
+        else:
+            n = (n_items - first + gl.num_programs(0) - 1) // gl.num_programs(0)
+        return n
+
+    @gluon.jit
+    def _dealt(DEAL, first, k, DEALT: gl.constexpr):
+        """The ``k``-th work item of persistent program ``first``: from a deal table (``DEALT``:
+        ``DEAL = [W, count per program, W items per program]``, built on the host to balance items of
+        unequal work, ``ops/triton_backend._deal_table``), else ``first + k·grid``."""
+        if DEALT:
+            t = gl.load(DEAL + 1 + gl.num_programs(0) + first * gl.load(DEAL) + k)
+        else:
+            t = first + k * gl.num_programs(0)
+        return t
+
+    @gluon.jit
     def _step_base(TAB, kb0, j, LIST: gl.constexpr):
         """The block index ``x`` with ``x + j`` the key (or query) block of step ``j``: ``kb0`` where an
         item visits a contiguous range, else from the item's list (``LIST``: ``TAB[kb0 + j]``)."""
@@ -192,10 +213,11 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog,
-                      H, G, BH, LZB, LZH, kv_len,
+                      v_empty, TILES, DEAL, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items,
+                      n_prog, H, G, BH, LZB, LZH, kv_len,
                       CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_PRE: gl.constexpr, LIST: gl.constexpr):
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_PRE: gl.constexpr, LIST: gl.constexpr,
+                      DEALT: gl.constexpr):
         """One warp: per work item both consumers' Q tiles (once the consumers have released the
         previous item's), then the global keys' ``N_PRE`` blocks ``0 ..`` (interval mode with global
         keys) and K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring. Ring positions count on
@@ -207,7 +229,8 @@ if gluon is not None:
         batch·head)."""
         rb = 0
         it = 0
-        for t in range(first, n_items, gl.num_programs(0)):
+        for k in range(0, _n_dealt(DEAL, first, n_items, DEALT)):
+            t = _dealt(DEAL, first, k, DEALT)
             pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
                 t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
             b = pid_bh // H
@@ -374,13 +397,14 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _fwd_consumer(o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                      k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH, q_len, kv_len,
+    def _fwd_consumer(o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                      v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH, q_len,
+                      kv_len,
                       qk_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                       M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, GLOBAL_KEYS: gl.constexpr, GLOBAL_CAUSAL: gl.constexpr,
-                      LIST: gl.constexpr):
+                      LIST: gl.constexpr, DEALT: gl.constexpr):
         """Consumer ``C`` (a warp group): per work item, query rows ``off_m + C·BLOCK_M ..``.
 
         Dense / ``CAUSAL``: ``n_full`` full key blocks from block 0 (and, with ``CAUSAL``, the
@@ -408,7 +432,8 @@ if gluon is not None:
         rb = 0
         tb = 0
         it = 0
-        for t in range(first, n_items, gl.num_programs(0)):
+        for k in range(0, _n_dealt(DEAL, first, n_items, DEALT)):
+            t = _dealt(DEAL, first, k, DEALT)
             pid_bh, off_m0, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
                 t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
             off_m = off_m0 + C * BLOCK_M
@@ -541,7 +566,7 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "k_rb", "k_rh",
                                   "k_ch", "v_rb", "v_rh", "v_ch", "o_rb", "o_rh", "o_ch"])
-    def _attn_fwd_gluon(Q, K, V, O, LSE, LO, HI, TILES,
+    def _attn_fwd_gluon(Q, K, V, O, LSE, LO, HI, TILES, DEAL,
                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                         H, G, LZB, LZH, q_len, kv_len, n_prog, n_items, qk_scale,
@@ -550,7 +575,8 @@ if gluon is not None:
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, M_MAJOR: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, GLOBAL_KEYS: gl.constexpr = 0,
-                        GLOBAL_CAUSAL: gl.constexpr = False, LIST: gl.constexpr = False):
+                        GLOBAL_CAUSAL: gl.constexpr = False, LIST: gl.constexpr = False,
+                        DEALT: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer.
         ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q; ``qk_scale = scale · log2(e)``.
         Work items: ``n_prog = cdiv(Lq, 2·BLOCK_M)`` query tiles of each of the ``B·H`` heads
@@ -580,7 +606,8 @@ if gluon is not None:
         into ``TILES`` (whose entries after the programs' rows hold the lists), step ``j`` visits key
         block ``TILES[kb0 + j]``, steps ``[e1, e2)`` are full for every row and the others are masked
         against the rows' intervals, exact on those blocks (``compiler/block_lists.py``). ``LO``/``HI``
-        int64 hold two intervals per row (low and high 32 bits)."""
+        int64 hold two intervals per row (low and high 32 bits). ``DEALT`` (persistent): each program
+        runs the items its row of the deal table ``DEAL`` lists (:func:`_dealt`)."""
         gl.static_assert(not CAUSAL or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(GLOBAL_KEYS == 0 or INTERVAL, "global keys need the interval mode")
@@ -644,16 +671,16 @@ if gluon is not None:
             o_ch = 0
         first = gl.program_id(0)
         gl.warp_specialize([
-            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                              v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
                              LZH, q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST)),
-            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT)),
+            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                              v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
                              LZH, q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST)),
+                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, TILES, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first,
-                             n_items, n_prog, H, G, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M,
-                             BLOCK_N, STAGES, (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST)),
+                             k_empty, v_empty, TILES, DEAL, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                             first, n_items, n_prog, H, G, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M,
+                             BLOCK_N, STAGES, (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

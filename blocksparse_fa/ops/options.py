@@ -60,7 +60,12 @@ class GluonConfig:
     ``sm_margin``: SMs a persistent grid leaves free (its programs are the SM count minus this),
     so that kernels running beside it on another stream (communication: NCCL's send/receive
     kernels under context parallelism) get SMs at once instead of after the whole launch, as
-    FlashAttention-3's ``sm_margin`` does. 0 (default): every SM."""
+    FlashAttention-3's ``sm_margin`` does. 0 (default): every SM.
+
+    ``deal`` (default True; the list mode's persistent forward, tile-major): the host deals the row
+    tiles to the programs by their work, longest first to the least loaded program, where that
+    shortens the most loaded program's work by 5 % or more (global rows that visit every key);
+    False: every grid-th item, as :class:`GluonBwdConfig`'s ``deal``."""
 
     block_m: int = 64
     block_n: int = 128
@@ -71,9 +76,12 @@ class GluonConfig:
     consumer_regs: int = 240
     persistent: bool = True
     sm_margin: int = 0
+    deal: bool = True
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
+        if not isinstance(self.deal, bool):
+            raise ValueError(f"GluonConfig(deal={self.deal!r}): expected True or False")
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,8 @@ class GluonBwdConfig:
     kernel over every kv head's key tiles, heaviest first on interval layouts; its producer loads a
     tile's first Q/dO steps while the consumers store the previous tile's dK and dV. None (the
     default): on one-interval-per-row layouts only (windows, documents, prefix-LM), where their
-    tiles are short; on dense layouts the persistent loops keep more values live across the steps
+    tiles are short, and not for the five-GEMM kernel (``deterministic=False``); on dense layouts
+    the persistent loops keep more values live across the steps
     (more spilling) and ran slower (``benchmarks/NOTES.md``, "Persistent backward").
 
     ``sm_margin``: SMs the persistent kernels leave free, as :class:`GluonConfig`'s.
@@ -126,7 +135,13 @@ class GluonBwdConfig:
     where the rows keep two intervals (int64 bounds): H200, 16K, the dK/dV kernel of Longformer's
     list mode 1018 -> 814 us, causal Longformer 889 -> 680, rectangle | sliding 216 -> 195, but
     one interval (int32) 3-10 % slower (BigBird, shared prefix, window 1024, documents;
-    ``benchmarks/NOTES.md`` section 20). Same gradients bit for bit."""
+    ``benchmarks/NOTES.md`` section 20). Same gradients bit for bit.
+
+    ``deal`` (default True; the list mode's persistent dK/dV kernel, tile-major): the host deals the
+    key tiles to the programs by their work, longest first to the least loaded program, where that
+    shortens the most loaded program's work by 5 % or more (a global or prefix key tile that
+    every row visits is one item: dealt every grid-th, the programs that draw one finish last);
+    False: every grid-th item. Same gradients bit for bit."""
 
     block_m: int = 64
     block_n: int = 64
@@ -146,6 +161,7 @@ class GluonBwdConfig:
     sm_margin: int = 0
     rows_smem: bool = True
     bounds_smem: bool | None = None
+    deal: bool = True
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
@@ -156,8 +172,9 @@ class GluonBwdConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"GluonBwdConfig({name}={value!r}): expected True, False or None")
-        if not isinstance(self.rows_smem, bool):
-            raise ValueError(f"GluonBwdConfig(rows_smem={self.rows_smem!r}): expected True or False")
+        for name in ("rows_smem", "deal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected True or False")
         if self.bounds_smem is not None and not isinstance(self.bounds_smem, bool):
             raise ValueError(f"GluonBwdConfig(bounds_smem={self.bounds_smem!r}): expected True, False or None")
         for name in ("stages", "dq_stages"):
@@ -205,10 +222,11 @@ class KernelOptions:
             per-tile block lists, masking the partial blocks against at most two key intervals per
             row (``compiler/block_lists.py``: sliding tiles, block masks, Longformer, BigBird,
             ``key_range | causal``, ...; 128 × 128 layout blocks, every head keeping the same
-            blocks). None (default): where at most a fraction of the visited blocks are partial
-            (``select.BLOCK_LISTS``: half in the forward, 30 % in the backward, whose masked steps
-            cost more; the backward at head dim 128, where it was measured); True: in both phases
-            where a layout qualifies; False: never.
+            blocks). None (default): the forward where at most half the visited blocks are
+            partial (``select.BLOCK_LISTS``); the backward at head dim 128, where it was measured,
+            unless one key column (global or prefix keys) outweighs twice the work per SM
+            (``select.LIST_COLUMN_SHARE``: the list backward runs a key tile as one item); True: in
+            both phases where a layout qualifies; False: never.
         gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default).
         backward: ``"auto"`` (default): the Gluon backward on Hopper for dense, ``causal()`` and
             one-interval-per-row layouts whose intervals are the same for every head (windows,
@@ -221,8 +239,8 @@ class KernelOptions:
             reduce-adds: the order of the adds varies, so dQ is not bit-reproducible between runs;
             dK and dV are), and elsewhere a deterministic one. True: separate dK/dV and dQ programs
             everywhere, every gradient bit-reproducible. False: the five-GEMM backward wherever one
-            exists (the Gluon one for dense and causal layouts, else the Triton one whose dK/dV
-            programs add dQ with fp32 atomics).
+            exists (the Gluon one for dense, causal and one-interval-per-row layouts such as padded
+            batches and windows, else the Triton one whose dK/dV programs add dQ with fp32 atomics).
         fused_backward: the Triton backward's dK/dV and dQ programs in one launch (default) or two.
         head_major: order that one launch's grid head by head (None: when no tile is split).
         dq_desc: the five-GEMM backward adds dQ tiles through a tensor descriptor (Hopper).

@@ -28,6 +28,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .options import GluonBwdConfig, GluonConfig, KernelOptions
@@ -111,7 +112,9 @@ class LayoutClass:
     ``band``/``short_partial``/``partial_rows``/``partial_heavy``/``band_bwd``: the tile class of
     ``kernels/config.py`` (which Triton tile tables apply). ``lists``: a ``"blocks"`` layout that the
     Gluon kernels' list mode can run (:func:`block_lists_of`); ``partial_fraction``: of its visited
-    blocks, the partial ones."""
+    blocks, the partial ones; ``row_blocks``: visited blocks per row of layout blocks, on average
+    (0 where unknown, as on device intervals); ``list_columns``: in the list mode, the dK/dV
+    kernel's work per key tile in full-step units (:func:`list_column_work`), ``(longest, mean)``."""
 
     kind: str
     q_len: int
@@ -129,6 +132,8 @@ class LayoutClass:
     head_runs: int = 1
     lists: bool = False
     partial_fraction: float = 0.0
+    row_blocks: float = 0.0
+    list_columns: tuple = (0.0, 0.0)
 
 
 def device_interval_class(q_len: int, kv_len: int, batched: bool, ids: bool, per_head: bool = False) -> LayoutClass:
@@ -152,6 +157,12 @@ GLUON_DEVICE_INTERVALS = True
 # 14.44 vs 15.35, d64 9.30 vs 9.96, 64K GQA 8/2 113.2 vs 123.8; causal 16K d128 7.43 vs 7.78,
 # d64 4.77 vs 5.13, 64K GQA 58.8 vs 60.0.
 GLUON_FIVE_GEMM_DEFAULT = frozenset({"dense", "causal"})
+
+# The same five-GEMM kernel on compiled interval layouts (one program per key tile, dQ added in
+# fp32) under ``deterministic=None`` where the rows visit at least this many layout blocks on
+# average (long rows: padded batches, wide windows, causal prefixes); shorter rows keep the
+# deterministic pair, persistent. ``deterministic=False`` runs it on any compiled interval layout.
+GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS = float("inf")
 
 # The Gluon backward's interval mode (``kernels/backward_gluon.py``, ``INTERVAL``) on device-built
 # tables for the device-interval path (``ops/interval_backend.gluon_interval_backward``), where the
@@ -179,15 +190,31 @@ GLUON_HOST_INTERVAL_BACKWARD = True
 # The Gluon kernels' list mode on block layouts (``compiler/block_lists.py``: per tile a list of
 # blocks, partial ones masked against at most two key intervals per row) under
 # ``block_lists=None``: per phase, the largest fraction of partial blocks it runs. H200, 16K, d 128,
-# GPU time by kernel against the Triton block kernels (torch.profiler; raw
-# ``docs/data/block_lists_gpu_time_h200.json``, benchmarks/NOTES.md section 20), forward / backward
-# (partial fraction): sliding tiles 3-D (0) 144 / 436 against 231 / 626 us, shared prefix (0.19)
-# 238 / 830 against 341 / 942, rectangle | sliding (0.47) 117 / 346 against 155 / 386, BigBird
-# (0.39, H 16) 486 / 1370 against 485 / 1344, Longformer whole (0.57) 547 / 1582 against 451 (its
-# split forward: 249) / 1127, causal Longformer (0.75) backward 1090 against 705. Mostly masked rows
-# and columns cost more in the Gluon backward: Longformer's and the sinks' global key tile is one
-# item of all query blocks, every step masked, where the Triton kernel splits long columns.
-BLOCK_LISTS = {"forward": 0.5, "backward": 0.3}
+# GPU time by kernel against the Triton block kernels (torch.profiler; benchmarks/NOTES.md sections
+# 20 and 21), forward / backward, with the persistent kernels' items dealt by work
+# (``triton_backend._deal_table``; ``benchmarks/experiments/deal_gpu_time.py``, raw
+# ``docs/data/deal_gpu_time_h200.json``): sliding tiles 3-D (partial fraction 0) 162 / 462 against
+# 231 / 626 us, shared prefix (0.19) 243 / 700 against 341 / 942, rectangle | sliding (0.47)
+# 127 / 305 against 155 / 430, BigBird (0.39, H 16) 345 / 1037 against 485 / 1344, Longformer whole
+# (0.57) 345 / 866 against 451 (its split forward: 258) / 1201, causal Longformer (0.75) 223 / 732
+# against 189 (split) / 772. The forward keeps the Triton kernels (or the split) on mostly partial
+# layouts; the backward's limit is the longest key column below.
+BLOCK_LISTS = {"forward": 0.5, "backward": 1.0}
+# The list-mode dK/dV kernel runs one program per key tile over all its query blocks, so a long
+# key column (a global or prefix key tile that every row visits) is one item: the backward runs it
+# where its longest column's work is at most this multiple of the work per SM (every key tile of
+# every batch row and kv head, over the GPU's SMs) or ``LIST_LONG_COLUMN`` times the mean key
+# tile's (small problems, where every tile has an SM of its own), a masked step counting
+# ``LIST_MASKED_STEP_COST`` full ones (kernel times in section 20 of benchmarks/NOTES.md: ~2x
+# after the bounds staging, most of it the deal's imbalance; PC sampling in section 21: 1.31x).
+# H200, 16K, d 128, (longest / per SM) and list against Triton block backward GPU time,
+# items dealt by work: rectangle | sliding (0.56, H 8) 305 against 430 us, shared prefix (0.97,
+# H 8) 700 against 942, BigBird (0.61, H 16) 1037 against 1344, Longformer (1.51, H 16) 866 against
+# 1201; causal Longformer (2.38) 732 against 772 stays on the Triton kernels (5 % on GPU time,
+# less than the eager call's host time moved between machines).
+LIST_COLUMN_SHARE = 2.0
+LIST_LONG_COLUMN = 4.0
+LIST_MASKED_STEP_COST = 2.0
 # Partial blocks that building the lists may evaluate on the host, per row of layout blocks on
 # average and in all (a layout with more keeps the Triton block kernels without the cost: strided,
 # periodic and grid-neighbourhood masks, whose rows hold many partial blocks; Longformer and BigBird
@@ -221,13 +248,53 @@ def block_lists_of(layout, any_device: bool = False):
     return out
 
 
-def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, head_dim: int) -> bool:
+def list_tile_work(bl) -> np.ndarray:
+    """The list-mode dK/dV kernel's work per key tile, ``(Z, key tiles)`` in full-step units, a
+    masked step counting ``LIST_MASKED_STEP_COST`` (pure)."""
+    z, tc = bl.dkdv_order.shape
+    tab = bl.dkdv[:z * tc * 4].reshape(z, tc, 4).astype(np.float64)
+    return (tab[..., 2] - tab[..., 0]) + (LIST_MASKED_STEP_COST - 1.0) * (tab[..., 1] - tab[..., 0])
+
+
+def list_row_work(bl) -> np.ndarray:
+    """The list-mode dQ kernel's work per row tile, ``(Z, row tiles)``, as :func:`list_tile_work`
+    counts it (pure)."""
+    z = bl.lo.shape[0]
+    tr = bl.lo.shape[1] // _LIST_TILES[0]
+    tab = bl.dq[:z * tr * 4].reshape(z, tr, 4).astype(np.float64)
+    return (tab[..., 3] - tab[..., 0]) + (LIST_MASKED_STEP_COST - 1.0) * (tab[..., 1] - tab[..., 0])
+
+
+def list_fwd_work(bl) -> np.ndarray:
+    """The list-mode forward's work per row of its table (row tiles heaviest first), ``(Z, row
+    tiles)``, as :func:`list_tile_work` counts it (pure)."""
+    z = bl.lo.shape[0]
+    tr = bl.lo.shape[1] // _LIST_TILES[0]
+    tab = bl.fwd[:z * tr * 5].reshape(z, tr, 5).astype(np.float64)
+    n = tab[..., 4]
+    return n + (LIST_MASKED_STEP_COST - 1.0) * (n - (tab[..., 3] - tab[..., 2]))
+
+
+def list_column_work(bl) -> tuple:
+    """``(longest, mean)`` of :func:`list_tile_work` (pure)."""
+    work = list_tile_work(bl)
+    return float(work.max(initial=0.0)), float(work.mean()) if work.size else 0.0
+
+
+def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, s: Shapes, sms: int = 0) -> bool:
     """Whether the list mode runs this layout in ``phase`` under ``opts.block_lists`` (by default
     the backward at head dim 128 only: the Gluon backward at d 64 was measured on intervals, where
-    short rows lost to the Triton kernels, not on lists)."""
+    short rows lost to the Triton kernels, not on lists; and only where no key column outweighs
+    ``LIST_COLUMN_SHARE`` times the work per SM of ``sms`` (unknown: 132) and
+    ``LIST_LONG_COLUMN`` times the mean key tile's)."""
     if opts.block_lists is None:
-        return (lc.lists and lc.partial_fraction <= BLOCK_LISTS[phase]
-                and (phase == "forward" or head_dim == 128))
+        if not (lc.lists and lc.partial_fraction <= BLOCK_LISTS[phase]):
+            return False
+        if phase == "forward":
+            return True
+        longest, mean = lc.list_columns
+        per_sm = mean * (lc.kv_len // _LIST_TILES[3]) * s.B * s.Hkv / max(1, sms or 132)
+        return s.D == 128 and longest <= max(LIST_COLUMN_SHARE * per_sm, LIST_LONG_COLUMN * mean)
     return lc.lists and opts.block_lists
 
 
@@ -259,10 +326,12 @@ def layout_class(layout) -> LayoutClass:
     mean_row, pf = src.n_nonempty / max(1, src.n_rows), src.partial_fraction
     band, short_partial = short_rows(mean_row, pf), short_partial_rows(mean_row, pf)
     partial_heavy, band_bwd = src.n_nonempty > 0 and pf >= PARTIAL_HEAVY, band_backward_rows(mean_row, pf)
-    lists = kind == "blocks" and not shard and block_lists_of(layout) is not None
+    bl = block_lists_of(layout) if kind == "blocks" and not shard else None
+    lists, list_columns = bl is not None, list_column_work(bl) if bl is not None else (0.0, 0.0)
     cls = LayoutClass(kind, layout.q_len, layout.kv_len, tuple(layout.block_size), batched, shard, band,
                       short_partial, partial_heavy, band_bwd, partial_rows=partial_rows(mean_row, pf),
-                      per_head=per_head, head_runs=head_runs, lists=lists, partial_fraction=float(pf))
+                      per_head=per_head, head_runs=head_runs, lists=lists, partial_fraction=float(pf),
+                      row_blocks=float(mean_row), list_columns=list_columns)
     layout.cache["layout_class"] = cls
     return cls
 
@@ -496,7 +565,7 @@ def _gluon_fwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonConfig, opts: KernelOp
         return lc.kind
     if lc.kind == "interval" and opts.interval:
         return "interval"
-    if (lc.kind == "blocks" and _lists_on(lc, opts, "forward", s.D)
+    if (lc.kind == "blocks" and _lists_on(lc, opts, "forward", s)
             and (2 * cfg.block_m, cfg.block_n) == _LIST_TILES[:2]):
         return "list"
     return None
@@ -542,14 +611,14 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
     return Choice("triton", "blocks", ("_attn_fwd",))
 
 
-def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig, opts: KernelOptions) -> str | None:
+def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig, opts: KernelOptions, sms: int = 0) -> str | None:
     """The Gluon backward's mode for this layout and shapes (``"dense"``, ``"causal"``,
     ``"interval"`` for the interval and device-interval classes, ``"list"`` for block layouts in
-    the list mode), or None where it does not compute it."""
+    the list mode) on a GPU of ``sms`` SMs, or None where it does not compute it."""
     interval = lc.kind in ("interval", "device_interval")
     if lc.kind == "blocks":
         tiles = (2 * cfg.dq_block_m, cfg.dq_block_n, cfg.block_m, 2 * cfg.block_n)
-        if not _lists_on(lc, opts, "backward", s.D) or tiles != _LIST_TILES or s.D not in (64, 128):
+        if not _lists_on(lc, opts, "backward", s, sms) or tiles != _LIST_TILES or s.D not in (64, 128):
             return None
         return "list"
     if interval:
@@ -594,8 +663,12 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
             and grad_dtype in (False, "float32") and tma):
-        mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig(), opts)
-        if mode in ("interval", "list"):  # deterministic either way: dK/dV and dQ kernels
+        mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig(), opts, hw.sm_count)
+        if mode == "interval" and lc.kind == "interval" and not lc.shard and (
+                det is False or (det is None and lc.row_blocks >= GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS)):
+            return Choice("gluon", "interval+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",
+                                                          "_dq_finish"))
+        if mode in ("interval", "list"):  # dK/dV and dQ kernels
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
         if mode is not None:
             if det is False or (det is None and mode in GLUON_FIVE_GEMM_DEFAULT and not lc.shard):

@@ -125,7 +125,7 @@ def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
 
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None,
-                      window_bytes: float | None = None, lists: bool = False) -> None:
+                      window_bytes: float | None = None, lists: bool = False, kv_work=None, q_work=None) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (one program per ``2·block_n`` keys and
     batch·kv head, or persistent: ``GluonBwdConfig.dkdv_persistent``), then the dQ kernel (one
     program per row tile and head, or persistent: ``GluonBwdConfig.persistent``) or, with
@@ -144,7 +144,10 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     ``window_bytes``: K/V bytes of every head's key window, from which persistent interval items go
     head by head (:func:`~blocksparse_fa.ops.select.tile_major_deal`; None: tile-major). ``lists``:
     ``intervals`` holds the list mode's tables (``compiler/block_lists.py``: the tiles' blocks are
-    listed, not ranges)."""
+    listed, not ranges). ``kv_work``: the host's ``(work per key tile (Z, n_prog), the key tiles
+    heaviest first (Z, n_prog))`` (numpy; ``kv_ord``'s host copy), from which a persistent
+    tile-major dK/dV launch deals its items to the programs by :func:`_deal_table` (None: every
+    grid-th item); ``q_work``: the same for the dQ kernel's row tiles (in tile order)."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
@@ -158,28 +161,31 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     n_prog = s.Lk // (2 * cfg.block_n)
     n_items = n_prog * s.B * s.Hkv
     # as the forward's: causal keeps one program per tile; the dQ buffer's rows are int32 too
-    # GluonBwdConfig: persistent kernels by default on interval layouts only
+    # GluonBwdConfig: persistent kernels by default on interval layouts only, and not for the
+    # five-GEMM kernel (documents at 16K: 1.632 ms per tile against 1.842 persistent, NOTES.md section 5)
     auto = intervals is not None
     persistent, geo, grid = _persistent_grid((q, dout, k, v, None if direct else dk, None if direct else dv), n_items,
-                                             _on(cfg.dkdv_persistent, auto) and not causal
+                                             _on(cfg.dkdv_persistent, auto and not atomic) and not causal
                                              and s.B * s.H * s.Lq < 2**31, cfg.sm_margin)
     qg, dog = q, dout
     if s.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
     deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
+    dealt = (_deal_table(layout, *kv_work, s.B, s.Hkv, lzb, lzh * s.G, grid, q.device)
+             if deal and cfg.deal and kv_work is not None else None)
     rows_smem = cfg.rows_smem and not cfg.overlap
     _launch(_bg._attn_bwd_dkdv_gluon, (grid, ), (
-        qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab, kv_ord,
+        qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab, kv_ord, ph if dealt is None else dealt,
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        s.H, s.G, s.Lq, s.Lk, lzb, lzh * s.G, qk, scale, n_prog, n_items, *geo), 37, q.device, HEAD_DIM=s.D,
+        s.H, s.G, s.Lq, s.Lk, lzb, lzh * s.G, qk, scale, n_prog, n_items, *geo), 38, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
         PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=rows_smem, LIST=lists,
         BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64),
-        num_warps=4)
+        DEALT=dealt is not None, num_warps=4)
     if atomic:
         _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
@@ -192,16 +198,18 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     persistent, geo, grid = _persistent_grid((q, dout, k, v, None if direct else dq), n_items,
                                              _on(cfg.persistent, auto) and not causal, cfg.sm_margin)
     deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
+    dealt = (_deal_table(layout, *q_work, s.B, s.H, lzb, lzh, grid, q.device)
+             if deal and cfg.deal and q_work is not None else None)
     _launch(_bg._attn_bwd_dq_gluon, (grid, ), (
-        q, k, v, dout, dq, lse, delta, lo, hi, q_tab,
+        q, k, v, dout, dq, lse, delta, lo, hi, q_tab, ph if dealt is None else dealt,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        s.H, s.G, s.Lq, s.Lk, lzb, lzh, qk, scale, n_prog, n_items, *geo), 31, q.device, HEAD_DIM=s.D,
+        s.H, s.G, s.Lq, s.Lk, lzb, lzh, qk, scale, n_prog, n_items, *geo), 32, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal,
         PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
-        PERSISTENT=persistent, M_MAJOR=deal, LIST=lists, num_warps=4)
+        PERSISTENT=persistent, M_MAJOR=deal, LIST=lists, DEALT=dealt is not None, num_warps=4)
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
@@ -620,6 +628,70 @@ def _gluon_list_tables(layout: BlockLayout, device):
     return hit
 
 
+# A deal table replaces the every-grid-th deal of a persistent launch where it shortens the most
+# loaded program's work by at least this fraction (layouts whose key tiles differ in work: global or
+# prefix key tiles that every row visits).
+DEAL_MIN_GAIN = 0.05
+
+
+def _deal_table(layout, work, order, n_b: int, n_h: int, lzb: int, lzh: int, grid: int, device):
+    """The deal table (``forward_gluon._dealt``) of a persistent tile-major launch over ``n_b × n_h``
+    (batch, head) pairs: its items ``t = m·(n_b·n_h) + bh`` (the ``m``-th of ``order``'s tiles of
+    instance ``z = b·lzb + h·lzh``, ``work[z, tile]`` each) dealt longest first to the least loaded of
+    ``grid`` programs (LPT list scheduling), each program's in canonical order, written in the
+    kernels' snake encoding (``forward_gluon._item_tile`` undoes it); None where ``work`` is None or
+    the deal gains less than ``DEAL_MIN_GAIN`` on the every-grid-th one. Cached on the layout."""
+    if work is None or layout is None:
+        return None
+    key = ("gluon_deal", id(work), n_b, n_h, lzb, lzh, grid, device)
+    hit = layout.cache.get(key)
+    if hit is not None and hit[0] is work:  # the work array the table was dealt from
+        return hit[1]
+    import heapq
+
+    order = np.asarray(order)
+    z = (np.arange(n_b)[:, None] * lzb + np.arange(n_h)[None, :] * lzh).reshape(-1)
+    w = np.take_along_axis(np.asarray(work, np.float64), order.astype(np.int64), 1)[z]  # (BH, n_prog)
+    wt = w.T.reshape(-1)  # canonical item t = m·BH + bh
+    n = wt.size
+    t = np.arange(n)
+    sweep = t // grid
+    snake = np.where((sweep % 2 == 1) & ((sweep + 1) * grid <= n), sweep * grid + grid - 1 - t % grid, t)
+    before = np.bincount(t % grid, weights=wt[snake], minlength=grid).max()  # slot j runs item snake(j)
+    loads = [(0.0, p) for p in range(grid)]
+    owner = np.empty(n, np.int64)
+    for i in np.argsort(-wt, kind="stable"):
+        load, p = heapq.heappop(loads)
+        owner[i] = p
+        heapq.heappush(loads, (load + wt[i], p))
+    after = max(load for load, _ in loads)
+    table = None
+    if after < (1.0 - DEAL_MIN_GAIN) * before:
+        counts = np.bincount(owner, minlength=grid)
+        width = int(counts.max())
+        items = np.zeros((grid, width), np.int64)
+        by = np.argsort(owner, kind="stable")  # grouped by program, canonical order within
+        items[owner[by], np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)] = snake[by]
+        flat = np.concatenate([[width], counts, items.reshape(-1)]).astype(np.int32)
+        table = torch.from_numpy(flat).to(device)
+    layout.cache[key] = (work, table)
+    return table
+
+
+def _list_work(layout: BlockLayout):
+    """The list mode's work on the host, once per layout: ``(dK/dV, dQ, forward)``, each ``(work
+    per tile, the kernel's tile order)`` (``select.list_tile_work`` with ``BlockLists.dkdv_order``;
+    ``select.list_row_work`` in tile order; ``select.list_fwd_work`` in the forward table's order,
+    heaviest first)."""
+    work = layout.cache.get("list_work")
+    if work is None:
+        bl = select.block_lists_of(layout)
+        rows, fwd = select.list_row_work(bl), select.list_fwd_work(bl)
+        ident = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int32), rows.shape)
+        work = layout.cache["list_work"] = ((select.list_tile_work(bl), bl.dkdv_order), (rows, ident), (fwd, ident))
+    return work
+
+
 def _on(flag: bool | None, auto: bool) -> bool:
     """A kernel option that is True, False or None (then ``auto``)."""
     return auto if flag is None else flag
@@ -667,7 +739,8 @@ def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shapes, scale: float, case: str,
-                   cfg: GluonConfig, global_keys: tuple = (0, False), window_bytes: float | None = None) -> None:
+                   cfg: GluonConfig, global_keys: tuple = (0, False), window_bytes: float | None = None,
+                   layout: BlockLayout | None = None, work=None) -> None:
     """Launch ``kernels/forward_gluon._attn_fwd_gluon`` in mode ``case`` (``"dense"``, ``"causal"``,
     ``"interval"`` with its ``lo``/``hi``/``tiles`` tables, ``"list"`` with the list mode's):
     persistent (one program per SM) for
@@ -677,7 +750,9 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     by head where ``window_bytes`` (K/V bytes of every head's key window) says they would not
     share the L2 (:func:`~blocksparse_fa.ops.select.tile_major_deal`).
     ``global_keys``: ``(g, causal)``, interval mode only: every row also keeps the keys ``< g``
-    (``<=`` the row with ``causal``), visited first in every item (``compiler/globals.py``)."""
+    (``<=`` the row with ``causal``), visited first in every item (``compiler/globals.py``).
+    ``work``: the host's ``(work per table row, order)`` of ``layout``'s row tiles, from which a
+    persistent tile-major launch deals its items by :func:`_deal_table` (``cfg.deal``)."""
     _ensure_tma_allocator(q.device)
     rows = 2 * cfg.block_m
     n_prog = _cdiv(s.Lq, rows)
@@ -686,21 +761,25 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     persistent, geo, grid = _persistent_grid((q, k, v, out), n_items, cfg.persistent and case != "causal"
                                              and s.Lq % rows == 0, cfg.sm_margin)
     m_major = _tile_major(persistent and case in ("interval", "list"), n_items, grid, window_bytes)
+    dealt = (_deal_table(layout, *work, s.B, s.H, lzb, lzh, grid, q.device)
+             if m_major and cfg.deal and work is not None else None)
     _launch(_fg._attn_fwd_gluon, (grid, ), (
-        q, k, v, out, lse, lo, hi, tiles, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, out, lse, lo, hi, tiles, _placeholder(torch.int32, q.device) if dealt is None else dealt,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        s.H, s.G, lzb, lzh, s.Lq, s.Lk, n_prog, n_items, scale * _LOG2E, *geo), 26, q.device, HEAD_DIM=s.D,
+        s.H, s.G, lzb, lzh, s.Lq, s.Lk, n_prog, n_items, scale * _LOG2E, *geo), 27, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=case == "causal",
         INTERVAL=case in ("interval", "list"), PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
         M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
-        GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], LIST=case == "list", num_warps=4)
+        GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], LIST=case == "list", DEALT=dealt is not None,
+        num_warps=4)
 
 
 def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: GluonConfig,
                   layout: BlockLayout | None = None, global_keys: tuple = (0, False)) -> None:
     """The Gluon forward (``kernels/forward_gluon.py``, :func:`_gluon_fwd_run`); ``case``: the chosen
     mode (``"dense"``, ``"causal"``, ``"interval"``, ``"list"``; the last two need ``layout``)."""
-    window_bytes = None
+    window_bytes, work = None, None
     if case == "interval":
         lo, hi, tiles = _gluon_interval_tables(layout, cfg, q.device)
         lzb, lzh = _layout_strides(layout)
@@ -709,10 +788,12 @@ def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: Gl
         lo, hi, tiles, _, _, _, keys = _gluon_list_tables(layout, q.device)
         lzb, lzh = _layout_strides(layout)
         window_bytes = _window_bytes(layout, s, q.element_size(), keys)
+        work = _list_work(layout)[2]
     else:
         lo = hi = tiles = _placeholder(torch.int32, q.device)
         lzb = lzh = 0
-    _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg, global_keys, window_bytes)
+    _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg, global_keys, window_bytes,
+                   layout, work)
 
 
 def _tile_major(on: bool, n_items: int, grid: int, window_bytes: float | None) -> bool:
@@ -988,7 +1069,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     has_drop, acc = dropout_p > 0.0, accumulate is not None
     if choice.family == "gluon":
         cfg, intervals, window = opts.gluon_bwd or GluonBwdConfig(), None, None
-        if choice.mode == "interval":
+        if choice.mode.startswith("interval"):
             window = _window_bytes(layout, s, q.element_size())
             lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
             if empty is not None:  # the kernels skip rows by a -inf logsumexp; a rewrite's part
@@ -998,9 +1079,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             lo, hi, _, q_tab, kv_tab, kv_ord, keys = _gluon_list_tables(layout, dev)
             window = _window_bytes(layout, s, q.element_size(), keys)
             intervals = (lo, hi, kv_tab, q_tab, *_layout_strides(layout), kv_ord)
+        work = _list_work(layout) if choice.mode == "list" else (None, None, None)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
                           choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window,
-                          lists=choice.mode == "list")
+                          lists=choice.mode == "list", kv_work=work[0], q_work=work[1])
         return grads
     if choice.mode == "five_gemm":
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc, opts)

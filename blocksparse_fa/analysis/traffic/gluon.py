@@ -70,7 +70,8 @@ def choices(layout, p: TrafficParams):
     import torch
 
     from ...ops.options import KernelOptions
-    from ...ops.select import Hardware, LayoutClass, block_lists_of, choose_backward, choose_forward, layout_class
+    from ...ops.select import (Hardware, LayoutClass, block_lists_of, choose_backward, choose_forward, layout_class,
+                               list_column_work)
     from ...ops.validate import Shapes
 
     dtype = {2: torch.bfloat16 if "bf" in p.dtype else torch.float16, 4: torch.float32}[p.elem]
@@ -78,8 +79,9 @@ def choices(layout, p: TrafficParams):
         lc = LayoutClass("dense", layout.q_len, layout.kv_len, tuple(layout.block_size))
     else:
         lc = layout_class(layout)
-        if lc.kind == "blocks" and not lc.lists and block_lists_of(layout, any_device=True) is not None:
-            lc = replace(lc, lists=True)  # a layout on the CPU: the class a GPU's copy would have
+        bl = block_lists_of(layout, any_device=True) if lc.kind == "blocks" and not lc.lists else None
+        if bl is not None:  # a layout on the CPU: the class a GPU's copy would have
+            lc = replace(lc, lists=True, list_columns=list_column_work(bl))
     s = Shapes(p.batch, p.heads, p.hkv, layout.q_len, layout.kv_len, p.head_dim)
     hw = Hardware("cuda", (9, 0), "", p.n_sm)
     opts = KernelOptions()
