@@ -403,15 +403,16 @@ def test_gluon_dkdv_list_and_bounds_constexprs(monkeypatch):
 
 def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
     """The list mode's persistent dK/dV launch reads a deal table (``DEALT``) where the host knows
-    the key tiles' work and they differ (Longformer's global key tile), tile-major; not with
+    the key tiles' work and they differ (Longformer's global key tile), tile-major, and so do the
+    dQ kernel and the forward from their row tiles' work; not with
     ``GluonBwdConfig(deal=False)``, without the work, head by head (forced through
     ``triton_backend._M_MAJOR``) or for tiles of equal work."""
     import numpy as np
 
     import blocksparse_fa as bsfa
     from blocksparse_fa.compiler.block_lists import block_lists
-    from blocksparse_fa.ops.options import GluonBwdConfig
-    from blocksparse_fa.ops.select import Hardware, list_tile_work
+    from blocksparse_fa.ops.options import GluonBwdConfig, GluonConfig
+    from blocksparse_fa.ops.select import Hardware, list_fwd_work, list_row_work, list_tile_work
     from blocksparse_fa.ops.validate import Shapes
 
     monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
@@ -437,6 +438,20 @@ def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
 
     dealt, table = run()
     assert dealt and table.dtype == torch.int32 and int(table.numel()) > 1 + 132
+    # the dQ kernel's row tiles (Longformer's global rows) and the forward's, from their own work
+    rows = (list_row_work(bl), np.broadcast_to(np.arange(n // 128, dtype=np.int32), (1, n // 128)))
+    seen.clear()
+    tb._gluon_bwd_launch(q, q, q, q, (q, q, q), lse, lse, s, 0.1, False, False, GluonBwdConfig(), lay,
+                         intervals=(t, t, t, t, 0, 0, t), lists=True, kv_work=work, q_work=rows)
+    (_, dkdv), (dq_args, dq) = seen
+    assert dkdv["DEALT"] and dq["DEALT"] and dq_args[10].dtype == torch.int32
+    seen.clear()
+    fwd = (list_fwd_work(bl), rows[1])
+    tb._gluon_fwd_run(q, q, q, q, lse, t, t, t, 0, 0, s, 0.1, "list", GluonConfig(), layout=lay, work=fwd)
+    assert seen[0][1]["DEALT"]
+    seen.clear()
+    tb._gluon_fwd_run(q, q, q, q, lse, t, t, t, 0, 0, s, 0.1, "list", GluonConfig(deal=False), layout=lay, work=fwd)
+    assert not seen[0][1]["DEALT"]
     assert not run(GluonBwdConfig(deal=False))[0] and not run(kv_work=None)[0]
     assert not run(m_major=False)[0]  # head by head: every grid-th item
     assert not run(kv_work=(np.ones_like(work[0]), work[1]))[0]  # equal tiles: no gain
