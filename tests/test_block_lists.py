@@ -104,7 +104,7 @@ def test_lists_replay_the_mask(name):
 
 @pytest.mark.parametrize("name", ["Longformer", "causal Longformer", "BigBird"])
 def test_column_work_counts_each_key_tiles_steps(name):
-    """``select.list_column_work``: per key tile its 64-row steps, masked ones at
+    """``select.list_column_work`` (``list_work``): per key tile its 64-row steps, masked ones at
     ``LIST_MASKED_STEP_COST``, counted again from the block states; Longformer's global key tile
     is the longest."""
     from blocksparse_fa.ops import select
@@ -118,6 +118,16 @@ def test_column_work_counts_each_key_tiles_steps(name):
     assert longest == work.max() and mean == pytest.approx(work.mean())
     if name == "Longformer":  # the global keys' tile
         assert work.argmax() == 0
+    # the dQ kernel's row tiles (one 128-key step per block) and the forward's table rows, the
+    # same tiles heaviest first; a tile with no block still runs one masked step, and the forward
+    # masks the first step of a tile of full blocks only
+    bl = block_lists(layout, BM, BM, 64, BM)
+    cost = select.LIST_MASKED_STEP_COST
+    full, part = (st == 2).sum(1), (st == 1).sum(1)
+    rows = np.where(full + part == 0, cost, full + cost * part)
+    np.testing.assert_allclose(select.list_work(bl, "dq")[0], rows)
+    fwd = np.where(full + part == 0, cost, full + part + (cost - 1) * np.maximum(part, 1))
+    np.testing.assert_allclose(np.sort(select.list_work(bl, "forward")[0]), np.sort(fwd))
 
 
 def test_fewer_queries_than_keys():
@@ -194,7 +204,7 @@ def test_the_deal_table_balances_heavy_key_tiles(grid):
     n, heads = 2048, 4
     layout = bsfa.compile_mask(bsfa.load_pattern("longformer", window=200, n_global=64), n, n, block_size=BM)
     bl = block_lists(layout, BM, BM, 64, BM)
-    work = select.list_tile_work(bl)
+    work = select.list_work(bl, "dkdv")
     table = tb._deal_table(layout, work, bl.dkdv_order, 1, heads, 0, 0, grid, torch.device("cpu"))
     assert table is not None and tb._deal_table(layout, work, bl.dkdv_order, 1, heads, 0, 0, grid,
                                                 torch.device("cpu")) is table  # cached

@@ -412,7 +412,7 @@ def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
     import blocksparse_fa as bsfa
     from blocksparse_fa.compiler.block_lists import block_lists
     from blocksparse_fa.ops.options import GluonBwdConfig, GluonConfig
-    from blocksparse_fa.ops.select import Hardware, list_fwd_work, list_row_work, list_tile_work
+    from blocksparse_fa.ops.select import Hardware, list_work
     from blocksparse_fa.ops.validate import Shapes
 
     monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
@@ -422,7 +422,7 @@ def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
     n, heads = 4096, 32
     lay = bsfa.compile_mask(bsfa.load_pattern("longformer", window=256, n_global=64), n, n, 128)
     bl = block_lists(lay, 128, 128, 64, 128)
-    work = (list_tile_work(bl), bl.dkdv_order)
+    work = (list_work(bl, "dkdv"), bl.dkdv_order)
     q = torch.empty(1, heads, n, 128, device="meta", dtype=torch.bfloat16)
     lse = torch.empty(heads, n, device="meta")
     t = torch.empty(1, dtype=torch.int32, device="meta")
@@ -439,14 +439,14 @@ def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
     dealt, table = run()
     assert dealt and table.dtype == torch.int32 and int(table.numel()) > 1 + 132
     # the dQ kernel's row tiles (Longformer's global rows) and the forward's, from their own work
-    rows = (list_row_work(bl), np.broadcast_to(np.arange(n // 128, dtype=np.int32), (1, n // 128)))
+    rows = (list_work(bl, "dq"), np.broadcast_to(np.arange(n // 128, dtype=np.int32), (1, n // 128)))
     seen.clear()
     tb._gluon_bwd_launch(q, q, q, q, (q, q, q), lse, lse, s, 0.1, False, False, GluonBwdConfig(), lay,
                          intervals=(t, t, t, t, 0, 0, t), lists=True, kv_work=work, q_work=rows)
     (_, dkdv), (dq_args, dq) = seen
     assert dkdv["DEALT"] and dq["DEALT"] and dq_args[10].dtype == torch.int32
     seen.clear()
-    fwd = (list_fwd_work(bl), rows[1])
+    fwd = (list_work(bl, "forward"), rows[1])
     tb._gluon_fwd_run(q, q, q, q, lse, t, t, t, 0, 0, s, 0.1, "list", GluonConfig(), layout=lay, work=fwd)
     assert seen[0][1]["DEALT"]
     seen.clear()

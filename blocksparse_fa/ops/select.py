@@ -248,36 +248,27 @@ def block_lists_of(layout, any_device: bool = False):
     return out
 
 
-def list_tile_work(bl) -> np.ndarray:
-    """The list-mode dK/dV kernel's work per key tile, ``(Z, key tiles)`` in full-step units, a
-    masked step counting ``LIST_MASKED_STEP_COST`` (pure)."""
-    z, tc = bl.dkdv_order.shape
-    tab = bl.dkdv[:z * tc * 4].reshape(z, tc, 4).astype(np.float64)
-    return (tab[..., 2] - tab[..., 0]) + (LIST_MASKED_STEP_COST - 1.0) * (tab[..., 1] - tab[..., 0])
-
-
-def list_row_work(bl) -> np.ndarray:
-    """The list-mode dQ kernel's work per row tile, ``(Z, row tiles)``, as :func:`list_tile_work`
-    counts it (pure)."""
+def list_work(bl, kernel: str) -> np.ndarray:
+    """Work per tile of a list-mode kernel in full-step units, a masked step counting
+    ``LIST_MASKED_STEP_COST`` (pure): ``kernel`` ``"dkdv"`` per key tile, ``"dq"`` per row tile,
+    ``"forward"`` per row of its table (row tiles heaviest first); ``(Z, tiles)`` float64."""
     z = bl.lo.shape[0]
     tr = bl.lo.shape[1] // _LIST_TILES[0]
-    tab = bl.dq[:z * tr * 4].reshape(z, tr, 4).astype(np.float64)
-    return (tab[..., 3] - tab[..., 0]) + (LIST_MASKED_STEP_COST - 1.0) * (tab[..., 1] - tab[..., 0])
-
-
-def list_fwd_work(bl) -> np.ndarray:
-    """The list-mode forward's work per row of its table (row tiles heaviest first), ``(Z, row
-    tiles)``, as :func:`list_tile_work` counts it (pure)."""
-    z = bl.lo.shape[0]
-    tr = bl.lo.shape[1] // _LIST_TILES[0]
-    tab = bl.fwd[:z * tr * 5].reshape(z, tr, 5).astype(np.float64)
-    n = tab[..., 4]
-    return n + (LIST_MASKED_STEP_COST - 1.0) * (n - (tab[..., 3] - tab[..., 2]))
+    if kernel == "forward":
+        tab = bl.fwd[:z * tr * 5].reshape(z, tr, 5).astype(np.float64)
+        steps = tab[..., 4]
+        masked = steps - (tab[..., 3] - tab[..., 2])
+    else:
+        n = bl.dkdv_order.shape[1] if kernel == "dkdv" else tr
+        tab = (bl.dkdv if kernel == "dkdv" else bl.dq)[:z * n * 4].reshape(z, n, 4).astype(np.float64)
+        steps = tab[..., 2 if kernel == "dkdv" else 3] - tab[..., 0]
+        masked = tab[..., 1] - tab[..., 0]
+    return steps + (LIST_MASKED_STEP_COST - 1.0) * masked
 
 
 def list_column_work(bl) -> tuple:
-    """``(longest, mean)`` of :func:`list_tile_work` (pure)."""
-    work = list_tile_work(bl)
+    """``(longest, mean)`` of the dK/dV kernel's :func:`list_work` (pure)."""
+    work = list_work(bl, "dkdv")
     return float(work.max(initial=0.0)), float(work.mean()) if work.size else 0.0
 
 

@@ -680,15 +680,15 @@ def _deal_table(layout, work, order, n_b: int, n_h: int, lzb: int, lzh: int, gri
 
 def _list_work(layout: BlockLayout):
     """The list mode's work on the host, once per layout: ``(dK/dV, dQ, forward)``, each ``(work
-    per tile, the kernel's tile order)`` (``select.list_tile_work`` with ``BlockLists.dkdv_order``;
-    ``select.list_row_work`` in tile order; ``select.list_fwd_work`` in the forward table's order,
-    heaviest first)."""
+    per tile, the kernel's tile order)`` (``select.list_work``; the dK/dV kernel's order
+    ``BlockLists.dkdv_order``, the others' the tiles' or table rows' own)."""
     work = layout.cache.get("list_work")
     if work is None:
         bl = select.block_lists_of(layout)
-        rows, fwd = select.list_row_work(bl), select.list_fwd_work(bl)
+        rows, fwd = select.list_work(bl, "dq"), select.list_work(bl, "forward")
         ident = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int32), rows.shape)
-        work = layout.cache["list_work"] = ((select.list_tile_work(bl), bl.dkdv_order), (rows, ident), (fwd, ident))
+        work = layout.cache["list_work"] = ((select.list_work(bl, "dkdv"), bl.dkdv_order), (rows, ident),
+                                            (fwd, ident))
     return work
 
 
