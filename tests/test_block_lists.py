@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import blocksparse_fa as bsfa
-from blocksparse_fa.compiler.block_lists import block_lists
+from blocksparse_fa.compiler.block_lists import BLOCK_MASK, HALVES, SKIP_BIT, block_lists
 
 BM = 128
 
@@ -52,22 +52,53 @@ def _replay(t, layout, q_step=64):
             rows = np.arange(p * BM, p * BM + BM)
             assert end > first and first <= f0 <= f1 <= end
             for pos in range(first, end):
-                kb = t.dq[pos]
+                kb, bits = t.dq[pos] & BLOCK_MASK, t.dq[pos] >> SKIP_BIT
+                assert bits == 0 or not f0 <= pos < f1, "a full block's entry skips a half"
                 keys = np.arange(kb * BM, kb * BM + BM)
                 blk = np.ones((BM, BM), bool) if f0 <= pos < f1 else _keep(lo2[a], hi2[a], rows, keys)
+                for h in range(HALVES):  # a skipped half of the rows keeps nothing here
+                    if bits >> h & 1:
+                        assert not blk[h * BM // HALVES:(h + 1) * BM // HALVES].any()
                 dq[a][np.ix_(rows, keys)] |= blk
         for c in range(tc):  # dK/dV: query blocks of q_step rows
             first, f0, f1, end = t.dkdv[(a * tc + c) * 4:(a * tc + c) * 4 + 4]
             assert end > first
             keys = np.arange(c * BM, c * BM + BM)
             for pos in range(first, end):
-                qb = t.dkdv[pos]
+                qb, bits = t.dkdv[pos] & BLOCK_MASK, t.dkdv[pos] >> SKIP_BIT
+                assert bits == 0 or not f0 <= pos < f1, "a full part's entry skips a half"
                 rows = np.arange(qb * q_step, qb * q_step + q_step)
                 blk = np.ones((q_step, BM), bool) if f0 <= pos < f1 else _keep(lo2[a], hi2[a], rows, keys)
+                for h in range(HALVES):  # a skipped half keeps nothing here: its consumer passes
+                    if bits >> h & 1:
+                        assert not blk[:, h * BM // HALVES:(h + 1) * BM // HALVES].any()
+                assert not (dkdv[a][np.ix_(rows, keys)] & blk).any(), "a part visited twice"
+                assert blk.any() or end - first == 1, "a part that keeps nothing visited"
                 dkdv[a][np.ix_(rows, keys)] |= blk
         assert sorted(t.dkdv_order[a]) == list(range(tc))
     assert (seen_f == 1).all(), "every row tile once"
     return fwd, dq, dkdv
+
+
+def test_skip_bits_name_the_halves_that_keep_nothing():
+    """Longformer's global keys (0..63) are the first half of key tile 0: every row keeps them and
+    no row beyond the window keeps the second half, so that tile's masked parts let the second
+    consumer skip; BigBird's window edges give both halves such parts, in the dK/dV table (halves of
+    the key tile) and in the dQ table (halves of the row tile)."""
+    lay = bsfa.compile_mask(bsfa.load_pattern("longformer"), 4096, 4096, block_size=BM)
+    t = block_lists(lay, BM, BM, 64, BM)
+    first, f0, f1, end = t.dkdv[:4]
+    bits = t.dkdv[first:f0] >> SKIP_BIT
+    assert f0 - first > 40 and (bits == 2).mean() > 0.9
+    lay = bsfa.compile_mask(bsfa.load_pattern("bigbird"), 4096, 4096, block_size=BM)
+    t = block_lists(lay, BM, BM, 64, BM)
+    tc = 4096 // BM
+    tab = t.dkdv[:tc * 4].reshape(tc, 4)
+    masked = np.concatenate([t.dkdv[a:b] for a, b in tab[:, :2]]) >> SKIP_BIT
+    assert set(np.unique(masked)) == {0, 1, 2}
+    tab = t.dq[:tc * 4].reshape(tc, 4)  # dQ: the rows' halves, at the same window edges
+    masked = np.concatenate([t.dq[a:b] for a, b in tab[:, :2]]) >> SKIP_BIT
+    assert set(np.unique(masked)) == {0, 1, 2}
 
 
 def _dense(layout):
@@ -105,26 +136,40 @@ def test_lists_replay_the_mask(name):
 @pytest.mark.parametrize("name", ["Longformer", "causal Longformer", "BigBird"])
 def test_column_work_counts_each_key_tiles_steps(name):
     """``select.list_column_work`` (``list_work``): per key tile its 64-row steps, masked ones at
-    ``LIST_MASKED_STEP_COST``, counted again from the block states; Longformer's global key tile
-    is the longest."""
+    ``LIST_MASKED_STEP_COST``, counted again from the mask's 64 × 128 parts (a part that keeps
+    every key is a full step, one that keeps none no step, a masked one where a 64-key half keeps
+    nothing ``LIST_HALF_STEP_COST``); Longformer's global key tile is the longest."""
     from blocksparse_fa.ops import select
 
     layout = bsfa.compile_mask(CASES[name][0](), N, N, block_size=BM)
     longest, mean = select.list_column_work(block_lists(layout, BM, BM, 64, BM))
     st = layout.block_states().cpu().numpy().reshape(N // BM, N // BM)
-    per = BM // 64
-    work = per * ((st == 2).sum(0) + select.LIST_MASKED_STEP_COST * (st == 1).sum(0))
-    work = np.where(work == 0, per * select.LIST_MASKED_STEP_COST, work)  # an empty column walks one block
+    halves = _dense(layout)[0].reshape(N // 64, 64, N // BM, 2, BM // 2).sum((1, 4))
+    kept = halves.sum(2)
+    full, masked = kept == 64 * BM, (kept > 0) & (kept < 64 * BM)
+    passing = masked & (halves == 0).any(2)  # one consumer keeps nothing of the part
+    work = (full.sum(0) + select.LIST_MASKED_STEP_COST * (masked & ~passing).sum(0)
+            + select.LIST_HALF_STEP_COST * passing.sum(0))
+    work = np.where(work == 0, select.LIST_MASKED_STEP_COST, work)  # an empty column walks one part
+    per_block = 2 * ((st == 2).sum(0) + select.LIST_MASKED_STEP_COST * (st == 1).sum(0))
+    assert work.sum() < per_block.sum()  # the window's edge blocks hold full or empty parts
     assert longest == work.max() and mean == pytest.approx(work.mean())
     if name == "Longformer":  # the global keys' tile
         assert work.argmax() == 0
+    if name == "BigBird":  # its default window (192 keys each side): a quarter of the masked steps go
+        default = bsfa.compile_mask(bsfa.load_pattern("bigbird"), 4096, 4096, block_size=BM)
+        d = select.list_work(block_lists(default, BM, BM, 64, BM), "dkdv").sum()
+        st4 = default.block_states().cpu().numpy().reshape(4096 // BM, 4096 // BM)
+        assert d < 0.85 * 2 * ((st4 == 2).sum() + select.LIST_MASKED_STEP_COST * (st4 == 1).sum())
     # the dQ kernel's row tiles (one 128-key step per block) and the forward's table rows, the
     # same tiles heaviest first; a tile with no block still runs one masked step, and the forward
     # masks the first step of a tile of full blocks only
     bl = block_lists(layout, BM, BM, 64, BM)
     cost = select.LIST_MASKED_STEP_COST
     full, part = (st == 2).sum(1), (st == 1).sum(1)
-    rows = np.where(full + part == 0, cost, full + cost * part)
+    row_halves = _dense(layout)[0].reshape(N // BM, 2, BM // 2, N // BM, BM).sum((2, 4))  # (tile, half, block)
+    passing = ((st == 1) & (row_halves == 0).any(1)).sum(1)  # a half of the rows keeps nothing of the block
+    rows = np.where(full + part == 0, cost, full + cost * (part - passing) + select.LIST_HALF_STEP_COST * passing)
     np.testing.assert_allclose(select.list_work(bl, "dq")[0], rows)
     fwd = np.where(full + part == 0, cost, full + part + (cost - 1) * np.maximum(part, 1))
     np.testing.assert_allclose(np.sort(select.list_work(bl, "forward")[0]), np.sort(fwd))
@@ -201,8 +246,8 @@ def test_the_deal_table_balances_heavy_key_tiles(grid):
     from blocksparse_fa.ops import select
     from blocksparse_fa.ops import triton_backend as tb
 
-    n, heads = 2048, 4
-    layout = bsfa.compile_mask(bsfa.load_pattern("longformer", window=200, n_global=64), n, n, block_size=BM)
+    n, heads = 2048, 4  # 100 global keys: both halves of their tile keep some of every row (no pass)
+    layout = bsfa.compile_mask(bsfa.load_pattern("longformer", window=200, n_global=100), n, n, block_size=BM)
     bl = block_lists(layout, BM, BM, 64, BM)
     work = select.list_work(bl, "dkdv")
     table = tb._deal_table(layout, work, bl.dkdv_order, 1, heads, 0, 0, grid, torch.device("cpu"))

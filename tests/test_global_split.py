@@ -59,6 +59,13 @@ def test_choice_is_a_pure_function():
     assert not select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds=True,
                                           phase="backward")
     assert not select.choose_global_split(tr, s, bf, auto, n_global=64, long_rows=True, folds=True)
+    # ... unless the whole layout's forward runs the Gluon list mode (one launch, not three); sinks,
+    # whose split is one folded pass, still split, and an explicit global_split=True still does
+    lists = select.Choice("gluon", "list", ())
+    assert not select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds=True, whole=lists)
+    assert select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=True, folds=True, whole=tr)
+    assert select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=False, folds=True, whole=lists)
+    assert select.choose_global_split(gl, s, bf, on, n_global=64, long_rows=True, folds=True, whole=lists)
     # 64 attention sinks (no first rows of their own) folded into the band's forward: the forward
     # splits whatever g, the backward keeps the whole mask above AUTO_GLOBAL_SPLIT_MAX
     assert select.choose_global_split(gl, s, bf, auto, n_global=64, long_rows=False, folds=True)

@@ -32,6 +32,9 @@ import numpy as np
 __all__ = ["BlockLists", "block_lists"]
 
 MAX_INTERVALS = 2
+HALVES = 2  # the backward kernels' consumers: each takes half of a key tile (dK/dV) or of a row tile (dQ)
+SKIP_BIT = 24  # dK/dV and dQ entries: bit SKIP_BIT + h set where consumer h has nothing to compute
+BLOCK_MASK = (1 << SKIP_BIT) - 1
 _SAMPLE_BLOCKS, _SAMPLE_LINES = 256, 8  # more partial blocks: 8 lines are checked first
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 
@@ -46,9 +49,13 @@ class BlockLists:
             ``first`` a position in this array where the tile's ``n`` key blocks are listed, steps
             ``[e1, e2)`` full (the forward's table).
         dq: int32 ``(Z·P·4 + entries,)``: per row tile in tile order ``(first, f0, f1, end)``, positions
-            in this array: ``[first, f0)`` masked, ``[f0, f1)`` full (the dQ kernel's table).
+            in this array: ``[first, f0)`` masked, ``[f0, f1)`` full (the dQ kernel's table); a masked
+            entry carries bit ``SKIP_BIT + h`` where half ``h`` of the tile's rows keeps nothing of it.
         dkdv: int32 ``(Z·Pk·4 + entries,)``: per key tile ``(first, f0, f1, end)``, positions of its
-            query blocks of ``q_step`` rows (the dK/dV kernel's table).
+            query blocks of ``q_step`` rows (the dK/dV kernel's table); a partial block's parts
+            are listed by their own state (a full part unmasked, an empty one not at all), and a
+            masked entry carries bit ``SKIP_BIT + h`` where half ``h`` of the key tile keeps
+            nothing of it (the block is ``entry & BLOCK_MASK``).
         dkdv_order: int32 ``(Z, Pk)``: the key tiles heaviest first.
         n_intervals: 1 or 2.
         mean_keys: keys per row visited on average (listed blocks times the column block).
@@ -114,11 +121,12 @@ def block_lists(layout, fwd_rows: int, fwd_step: int, q_step: int, key_tile: int
         pick = np.isin(line, np.unique(line)[np.linspace(0, len(np.unique(line)) - 1, _SAMPLE_LINES).astype(int)])
         if _row_runs(layout, states, zz[pick], rr[pick], cc[pick]) is None:
             return None
+    row_kept = np.zeros((0, bm, HALVES), np.int64)
     if len(zz):
         runs = _row_runs(layout, states, zz, rr, cc)
         if runs is None:
             return None
-        srow, skey, ekey, n_runs = runs
+        srow, skey, ekey, n_runs, row_kept = runs
         n_iv = max(1, int(n_runs.max(initial=0)))
         rank = np.arange(len(srow)) - np.repeat(np.cumsum(n_runs) - n_runs, n_runs)
         lo.reshape(z * lq, MAX_INTERVALS)[srow, rank] = skey
@@ -155,16 +163,39 @@ def block_lists(layout, fwd_rows: int, fwd_step: int, q_step: int, key_tile: int
     qbase = z * tr * 4
     qstart = start - base + qbase
     dq_tab = np.stack([qstart, qstart + n_mask, qstart + n, qstart + n], 2)
-    dq = np.concatenate([dq_tab.ravel(), blocks]).astype(np.int32)
+    # the dQ kernel's consumers take the row tile's halves: a masked entry's bit SKIP_BIT + h says
+    # that half h of the rows keeps nothing of the block
+    row_skip = np.zeros((z, tr, tc), np.int64)
+    if len(zz):
+        rows_half = row_kept.sum(2).reshape(len(zz), HALVES, bm // HALVES).sum(2)
+        row_skip[zz, rr, cc] = ((rows_half == 0) << np.arange(HALVES)).sum(1)
+    rline = np.repeat(np.arange(z * tr), counts.ravel())
+    dq_blocks = _fill(counts, flat | (row_skip[rline // tr, rline % tr, flat] << SKIP_BIT), n)
+    dq = np.concatenate([dq_tab.ravel(), dq_blocks]).astype(np.int32)
 
-    # ---- dK/dV: per key tile its query blocks of q_step rows, masked first
+    # ---- dK/dV: per key tile its query blocks of q_step rows, masked first. A partial block's
+    # q_step-row parts are classified again: a part whose rows keep every key of the block runs
+    # unmasked, a part that keeps none is not visited.
+    # A masked part also says which halves of the key tile (the kernel's two consumers) keep
+    # nothing there: bit ``SKIP_BIT + h`` of its entry; such a consumer only passes the step on.
     per = bm // q_step
-    ccounts, cpart, cflat = _lists(states, False)
-    cempty = ccounts == 0
-    cn = np.where(cempty, 1, ccounts) * per
-    cmask = np.where(cempty, 1, cpart) * per
-    cblocks = _fill(ccounts, cflat, np.where(cempty, 1, ccounts))
-    cblocks = (cblocks[:, None] * per + np.arange(per)[None, :]).ravel()
+    sub = np.repeat(states, per, axis=1)
+    skip = np.zeros_like(sub)
+    if len(zz):
+        half_kept = row_kept.reshape(len(zz), per, q_step, HALVES).sum(2)  # (parts, per, HALVES)
+        part_kept = half_kept.sum(2)
+        part_state = np.where(part_kept == q_step * bn, _FULL, np.where(part_kept == 0, _EMPTY, _PARTIAL))
+        part_rows = rr[:, None] * per + np.arange(per)[None, :]
+        sub[zz[:, None], part_rows, cc[:, None]] = part_state
+        bits = ((half_kept == 0) << np.arange(HALVES)).sum(2) * (part_state == _PARTIAL)
+        skip[zz[:, None], part_rows, cc[:, None]] = bits
+    ccounts, cpart, cflat = _lists(sub, False)
+    line = np.repeat(np.arange(z * tc), ccounts.ravel())
+    cflat = cflat | (skip[line // tc, cflat, line % tc].astype(np.int64) << SKIP_BIT)
+    cempty = ccounts == 0  # a key tile no row keeps walks one masked step of query block 0
+    cn = np.where(cempty, 1, ccounts)
+    cmask = np.where(cempty, 1, cpart)
+    cblocks = _fill(ccounts, cflat, cn)
     kbase = z * tc * 4
     cstart = kbase + np.concatenate([[0], np.cumsum(cn.ravel())[:-1]]).reshape(z, tc)
     kv_tab = np.stack([cstart, cstart + cmask, cstart + cn, cstart + cn], 2)
@@ -177,8 +208,9 @@ def block_lists(layout, fwd_rows: int, fwd_step: int, q_step: int, key_tile: int
 def _row_runs(layout, states: np.ndarray, zz: np.ndarray, rr: np.ndarray, cc: np.ndarray):
     """Runs of kept keys per row inside the partial blocks ``(zz, rr, cc)`` (whole lines, sorted by
     line then column), two runs that only full blocks separate merged: ``(rows, starts, ends,
-    runs per row)`` with rows ``z·Lq + q`` (sorted; starts and ends in key order within a row), or
-    None where a row has more than ``MAX_INTERVALS``."""
+    runs per row, kept keys per block, row and half block)`` with rows ``z·Lq + q`` (sorted; starts
+    and ends in key order within a row) and the last ``(len(zz), bm, HALVES)``, or None where a row
+    has more than ``MAX_INTERVALS``."""
     z, tr, _ = states.shape
     bm, bn = layout.block_size
     lq = layout.q_len
@@ -206,7 +238,8 @@ def _row_runs(layout, states: np.ndarray, zz: np.ndarray, rr: np.ndarray, cc: np
     n_runs = np.bincount(srow, minlength=z * lq)
     if n_runs.max(initial=0) > MAX_INTERVALS:
         return None
-    return srow[so], (cc[sk] * bn + sj)[so], (cc[ek] * bn + ej + 1)[eo], n_runs
+    halves = kept.reshape(k, bm, HALVES, bn // HALVES).sum(3)
+    return srow[so], (cc[sk] * bn + sj)[so], (cc[ek] * bn + ej + 1)[eo], n_runs, halves
 
 
 def _fill(counts: np.ndarray, flat: np.ndarray, n: np.ndarray) -> np.ndarray:

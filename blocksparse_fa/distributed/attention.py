@@ -33,7 +33,7 @@ import torch
 
 from ..ops import dispatch, select
 from ..ops.merge import merge_attention
-from ..ops.options import DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig
+from ..ops.options import _DEFAULT_GLUON, _DEFAULT_GLUON_BWD, DEFAULT_OPTIONS
 from ..ops.validate import Shapes
 from .comm import Pending, exchange
 from .exchange import Exchange, Part
@@ -234,7 +234,7 @@ def _beside_messages(opts):
     Gluon grids leave ``_SM_MARGIN`` SMs to NCCL's kernels (unless the call set its own margin)."""
     if not _SM_MARGIN:
         return opts
-    fwd, bwd = opts.gluon_fwd or GluonConfig(), opts.gluon_bwd or GluonBwdConfig()
+    fwd, bwd = opts.gluon_fwd or _DEFAULT_GLUON, opts.gluon_bwd or _DEFAULT_GLUON_BWD
     if fwd.sm_margin or bwd.sm_margin:
         return opts
     return opts.replace(gluon_fwd=dataclasses.replace(fwd, sm_margin=_SM_MARGIN),

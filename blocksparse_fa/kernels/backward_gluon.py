@@ -354,6 +354,48 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
+    def _pass_step(t, ready, empty, turn, C: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr):
+        """Ring step ``t`` for a consumer with nothing to compute there (its keys or rows all
+        dropped): the same barrier waits and arrivals as :func:`_dkdv_step` and :func:`_dq_step`
+        (the slot's fill, the ping-pong turn, the release), no products."""
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), t & 1)
+            mbarrier.arrive(turn.index(1 - C))
+        mbarrier.arrive(empty.index(s))
+
+    @gluon.jit
+    def _dkdv_masked(dk, dv, t, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn, lse_row,
+                     delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row, off_k, qk_scale, TAB, C: gl.constexpr,
+                     INTERVAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                     kv_layout: gl.constexpr, dq_layout: gl.constexpr, vec_layout: gl.constexpr,
+                     DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, bounds_smem,
+                     BOUNDS_SMEM: gl.constexpr, LIST: gl.constexpr):
+        """A masked step at table position ``i`` (ring step ``t``); with ``LIST`` the entry's skip
+        bit for consumer ``C`` (bit ``24 + C``) makes it :func:`_pass_step` instead."""
+        if LIST:
+            e = gl.load(TAB + i)
+            blk = e & 0xFFFFFF
+            if ((e >> (24 + C)) & 1) != 0:
+                _pass_step(t, ready, empty, turn, C, PINGPONG, STAGES)
+            else:
+                dk, dv = _dkdv_step(dk, dv, t, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty,
+                                    turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row, off_k,
+                                    qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                    s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
+                                    ROWS_SMEM, bounds_smem, BOUNDS_SMEM)
+        else:
+            blk = _fg._step_base(TAB, i, 0, LIST)
+            dk, dv = _dkdv_step(dk, dv, t, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
+                                lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row, off_k, qk_scale, C, 2,
+                                INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM,
+                                bounds_smem, BOUNDS_SMEM)
+        return dk, dv
+
+    @gluon.jit
     def _last_deferred(acc, ds_c, ds16, op, empty, sl, DS_SMEM: gl.constexpr):
         """The deferred product of an overlapped loop's last step, ``acc += dS·op`` (dS from the
         group's shared tile ``ds_c`` with ``DS_SMEM``, else ``ds16`` in registers), then slot ``sl``
@@ -538,13 +580,12 @@ if gluon is not None:
                                             BOUNDS_SMEM)
                 if INTERVAL:
                     for i in range(i0, i_full):
-                        blk = _fg._step_base(TAB, i, 0, LIST)
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
-                                            ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
-                                            dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
-                                            BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
-                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
-                                            BOUNDS_SMEM)
+                        dk, dv = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
+                                              ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
+                                              dq_smem, dq_row, off_k, qk_scale, TAB, C, INTERVAL, ATOMIC_DQ, PINGPONG,
+                                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
+                                              vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
+                                              BOUNDS_SMEM, LIST)
                 for i in range(i_full, i_tail):
                     blk = _fg._step_base(TAB, i, 0, LIST)
                     dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
@@ -554,13 +595,12 @@ if gluon is not None:
                                         rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM)
                 if INTERVAL:
                     for i in range(i_tail, i0 + n_i):
-                        blk = _fg._step_base(TAB, i, 0, LIST)
-                        dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
-                                            ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem,
-                                            dq_row, off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM,
-                                            BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout,
-                                            DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
-                                            BOUNDS_SMEM)
+                        dk, dv = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
+                                              ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
+                                              dq_smem, dq_row, off_k, qk_scale, TAB, C, INTERVAL, ATOMIC_DQ, PINGPONG,
+                                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
+                                              vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
+                                              BOUNDS_SMEM, LIST)
         if DIRECT_STORE:  # dK, dV (any dtype) from the registers
             b64 = b.to(gl.int64)
             hk64 = hk.to(gl.int64)
@@ -941,6 +981,25 @@ if gluon is not None:
         return dq
 
     @gluon.jit
+    def _dq_masked(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r, off_m,
+                   qk_scale, TAB, C: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                   LIST: gl.constexpr):
+        """Masked step ``j`` of an item whose list starts at ``kb0``; with ``LIST`` the entry's skip
+        bit for consumer ``C`` (bit ``24 + C``) makes it :func:`_pass_step` instead."""
+        kbj = _fg._step_base(TAB, kb0, j, LIST)
+        if LIST:
+            if ((gl.load(TAB + kb0 + j) >> (24 + C)) & 1) != 0:
+                _pass_step(rb + j, ready, empty, turn, C, PINGPONG, STAGES)
+            else:
+                dq = _dq_step(dq, j, rb, kbj, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
+                              off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+        else:
+            dq = _dq_step(dq, j, rb, kbj, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r, off_m,
+                          qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+        return dq
+
+    @gluon.jit
     def _dq_step_overlap(dq, ds_prev, j, rb, kb0, q, do, ds_c, k_smem, v_smem, ready, empty, turn, lse2, delta,
                          lo_r, hi_r, off_m, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                          DS_SMEM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -1063,10 +1122,9 @@ if gluon is not None:
             else:
                 if INTERVAL:
                     for j in range(0, e1):
-                        kbj = _fg._step_base(TAB, kb0, j, LIST)
-                        dq = _dq_step(dq, j, rb, kbj, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
-                                      hi_r, off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                      o_layout)
+                        dq = _dq_masked(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                                        hi_r, off_m, qk_scale, TAB, C, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                        o_layout, LIST)
                 for j in range(e1, e2):
                     dq = _dq_step(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r, hi_r,
                                   off_m, qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
@@ -1077,10 +1135,9 @@ if gluon is not None:
                                       o_layout)
                 if INTERVAL:
                     for j in range(e2, n_blocks):
-                        kbj = _fg._step_base(TAB, kb0, j, LIST)
-                        dq = _dq_step(dq, j, rb, kbj, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
-                                      hi_r, off_m, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                      o_layout)
+                        dq = _dq_masked(dq, j, rb, kb0, q, do, k_smem, v_smem, ready, empty, turn, lse2, delta, lo_r,
+                                        hi_r, off_m, qk_scale, TAB, C, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                        o_layout, LIST)
             pid_b = pid_bh // H
             pid_h = pid_bh % H
             if DIRECT_STORE:  # dQ (any dtype) from the registers

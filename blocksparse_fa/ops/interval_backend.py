@@ -214,9 +214,10 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
     128, ``Lk`` a multiple of the tiles' ``block_n`` and tensors that tensor descriptors address.
     Not chosen automatically yet: ``benchmarks/experiments/documents_gpu.py`` checks and times it."""
     from ..compiler.device_intervals import gluon_interval_tables
-    from .triton_backend import GluonConfig, _gluon_fwd_run
+    from .options import _DEFAULT_GLUON
+    from .triton_backend import _gluon_fwd_run
 
-    cfg = cfg or GluonConfig()
+    cfg = cfg or _DEFAULT_GLUON
     why = select.hardware(q.device).gluon
     if iv.qid is not None or iv.ilo is not None:
         why = "the intervals need an id compare (documents not known to be contiguous runs)"
@@ -253,10 +254,10 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     intervals without an id compare, the same for every head (``iv.lo`` ``(Zb, 1, Lq)``) or, without
     GQA, one per head, 16-bit inputs, head dim 64 or 128, lengths multiples of the tiles, tensors
     that descriptors address."""
-    from .options import GluonBwdConfig
+    from .options import _DEFAULT_GLUON_BWD
     from .triton_backend import _gluon_bwd_launch, backward_delta
 
-    cfg = cfg or GluonBwdConfig()
+    cfg = cfg or _DEFAULT_GLUON_BWD
     lc = _class(iv, s)
     why = select.hardware(q.device).gluon
     if not why and select._gluon_bwd_mode(lc, s, cfg, DEFAULT_OPTIONS) != "interval":

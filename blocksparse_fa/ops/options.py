@@ -201,6 +201,12 @@ _CONFIGS = {"gluon_fwd": GluonConfig, "gluon_bwd": GluonBwdConfig, "fwd_tiles": 
             "dkdv_tiles": TileConfig, "dq_tiles": TileConfig, "atomic_tiles": TileConfig}
 
 
+# the configs a call without ``gluon_fwd`` / ``gluon_bwd`` options runs (one instance each: a
+# config is validated when made, which a call need not repeat)
+_DEFAULT_GLUON = GluonConfig()
+_DEFAULT_GLUON_BWD = GluonBwdConfig()
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """Which kernels run and how, for one call (``kernel_options=`` of every entry point).

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .options import GluonBwdConfig, GluonConfig, KernelOptions
+from .options import _DEFAULT_GLUON, _DEFAULT_GLUON_BWD, GluonBwdConfig, GluonConfig, KernelOptions
 from .validate import Shapes
 
 __all__ = ["Hardware", "LayoutClass", "Choice", "hardware", "layout_class", "choose_forward", "choose_backward",
@@ -198,8 +198,10 @@ GLUON_HOST_INTERVAL_BACKWARD = True
 # 127 / 305 against 155 / 430, BigBird (0.39, H 16) 345 / 1037 against 485 / 1344, Longformer whole
 # (0.57) 345 / 866 against 451 (its split forward: 258) / 1201, causal Longformer (0.75) 223 / 732
 # against 189 (split) / 772. The forward keeps the Triton kernels (or the split) on mostly partial
-# layouts; the backward's limit is the longest key column below.
-BLOCK_LISTS = {"forward": 0.5, "backward": 1.0}
+# layouts; the backward's limit is the longest key column below. Longformer's forward runs its
+# lists rather than its split (one launch for three): GPU time 339-343 against 327-331 us, and
+# eager fwd+bwd 1.086-1.305 against 1.187-1.520 ms on host-bound H200s (NOTES.md section 22).
+BLOCK_LISTS = {"forward": 0.6, "backward": 1.0}
 # The list-mode dK/dV kernel runs one program per key tile over all its query blocks, so a long
 # key column (a global or prefix key tile that every row visits) is one item: the backward runs it
 # where its longest column's work is at most this multiple of the work per SM (every key tile of
@@ -215,6 +217,9 @@ BLOCK_LISTS = {"forward": 0.5, "backward": 1.0}
 LIST_COLUMN_SHARE = 2.0
 LIST_LONG_COLUMN = 4.0
 LIST_MASKED_STEP_COST = 2.0
+# a backward step where one consumer keeps nothing and passes (``block_lists.SKIP_BIT``): the
+# other runs its masked half alone
+LIST_HALF_STEP_COST = 1.0
 # Partial blocks that building the lists may evaluate on the host, per row of layout blocks on
 # average and in all (a layout with more keeps the Triton block kernels without the cost: strided,
 # periodic and grid-neighbourhood masks, whose rows hold many partial blocks; Longformer and BigBird
@@ -250,7 +255,7 @@ def block_lists_of(layout, any_device: bool = False):
 
 def list_work(bl, kernel: str) -> np.ndarray:
     """Work per tile of a list-mode kernel in full-step units, a masked step counting
-    ``LIST_MASKED_STEP_COST`` (pure): ``kernel`` ``"dkdv"`` per key tile, ``"dq"`` per row tile,
+    ``LIST_MASKED_STEP_COST`` (``LIST_HALF_STEP_COST`` where a backward consumer passes) (pure): ``kernel`` ``"dkdv"`` per key tile, ``"dq"`` per row tile,
     ``"forward"`` per row of its table (row tiles heaviest first); ``(Z, tiles)`` float64."""
     z = bl.lo.shape[0]
     tr = bl.lo.shape[1] // _LIST_TILES[0]
@@ -260,9 +265,16 @@ def list_work(bl, kernel: str) -> np.ndarray:
         masked = steps - (tab[..., 3] - tab[..., 2])
     else:
         n = bl.dkdv_order.shape[1] if kernel == "dkdv" else tr
-        tab = (bl.dkdv if kernel == "dkdv" else bl.dq)[:z * n * 4].reshape(z, n, 4).astype(np.float64)
-        steps = tab[..., 2 if kernel == "dkdv" else 3] - tab[..., 0]
-        masked = tab[..., 1] - tab[..., 0]
+        tab = (bl.dkdv if kernel == "dkdv" else bl.dq)[:z * n * 4].reshape(z, n, 4).astype(np.int64)
+        steps = (tab[..., 2 if kernel == "dkdv" else 3] - tab[..., 0]).astype(np.float64)
+        masked = (tab[..., 1] - tab[..., 0]).astype(np.float64)
+        from ..compiler.block_lists import SKIP_BIT
+
+        # masked steps where a consumer passes cost LIST_HALF_STEP_COST
+        passes = ((bl.dkdv if kernel == "dkdv" else bl.dq) >> SKIP_BIT) != 0
+        cum = np.concatenate([[0], np.cumsum(passes)])
+        half = (cum[tab[..., 1]] - cum[tab[..., 0]]).astype(np.float64)
+        return steps + (LIST_MASKED_STEP_COST - 1.0) * (masked - half) + (LIST_HALF_STEP_COST - 1.0) * half
     return steps + (LIST_MASKED_STEP_COST - 1.0) * masked
 
 
@@ -395,7 +407,8 @@ def _split_rules(fn: str, phase: str, option, dtype: torch.dtype, dropout: bool,
 
 def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: KernelOptions, *, n_global: int,
                         long_rows: bool, dropout: bool = False, score_mod: bool = False,
-                        partial_dtypes: bool = False, phase: str = "forward", folds: bool = False) -> bool:
+                        partial_dtypes: bool = False, phase: str = "forward", folds: bool = False,
+                        whole: Choice | None = None) -> bool:
     """Whether a mask that splits into a band, its first rows and its global keys
     (``compiler/globals.py``) runs as those parts in ``phase`` (``"forward"`` or ``"backward"``;
     either phase reads the other's logsumexp and output, which are exact either way) (pure).
@@ -413,6 +426,9 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
         folds: the global keys fold into the band's Gluon forward (``ops/globals._fold_global_keys``):
             the forward is that one pass (plus, where the first rows keep every later key, a
             split-K pair for them merged into the corner the band wrote); asked in either phase.
+        whole: :func:`choose_forward`'s choice for the whole layout (forward phase): where that is
+            the Gluon list mode and the first rows would need a part of their own (``long_rows``),
+            the forward stays whole (one launch where the split takes three, at equal GPU time).
 
     ``global_split=None`` splits where the band runs the Gluon interval forward and either the
     first rows need no part of their own and ``g <= AUTO_GLOBAL_SPLIT_MAX``, or the forward folds
@@ -429,6 +445,8 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
     if forced is not None:
         return forced
     if band.family != "gluon" or band.mode != "interval":
+        return False
+    if phase == "forward" and long_rows and whole is not None and whole.family == "gluon" and whole.mode == "list":
         return False
     if not long_rows and n_global <= AUTO_GLOBAL_SPLIT_MAX:
         return True
@@ -585,14 +603,14 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
         raise ValueError(f"kernel_options forward='gluon': {hw.gluon}")
     simple = not dropout and not score_mod and not out_dtype
     if lc.kind == "device_interval":
-        cfg = opts.gluon_fwd or GluonConfig()
+        cfg = opts.gluon_fwd or _DEFAULT_GLUON
         want = opts.forward == "gluon" or (opts.forward == "auto" and GLUON_DEVICE_INTERVALS)
         if (want and not hw.gluon and simple and dtype in _16BIT and tma and not lc.ids and s.D in (64, 128)
                 and lc.kv_len % cfg.block_n == 0):
             return Choice("gluon", "interval", ("_attn_fwd_gluon",))
         return Choice("triton", "interval", ("_interval_fwd",))
     if opts.forward in ("auto", "gluon") and not hw.gluon and simple and dtype in _16BIT and tma:
-        mode = _gluon_fwd_mode(lc, s, opts.gluon_fwd or GluonConfig(), opts)
+        mode = _gluon_fwd_mode(lc, s, opts.gluon_fwd or _DEFAULT_GLUON, opts)
         if mode is not None:
             return Choice("gluon", mode, ("_attn_fwd_gluon",))
     # the dense Triton forward; in the interpreter (CPU) descriptors need no alignment
@@ -654,7 +672,7 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
             and grad_dtype in (False, "float32") and tma):
-        mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or GluonBwdConfig(), opts, hw.sm_count)
+        mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or _DEFAULT_GLUON_BWD, opts, hw.sm_count)
         if mode == "interval" and lc.kind == "interval" and not lc.shard and (
                 det is False or (det is None and lc.row_blocks >= GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS)):
             return Choice("gluon", "interval+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",

@@ -32,7 +32,8 @@ from ..mask.score import (ALIBI, BIAS, BIAS_KEYS_BROADCAST, BIAS_ROWS_BROADCAST,
                           device_copy)
 from . import select
 from .launcher import Launch
-from .options import DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig, KernelOptions, TileConfig
+from .options import (_DEFAULT_GLUON, _DEFAULT_GLUON_BWD, DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig, KernelOptions,
+                      TileConfig)
 from .validate import Shapes
 
 __all__ = ["triton_forward", "triton_backward", "GluonConfig", "GluonBwdConfig", "merge_residue", "backward_delta"]
@@ -176,9 +177,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     rows_smem = cfg.rows_smem and not cfg.overlap
     _launch(_bg._attn_bwd_dkdv_gluon, (grid, ), (
         qg, k, v, dog, dk, dv, dqa, lse, delta, lo, hi, kv_tab, kv_ord, ph if dealt is None else dealt,
-        qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dog.stride(0), dog.stride(1), dog.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        *qg.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *dog.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
         s.H, s.G, s.Lq, s.Lk, lzb, lzh * s.G, qk, scale, n_prog, n_items, *geo), 38, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
@@ -187,7 +188,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64),
         DEALT=dealt is not None, num_warps=4)
     if atomic:
-        _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, dq.stride(0), dq.stride(1), dq.stride(2), s.H, s.Lq,
+        _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, *dq.stride()[:3], s.H, s.Lq,
                                                  scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
                                                  num_warps=4)
         return
@@ -202,9 +203,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
              if deal and cfg.deal and q_work is not None else None)
     _launch(_bg._attn_bwd_dq_gluon, (grid, ), (
         q, k, v, dout, dq, lse, delta, lo, hi, q_tab, ph if dealt is None else dealt,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
+        *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *dout.stride()[:3],
+        *dq.stride()[:3],
         s.H, s.G, s.Lq, s.Lk, lzb, lzh, qk, scale, n_prog, n_items, *geo), 32, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, CAUSAL=causal,
         PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs,
@@ -697,22 +698,35 @@ def _on(flag: bool | None, auto: bool) -> bool:
     return auto if flag is None else flag
 
 
+_GRIDS = LRUCache(256)  # _persistent_grid's answers by the tensors' shapes and strides
+
+
 def _persistent_grid(tensors, n_items: int, allowed: bool, margin: int = 0):
     """``(persistent, geometry, grid)`` of a Gluon kernel with ``n_items`` work items: persistent
     (a grid of at most one program per SM, ``margin`` SMs left free; at least one program) where
     ``allowed`` and every tensor is a 2-D row view
     (:func:`_row_view`; a None entry needs none and gets zeros) small enough for int32 rows;
     ``geometry``: the views' ``(rows per batch, rows per head, columns per head)`` flattened (zeros
-    when not persistent), ``grid``: the programs."""
-    views = [(0, 0, 0) if t is None else _row_view(t) for t in tensors] if allowed else [None]
+    when not persistent), ``grid``: the programs. A function of the shapes and strides only, so
+    kept per those (a call's host time: ``benchmarks/NOTES.md``, "Host path")."""
+    sms = select.hardware(next(t.device for t in tensors if t is not None)).sm_count if allowed else 0
+    key = (n_items, sms, margin, *((None,) if t is None else (t.shape, t.stride()) for t in tensors))
+    hit = _GRIDS.get(key)
+    if hit is None:
+        hit = _persistent_grid_of(tensors, n_items, sms, margin)
+        _GRIDS.put(key, hit)
+    return hit
+
+
+def _persistent_grid_of(tensors, n_items: int, sms: int, margin: int):
+    views = [(0, 0, 0) if t is None else _row_view(t) for t in tensors] if sms > 0 else [None]
     # the kernels index the views' rows in int32
     persistent = all(vw is not None for vw in views) and all(
         (t.shape[0] - 1) * vw[0] + (t.shape[1] - 1) * vw[1] + t.shape[2] < 2**31
         for t, vw in zip(tensors, views) if t is not None)
-    sms = select.hardware(next(t.device for t in tensors if t is not None)).sm_count if persistent else 0
-    if sms <= 0:  # not persistent, or the SM count is unknown
-        return False, [0] * (3 * len(tensors)), n_items
-    return True, [x for vw in views for x in vw], min(n_items, max(1, sms - margin))
+    if not persistent or sms <= 0:  # not persistent, or the SM count is unknown
+        return False, (0,) * (3 * len(tensors)), n_items
+    return True, tuple(x for vw in views for x in vw), min(n_items, max(1, sms - margin))
 
 
 def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -765,8 +779,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
              if m_major and cfg.deal and work is not None else None)
     _launch(_fg._attn_fwd_gluon, (grid, ), (
         q, k, v, out, lse, lo, hi, tiles, _placeholder(torch.int32, q.device) if dealt is None else dealt,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         s.H, s.G, lzb, lzh, s.Lq, s.Lk, n_prog, n_items, scale * _LOG2E, *geo), 27, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=case == "causal",
         INTERVAL=case in ("interval", "list"), PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
@@ -847,7 +860,7 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     if global_keys is not None and (choice.family, choice.mode) != ("gluon", "interval"):
         raise ValueError(f"triton_forward: global_keys need the Gluon interval forward, the choice is {choice}")
     if choice.family == "gluon":
-        _gluon_launch(q, k, v, out, lse, s, scale, choice.mode, opts.gluon_fwd or GluonConfig(), layout,
+        _gluon_launch(q, k, v, out, lse, s, scale, choice.mode, opts.gluon_fwd or _DEFAULT_GLUON, layout,
                       global_keys or (0, False))
         return out, lse
     if choice.family == "triton_dense":
@@ -1068,7 +1081,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     grads = (dq, dk, dv)
     has_drop, acc = dropout_p > 0.0, accumulate is not None
     if choice.family == "gluon":
-        cfg, intervals, window = opts.gluon_bwd or GluonBwdConfig(), None, None
+        cfg, intervals, window = opts.gluon_bwd or _DEFAULT_GLUON_BWD, None, None
         if choice.mode.startswith("interval"):
             window = _window_bytes(layout, s, q.element_size())
             lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
