@@ -842,6 +842,23 @@ def test_gluon_list_mode_reads_the_layouts_blocks():
     assert tri.forward.loads["K+V"] == rep.forward.loads["K+V"] and tri.forward.loads["LUT"] != rep.forward.loads["LUT"]
 
 
+def test_gluon_list_dkdv_reads_the_tables_parts():
+    """BigBird's window edges hold 64-row parts that keep nothing: the dK/dV table does not list
+    them, so the model's dK/dV kernel loads Q/dO/LSE/δ for the table's steps only (fewer than
+    every 64-row step of every kept block)."""
+    from blocksparse_fa.ops.select import block_lists_of
+
+    n, H, D, e = 2048, 2, 128, 2
+    lay = layout(bsfa.load_pattern("bigbird"), n)
+    rep = _traffic_model(lay, heads=H, head_dim=D, compare=False)
+    assert rep.choice[1] == "gluon:list"
+    t = block_lists_of(lay, any_device=True)
+    tab = t.dkdv[:4 * (n // 128)].reshape(-1, 4)
+    steps = int((tab[:, 3] - tab[:, 0]).sum())
+    assert steps < 2 * lay.n_nonempty
+    assert rep.bwd_dkdv.loads["Q+dO+LSE+delta"] == H * steps * 64 * (2 * D * e + 8)
+
+
 def test_gluon_five_gemm_backward_adds_dq_in_fp32():
     """Dense: one 128-key program per key tile walks every query row and reduce-adds 64 x D fp32 per
     step; _dq_finish reads the accumulator and LSE and writes dQ; a fill zeroes the accumulator."""

@@ -134,15 +134,20 @@ def _intervals(layout, kind: str):
 class _ListLayout:
     """What :class:`~.geometry._Geometry` reads, for the blocks the list mode visits
     (``compiler/block_lists.py``): the layout's own non-empty 128 × 128 blocks, each layout row
-    split into steps of ``rows`` query rows that keep its blocks and states."""
+    split into steps of ``rows`` query rows that keep its blocks and states; with ``parts`` the
+    dK/dV table's own steps instead (a part of a partial block that keeps nothing is not visited,
+    one that keeps the whole block is a full step)."""
 
-    def __init__(self, layout, rows: int):
+    def __init__(self, layout, rows: int, parts: bool = False):
         bm, bn = layout.block_size
         per = bm // rows
         tr, tc = layout.shape[-2], layout.shape[-1]
         self.q_len, self.kv_len, self.block_size = layout.q_len, layout.kv_len, (rows, bn)
         self.batch_shape = tuple(layout.batch_shape)
         self.shape = (tr * per, tc)
+        if parts:
+            self._segs = _table_parts(layout, tr * per, tc)
+            return
         segs = layout._segs
         sel = segs.state != 0
         r = segs.rows[sel]
@@ -150,6 +155,23 @@ class _ListLayout:
         rep = lambda a: np.repeat(a[sel], per)  # noqa: E731
         self._segs = SimpleNamespace(rows=new_rows.ravel().astype(np.int64), starts=rep(segs.starts).astype(np.int64),
                                      ends=rep(segs.ends).astype(np.int64), state=rep(segs.state))
+
+
+def _table_parts(layout, rows: int, tc: int) -> SimpleNamespace:
+    """Unit segments ``(row part, key tile, state)`` of the dK/dV list table, in its steps' units."""
+    from ...compiler.block_lists import BLOCK_MASK
+    from ...ops.select import block_lists_of
+
+    t = block_lists_of(layout, any_device=True)
+    n = t.dkdv_order.size  # instances x key tiles
+    tab = t.dkdv[:4 * n].reshape(n, 4).astype(np.int64)
+    counts = tab[:, 3] - tab[:, 0]
+    line = np.repeat(np.arange(n), counts)
+    pos = np.repeat(tab[:, 0], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    full = (pos >= tab[line, 1]) & (pos < tab[line, 2])
+    cols = line % tc
+    return SimpleNamespace(rows=(line // tc) * rows + (t.dkdv[pos].astype(np.int64) & BLOCK_MASK), starts=cols,
+                           ends=cols + 1, state=np.where(full, 2, 1).astype(np.int8))
 
 
 def _list_bounds(layout) -> tuple[int, float]:
@@ -230,7 +252,7 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
     if lists:  # per step a list entry and the step rows' bounds
         bounds, keys = _list_bounds(layout)
         lut = (_BWD_TABLE, 4 + bounds * _STEP_ROWS)
-        geo_kv = _Geometry(_ListLayout(layout, _STEP_ROWS))
+        geo_kv = _Geometry(_ListLayout(layout, _STEP_ROWS, parts=True))
         deal = lambda n_items: _deal_keys(keys, n_items, p)  # noqa: E731
     else:
         lo, hi, bs = _intervals(layout, kind)
