@@ -578,29 +578,25 @@ if gluon is not None:
                                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
                                             vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
                                             BOUNDS_SMEM)
-                if INTERVAL:
-                    for i in range(i0, i_full):
-                        dk, dv = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
-                                              ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
-                                              dq_smem, dq_row, off_k, qk_scale, TAB, C, INTERVAL, ATOMIC_DQ, PINGPONG,
-                                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
-                                              vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
-                                              BOUNDS_SMEM, LIST)
-                for i in range(i_full, i_tail):
-                    blk = _fg._step_base(TAB, i, 0, LIST)
-                    dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
-                                        empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row,
-                                        off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
-                                        BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS,
-                                        rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM)
-                if INTERVAL:
-                    for i in range(i_tail, i0 + n_i):
-                        dk, dv = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
-                                              ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
-                                              dq_smem, dq_row, off_k, qk_scale, TAB, C, INTERVAL, ATOMIC_DQ, PINGPONG,
-                                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
-                                              vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
-                                              BOUNDS_SMEM, LIST)
+                # in ring order: the masked lead (part 0), the full steps (1), the masked tail (2)
+                for part in gl.static_range(3):
+                    if part == 1:
+                        for i in range(i_full, i_tail):
+                            blk = _fg._step_base(TAB, i, 0, LIST)
+                            dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
+                                                ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
+                                                dq_smem, dq_row, off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG,
+                                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
+                                                vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
+                                                BOUNDS_SMEM)
+                    elif INTERVAL:
+                        for i in range(i0 if part == 0 else i_tail, i_full if part == 0 else i0 + n_i):
+                            dk, dv = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem,
+                                                  do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
+                                                  dq_desc, dq_smem, dq_row, off_k, qk_scale, TAB, C, INTERVAL,
+                                                  ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                                  kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
+                                                  ROWS_SMEM, bounds_smem, BOUNDS_SMEM, LIST)
         if DIRECT_STORE:  # dK, dV (any dtype) from the registers
             b64 = b.to(gl.int64)
             hk64 = hk.to(gl.int64)
