@@ -144,7 +144,7 @@ if gluon is not None:
     def _step_base(TAB, kb0, j, LIST: gl.constexpr):
         """The block index ``x`` with ``x + j`` the key (or query) block of step ``j``: ``kb0`` where an
         item visits a contiguous range, else from the item's list (``LIST``: ``TAB[kb0 + j]`` below
-        bit 24; the bits above are the dK/dV consumers' skip flags, ``compiler/block_lists.py``)."""
+        bit 24; the bits above are the backward consumers' skip flags, ``compiler/block_lists.py``)."""
         if LIST:
             x = (gl.load(TAB + kb0 + j) & 0xFFFFFF) - j
         else:
