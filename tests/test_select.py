@@ -696,6 +696,45 @@ def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
     assert bsfa.explain(q, k, v, mask=layout, backend="triton", kernel_options=on).backward == "gluon:list"
 
 
+@pytest.mark.interpreter
+def test_gqa_list_backward_with_expanded_kv(hopper, monkeypatch):
+    """With GQA, where a group's heaviest key column is too long for the list backward but one
+    head's is not, K and V are copied per query head, the Gluon launcher gets an MHA problem
+    (``Hkv = H``, gradients per query head) and dK/dV are summed over each group: gradients equal
+    the exact backend's, shaped like K and V."""
+    monkeypatch.setattr(select, "_LIST_DEVICES", ("cuda", "cpu"))
+    mask = bsfa.key_range(40, 100) | bsfa.causal()
+    layout = bsfa.compile_mask(mask, L, L, 128)
+    lc = select.layout_class(layout)
+    longest, mean = lc.list_columns
+    assert lc.kind == "blocks" and longest > 0
+    per_sm = mean * (L // 128) * 1 * 1 / 132  # one kv head
+    monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
+    # the group's column fails the share test, one query head's passes
+    monkeypatch.setattr(select, "LIST_COLUMN_SHARE", longest / (3 * per_sm))  # 2 kv heads fail, 4 pass
+    seen = []
+    bwd = tb._gluon_bwd_launch
+
+    def bwd_spy(q, k, v, dout, grads, lse, delta, s, *args, **kw):
+        seen.append((s, k.shape, tuple(g.shape for g in grads), kw["lists"]))
+        bwd(q, k, v, dout, grads, lse, delta, s, *args, **kw)
+
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", bwd_spy)
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, L, 128, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, L, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))  # d 128: lists
+    opts = dict(replay=False)
+    ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton", kernel_options=opts),
+                         q, k, v)
+    assert ran == [("forward", "triton:blocks"), ("backward", "gluon:list+expanded_kv")], ran
+    (s, kshape, gshapes, lists), = seen
+    assert (s.H, s.Hkv, lists) == (4, 4, True) and kshape == (1, 4, L, 128)
+    assert gshapes == ((1, 4, L, 128),) * 3
+    ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
+    for a, b, t in zip(grads, ref, (q, k, v)):
+        assert a.shape == t.shape and rel_err(a, b) < 2e-2
+
+
 def test_block_lists_in_the_choice():
     # by default the forward where up to 60 % of the blocks are partial, the backward whatever the
     # fraction but not where one key column outweighs the work per SM (LIST_COLUMN_SHARE): S has
@@ -706,7 +745,14 @@ def test_block_lists_in_the_choice():
     assert str(choose_backward(lc, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
     long = dataclasses.replace(lc, list_columns=(200.0, 20.0))
     assert str(choose_forward(long, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
-    assert str(choose_backward(long, S, torch.bfloat16, hw, DEFAULT)) == "triton:blocks"
+    # with GQA a group's column is G heads' work: expanded to the 16 query heads (~310 steps per
+    # SM) the column is one head's, and the lists run with K/V copied per query head
+    c = choose_backward(long, S, torch.bfloat16, hw, DEFAULT)
+    assert str(c) == "gluon:list+expanded_kv" and "repeat_interleave" in c.kernels
+    mha = Shapes(1, 4, 4, 16384, 16384, 128)
+    assert str(choose_backward(long, mha, torch.bfloat16, hw, DEFAULT)) == "triton:blocks"
+    too_long = dataclasses.replace(lc, list_columns=(700.0, 20.0))
+    assert str(choose_backward(too_long, S, torch.bfloat16, hw, DEFAULT)) == "triton:blocks"
     on = KernelOptions(block_lists=True)
     assert str(choose_backward(long, S, torch.bfloat16, hw, on)) == "gluon:list"
     assert str(choose_backward(dataclasses.replace(lc, list_columns=(150.0, 20.0)), S, torch.bfloat16, hw,

@@ -964,3 +964,26 @@ def test_persistent_window_dq_matches_the_measurement(monkeypatch):
     monkeypatch.setattr(gluon, "STATIC_DEAL", False)
     drift = tg._model(run["config"], tg._tiles_for(run), 50, 132, "1", "trace").bwd_dq.dram_read_bytes
     assert drift > 3 * measured
+
+
+def test_gluon_list_backward_with_expanded_kv(monkeypatch):
+    """GQA where only one query head's key column is short enough for the list backward: the model
+    runs the pair as for MHA (K/V per query head) and adds the copy of K/V and the group sum of
+    dK/dV, each reading and writing whole tensors."""
+    from blocksparse_fa.ops import select
+
+    n, H, Hkv, D, e = 2048, 4, 2, 128, 2
+    lay = layout(bsfa.load_pattern("bigbird"), n)
+    longest, mean = select.list_column_work(select.block_lists_of(lay, any_device=True))
+    monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
+    mha = _traffic_model(lay, heads=H, kv_heads=H, head_dim=D, compare=False)
+    n_sm = mha.params.n_sm
+    # a column of the 2 kv heads' groups is too long, one of the 4 query heads' is not
+    monkeypatch.setattr(select, "LIST_COLUMN_SHARE", longest / (3 * mean * (n // 128) / n_sm))
+    rep = _traffic_model(lay, heads=H, kv_heads=Hkv, head_dim=D, compare=False)
+    assert rep.choice[1] == "gluon:list+expanded_kv"
+    assert rep.bwd_dkdv.loads == _traffic_model(lay, heads=H, kv_heads=H, head_dim=D, compare=False).bwd_dkdv.loads
+    expand, sums = rep.extra
+    one = 2 * n * D * e  # K and V of one head
+    assert (expand.dram_read_bytes, expand.dram_write_bytes) == (Hkv * one, H * one)
+    assert (sums.dram_read_bytes, sums.dram_write_bytes) == (H * one, Hkv * one)

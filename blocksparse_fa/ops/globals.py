@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from . import select
+from . import call_memo, select
 from .options import _DEFAULT_GLUON, KernelOptions
 from .validate import Shapes
 
@@ -73,10 +73,13 @@ def split_forward(q, k, v, gs, s: Shapes, scale: float, opts: KernelOptions, fwd
         from .triton_backend import triton_forward
 
         out, lse = triton_forward(q, k, v, gs.band, s, scale, 0.0, 0, opts=opts, global_keys=folded)
-        lse = lse.reshape(s.B, s.H, s.Lq)
+        if lse.shape != (s.B, s.H, s.Lq):
+            lse = lse.reshape(s.B, s.H, s.Lq)
         if gs.rows_full:  # the first g rows hold the corner: merge their later keys in
+            call_memo.unfit()  # (temporaries of the split-K pair; only the folded pass alone is replayed)
             _rows_forward(q, k, v, out, lse, g, s, qk_scale, _consts(s, g, q.dtype, q.device), merge=True)
         return out, lse
+    call_memo.unfit()  # in-place merges of the parts: not replayed
     consts = _consts(s, g, q.dtype, q.device)
     out, lse = fwd_one(q, k, v, gs.band, s, scale, 0.0, 0, "triton", opts=opts)
     lse = lse.reshape(s.B, s.H, s.Lq)

@@ -298,6 +298,11 @@ class KernelOptions:
             (:class:`TileConfig`; None: the tuned tables of ``kernels/config.py``).
         band_backward: backward tiles of band-like partial-heavy layouts: ``"partial"`` or
             ``"flex"`` (FlexAttention's tile shapes in flat loops).
+        replay: True (default): a call whose signature (layout, shapes, strides, dtypes,
+            alignment, options) was seen twice with the same launches replays them, skipping the
+            host's decisions (``ops/call_memo.py``; the Gluon paths, without dropout, score
+            modifier, ``out_dtype``, ``grad_dtype`` or a logsumexp gradient). False: every call
+            decides anew.
     """
 
     forward: str = "auto"
@@ -330,6 +335,7 @@ class KernelOptions:
     dq_tiles: TileConfig | None = None
     atomic_tiles: TileConfig | None = None
     band_backward: str = "partial"
+    replay: bool = True
 
     def __post_init__(self):
         for f in fields(self):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import call_memo
 from .options import _DEFAULT_GLUON, _DEFAULT_GLUON_BWD, GluonBwdConfig, GluonConfig, KernelOptions
 from .validate import Shapes
 
@@ -284,19 +285,22 @@ def list_column_work(bl) -> tuple:
     return float(work.max(initial=0.0)), float(work.mean()) if work.size else 0.0
 
 
-def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, s: Shapes, sms: int = 0) -> bool:
+def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, s: Shapes, sms: int = 0,
+              kv_heads: int | None = None) -> bool:
     """Whether the list mode runs this layout in ``phase`` under ``opts.block_lists`` (by default
     the backward at head dim 128 only: the Gluon backward at d 64 was measured on intervals, where
     short rows lost to the Triton kernels, not on lists; and only where no key column outweighs
     ``LIST_COLUMN_SHARE`` times the work per SM of ``sms`` (unknown: 132) and
-    ``LIST_LONG_COLUMN`` times the mean key tile's)."""
+    ``LIST_LONG_COLUMN`` times the mean key tile's). ``kv_heads``: the dK/dV kernel's heads
+    (default ``s.Hkv``; ``s.H`` where K and V are expanded to every query head, so that a key
+    column is one head's work, not a group's)."""
     if opts.block_lists is None:
         if not (lc.lists and lc.partial_fraction <= BLOCK_LISTS[phase]):
             return False
         if phase == "forward":
             return True
         longest, mean = lc.list_columns
-        per_sm = mean * (lc.kv_len // _LIST_TILES[3]) * s.B * s.Hkv / max(1, sms or 132)
+        per_sm = mean * (lc.kv_len // _LIST_TILES[3]) * s.B * (kv_heads or s.Hkv) / max(1, sms or 132)
         return s.D == 128 and longest <= max(LIST_COLUMN_SHARE * per_sm, LIST_LONG_COLUMN * mean)
     return lc.lists and opts.block_lists
 
@@ -627,9 +631,15 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig, opts: Kerne
     interval = lc.kind in ("interval", "device_interval")
     if lc.kind == "blocks":
         tiles = (2 * cfg.dq_block_m, cfg.dq_block_n, cfg.block_m, 2 * cfg.block_n)
-        if not _lists_on(lc, opts, "backward", s, sms) or tiles != _LIST_TILES or s.D not in (64, 128):
+        if tiles != _LIST_TILES or s.D not in (64, 128):
             return None
-        return "list"
+        if _lists_on(lc, opts, "backward", s, sms):
+            return "list"
+        # GQA: a group's key column is G heads' work; with K and V expanded to every query head
+        # (copies, and the group's dK/dV summed afterwards) it is one head's, as with MHA
+        if s.G > 1 and opts.block_lists is None and _lists_on(lc, opts, "backward", s, sms, kv_heads=s.H):
+            return "list+expanded_kv"
+        return None
     if interval:
         # no id compare; the dK/dV program walks every head of a group with one table, so
         # intervals that differ per head must agree within each group. A context-parallel shard
@@ -679,6 +689,9 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
                                                           "_dq_finish"))
         if mode in ("interval", "list"):  # dK/dV and dQ kernels
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
+        if mode == "list+expanded_kv":  # the same, K/V copied per query head, dK/dV summed per group
+            return Choice("gluon", mode, ("_attn_bwd_preprocess", "repeat_interleave", "_attn_bwd_dkdv_gluon",
+                                          "_attn_bwd_dq_gluon", "sum"))
         if mode is not None:
             if det is False or (det is None and mode in GLUON_FIVE_GEMM_DEFAULT and not lc.shard):
                 return Choice("gluon", mode + "+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",
@@ -701,6 +714,7 @@ _RECORDERS: list = []
 def note(phase: str, choice) -> None:
     """Record that a launch of ``phase`` (``"forward"``/``"backward"``) made ``choice`` (a
     :class:`Choice`, or a string for the PyTorch paths), for every active :func:`record`."""
+    call_memo.also(note, phase, choice)
     if _RECORDERS:
         with _REC_LOCK:
             for r in _RECORDERS:

@@ -30,7 +30,7 @@ from ..kernels.schedule import WorkList, build_worklist, hw_slots, worklists_ena
 from .dropout import dropout_threshold, seed_words
 from ..mask.score import (ALIBI, BIAS, BIAS_KEYS_BROADCAST, BIAS_ROWS_BROADCAST, DBIAS, DSLOPES, SOFTCAP,
                           device_copy)
-from . import select
+from . import call_memo, select
 from .launcher import Launch
 from .options import (_DEFAULT_GLUON, _DEFAULT_GLUON_BWD, DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig, KernelOptions,
                       TileConfig)
@@ -154,7 +154,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
     dq, dk, dv = grads
     qk = scale * _LOG2E
-    dqa = (torch.zeros((s.B * s.H, s.Lq, s.D), dtype=torch.float32, device=q.device) if atomic
+    dqa = (call_memo.zeros((s.B * s.H, s.Lq, s.D), torch.float32, q.device) if atomic
            else _placeholder(torch.float32, q.device))
     if dk.dtype != dv.dtype:
         raise ValueError(f"Gluon backward: dK and dV must share a dtype, got {dk.dtype}, {dv.dtype}")
@@ -171,6 +171,8 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     qg, dog = q, dout
     if s.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
+        if qg is not q or dog is not dout:
+            call_memo.unfit()
     deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
     dealt = (_deal_table(layout, *kv_work, s.B, s.Hkv, lzb, lzh * s.G, grid, q.device)
              if deal and cfg.deal and kv_work is not None else None)
@@ -188,9 +190,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64),
         DEALT=dealt is not None, num_warps=4)
     if atomic:
-        _dq_finish[(_cdiv(s.Lq, 64), s.B * s.H)](dq, dqa, lse, *dq.stride()[:3], s.H, s.Lq,
-                                                 scale, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False,
-                                                 num_warps=4)
+        _launch(_dq_finish, (_cdiv(s.Lq, 64), s.B * s.H), (dq, dqa, lse, *dq.stride()[:3], s.H, s.Lq, scale), 8,
+                q.device, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False, num_warps=4)
+        call_memo.vouch()  # the Gluon backward's GPU work: recorded allocations and launches
         return
     n_prog = s.Lq // (2 * cfg.dq_block_m)
     n_items = n_prog * s.B * s.H
@@ -211,6 +213,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         PINGPONG=cfg.dq_pingpong, OVERLAP=cfg.dq_overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
         PERSISTENT=persistent, M_MAJOR=deal, LIST=lists, DEALT=dealt is not None, num_warps=4)
+    call_memo.vouch()
 
 
 # Kernel variants chosen per launch plan (benchmarks/experiments/kernel_ab.py compares them), all
@@ -244,7 +247,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _triton_alloc = None
 
 
-def _ensure_tma_allocator(device: torch.device) -> None:
+def _set_tma_allocator(device: torch.device) -> None:
     """Descriptors built inside a kernel need global scratch from Triton's allocator hook. The hook
     is a context variable, so it is checked on every call: autograd runs CUDA backward passes on
     its own threads, where an allocator set by the forward's thread is absent. An allocator the
@@ -258,6 +261,12 @@ def _ensure_tma_allocator(device: torch.device) -> None:
     # the device type only: "cuda" is the current device when the kernel launches
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device.type))
     _ALLOCATOR_SET.done = True
+
+
+def _ensure_tma_allocator(device: torch.device) -> None:
+    """:func:`_set_tma_allocator`, repeated by a replay of the call (``ops/call_memo.py``)."""
+    _set_tma_allocator(device)
+    call_memo.also(_set_tma_allocator, device)
 
 
 def _list_block(layout: BlockLayout, side: str, step: int, opts: KernelOptions, flat: bool = False) -> int | None:
@@ -786,6 +795,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
         M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
         GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], LIST=case == "list", DEALT=dealt is not None,
         num_warps=4)
+    call_memo.vouch()  # the Gluon forward's GPU work: recorded allocations and launches (ops/call_memo.py)
 
 
 def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: GluonConfig,
@@ -850,11 +860,13 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     :class:`~blocksparse_fa.mask.score.ScoreMod` or None; ``opts``: the call's kernel options. The
     kernel is :func:`~blocksparse_fa.ops.select.choose_forward`'s. ``global_keys``: ``(g, causal)``
     folded into the Gluon interval forward (``ops/globals.py``; the choice must be that kernel)."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        call_memo.unfit()
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dev = q.device
     odt = None if out_dtype in (None, q.dtype) else out_dtype
-    out = torch.empty(q.shape, dtype=odt or q.dtype, device=dev)
-    lse = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=dev)
+    out = call_memo.empty(q.shape, odt or q.dtype, dev)
+    lse = call_memo.empty((s.B, s.H, s.Lq), torch.float32, dev)
     choice = forward_choice(q, k, v, layout, s, dropout_p, opts, out_dtype, score_mod)
     select.note("forward", choice)
     if global_keys is not None and (choice.family, choice.mode) != ("gluon", "interval"):
@@ -911,7 +923,7 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None, lse2=None) -> torch.Ten
     ``lse2``: a float32 buffer like ``lse`` (contiguous) that the same launch fills with the base-2
     logsumexp, -inf as +inf (what ``_attn_bwd`` reads with ``LSE_BASE2``)."""
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
-    delta = torch.empty((s.B, s.H, s.Lq), dtype=torch.float32, device=out.device)
+    delta = call_memo.empty((s.B, s.H, s.Lq), torch.float32, out.device)
     pre_m = 64
     write = lse2 is not None
     launch = _PRE.get((s.D, out.device, write))  # the launcher keys on the tensors' dtypes itself
@@ -922,6 +934,7 @@ def backward_delta(out, dout, lse, s: Shapes, dlse=None, lse2=None) -> torch.Ten
     launch((_cdiv(s.Lq, pre_m), s.B * s.H), out, dout, delta, lse, lse2 if write else delta, out.stride(0),
            out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), s.H, s.Lq)
     if dlse is not None:
+        call_memo.unfit()
         delta.sub_(torch.where(torch.isinf(lse), torch.zeros_like(lse), dlse.float()))
     return delta
 
@@ -1019,6 +1032,19 @@ def _even(layout: BlockLayout, opts: KernelOptions) -> bool:
     return opts.even and layout.q_len % lbm == 0 and layout.kv_len % lbn == 0
 
 
+def _expand_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``t (B, Hkv, L, D)`` copied to ``(B, Hkv·groups, L, D)``: kv head ``j`` as query heads
+    ``j·groups ..`` (the list backward's expanded K/V, ``select._gluon_bwd_mode``)."""
+    return t.repeat_interleave(groups, dim=1)
+
+
+def _group_sum(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``t (B, H, L, D)`` summed over each group of ``groups`` adjacent heads: ``(B, H / groups, L, D)``
+    (float32 accumulation, ``t``'s dtype)."""
+    B, H, L, D = t.shape
+    return t.view(B, H // groups, groups, L, D).sum(2)
+
+
 def backward_choice(q, k, v, dout, layout: BlockLayout, s: Shapes, dropout_p: float, opts: KernelOptions,
                     accumulate: bool = False, deterministic: bool | None = None, grad_dtype=None,
                     score_mod=None) -> select.Choice:
@@ -1054,10 +1080,13 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     each; dbias shaped like the bound 4-D bias) that the dK/dV programs add the gradients of the
     slopes and of the bias to, with atomic adds (see ``kernels/backward._attn_bwd``).
     ``opts``: the call's kernel options."""
-    q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
+    if any(t.stride(-1) != 1 for t in (q, k, v, dout)) or not lse.is_contiguous():
+        call_memo.unfit()
+        q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
+        lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
     if q.is_cuda and not select.tma_ok(dout) and select.tma_ok(q):
+        call_memo.unfit()
         dout = dout.contiguous()  # an upstream layout of dO must not change the kernel choice
-    lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
     dev = q.device
     choice = backward_choice(q, k, v, dout, layout, s, dropout_p, opts, accumulate is not None, deterministic,
                              grad_dtype, score_mod)
@@ -1070,9 +1099,12 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     gdts = tuple(None if d in (None, t.dtype) or accumulate is not None else d
                  for d, t in zip(_grad_dtypes(grad_dtype), (q, k, v)))
     gdt = gdts if any(gdts) else None
+    expanded = choice.mode == "list+expanded_kv"  # K/V and dK/dV per query head, summed per group after
     if accumulate is None:
-        dq, dk, dv = (torch.empty(t.shape, dtype=d or t.dtype, device=dev) for d, t in zip(gdts, (q, k, v)))
+        dq, dk, dv = (call_memo.empty(q.shape if expanded else t.shape, d or t.dtype, dev)
+                      for d, t in zip(gdts, (q, k, v)))
     else:
+        call_memo.unfit()
         dq, dk, dv = accumulate
         for name, g, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
             if g.shape != t.shape or g.dtype != t.dtype or g.stride(-1) != 1:
@@ -1086,16 +1118,23 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             window = _window_bytes(layout, s, q.element_size())
             lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
             if empty is not None:  # the kernels skip rows by a -inf logsumexp; a rewrite's part
+                call_memo.unfit()
                 lse = lse.masked_fill(empty, float("-inf"))  # gets the whole mask's
             intervals = (lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)
-        elif choice.mode == "list":  # rows that keep nothing are masked in every step: no -inf fill
+        lists, groups = choice.mode.startswith("list"), s.G
+        if expanded:
+            k, v = (call_memo.run(_expand_heads, t, groups) for t in (k, v))
+            s = Shapes(s.B, s.H, s.H, s.Lq, s.Lk, s.D)
+        if lists:  # rows that keep nothing are masked in every step: no -inf fill
             lo, hi, _, q_tab, kv_tab, kv_ord, keys = _gluon_list_tables(layout, dev)
             window = _window_bytes(layout, s, q.element_size(), keys)
             intervals = (lo, hi, kv_tab, q_tab, *_layout_strides(layout), kv_ord)
-        work = _list_work(layout) if choice.mode == "list" else (None, None, None)
+        work = _list_work(layout) if lists else (None, None, None)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
                           choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window,
-                          lists=choice.mode == "list", kv_work=work[0], q_work=work[1])
+                          lists=lists, kv_work=work[0], q_work=work[1])
+        if expanded:
+            grads = (dq, *(call_memo.run(_group_sum, g, groups) for g in (dk, dv)))
         return grads
     if choice.mode == "five_gemm":
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc, opts)

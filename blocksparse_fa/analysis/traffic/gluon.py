@@ -239,9 +239,23 @@ def _deal(lo: np.ndarray, hi: np.ndarray, n_items: int, p: TrafficParams) -> boo
 
 def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label: str = "") -> list:
     """The Gluon backward's kernels: ``[preprocess, dK/dV, dQ]`` for the deterministic pair
-    (``mode`` ``"dense"``, ``"causal"``, ``"interval"``) or ``[preprocess, dK/dV, _dq_finish,
-    accumulator fill]`` for the five-GEMM kernel (``"dense+atomic_dq"``, ``"causal+atomic_dq"``)."""
-    kind, _, atomic = mode.partition("+")
+    (``mode`` ``"dense"``, ``"causal"``, ``"interval"``, ``"list"``), ``[preprocess, dK/dV,
+    _dq_finish, accumulator fill]`` for the five-GEMM kernel (``"dense+atomic_dq"``,
+    ``"causal+atomic_dq"``), or ``[preprocess, dK/dV, dQ, K/V expansion, dK/dV group sum]`` for
+    ``"list+expanded_kv"`` (the pair over K/V copied per query head)."""
+    kind, _, flag = mode.partition("+")
+    atomic = flag == "atomic_dq"
+    if flag == "expanded_kv" and p.hkv != p.heads:
+        copies = 2 * p.batch * layout.kv_len * p.head_dim * p.elem  # K and V of one head each
+        expand = KernelTraffic(name="K/V expansion", programs=0, waves=0, l2_to_sm_bytes=copies * p.hkv,
+                               sm_to_l2_bytes=copies * p.heads, loads={"K+V": copies * p.hkv},
+                               stores={"K+V per query head": copies * p.heads}, dram_read_bytes=float(copies * p.hkv),
+                               dram_write_bytes=copies * p.heads, compulsory_read_bytes=copies * p.hkv)
+        sums = KernelTraffic(name="dK/dV group sum", programs=0, waves=0, l2_to_sm_bytes=copies * p.heads,
+                             sm_to_l2_bytes=copies * p.hkv, loads={"dK+dV per query head": copies * p.heads},
+                             stores={"dK+dV": copies * p.hkv}, dram_read_bytes=float(copies * p.heads),
+                             dram_write_bytes=copies * p.hkv, compulsory_read_bytes=copies * p.heads)
+        return [*backward(layout, replace(p, kv_heads=p.heads), kind, progress, label), expand, sums]
     lists = kind == "list"
     D, e = p.head_dim, p.elem
     pt = replace(p, tiles=_tiles(), bwd_fused=False)
