@@ -94,10 +94,10 @@ def test_a_replay_launches_what_the_host_path_does(logged, name):
     call_memo.clear(layout)
 
 
-def test_a_replay_repeats_the_tensor_operations(logged, monkeypatch):
-    """The GQA list backward with K/V expanded per query head copies K and V and sums dK/dV per
-    group around its launches (``call_memo.run``): a replay copies the new call's K and V, and
-    returns the sums of what its launches wrote."""
+def test_a_replay_expands_the_new_kv_heads(logged, monkeypatch):
+    """The GQA list backward with K/V expanded per query head launches a copy of K and V before
+    the pair and a group sum of dK/dV after it: a replay copies the new call's K and V into the
+    tensors its dK/dV launch reads, and returns the sums it launched."""
     mask = bsfa.parse("sliding_window(64) | global_tokens(128)")
     longest, mean = select.layout_class(bsfa.compile_mask(mask, L, L, 128)).list_columns
     monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
@@ -110,14 +110,42 @@ def test_a_replay_repeats_the_tensor_operations(logged, monkeypatch):
         _call(mask, logged)
     got = _call(mask, logged)
     _same_launches(ref[:2], ref2[:2], got[:2])
-    named = got[3]
-    dkdv = [args for fn, _, args in got[0] if fn.__name__ == "_attn_bwd_dkdv_gluon"][0]
-    assert torch.equal(dkdv[1], named["k"].repeat_interleave(2, 1))
-    assert torch.equal(dkdv[2], named["v"].repeat_interleave(2, 1))
-    # the launches were logged, not run: dK is the group sum of the buffer the dK/dV launch got
-    assert torch.equal(named["dk"], dkdv[4].view(1, 2, 2, L, 128).sum(2))
+    launches, named = got[0], got[3]
+    by_name = {}
+    for fn, _, args in launches:
+        by_name.setdefault(fn.__name__, []).append(args)
+    (ek, ev), (dkdv,), (sk, sv) = by_name["_expand_heads"], by_name["_attn_bwd_dkdv_gluon"], by_name["_group_sum"]
+    assert ek[0] is named["k"] and ev[0] is named["v"] and dkdv[1] is ek[1] and dkdv[2] is ev[1]
+    assert sk[0] is dkdv[4] and sv[0] is dkdv[5] and sk[1] is named["dk"] and sv[1] is named["dv"]
     layout = bsfa.compile_mask(mask, L, L, 128)
     assert sum(isinstance(e, call_memo.Replay) for e in layout.cache["call_memo"].values()) == 2
+    call_memo.clear(layout)
+
+
+def test_a_replay_repeats_tensor_operations():
+    """``call_memo.run``: an operation whose result is a new tensor runs again in a replay, on the
+    replayed call's tensors, and later launches get its new result."""
+    layout = bsfa.compile_mask(bsfa.causal(), 256, 256, 128)
+    seen = []
+
+    class FakeLaunch:
+        fn = None
+
+        def __call__(self, grid, *args):
+            seen.append(args)
+
+    launch = FakeLaunch()
+    for _ in range(2):
+        q = torch.zeros(3)
+        with call_memo.recording((q,)) as rec:
+            doubled = call_memo.run(torch.mul, q, 2)
+            call_memo.note_launch(launch, (1,), (doubled,))
+            call_memo.vouch()
+        call_memo.settle(layout, ("forward", "ops"), rec, (doubled,))
+    hit = call_memo.lookup(layout, ("forward", "ops"))
+    q = torch.arange(3.0)
+    out, = hit((q,))
+    assert torch.equal(out, 2 * q) and seen[-1][0] is out
     call_memo.clear(layout)
 
 
@@ -176,9 +204,9 @@ def test_a_recording_without_launches_is_not_replayed(monkeypatch):
 
 
 def test_two_recordings_that_differ_are_not_replayed():
-    """A tensor argument that is neither an input nor an allocation must be the same object in both
-    recordings (a table cached on the layout); one made per call makes the signature refused,
-    naming the launch."""
+    """A tensor argument that is neither an input nor an allocation must be the same object in two
+    consecutive recordings (a table cached on the layout); one made per call makes the signature
+    refused after ``_MAX_RECORDINGS`` recordings, naming the launch."""
     layout = bsfa.compile_mask(bsfa.causal(), 256, 256, 128)
 
     def kernel():
@@ -190,7 +218,8 @@ def test_two_recordings_that_differ_are_not_replayed():
     table, launch = torch.zeros(4), FakeLaunch()
     for per_call in (False, True):
         key = ("forward", "per call" if per_call else "cached")
-        for _ in range(2):
+        for i in range(call_memo._MAX_RECORDINGS if per_call else 2):
+            assert call_memo.lookup(layout, key) is None, i  # still recording
             q = torch.zeros(1, 1, 256, 64)
             with call_memo.recording((q,)) as rec:
                 out = call_memo.empty(q.shape, q.dtype, q.device)
@@ -199,7 +228,7 @@ def test_two_recordings_that_differ_are_not_replayed():
             call_memo.settle(layout, key, rec, (out,))
         hit = call_memo.lookup(layout, key)
         if per_call:
-            assert hit.reason == "two recordings differ: event 1 (kernel), field 3", hit
+            assert hit.reason == "consecutive recordings differ: event 1 (kernel), field 3", hit
         else:
             assert isinstance(hit, call_memo.Replay)
             q = torch.ones(1, 1, 256, 64)

@@ -748,7 +748,7 @@ def test_block_lists_in_the_choice():
     # with GQA a group's column is G heads' work: expanded to the 16 query heads (~310 steps per
     # SM) the column is one head's, and the lists run with K/V copied per query head
     c = choose_backward(long, S, torch.bfloat16, hw, DEFAULT)
-    assert str(c) == "gluon:list+expanded_kv" and "repeat_interleave" in c.kernels
+    assert str(c) == "gluon:list+expanded_kv" and "_expand_heads" in c.kernels
     mha = Shapes(1, 4, 4, 16384, 16384, 128)
     assert str(choose_backward(long, mha, torch.bfloat16, hw, DEFAULT)) == "triton:blocks"
     too_long = dataclasses.replace(lc, list_columns=(700.0, 20.0))

@@ -47,6 +47,23 @@ def host_us(fn, n: int = 20) -> float:
     return t
 
 
+def host_runs_us(fn, runs: int = 5, calls: int = 20) -> list:
+    """Host µs per call of ``fn`` in each of ``runs`` runs of ``calls`` calls, each run made while
+    the GPU sleeps 50 ms (so the launch queue never waits); ``fn`` warmed up first."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    hosts = []
+    for _ in range(runs):
+        torch.cuda._sleep(50_000_000)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        hosts.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return hosts
+
+
 def graph_of(fn):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -20,16 +20,17 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import blocksparse_fa as bsfa  # noqa: E402
 from bench import make_case  # noqa: E402
 from blocksparse_fa.ops import call_memo  # noqa: E402
+from host_path import host_runs_us  # noqa: E402
 
 OFF = dict(replay=False)
 
@@ -94,17 +95,7 @@ def timing(name, n, H, D, passes, Hkv):
             def step():
                 return torch.autograd.grad(bsfa.attention(*qkv, mask=mask, kernel_options=opts), qkv, do)
 
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-            hosts = []
-            for _ in range(5):
-                torch.cuda._sleep(50_000_000)
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    step()
-                hosts.append((time.perf_counter() - t0) / 20 * 1e6)
-                torch.cuda.synchronize()
+            hosts = host_runs_us(step)
             fwd = do_bench(lambda: bsfa.attention(*qkv, mask=mask, kernel_options=opts), warmup=25, rep=100,
                            return_mode="median")
             wall = do_bench(step, warmup=25, rep=200, return_mode="median")

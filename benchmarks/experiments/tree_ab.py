@@ -15,7 +15,6 @@ Masks: ``bench.py``'s names (H 16) or a part of a ``flex_equivalents.py`` name (
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -27,6 +26,7 @@ import blocksparse_fa as bsfa  # noqa: E402
 from bench import MASKS, make_case  # noqa: E402
 from flex_equivalents import cases  # noqa: E402
 from host_new_primitives import gpu_kernels  # noqa: E402
+from host_path import host_runs_us  # noqa: E402
 
 
 def _cases(names, n):
@@ -65,14 +65,7 @@ def main():
             other = torch.load(path)
             diff = max((a.float().cpu() - b.float()).abs().max().item() for a, b in zip(grads, other))
         torch.save([x.cpu() for x in grads], path)
-        hosts = []
-        for _ in range(5):
-            torch.cuda._sleep(50_000_000)
-            t0 = time.perf_counter()
-            for _ in range(20):
-                step()
-            hosts.append((time.perf_counter() - t0) / 20 * 1e6)
-            torch.cuda.synchronize()
+        hosts = host_runs_us(step)
         kernels = gpu_kernels(step, calls=10)
         wall = do_bench(step, warmup=25, rep=200, return_mode="median")
         ex = bsfa.explain(q, k, v, mask)

@@ -18,10 +18,11 @@ How a signature becomes replayable (``ops/dispatch.py`` decides which routes may
 2. Only a recording that a kernel path vouched for (:func:`vouch`: every GPU operation of that
    path goes through the recorded calls), that nothing declared unfit (:func:`unfit`) and that
    launched something counts.
-3. A second call with the same signature records again. Where both recordings agree (the same
-   launches, the same fixed tensors by identity, the same other arguments), later calls replay it;
-   where they differ (a tensor made per call among the arguments), the signature is never tried
-   again.
+3. The next call with the same signature records again. Where two consecutive recordings agree
+   (the same launches, the same fixed tensors by identity, the same other arguments), later calls
+   replay it. Where they differ (a tensor made per call among the arguments; a layout's first call
+   that also built its device tables), it records again, up to ``_MAX_RECORDINGS`` times, and then
+   the signature is refused for good.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ __all__ = ["signature", "recording", "empty", "zeros", "run", "also", "vouch", "
 _state = threading.local()
 _MEMO = "call_memo"  # the key of a layout's memo in ``layout.cache``: {(phase, signature): entry}
 _MAX_ENTRIES = 64  # signatures kept per layout and phase (a new one beyond evicts the oldest)
+# recordings of one signature before it is refused: a layout's first call may build device tables
+# with launches of its own, so the first recording can differ from every later one
+_MAX_RECORDINGS = 4
 
 
 def active():
@@ -113,22 +117,22 @@ def recording(inputs):
         _state.rec = prev
 
 
-def empty(shape, dtype, device) -> torch.Tensor:
-    """``torch.empty``, kept by an active recording as a per-call buffer."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+def _new(shape, dtype, device, zero: bool) -> torch.Tensor:
+    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     rec = active()
     if rec is not None:
-        rec.alloc(t, False)
+        rec.alloc(t, zero)
     return t
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """``torch.empty``, kept by an active recording as a per-call buffer."""
+    return _new(shape, dtype, device, False)
 
 
 def zeros(shape, dtype, device) -> torch.Tensor:
     """``torch.zeros``, kept by an active recording as a per-call buffer."""
-    t = torch.zeros(shape, dtype=dtype, device=device)
-    rec = active()
-    if rec is not None:
-        rec.alloc(t, True)
-    return t
+    return _new(shape, dtype, device, True)
 
 
 def run(fn, *args) -> torch.Tensor:
@@ -273,12 +277,17 @@ def settle(layout, key, rec: _Recording, outputs) -> None:
     prev = memo.get(key)
     if isinstance(prev, tuple):
         diff = _difference(prev[0], events) or (None if prev[1] == idx else "the outputs")
-        memo[key] = Replay(events, idx) if diff is None else Refused(f"two recordings differ: {diff}")
+        if diff is None:
+            memo[key] = Replay(events, idx)
+        elif prev[2] + 1 < _MAX_RECORDINGS:  # wait for two that agree
+            memo[key] = (events, idx, prev[2] + 1)
+        else:
+            memo[key] = Refused(f"consecutive recordings differ: {diff}")
         return
     if prev is None:
         if len(memo) >= _MAX_ENTRIES:
             memo.pop(next(iter(memo)))
-        memo[key] = (events, idx)
+        memo[key] = (events, idx, 1)
 
 
 def clear(layout) -> None:

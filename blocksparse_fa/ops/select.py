@@ -690,8 +690,8 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
         if mode in ("interval", "list"):  # dK/dV and dQ kernels
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
         if mode == "list+expanded_kv":  # the same, K/V copied per query head, dK/dV summed per group
-            return Choice("gluon", mode, ("_attn_bwd_preprocess", "repeat_interleave", "_attn_bwd_dkdv_gluon",
-                                          "_attn_bwd_dq_gluon", "sum"))
+            return Choice("gluon", mode, ("_attn_bwd_preprocess", "_expand_heads", "_attn_bwd_dkdv_gluon",
+                                          "_attn_bwd_dq_gluon", "_group_sum"))
         if mode is not None:
             if det is False or (det is None and mode in GLUON_FIVE_GEMM_DEFAULT and not lc.shard):
                 return Choice("gluon", mode + "+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",

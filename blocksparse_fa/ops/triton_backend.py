@@ -23,6 +23,7 @@ from ..kernels.backward_atomic import _attn_bwd_atomic, _dq_finish
 from ..kernels.forward_ws import _attn_fwd_ws
 from ..kernels import forward_gluon as _fg
 from ..kernels import backward_gluon as _bg
+from ..kernels import heads as _heads
 from ..kernels.merge import _merge_residue
 from ..kernels.config import atomic_bwd_config, bwd_configs, check_layout_block, fwd_config, head_dim_pad
 from ..kernels.predicate import Payload, build_payload
@@ -1032,17 +1033,35 @@ def _even(layout: BlockLayout, opts: KernelOptions) -> bool:
     return opts.even and layout.q_len % lbm == 0 and layout.kv_len % lbn == 0
 
 
-def _expand_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+_HEADS_BLOCK = 2048  # elements per program of kernels/heads.py (16 per thread at 4 warps)
+
+
+def _expanded_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     """``t (B, Hkv, L, D)`` copied to ``(B, Hkv·groups, L, D)``: kv head ``j`` as query heads
-    ``j·groups ..`` (the list backward's expanded K/V, ``select._gluon_bwd_mode``)."""
-    return t.repeat_interleave(groups, dim=1)
+    ``j·groups ..`` (the list backward's expanded K/V, ``select._gluon_bwd_mode``): a launch of
+    ``kernels/heads._expand_heads`` for contiguous ``t``, else a PyTorch copy."""
+    B, Hkv, L, D = t.shape
+    if not t.is_contiguous():
+        return call_memo.run(_expand_heads_torch, t, groups)
+    out = call_memo.empty((B, Hkv * groups, L, D), t.dtype, t.device)
+    _launch(_heads._expand_heads, (_cdiv(L * D, _HEADS_BLOCK), B * Hkv), (t, out, L * D), 3, t.device,
+            GROUPS=groups, BLOCK=_HEADS_BLOCK, num_warps=4)
+    return out
 
 
-def _group_sum(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """``t (B, H, L, D)`` summed over each group of ``groups`` adjacent heads: ``(B, H / groups, L, D)``
-    (float32 accumulation, ``t``'s dtype)."""
+def _expand_heads_torch(t: torch.Tensor, groups: int) -> torch.Tensor:
+    B, Hkv, L, D = t.shape
+    return t[:, :, None].expand(B, Hkv, groups, L, D).reshape(B, Hkv * groups, L, D)
+
+
+def _summed_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``t (B, H, L, D)`` (contiguous) summed over each group of ``groups`` adjacent heads:
+    ``(B, H / groups, L, D)`` in ``t``'s dtype, accumulated in float32 (``kernels/heads._group_sum``)."""
     B, H, L, D = t.shape
-    return t.view(B, H // groups, groups, L, D).sum(2)
+    out = call_memo.empty((B, H // groups, L, D), t.dtype, t.device)
+    _launch(_heads._group_sum, (_cdiv(L * D, _HEADS_BLOCK), B * (H // groups)), (t, out, L * D), 3, t.device,
+            GROUPS=groups, BLOCK=_HEADS_BLOCK, num_warps=4)
+    return out
 
 
 def backward_choice(q, k, v, dout, layout: BlockLayout, s: Shapes, dropout_p: float, opts: KernelOptions,
@@ -1123,7 +1142,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
             intervals = (lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)
         lists, groups = choice.mode.startswith("list"), s.G
         if expanded:
-            k, v = (call_memo.run(_expand_heads, t, groups) for t in (k, v))
+            k, v = (_expanded_heads(t, groups) for t in (k, v))
             s = Shapes(s.B, s.H, s.H, s.Lq, s.Lk, s.D)
         if lists:  # rows that keep nothing are masked in every step: no -inf fill
             lo, hi, _, q_tab, kv_tab, kv_ord, keys = _gluon_list_tables(layout, dev)
@@ -1134,7 +1153,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                           choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window,
                           lists=lists, kv_work=work[0], q_work=work[1])
         if expanded:
-            grads = (dq, *(call_memo.run(_group_sum, g, groups) for g in (dk, dv)))
+            grads = (dq, *(_summed_groups(g, groups) for g in (dk, dv)))
         return grads
     if choice.mode == "five_gemm":
         _atomic_backward(q, k, v, dout, grads, lse, delta, layout, s, scale, dropout_p, seed, acc, opts)
