@@ -168,6 +168,25 @@ def test_replays_are_kept_per_signature(logged):
     call_memo.clear(layout)
 
 
+def test_one_tensor_passed_as_q_k_and_v_is_its_own_signature(logged):
+    """``attention(x, x, x)`` records one object in three places; a later call with three tensors of
+    the same shapes must not replay it (each launch would read one of them three times)."""
+    mask = bsfa.causal()
+    layout = bsfa.compile_mask(mask, L, L, 128)
+    x = torch.randn(1, 4, L, 128, dtype=torch.bfloat16)
+    for _ in range(3):
+        bsfa.attention(x, x, x, mask=mask, backend="triton")
+    q, k, v = (torch.randn(1, 4, L, 128, dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(3):
+        del logged[:]
+        bsfa.attention(q, k, v, mask=mask, backend="triton")
+        (fn, _, args), = logged
+        assert args[0] is q and args[1] is k and args[2] is v
+    memo = layout.cache["call_memo"]
+    assert sum(isinstance(e, call_memo.Replay) for key, e in memo.items() if key[0] == "forward") == 2
+    call_memo.clear(layout)
+
+
 def test_calls_a_replay_would_not_repeat_are_not_replayed(logged):
     """A logsumexp gradient (an in-place change of the backward's row term) and a per-call copy
     of a non-contiguous ``dO`` take the host path every time; so does ``replay=False``."""

@@ -50,9 +50,14 @@ def active():
 
 def signature(tensors, *extra) -> tuple:
     """The key of a call: per tensor its shape, strides, dtype and 16-byte alignment (what selects a
-    compiled kernel variant and the descriptor path), the first tensor's device, and ``extra``
+    compiled kernel variant and the descriptor path), the first tensor's device, which tensors are
+    one object (``attention(x, x, x)``: a recording's slots follow the objects), and ``extra``
     (hashable: the shapes, scale, options, ...)."""
-    return (tensors[0].device, *((t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors), *extra)
+    alias = None
+    if len({id(t) for t in tensors}) < len(tensors):
+        alias = tuple(next(j for j, u in enumerate(tensors) if u is t) for t in tensors)
+    return (tensors[0].device, alias, *((t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors),
+            *extra)
 
 
 class _Slot:
