@@ -697,18 +697,20 @@ def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_gqa_list_backward_with_expanded_kv(hopper, monkeypatch):
+@pytest.mark.parametrize("Lk, text", [(L, "key_range(40, 100) | causal()"),
+                                      (L + 128, "key_range(40, 100) | sliding_window(100)")])
+def test_gqa_list_backward_with_expanded_kv(hopper, monkeypatch, Lk, text):
     """With GQA, where a group's heaviest key column is too long for the list backward but one
     head's is not, K and V are copied per query head, the Gluon launcher gets an MHA problem
     (``Hkv = H``, gradients per query head) and dK/dV are summed over each group: gradients equal
-    the exact backend's, shaped like K and V."""
+    the exact backend's, shaped like K and V (also with more keys than queries)."""
     monkeypatch.setattr(select, "_LIST_DEVICES", ("cuda", "cpu"))
-    mask = bsfa.key_range(40, 100) | bsfa.causal()
-    layout = bsfa.compile_mask(mask, L, L, 128)
+    mask = bsfa.parse(text)
+    layout = bsfa.compile_mask(mask, L, Lk, 128)
     lc = select.layout_class(layout)
     longest, mean = lc.list_columns
     assert lc.kind == "blocks" and longest > 0
-    per_sm = mean * (L // 128) * 1 * 1 / 132  # one kv head
+    per_sm = mean * (Lk // 128) / 132  # one kv head
     monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
     # the group's column fails the share test, one query head's passes
     monkeypatch.setattr(select, "LIST_COLUMN_SHARE", longest / (3 * per_sm))  # 2 kv heads fail, 4 pass
@@ -722,14 +724,14 @@ def test_gqa_list_backward_with_expanded_kv(hopper, monkeypatch):
     monkeypatch.setattr(tb, "_gluon_bwd_launch", bwd_spy)
     torch.manual_seed(0)
     q = torch.randn(1, 4, L, 128, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, 2, L, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))  # d 128: lists
+    k, v = (torch.randn(1, 2, Lk, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))  # d 128: lists
     opts = dict(replay=False)
     ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton", kernel_options=opts),
                          q, k, v)
     assert ran == [("forward", "triton:blocks"), ("backward", "gluon:list+expanded_kv")], ran
     (s, kshape, gshapes, lists), = seen
-    assert (s.H, s.Hkv, lists) == (4, 4, True) and kshape == (1, 4, L, 128)
-    assert gshapes == ((1, 4, L, 128),) * 3
+    assert (s.H, s.Hkv, lists) == (4, 4, True) and kshape == (1, 4, Lk, 128)
+    assert gshapes == ((1, 4, L, 128), (1, 4, Lk, 128), (1, 4, Lk, 128))
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
     for a, b, t in zip(grads, ref, (q, k, v)):
         assert a.shape == t.shape and rel_err(a, b) < 2e-2

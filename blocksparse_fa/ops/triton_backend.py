@@ -1120,7 +1120,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     gdt = gdts if any(gdts) else None
     expanded = choice.mode == "list+expanded_kv"  # K/V and dK/dV per query head, summed per group after
     if accumulate is None:
-        dq, dk, dv = (call_memo.empty(q.shape if expanded else t.shape, d or t.dtype, dev)
+        # expanded: dK/dV per query head, (B, H, Lk, D)
+        dq, dk, dv = (call_memo.empty((*t.shape[:1], s.H, *t.shape[2:]) if expanded else t.shape, d or t.dtype, dev)
                       for d, t in zip(gdts, (q, k, v)))
     else:
         call_memo.unfit()
