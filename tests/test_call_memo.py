@@ -94,10 +94,10 @@ def test_a_replay_launches_what_the_host_path_does(logged, name):
     call_memo.clear(layout)
 
 
-def test_a_replay_expands_the_new_kv_heads(logged, monkeypatch):
-    """The GQA list backward with K/V expanded per query head launches a copy of K and V before
-    the pair and a group sum of dK/dV after it: a replay copies the new call's K and V into the
-    tensors its dK/dV launch reads, and returns the sums it launched."""
+def test_a_replay_of_the_per_head_dkdv_backward(logged, monkeypatch):
+    """The GQA list backward with dK/dV per query head launches the pair on the call's K and V and a
+    group sum of dK/dV after it: a replay passes the new call's K and V to the dK/dV launch, sums
+    into the gradients it returns, and never copies K or V."""
     mask = bsfa.parse("sliding_window(64) | global_tokens(128)")
     longest, mean = select.layout_class(bsfa.compile_mask(mask, L, L, 128)).list_columns
     monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
@@ -105,7 +105,7 @@ def test_a_replay_expands_the_new_kv_heads(logged, monkeypatch):
     monkeypatch.setattr(select, "LIST_COLUMN_SHARE", longest / (3 * mean * (L // 128) / 132))
     off = dict(replay=False)
     ref, ref2 = _call(mask, logged, opts=off), _call(mask, logged, opts=off)
-    assert [c for _, c in ref[2]][1] == "gluon:list+expanded_kv"
+    assert [c for _, c in ref[2]][1] == "gluon:list+per_head_dkdv"
     for _ in range(2):
         _call(mask, logged)
     got = _call(mask, logged)
@@ -114,9 +114,11 @@ def test_a_replay_expands_the_new_kv_heads(logged, monkeypatch):
     by_name = {}
     for fn, _, args in launches:
         by_name.setdefault(fn.__name__, []).append(args)
-    (ek, ev), (dkdv,), (sk, sv) = by_name["_expand_heads"], by_name["_attn_bwd_dkdv_gluon"], by_name["_group_sum"]
-    assert ek[0] is named["k"] and ev[0] is named["v"] and dkdv[1] is ek[1] and dkdv[2] is ev[1]
+    assert "_expand_heads" not in by_name
+    (dkdv,), (dq,), (sk, sv) = by_name["_attn_bwd_dkdv_gluon"], by_name["_attn_bwd_dq_gluon"], by_name["_group_sum"]
+    assert dkdv[1] is named["k"] and dkdv[2] is named["v"] and dq[1] is named["k"] and dq[2] is named["v"]
     assert sk[0] is dkdv[4] and sv[0] is dkdv[5] and sk[1] is named["dk"] and sv[1] is named["dv"]
+    assert tuple(dkdv[4].shape) == (1, 4, L, 128) and tuple(named["dk"].shape) == (1, 2, L, 128)
     layout = bsfa.compile_mask(mask, L, L, 128)
     assert sum(isinstance(e, call_memo.Replay) for e in layout.cache["call_memo"].values()) == 2
     call_memo.clear(layout)

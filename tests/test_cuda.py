@@ -698,3 +698,47 @@ def test_list_mode_against_float64_and_its_deal(name, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, off))
     _, tri = run(dict(block_lists=False, global_split=False))
     _as_close_as(got, tri, q, k, v, do, mask)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_gqa_list_backward_per_query_head(hkv, monkeypatch):
+    """GQA (16 query heads over ``hkv``) where one query head's key column passes the list
+    backward's rule but a group's does not: one dK/dV item per query head reads its group's K and
+    V (``KV_REP``) and the group's dK/dV are summed after. As close to float64 as the Triton block
+    kernels, and bit for bit the pair run on copies of K and V per query head."""
+    from blocksparse_fa.ops import select
+    from blocksparse_fa.ops import triton_backend as tb
+    from blocksparse_fa.ops.validate import Shapes
+
+    mask = bsfa.load_pattern("bigbird", window=150, n_global=128, n_random=2)
+    layout = bsfa.compile_mask(mask, N, N, device="cuda")
+    longest, mean = select.layout_class(layout).list_columns
+    per_sm = mean * (N // 128) / select.hardware(torch.device("cuda")).sm_count  # one head's
+    monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
+    monkeypatch.setattr(select, "LIST_COLUMN_SHARE", longest / (0.5 * (hkv + 16) * per_sm))
+    q, k, v = _qkv(H=16, Hkv=hkv, D=128, seed=7)
+    do = torch.randn_like(q)
+
+    def run(opts):
+        with select.record() as ran:
+            out = bsfa.attention(q, k, v, mask=layout, kernel_options=opts)
+            g = torch.autograd.grad(out, (q, k, v), do)
+        return [c for _, c in ran], (out, *g)
+
+    ran, got = run(dict(replay=False))
+    assert ran[1] == "gluon:list+per_head_dkdv", ran
+    launch = tb._gluon_bwd_launch
+
+    def on_copies(q, k, v, dout, grads, lse, delta, s, *args, per_head_dkdv=False, **kw):
+        assert per_head_dkdv
+        k, v = (t.repeat_interleave(s.G, 1) for t in (k, v))
+        launch(q, k, v, dout, grads, lse, delta, Shapes(s.B, s.H, s.H, s.Lq, s.Lk, s.D), *args, **kw)
+
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", on_copies)
+    _, copied = run(dict(replay=False))
+    monkeypatch.setattr(tb, "_gluon_bwd_launch", launch)
+    assert all(torch.equal(a, b) for a, b in zip(got, copied))
+    _, tri = run(dict(backward="triton"))
+    _as_close_as(got, tri, q, k, v, do, mask)

@@ -365,6 +365,41 @@ def test_persistent_gluon_dkdv_launch_geometry(monkeypatch):
     assert run(q, k, GluonBwdConfig(dkdv_persistent=True), causal=True) == (8, False, (0,) * 18)
 
 
+def test_gluon_per_head_dkdv_launch(monkeypatch):
+    """``per_head_dkdv``: with GQA the dK/dV kernel runs one item per query head (``H`` heads, group
+    size 1, ``KV_REP`` = the group size, so that item head ``h`` reads K/V head ``h // G``) over the
+    caller's K and V, never copies of them, into per-query-head dK/dV; the dQ kernel keeps the GQA
+    shapes. Persistent, K/V's row views are those of the kv heads."""
+    from blocksparse_fa.ops.options import GluonBwdConfig
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((fn, grid, args, c)))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    B, H, Hkv, L, D = 2, 8, 2, 256, 128
+    q, k, v = torch.empty(B, H, L, D, **meta), torch.empty(B, Hkv, L, D, **meta), torch.empty(B, Hkv, L, D, **meta)
+    lse = torch.empty(B * H, L, device="meta")
+    s = Shapes(B, H, Hkv, L, L, D)
+    t = torch.empty(1, dtype=torch.int32, device="meta")
+    for per_head in (False, True):
+        grads = [torch.empty(B, H if per_head and i else x.shape[1], L, D, **meta) for i, x in enumerate((q, k, v))]
+        seen.clear()
+        tb._gluon_bwd_launch(q, k, v, q, grads, lse, lse, s, 0.1, False, False, GluonBwdConfig(dkdv_persistent=True),
+                             intervals=(t, t, t, t, 0, 0, t), per_head_dkdv=per_head)
+        (fn, grid, args, consts), (fq, _, qargs, _) = seen
+        assert fn is tb._bg._attn_bwd_dkdv_gluon and fq is tb._bg._attn_bwd_dq_gluon
+        assert args[1] is k and args[2] is v and args[4] is grads[1] and args[5] is grads[2]
+        n_prog = L // (2 * GluonBwdConfig().block_n)
+        heads, group, rep = (H, 1, H // Hkv) if per_head else (H, H // Hkv, 1)
+        assert args[32:34] == (heads, group) and consts["KV_REP"] == rep
+        assert args[41] == n_prog * B * (H if per_head else Hkv)  # items
+        assert args[-12:-6] == (Hkv * L, L, 0) * 2  # K and V: the kv heads' rows
+        assert qargs[1] is k and qargs[26:28] == (H, H // Hkv)  # dQ: the GQA shapes
+
+
 def test_gluon_dkdv_list_and_bounds_constexprs(monkeypatch):
     """The dK/dV and dQ kernels get ``LIST`` for the list mode's tables; the dK/dV kernel stages the
     rows' interval bounds with Q and dO (``BOUNDS_SMEM``) by default where they are two intervals

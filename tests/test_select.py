@@ -281,7 +281,7 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     launch = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None, lists=False, kv_work=None, q_work=None):
+            window_bytes=None, lists=False, kv_work=None, q_work=None, per_head_dkdv=False):
         seen.append((causal, atomic, intervals, lse.clone()))
         launch(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -407,7 +407,10 @@ def hopper(monkeypatch):
         lse.copy_(l)
 
     def bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None, lists=False, kv_work=None, q_work=None):
+            window_bytes=None, lists=False, kv_work=None, q_work=None, per_head_dkdv=False):
+        if per_head_dkdv:  # dK/dV per query head: each head's share of its group's gradient
+            k, v = (t.repeat_interleave(s.G, 1) for t in (k, v))
+            s = Shapes(s.B, s.H, s.H, s.Lq, s.Lk, s.D)
         o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
         for g, r in zip(grads, torch_backward(q, k, v, o.to(q.dtype), l, dout, layout, s, scale, 0.0, 0)):
             g.copy_(r)
@@ -538,7 +541,7 @@ def test_five_gemm_gluon_backward_reaches_the_launcher(hopper, monkeypatch):
     bwd = tb._gluon_bwd_launch
 
     def spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-            window_bytes=None, lists=False, kv_work=None, q_work=None):
+            window_bytes=None, lists=False, kv_work=None, q_work=None, per_head_dkdv=False):
         seen.append((causal, atomic, cfg.block_n))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -664,7 +667,7 @@ def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
         fwd(q, k, v, out, lse, s, scale, case, cfg, layout, global_keys)
 
     def bwd_spy(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout=None, intervals=None,
-                window_bytes=None, lists=False, kv_work=None, q_work=None):
+                window_bytes=None, lists=False, kv_work=None, q_work=None, per_head_dkdv=False):
         seen.append(("backward", lists, intervals))
         bwd(q, k, v, dout, grads, lse, delta, s, scale, causal, atomic, cfg, layout, intervals)
 
@@ -699,11 +702,11 @@ def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("Lk, text", [(L, "key_range(40, 100) | causal()"),
                                       (L + 128, "key_range(40, 100) | sliding_window(100)")])
-def test_gqa_list_backward_with_expanded_kv(hopper, monkeypatch, Lk, text):
+def test_gqa_list_backward_per_query_head(hopper, monkeypatch, Lk, text):
     """With GQA, where a group's heaviest key column is too long for the list backward but one
-    head's is not, K and V are copied per query head, the Gluon launcher gets an MHA problem
-    (``Hkv = H``, gradients per query head) and dK/dV are summed over each group: gradients equal
-    the exact backend's, shaped like K and V (also with more keys than queries)."""
+    head's is not, the Gluon launcher gets the caller's K and V and ``per_head_dkdv`` (gradients
+    per query head) and dK/dV are summed over each group: gradients equal the exact backend's,
+    shaped like K and V (also with more keys than queries)."""
     monkeypatch.setattr(select, "_LIST_DEVICES", ("cuda", "cpu"))
     mask = bsfa.parse(text)
     layout = bsfa.compile_mask(mask, L, Lk, 128)
@@ -718,7 +721,7 @@ def test_gqa_list_backward_with_expanded_kv(hopper, monkeypatch, Lk, text):
     bwd = tb._gluon_bwd_launch
 
     def bwd_spy(q, k, v, dout, grads, lse, delta, s, *args, **kw):
-        seen.append((s, k.shape, tuple(g.shape for g in grads), kw["lists"]))
+        seen.append((s, k.shape, tuple(g.shape for g in grads), kw["lists"], kw["per_head_dkdv"]))
         bwd(q, k, v, dout, grads, lse, delta, s, *args, **kw)
 
     monkeypatch.setattr(tb, "_gluon_bwd_launch", bwd_spy)
@@ -728,9 +731,9 @@ def test_gqa_list_backward_with_expanded_kv(hopper, monkeypatch, Lk, text):
     opts = dict(replay=False)
     ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton", kernel_options=opts),
                          q, k, v)
-    assert ran == [("forward", "triton:blocks"), ("backward", "gluon:list+expanded_kv")], ran
-    (s, kshape, gshapes, lists), = seen
-    assert (s.H, s.Hkv, lists) == (4, 4, True) and kshape == (1, 4, Lk, 128)
+    assert ran == [("forward", "triton:blocks"), ("backward", "gluon:list+per_head_dkdv")], ran
+    (s, kshape, gshapes, lists, per_head), = seen
+    assert (s.H, s.Hkv, lists, per_head) == (4, 2, True, True) and kshape == (1, 2, Lk, 128)
     assert gshapes == ((1, 4, L, 128), (1, 4, Lk, 128), (1, 4, Lk, 128))
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
     for a, b, t in zip(grads, ref, (q, k, v)):
@@ -747,10 +750,10 @@ def test_block_lists_in_the_choice():
     assert str(choose_backward(lc, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
     long = dataclasses.replace(lc, list_columns=(200.0, 20.0))
     assert str(choose_forward(long, S, torch.bfloat16, hw, DEFAULT)) == "gluon:list"
-    # with GQA a group's column is G heads' work: expanded to the 16 query heads (~310 steps per
-    # SM) the column is one head's, and the lists run with K/V copied per query head
+    # with GQA a group's column is G heads' work: as items of the 16 query heads (~310 steps per
+    # SM) the column is one head's, and the lists run with dK/dV per query head, summed per group
     c = choose_backward(long, S, torch.bfloat16, hw, DEFAULT)
-    assert str(c) == "gluon:list+expanded_kv" and "_expand_heads" in c.kernels
+    assert str(c) == "gluon:list+per_head_dkdv" and c.kernels[-1] == "_group_sum"
     mha = Shapes(1, 4, 4, 16384, 16384, 128)
     assert str(choose_backward(long, mha, torch.bfloat16, hw, DEFAULT)) == "triton:blocks"
     too_long = dataclasses.replace(lc, list_columns=(700.0, 20.0))

@@ -966,10 +966,10 @@ def test_persistent_window_dq_matches_the_measurement(monkeypatch):
     assert drift > 3 * measured
 
 
-def test_gluon_list_backward_with_expanded_kv(monkeypatch):
+def test_gluon_list_backward_per_query_head(monkeypatch):
     """GQA where only one query head's key column is short enough for the list backward: the model
-    runs the pair as for MHA (K/V per query head) and adds the copy of K/V and the group sum of
-    dK/dV, each reading and writing whole tensors."""
+    runs the dK/dV kernel as for MHA (an item per query head), the dQ kernel as for GQA, and adds
+    the group sum of dK/dV, which reads the per-query-head tensors and writes the kv heads'."""
     from blocksparse_fa.ops import select
 
     n, H, Hkv, D, e = 2048, 4, 2, 128, 2
@@ -978,12 +978,16 @@ def test_gluon_list_backward_with_expanded_kv(monkeypatch):
     monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
     mha = _traffic_model(lay, heads=H, kv_heads=H, head_dim=D, compare=False)
     n_sm = mha.params.n_sm
+    monkeypatch.setattr(select, "LIST_COLUMN_SHARE", 1e9)  # every column passes: the GQA pair
+    gqa = _traffic_model(lay, heads=H, kv_heads=Hkv, head_dim=D, compare=False)
+    assert gqa.choice[1] == "gluon:list" and not gqa.extra
     # a column of the 2 kv heads' groups is too long, one of the 4 query heads' is not
     monkeypatch.setattr(select, "LIST_COLUMN_SHARE", longest / (3 * mean * (n // 128) / n_sm))
     rep = _traffic_model(lay, heads=H, kv_heads=Hkv, head_dim=D, compare=False)
-    assert rep.choice[1] == "gluon:list+expanded_kv"
-    assert rep.bwd_dkdv.loads == _traffic_model(lay, heads=H, kv_heads=H, head_dim=D, compare=False).bwd_dkdv.loads
-    expand, sums = rep.extra
+    assert rep.choice[1] == "gluon:list+per_head_dkdv"
+    mha = _traffic_model(lay, heads=H, kv_heads=H, head_dim=D, compare=False)
+    assert mha.choice[1] == "gluon:list"
+    assert rep.bwd_dkdv == mha.bwd_dkdv and rep.bwd_dq == gqa.bwd_dq != mha.bwd_dq  # dQ: the kv heads' K/V
+    sums, = rep.extra
     one = 2 * n * D * e  # K and V of one head
-    assert (expand.dram_read_bytes, expand.dram_write_bytes) == (Hkv * one, H * one)
     assert (sums.dram_read_bytes, sums.dram_write_bytes) == (H * one, Hkv * one)

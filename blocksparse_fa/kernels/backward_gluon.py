@@ -183,7 +183,7 @@ if gluon is not None:
                        M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lse_desc, delta_desc, rows_smem, H,
                        ROWS_SMEM: gl.constexpr, LIST: gl.constexpr, lo_desc, hi_desc, bounds_smem,
-                       BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr):
+                       BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr, KV_REP: gl.constexpr):
         """One warp: per work item, the first ``STAGES`` steps' Q and dO (their slots free up as the
         consumers finish the previous item), both consumers' K/V tiles once the consumers have
         released the previous item's (stored dK/dV), then the other steps' Q and dO; ring
@@ -201,11 +201,12 @@ if gluon is not None:
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
                                rows_smem, H, q_len, ROWS_SMEM, TAB, LIST, lo_desc, hi_desc, bounds_smem, z,
                                BOUNDS_SMEM)
+            hr = hk // KV_REP  # the head K and V are read from
             for c in gl.static_range(2):
                 mbarrier.wait(kv_empty.index(c), (it & 1) ^ 1)
                 _load_pair(k_desc, v_desc, kv_bar.index(c), k_smem.index(c), v_smem.index(c),
-                           b * k_rb + hk * k_rh + off_n + c * BLOCK_N, hk * k_ch,
-                           b * v_rb + hk * v_rh + off_n + c * BLOCK_N, hk * v_ch)
+                           b * k_rb + hr * k_rh + off_n + c * BLOCK_N, hr * k_ch,
+                           b * v_rb + hr * v_rh + off_n + c * BLOCK_N, hr * v_ch)
             for t in range(pre, n_t):
                 _dkdv_load_qdo(q_desc, do_desc, q_smem, do_smem, ready, empty, tb + t, t, n_i, i0, b, hk, G, q_rb,
                                q_rh, q_ch, do_rb, do_rh, do_ch, PERSISTENT, BLOCK_M, STAGES, lse_desc, delta_desc,
@@ -672,7 +673,8 @@ if gluon is not None:
                              INTERVAL: gl.constexpr = False, DIRECT_STORE: gl.constexpr = False,
                              PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
                              ROWS_SMEM: gl.constexpr = False, LIST: gl.constexpr = False,
-                             BOUNDS_SMEM: gl.constexpr = False, DEALT: gl.constexpr = False):
+                             BOUNDS_SMEM: gl.constexpr = False, DEALT: gl.constexpr = False,
+                             KV_REP: gl.constexpr = 1):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
         items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
@@ -703,7 +705,12 @@ if gluon is not None:
 
         ``DIRECT_STORE``: dK and dV are written from the registers (not staged in shared memory for a
         TMA store); needed where DK/DV are float32 (partial sums), and fewer values stay live across
-        the loops (less spilling: ``benchmarks/NOTES.md``, "Gluon kernels")."""
+        the loops (less spilling: ``benchmarks/NOTES.md``, "Gluon kernels").
+
+        ``KV_REP``: item head ``hk`` reads K and V of head ``hk // KV_REP`` (``K/V (B, H // G //
+        KV_REP, Lk, D)``) and writes its own dK/dV: with ``G = 1`` and ``KV_REP`` the GQA group size,
+        one item per query head over the shared K/V, whose per-query-head dK/dV the caller sums per
+        group (``ops/select._gluon_bwd_mode``, ``"list+per_head_dkdv"``)."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
@@ -741,10 +748,11 @@ if gluon is not None:
             do_rb = 0
             do_rh = q_len
             do_ch = 0
-        k_desc = _fg._rows_desc(K, stride_kb, stride_kh, stride_kn, b64, hk64, k_rb, k_rh, k_ch, n_b, HKV, kv_len,
-                                PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
-        v_desc = _fg._rows_desc(V, stride_vb, stride_vh, stride_vn, b64, hk64, v_rb, v_rh, v_ch, n_b, HKV, kv_len,
-                                PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
+        # K and V: kv head hk // KV_REP (KV_REP > 1: items per query head over shared K/V)
+        k_desc = _fg._rows_desc(K, stride_kb, stride_kh, stride_kn, b64, hk64 // KV_REP, k_rb, k_rh, k_ch, n_b,
+                                HKV // KV_REP, kv_len, PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
+        v_desc = _fg._rows_desc(V, stride_vb, stride_vh, stride_vn, b64, hk64 // KV_REP, v_rb, v_rh, v_ch, n_b,
+                                HKV // KV_REP, kv_len, PERSISTENT, HEAD_DIM, BLOCK_N, k_layout)
         if DIRECT_STORE:  # not read
             dk_desc = k_desc
             dv_desc = v_desc
@@ -860,7 +868,7 @@ if gluon is not None:
                               ready, empty, TAB, ORD, DEAL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
                               v_rb, v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,
                               M_MAJOR, PERSISTENT, BLOCK_M, BLOCK_N, STAGES, lse_desc, delta_desc, rows_smem, H,
-                              ROWS_SMEM, LIST, lo_desc, hi_desc, bounds_smem, BOUNDS_SMEM, DEALT)),
+                              ROWS_SMEM, LIST, lo_desc, hi_desc, bounds_smem, BOUNDS_SMEM, DEALT, KV_REP)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ------------------------------------------------------------------ dQ (deterministic)

@@ -292,8 +292,8 @@ def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, s: Shapes, sms: 
     short rows lost to the Triton kernels, not on lists; and only where no key column outweighs
     ``LIST_COLUMN_SHARE`` times the work per SM of ``sms`` (unknown: 132) and
     ``LIST_LONG_COLUMN`` times the mean key tile's). ``kv_heads``: the dK/dV kernel's heads
-    (default ``s.Hkv``; ``s.H`` where K and V are expanded to every query head, so that a key
-    column is one head's work, not a group's)."""
+    (default ``s.Hkv``; ``s.H`` where it runs one item per query head over the group's K and V,
+    so that a key column is one head's work, not a group's)."""
     if opts.block_lists is None:
         if not (lc.lists and lc.partial_fraction <= BLOCK_LISTS[phase]):
             return False
@@ -635,10 +635,10 @@ def _gluon_bwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonBwdConfig, opts: Kerne
             return None
         if _lists_on(lc, opts, "backward", s, sms):
             return "list"
-        # GQA: a group's key column is G heads' work; with K and V expanded to every query head
-        # (copies, and the group's dK/dV summed afterwards) it is one head's, as with MHA
+        # GQA: a group's key column is G heads' work; with one dK/dV item per query head (reading
+        # its group's K and V; the group's dK/dV summed afterwards) it is one head's, as with MHA
         if s.G > 1 and opts.block_lists is None and _lists_on(lc, opts, "backward", s, sms, kv_heads=s.H):
-            return "list+expanded_kv"
+            return "list+per_head_dkdv"
         return None
     if interval:
         # no id compare; the dK/dV program walks every head of a group with one table, so
@@ -689,9 +689,9 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
                                                           "_dq_finish"))
         if mode in ("interval", "list"):  # dK/dV and dQ kernels
             return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon"))
-        if mode == "list+expanded_kv":  # the same, K/V copied per query head, dK/dV summed per group
-            return Choice("gluon", mode, ("_attn_bwd_preprocess", "_expand_heads", "_attn_bwd_dkdv_gluon",
-                                          "_attn_bwd_dq_gluon", "_group_sum"))
+        if mode == "list+per_head_dkdv":  # the same, dK/dV per query head, summed per group
+            return Choice("gluon", mode, ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_dq_gluon",
+                                          "_group_sum"))
         if mode is not None:
             if det is False or (det is None and mode in GLUON_FIVE_GEMM_DEFAULT and not lc.shard):
                 return Choice("gluon", mode + "+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",

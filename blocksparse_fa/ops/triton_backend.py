@@ -127,7 +127,8 @@ def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
 
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None,
-                      window_bytes: float | None = None, lists: bool = False, kv_work=None, q_work=None) -> None:
+                      window_bytes: float | None = None, lists: bool = False, kv_work=None, q_work=None,
+                      per_head_dkdv: bool = False) -> None:
     """The Gluon backward into ``grads``: the dK/dV kernel (one program per ``2·block_n`` keys and
     batch·kv head, or persistent: ``GluonBwdConfig.dkdv_persistent``), then the dQ kernel (one
     program per row tile and head, or persistent: ``GluonBwdConfig.persistent``) or, with
@@ -149,7 +150,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
     listed, not ranges). ``kv_work``: the host's ``(work per key tile (Z, n_prog), the key tiles
     heaviest first (Z, n_prog))`` (numpy; ``kv_ord``'s host copy), from which a persistent
     tile-major dK/dV launch deals its items to the programs by :func:`_deal_table` (None: every
-    grid-th item); ``q_work``: the same for the dQ kernel's row tiles (in tile order)."""
+    grid-th item); ``q_work``: the same for the dQ kernel's row tiles (in tile order).
+    ``per_head_dkdv``: with GQA, one dK/dV item per query head (``KV_REP``: it reads its group's
+    K and V), into ``dk``/``dv`` of shape ``(B, H, Lk, D)``, which the caller sums per group."""
     _ensure_tma_allocator(q.device)
     ph = _placeholder(torch.int32, q.device)
     lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord = intervals if intervals is not None else (ph, ph, ph, ph, 0, 0, ph)
@@ -161,7 +164,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         raise ValueError(f"Gluon backward: dK and dV must share a dtype, got {dk.dtype}, {dv.dtype}")
     direct = cfg.direct_store or dk.dtype == torch.float32
     n_prog = s.Lk // (2 * cfg.block_n)
-    n_items = n_prog * s.B * s.Hkv
+    kv_rep = s.G if per_head_dkdv else 1
+    sk = Shapes(s.B, s.H, s.H, s.Lq, s.Lk, s.D) if per_head_dkdv else s  # the dK/dV kernel's items
+    n_items = n_prog * sk.B * sk.Hkv
     # as the forward's: causal keeps one program per tile; the dQ buffer's rows are int32 too
     # GluonBwdConfig: persistent kernels by default on interval layouts only, and not for the
     # five-GEMM kernel (documents at 16K: 1.632 ms per tile against 1.842 persistent, NOTES.md section 5)
@@ -170,12 +175,12 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
                                              _on(cfg.dkdv_persistent, auto and not atomic) and not causal
                                              and s.B * s.H * s.Lq < 2**31, cfg.sm_margin)
     qg, dog = q, dout
-    if s.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
+    if sk.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
         qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
         if qg is not q or dog is not dout:
             call_memo.unfit()
     deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
-    dealt = (_deal_table(layout, *kv_work, s.B, s.Hkv, lzb, lzh * s.G, grid, q.device)
+    dealt = (_deal_table(layout, *kv_work, sk.B, sk.Hkv, lzb, lzh * sk.G, grid, q.device)
              if deal and cfg.deal and kv_work is not None else None)
     rows_smem = cfg.rows_smem and not cfg.overlap
     _launch(_bg._attn_bwd_dkdv_gluon, (grid, ), (
@@ -183,13 +188,13 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         *qg.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dog.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3],
-        s.H, s.G, s.Lq, s.Lk, lzb, lzh * s.G, qk, scale, n_prog, n_items, *geo), 38, q.device, HEAD_DIM=s.D,
+        sk.H, sk.G, s.Lq, s.Lk, lzb, lzh * sk.G, qk, scale, n_prog, n_items, *geo), 38, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, ATOMIC_DQ=atomic,
         PINGPONG=cfg.pingpong, OVERLAP=0 if atomic else cfg.overlap, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
         PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=rows_smem, LIST=lists,
         BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64),
-        DEALT=dealt is not None, num_warps=4)
+        DEALT=dealt is not None, KV_REP=kv_rep, num_warps=4)
     if atomic:
         _launch(_dq_finish, (_cdiv(s.Lq, 64), s.B * s.H), (dq, dqa, lse, *dq.stride()[:3], s.H, s.Lq, scale), 8,
                 q.device, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False, num_warps=4)
@@ -1036,24 +1041,6 @@ def _even(layout: BlockLayout, opts: KernelOptions) -> bool:
 _HEADS_BLOCK = 2048  # elements per program of kernels/heads.py (16 per thread at 4 warps)
 
 
-def _expanded_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """``t (B, Hkv, L, D)`` copied to ``(B, Hkv·groups, L, D)``: kv head ``j`` as query heads
-    ``j·groups ..`` (the list backward's expanded K/V, ``select._gluon_bwd_mode``): a launch of
-    ``kernels/heads._expand_heads`` for contiguous ``t``, else a PyTorch copy."""
-    B, Hkv, L, D = t.shape
-    if not t.is_contiguous():
-        return call_memo.run(_expand_heads_torch, t, groups)
-    out = call_memo.empty((B, Hkv * groups, L, D), t.dtype, t.device)
-    _launch(_heads._expand_heads, (_cdiv(L * D, _HEADS_BLOCK), B * Hkv), (t, out, L * D), 3, t.device,
-            GROUPS=groups, BLOCK=_HEADS_BLOCK, num_warps=4)
-    return out
-
-
-def _expand_heads_torch(t: torch.Tensor, groups: int) -> torch.Tensor:
-    B, Hkv, L, D = t.shape
-    return t[:, :, None].expand(B, Hkv, groups, L, D).reshape(B, Hkv * groups, L, D)
-
-
 def _summed_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
     """``t (B, H, L, D)`` (contiguous) summed over each group of ``groups`` adjacent heads:
     ``(B, H / groups, L, D)`` in ``t``'s dtype, accumulated in float32 (``kernels/heads._group_sum``)."""
@@ -1118,10 +1105,10 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     gdts = tuple(None if d in (None, t.dtype) or accumulate is not None else d
                  for d, t in zip(_grad_dtypes(grad_dtype), (q, k, v)))
     gdt = gdts if any(gdts) else None
-    expanded = choice.mode == "list+expanded_kv"  # K/V and dK/dV per query head, summed per group after
+    per_head = choice.mode == "list+per_head_dkdv"  # dK/dV per query head, summed per group after
     if accumulate is None:
-        # expanded: dK/dV per query head, (B, H, Lk, D)
-        dq, dk, dv = (call_memo.empty((*t.shape[:1], s.H, *t.shape[2:]) if expanded else t.shape, d or t.dtype, dev)
+        # per_head: dK/dV per query head, (B, H, Lk, D)
+        dq, dk, dv = (call_memo.empty((*t.shape[:1], s.H, *t.shape[2:]) if per_head else t.shape, d or t.dtype, dev)
                       for d, t in zip(gdts, (q, k, v)))
     else:
         call_memo.unfit()
@@ -1142,9 +1129,6 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
                 lse = lse.masked_fill(empty, float("-inf"))  # gets the whole mask's
             intervals = (lo, hi, kv_tab, q_tab, lzb, lzh, kv_ord)
         lists, groups = choice.mode.startswith("list"), s.G
-        if expanded:
-            k, v = (_expanded_heads(t, groups) for t in (k, v))
-            s = Shapes(s.B, s.H, s.H, s.Lq, s.Lk, s.D)
         if lists:  # rows that keep nothing are masked in every step: no -inf fill
             lo, hi, _, q_tab, kv_tab, kv_ord, keys = _gluon_list_tables(layout, dev)
             window = _window_bytes(layout, s, q.element_size(), keys)
@@ -1152,8 +1136,8 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
         work = _list_work(layout) if lists else (None, None, None)
         _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, choice.mode.startswith("causal"),
                           choice.mode.endswith("+atomic_dq"), cfg, layout, intervals=intervals, window_bytes=window,
-                          lists=lists, kv_work=work[0], q_work=work[1])
-        if expanded:
+                          lists=lists, kv_work=work[0], q_work=work[1], per_head_dkdv=per_head)
+        if per_head:
             grads = (dq, *(_summed_groups(g, groups) for g in (dk, dv)))
         return grads
     if choice.mode == "five_gemm":

@@ -241,21 +241,20 @@ def backward(layout, p: TrafficParams, mode: str, progress: bool = False, label:
     """The Gluon backward's kernels: ``[preprocess, dK/dV, dQ]`` for the deterministic pair
     (``mode`` ``"dense"``, ``"causal"``, ``"interval"``, ``"list"``), ``[preprocess, dK/dV,
     _dq_finish, accumulator fill]`` for the five-GEMM kernel (``"dense+atomic_dq"``,
-    ``"causal+atomic_dq"``), or ``[preprocess, dK/dV, dQ, K/V expansion, dK/dV group sum]`` for
-    ``"list+expanded_kv"`` (the pair over K/V copied per query head)."""
+    ``"causal+atomic_dq"``), or ``[preprocess, dK/dV, dQ, dK/dV group sum]`` for
+    ``"list+per_head_dkdv"``: the dK/dV kernel as for MHA (one item per query head; its K/V reads
+    counted per query head, an upper bound on DRAM where a group's items share them in the L2), the
+    dQ kernel as for GQA, and the sum of each group's per-query-head dK and dV."""
     kind, _, flag = mode.partition("+")
     atomic = flag == "atomic_dq"
-    if flag == "expanded_kv" and p.hkv != p.heads:
-        copies = 2 * p.batch * layout.kv_len * p.head_dim * p.elem  # K and V of one head each
-        expand = KernelTraffic(name="K/V expansion", programs=0, waves=0, l2_to_sm_bytes=copies * p.hkv,
-                               sm_to_l2_bytes=copies * p.heads, loads={"K+V": copies * p.hkv},
-                               stores={"K+V per query head": copies * p.heads}, dram_read_bytes=float(copies * p.hkv),
-                               dram_write_bytes=copies * p.heads, compulsory_read_bytes=copies * p.hkv)
-        sums = KernelTraffic(name="dK/dV group sum", programs=0, waves=0, l2_to_sm_bytes=copies * p.heads,
-                             sm_to_l2_bytes=copies * p.hkv, loads={"dK+dV per query head": copies * p.heads},
-                             stores={"dK+dV": copies * p.hkv}, dram_read_bytes=float(copies * p.heads),
-                             dram_write_bytes=copies * p.hkv, compulsory_read_bytes=copies * p.heads)
-        return [*backward(layout, replace(p, kv_heads=p.heads), kind, progress, label), expand, sums]
+    if flag == "per_head_dkdv" and p.hkv != p.heads:
+        one = 2 * p.batch * layout.kv_len * p.head_dim * p.elem  # K and V of one head each
+        sums = KernelTraffic(name="dK/dV group sum", programs=0, waves=0, l2_to_sm_bytes=one * p.heads,
+                             sm_to_l2_bytes=one * p.hkv, loads={"dK+dV per query head": one * p.heads},
+                             stores={"dK+dV": one * p.hkv}, dram_read_bytes=float(one * p.heads),
+                             dram_write_bytes=one * p.hkv, compulsory_read_bytes=one * p.heads)
+        pre, dkdv, _ = backward(layout, replace(p, kv_heads=p.heads), kind, progress, label)
+        return [pre, dkdv, backward(layout, p, kind, progress, label)[2], sums]
     lists = kind == "list"
     D, e = p.head_dim, p.elem
     pt = replace(p, tiles=_tiles(), bwd_fused=False)
