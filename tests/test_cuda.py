@@ -662,8 +662,9 @@ def test_run_split_warm_step_never_syncs(box, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("name", ["longformer", "bigbird", "sliding_tiles"])
-def test_list_mode_against_float64_and_its_deal(name, monkeypatch):
+def test_list_mode_against_float64_and_its_deal(name, d, monkeypatch):
     """The Gluon kernels' list mode (``block_lists=True``) on block layouts, 16 heads over 2K tokens
     (more dK/dV items than SMs): output and gradients as close to float64 as the Triton block
     kernels'; the persistent kernels with their items dealt by work (``deal``, forced here) give
@@ -677,7 +678,7 @@ def test_list_mode_against_float64_and_its_deal(name, monkeypatch):
              "sliding_tiles": bsfa.sliding_tiles((1, 32, 64), (1, 8, 16), (1, 3, 3))}
     mask = masks[name]
     layout = bsfa.compile_mask(mask, N, N, device="cuda")
-    q, k, v = _qkv(H=16, Hkv=16, D=128, seed=5)
+    q, k, v = _qkv(H=16, Hkv=16, D=d, seed=5)
     do = torch.randn_like(q)
     monkeypatch.setattr(tb, "DEAL_MIN_GAIN", -1.0)  # deal whenever the work is known
     dealt = []
@@ -702,8 +703,8 @@ def test_list_mode_against_float64_and_its_deal(name, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
-@pytest.mark.parametrize("hkv", [4, 1])
-def test_gqa_list_backward_per_query_head(hkv, monkeypatch):
+@pytest.mark.parametrize("hkv, d", [(4, 128), (1, 128), (4, 64)])
+def test_gqa_list_backward_per_query_head(hkv, d, monkeypatch):
     """GQA (16 query heads over ``hkv``) where one query head's key column passes the list
     backward's rule but a group's does not: one dK/dV item per query head reads its group's K and
     V (``KV_REP``) and the group's dK/dV are summed after. As close to float64 as the Triton block
@@ -718,7 +719,7 @@ def test_gqa_list_backward_per_query_head(hkv, monkeypatch):
     per_sm = mean * (N // 128) / select.hardware(torch.device("cuda")).sm_count  # one head's
     monkeypatch.setattr(select, "LIST_LONG_COLUMN", 0.0)
     monkeypatch.setattr(select, "LIST_COLUMN_SHARE", longest / (0.5 * (hkv + 16) * per_sm))
-    q, k, v = _qkv(H=16, Hkv=hkv, D=128, seed=7)
+    q, k, v = _qkv(H=16, Hkv=hkv, D=d, seed=7)
     do = torch.randn_like(q)
 
     def run(opts):

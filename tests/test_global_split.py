@@ -79,6 +79,18 @@ def test_choice_is_a_pure_function():
                                           phase="backward")
         assert not select.choose_global_split(gl, big, bf, auto, n_global=64, long_rows=long_rows,
                                               phase="backward")
+    # ... unless the whole layout's backward runs a list mode and the first rows need a part of
+    # their own (Longformer at 64K: that part cost as much as the band's kernels); sinks still split
+    for mode in ("list", "list+per_head_dkdv"):
+        whole_bwd = select.Choice("gluon", mode, ())
+        assert not select.choose_global_split(gl, big, bf, auto, n_global=64, long_rows=True, folds=True,
+                                              phase="backward", whole=whole_bwd)
+        assert select.choose_global_split(gl, big, bf, auto, n_global=64, long_rows=False, folds=True,
+                                          phase="backward", whole=whole_bwd)
+        assert select.choose_global_split(gl, big, bf, on, n_global=64, long_rows=True, folds=True,
+                                          phase="backward", whole=whole_bwd)
+    assert select.choose_global_split(gl, big, bf, auto, n_global=64, long_rows=True, folds=True,
+                                      phase="backward", whole=tr)
     assert select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=False, phase="backward")
     with pytest.raises(ValueError, match="phase must be 'forward' or 'backward'"):
         select.choose_global_split(gl, s, bf, auto, n_global=4, long_rows=False, phase="both")

@@ -627,14 +627,17 @@ def test_options_built_inside_a_compiled_function_are_refused():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("min_rows,window", [(None, 40), (0, 44)])
-def test_longformer_forward_split_batches_and_memory_orders(hopper, monkeypatch, min_rows, window):
+@pytest.mark.parametrize("min_rows,window,lists", [(None, 40, False), (0, 44, False), (0, 48, True)])
+def test_longformer_forward_split_batches_and_memory_orders(hopper, monkeypatch, min_rows, window, lists):
     """Longformer's default on Hopper with two batch rows, GQA and ``(B, L, H, D)`` memory: the
     forward as parts and the backward whole below ``SPLIT_BACKWARD_MIN_ROWS`` query rows times
     heads, both phases as parts from it (lowered to 0 here; another window, so that no cached
-    choice of the other case is reused): output, logsumexp and gradients against float64."""
+    choice of the other case is reused), except where the whole mask's backward runs the list mode
+    (``lists``: the lists built on the CPU): output, logsumexp and gradients against float64."""
     if min_rows is not None:
         monkeypatch.setattr(select, "SPLIT_BACKWARD_MIN_ROWS", min_rows)
+    if lists:
+        monkeypatch.setattr(select, "_LIST_DEVICES", ("cuda", "cpu"))
     B, H, Hkv, n, D = 2, 4, 2, 512, 64
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, n, h, D, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for h in (H, Hkv, Hkv))
@@ -643,7 +646,8 @@ def test_longformer_forward_split_batches_and_memory_orders(hopper, monkeypatch,
         out, lse = bsfa.attention(q, k, v, mask=mask, backend="triton", block_size=128, return_lse=True)
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     assert ("forward", "global_split") in ran, ran
-    assert (("backward", "global_split") in ran) == (min_rows == 0), ran
+    assert (("backward", "global_split") in ran) == (min_rows == 0 and not lists), ran
+    assert any(c.startswith("gluon:list") for p, c in ran if p == "backward") == lists, ran
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = bsfa.reference_attention(qd, kd, vd, mask, return_lse=True)
     want = torch.autograd.grad(ref.square().sum(), (qd, kd, vd))
@@ -656,8 +660,9 @@ def test_longformer_forward_split_batches_and_memory_orders(hopper, monkeypatch,
 def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
     """A block layout whose partial blocks hold at most two key runs per row (``key_range |
     causal``) runs the Gluon kernels' list mode in both phases with ``block_lists=True``, the tables
-    built once on the layout; ``block_lists=False``, and the default where most blocks are partial,
-    keep the Triton block kernels. Gradients are the exact backend's."""
+    built once on the layout; ``block_lists=False`` keeps the Triton block kernels, and so does the
+    default's forward where most blocks are partial (its backward takes the lists at head dim 64 as
+    at 128). Gradients are the exact backend's."""
     monkeypatch.setattr(select, "_LIST_DEVICES", ("cuda", "cpu"))
     seen = []
     fwd, bwd = tb._gluon_launch, tb._gluon_bwd_launch
@@ -680,12 +685,15 @@ def test_block_lists_reach_the_gluon_launchers(hopper, monkeypatch):
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
     # two of three visited blocks partial: the default (select.BLOCK_LISTS) keeps the Triton kernels
     assert select.layout_class(layout).partial_fraction > select.BLOCK_LISTS["forward"]
-    for opts, want in ((dict(block_lists=True), "gluon:list"), (dict(block_lists=False), None), (None, None)):
+    for opts, want in ((dict(block_lists=True), "gluon:list"), (dict(block_lists=False), None), (None, "bwd")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton",
                                                             kernel_options=opts), q, k, v)
         if want is None:
             assert [c for _, c in ran] == ["triton:blocks", "triton:blocks"] and not seen
+        elif want == "bwd":  # the default: the backward's lists take any partial fraction (d 64 too)
+            assert [c for _, c in ran] == ["triton:blocks", "gluon:list"] and [x[:2] for x in seen] == [
+                ("backward", True)]
         else:
             assert ran == [("forward", want), ("backward", want)]
             (_, case, tables), (_, lists, intervals) = seen
@@ -787,10 +795,11 @@ def test_block_lists_in_the_choice():
     other = KernelOptions(gluon_fwd=GluonConfig(block_n=64), gluon_bwd=GluonBwdConfig(block_m=32))
     assert str(choose_forward(lc, S, torch.bfloat16, HOPPER, other)) == "triton:blocks"
     assert str(choose_backward(lc, S, torch.bfloat16, HOPPER, other)) == "triton:blocks"
-    d64 = Shapes(1, 16, 4, 16384, 16384, 64)  # the backward at d 64 only when asked for
+    d64 = Shapes(1, 16, 4, 16384, 16384, 64)  # d 64 as d 128
     assert str(choose_forward(lc, d64, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:list"
-    assert str(choose_backward(lc, d64, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
-    assert str(choose_backward(lc, d64, torch.bfloat16, HOPPER, on)) == "gluon:list"
+    assert str(choose_backward(lc, d64, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:list"
+    assert str(choose_backward(long, d64, torch.bfloat16, hw, DEFAULT)) == "gluon:list+per_head_dkdv"
+    assert str(choose_backward(lc, d64, torch.bfloat16, HOPPER, off)) == "triton:blocks"
     d96 = Shapes(1, 16, 4, 16384, 16384, 96)
     assert str(choose_forward(lc, d96, torch.bfloat16, HOPPER, DEFAULT)) == "triton:blocks"
     assert str(choose_forward(lc, S, torch.bfloat16, NO_GLUON, DEFAULT)) == "triton:blocks"

@@ -97,7 +97,11 @@ def _global_split(q, k, v, layout: BlockLayout, s: Shapes, dropout_p: float, bac
     if ok is None:
         band = forward_choice(q, k, v, gs.band, s, 0.0, opts)
         folds = _fold_global_keys(q, k, v, gs, s, opts) is not None
-        whole = forward_choice(q, k, v, layout, s, 0.0, opts) if phase == "forward" else None
+        if phase == "forward":
+            whole = forward_choice(q, k, v, layout, s, 0.0, opts)
+        else:
+            whole = select.choose_backward(select.layout_class(layout), s, q.dtype, select.hardware(q.device), opts,
+                                           tma=select.tma_ok(q, k, v))
         ok = layout.cache[key] = select.choose_global_split(
             band, s, q.dtype, opts, n_global=gs.g, long_rows=gs.rows is not None or gs.rows_full,
             dropout=dropout_p > 0.0, score_mod=score_mod is not None, partial_dtypes=partial_dtypes, phase=phase,

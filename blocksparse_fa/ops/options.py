@@ -229,8 +229,8 @@ class KernelOptions:
             row (``compiler/block_lists.py``: sliding tiles, block masks, Longformer, BigBird,
             ``key_range | causal``, ...; 128 × 128 layout blocks, every head keeping the same
             blocks). None (default): the forward where at most 60 % of the visited blocks are
-            partial (``select.BLOCK_LISTS``); the backward at head dim 128, where it was measured,
-            unless one key column (global or prefix keys) outweighs twice the work per SM
+            partial (``select.BLOCK_LISTS``); the backward (head dim 64 or 128) unless one key
+            column (global or prefix keys) outweighs twice the work per SM
             (``select.LIST_COLUMN_SHARE``: the list backward runs a key tile as one item); True: in
             both phases where a layout qualifies; False: never.
         gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default).

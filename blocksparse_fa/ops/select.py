@@ -288,9 +288,7 @@ def list_column_work(bl) -> tuple:
 def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, s: Shapes, sms: int = 0,
               kv_heads: int | None = None) -> bool:
     """Whether the list mode runs this layout in ``phase`` under ``opts.block_lists`` (by default
-    the backward at head dim 128 only: the Gluon backward at d 64 was measured on intervals, where
-    short rows lost to the Triton kernels, not on lists; and only where no key column outweighs
-    ``LIST_COLUMN_SHARE`` times the work per SM of ``sms`` (unknown: 132) and
+    the backward, at head dim 64 and 128, only where no key column outweighs ``LIST_COLUMN_SHARE`` times the work per SM of ``sms`` (unknown: 132) and
     ``LIST_LONG_COLUMN`` times the mean key tile's). ``kv_heads``: the dK/dV kernel's heads
     (default ``s.Hkv``; ``s.H`` where it runs one item per query head over the group's K and V,
     so that a key column is one head's work, not a group's)."""
@@ -301,7 +299,7 @@ def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, s: Shapes, sms: 
             return True
         longest, mean = lc.list_columns
         per_sm = mean * (lc.kv_len // _LIST_TILES[3]) * s.B * (kv_heads or s.Hkv) / max(1, sms or 132)
-        return s.D == 128 and longest <= max(LIST_COLUMN_SHARE * per_sm, LIST_LONG_COLUMN * mean)
+        return longest <= max(LIST_COLUMN_SHARE * per_sm, LIST_LONG_COLUMN * mean)
     return lc.lists and opts.block_lists
 
 
@@ -430,9 +428,14 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
         folds: the global keys fold into the band's Gluon forward (``ops/globals._fold_global_keys``):
             the forward is that one pass (plus, where the first rows keep every later key, a
             split-K pair for them merged into the corner the band wrote); asked in either phase.
-        whole: :func:`choose_forward`'s choice for the whole layout (forward phase): where that is
-            the Gluon list mode and the first rows would need a part of their own (``long_rows``),
-            the forward stays whole (one launch where the split takes three, at equal GPU time).
+        whole: :func:`choose_forward`'s (forward) or :func:`choose_backward`'s (backward) choice
+            for the whole layout. Where the forward's is the Gluon list mode and the first rows
+            would need a part of their own (``long_rows``), the forward stays whole (one launch
+            where the split takes three, at equal GPU time); likewise the backward where its
+            choice is a list mode (H200, 64K, H 16, d 128, fwd+bwd ms whole against split:
+            Longformer 4.25 / 5.34 MHA, 4.17 / 4.93 GQA 16 / 4; the first rows' part alone took
+            1.24 ms of GPU time). Without long rows the split's backward stays (causal Longformer,
+            64 sinks: 2.87 / 2.98 MHA, 2.91 / 2.82 GQA).
 
     ``global_split=None`` splits where the band runs the Gluon interval forward and either the
     first rows need no part of their own and ``g <= AUTO_GLOBAL_SPLIT_MAX``, or the forward folds
@@ -451,6 +454,9 @@ def choose_global_split(band: Choice, s: Shapes, dtype: torch.dtype, opts: Kerne
     if band.family != "gluon" or band.mode != "interval":
         return False
     if phase == "forward" and long_rows and whole is not None and whole.family == "gluon" and whole.mode == "list":
+        return False
+    if (phase == "backward" and long_rows and whole is not None and whole.family == "gluon"
+            and whole.mode.startswith("list")):
         return False
     if not long_rows and n_global <= AUTO_GLOBAL_SPLIT_MAX:
         return True
