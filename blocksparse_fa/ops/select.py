@@ -288,8 +288,9 @@ def list_column_work(bl) -> tuple:
 def _lists_on(lc: LayoutClass, opts: KernelOptions, phase: str, s: Shapes, sms: int = 0,
               kv_heads: int | None = None) -> bool:
     """Whether the list mode runs this layout in ``phase`` under ``opts.block_lists`` (by default
-    the backward, at head dim 64 and 128, only where no key column outweighs ``LIST_COLUMN_SHARE`` times the work per SM of ``sms`` (unknown: 132) and
-    ``LIST_LONG_COLUMN`` times the mean key tile's). ``kv_heads``: the dK/dV kernel's heads
+    the backward, at head dim 64 and 128, only where no key column outweighs ``LIST_COLUMN_SHARE``
+    times the work per SM of ``sms`` (unknown: 132) and ``LIST_LONG_COLUMN`` times the mean key
+    tile's). ``kv_heads``: the dK/dV kernel's heads
     (default ``s.Hkv``; ``s.H`` where it runs one item per query head over the group's K and V,
     so that a key column is one head's work, not a group's)."""
     if opts.block_lists is None:
