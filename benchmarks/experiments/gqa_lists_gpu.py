@@ -140,7 +140,8 @@ def main():
         c = check(name)
         c1 = check(name, Hkv=1)  # one kv head: eight bf16 partial gradients summed per key
         print(name, json.dumps(c), json.dumps(c1["vs_float64"]), flush=True)
-        res["masks"][name] = dict(check=c, check_one_kv_head=c1, timing=timing(name, passes=a.passes, with_copies=a.copies))
+        rows = timing(name, passes=a.passes, with_copies=a.copies)
+        res["masks"][name] = dict(check=c, check_one_kv_head=c1, timing=rows)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gqa_lists_gpu.json"), "w") as f:
         json.dump(res, f, indent=1)

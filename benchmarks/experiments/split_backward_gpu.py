@@ -40,41 +40,58 @@ def old_rule(*a, **kw):
     return orig(*a, **kw)
 
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--n", type=int, default=65536)
-ap.add_argument("--masks", nargs="+", default=["longformer", "causal_longformer"])
-a = ap.parse_args()
-out = []
-for name in a.masks:
-    for hkv in (16, 4):
-        n, H, D = a.n, 16, 128
-        mask = make_case(name, n, "cuda")[0]
-        lay = bsfa.compile_mask(mask, n, n, 128, device="cuda")
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        k, v = (torch.randn(1, hkv, n, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in range(2))
-        do = torch.randn_like(q)
-        res = {}
-        for p in range(2):
-            for label in ("old", "new"):
-                for key in [x for x in lay.cache if isinstance(x, tuple) and x and x[0] == "global_split_choice"]:
-                    del lay.cache[key]
-                call_memo.clear(lay)
-                select.choose_global_split = old_rule if label == "old" else orig
-                try:
-                    def step():
-                        return torch.autograd.grad(bsfa.attention(q, k, v, mask=lay), (q, k, v), do)
-                    with select.record() as ran:
-                        gr = step()
-                    kern = gpu_kernels(step, calls=5)
-                    wall = do_bench(step, warmup=25, rep=150, return_mode="median")
-                finally:
-                    select.choose_global_split = orig
-                res.setdefault(label, []).append(dict(ran=[c for _, c in ran], gpu_ms=sum(kern.values()), wall_ms=wall, kernels=kern))
-                if p == 0:
-                    res[label + "_grads"] = [t.float() for t in gr]
-                print(name, hkv, p, label, [c for _, c in ran], round(sum(kern.values()), 3), round(wall, 3), {a[:22]: round(b, 3) for a, b in kern.items() if b > 0.02}, flush=True)
-        diff = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(res.pop("new_grads"), res.pop("old_grads"))]
-        print(name, hkv, "max rel diff new vs old grads", diff, flush=True)
-        out.append(dict(mask=name, hkv=hkv, res=res, grad_diff=diff))
-json.dump(out, open(os.path.join(os.environ["OUT"], "split_backward_64k.json"), "w"), indent=1)
+def _inputs(n, H, hkv, D):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for h in (H, hkv, hkv))
+    return q, k, v, torch.randn_like(q)
+
+
+def _run(lay, q, k, v, do, rule):
+    """One rule's choices, gradients, GPU ms by kernel and ``do_bench`` fwd+bwd ms."""
+    for key in [x for x in lay.cache if isinstance(x, tuple) and x and x[0] == "global_split_choice"]:
+        del lay.cache[key]
+    call_memo.clear(lay)
+    select.choose_global_split = rule
+    try:
+        def step():
+            return torch.autograd.grad(bsfa.attention(q, k, v, mask=lay), (q, k, v), do)
+
+        with select.record() as ran:
+            grads = step()
+        kernels = gpu_kernels(step, calls=5)
+        wall = do_bench(step, warmup=25, rep=150, return_mode="median")
+    finally:
+        select.choose_global_split = orig
+    return [c for _, c in ran], grads, kernels, wall
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--masks", nargs="+", default=["longformer", "causal_longformer"])
+    args = ap.parse_args()
+    out = []
+    for name in args.masks:
+        for hkv in (16, 4):
+            lay = bsfa.compile_mask(make_case(name, args.n, "cuda")[0], args.n, args.n, 128, device="cuda")
+            q, k, v, do = _inputs(args.n, 16, hkv, 128)
+            res, grads = {}, {}
+            for p in range(2):
+                for label, rule in (("old", old_rule), ("new", orig)):
+                    ran, gr, kern, wall = _run(lay, q, k, v, do, rule)
+                    res.setdefault(label, []).append(dict(ran=ran, gpu_ms=sum(kern.values()), wall_ms=wall,
+                                                          kernels=kern))
+                    if p == 0:
+                        grads[label] = [t.float() for t in gr]
+                    big = {n[:22]: round(t, 3) for n, t in kern.items() if t > 0.02}
+                    print(name, hkv, p, label, ran, round(sum(kern.values()), 3), round(wall, 3), big, flush=True)
+            diff = [((x - y).abs().max() / y.abs().max()).item() for x, y in zip(grads["new"], grads["old"])]
+            print(name, hkv, "max rel diff new vs old grads", diff, flush=True)
+            out.append(dict(mask=name, hkv=hkv, res=res, grad_diff=diff))
+    with open(os.path.join(os.environ.get("OUT", "."), "split_backward_64k.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
