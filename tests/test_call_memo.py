@@ -190,8 +190,8 @@ def test_one_tensor_passed_as_q_k_and_v_is_its_own_signature(logged):
 
 
 def test_calls_a_replay_would_not_repeat_are_not_replayed(logged):
-    """A logsumexp gradient (an in-place change of the backward's row term) and a per-call copy
-    of a non-contiguous ``dO`` take the host path every time; so does ``replay=False``."""
+    """A logsumexp gradient (an in-place change of the backward's row term) takes the host path
+    every time; so does ``replay=False``."""
     mask = bsfa.causal()
     layout = bsfa.compile_mask(mask, L, L, 128)
     for _ in range(3):
@@ -201,14 +201,40 @@ def test_calls_a_replay_would_not_repeat_are_not_replayed(logged):
     assert any(isinstance(v, call_memo.Replay) for k, v in memo.items() if k[0] == "forward")
     call_memo.clear(layout)
     for _ in range(3):
-        _call(mask, logged, do_columns=True)
-    memo = layout.cache["call_memo"]
-    refused, = [v for k, v in memo.items() if k[0] == "backward"]  # tried once: a copy per call
-    assert isinstance(refused, call_memo.Refused) and "per-call operation" in refused.reason
-    call_memo.clear(layout)
-    for _ in range(3):
         _call(mask, logged, opts=dict(replay=False))
     assert "call_memo" not in layout.cache
+
+
+def test_a_replay_copies_a_strided_do_again(logged):
+    """A ``dO`` whose last dim is not contiguous (columns memory, or the broadcast gradient of
+    ``out.sum()``) is copied once per call: the copy is recorded, and a replay copies the new call's
+    ``dO`` and launches the kernels on that copy."""
+    mask = bsfa.causal()
+    layout = bsfa.compile_mask(mask, L, L, 128)
+    off = dict(replay=False)
+    ref, ref2 = _call(mask, logged, opts=off, do_columns=True), _call(mask, logged, opts=off, do_columns=True)
+    for _ in range(2):
+        _call(mask, logged, do_columns=True)
+    got = _call(mask, logged, do_columns=True)
+    memo = layout.cache["call_memo"]
+    assert all(isinstance(v, call_memo.Replay) for v in memo.values()) and len(memo) == 2
+    launches, named = got[0], got[3]
+    do = named["do"]
+    read_do = [a for _, _, args in launches for a in args
+               if isinstance(a, torch.Tensor) and a.shape == do.shape and a.is_contiguous() and torch.equal(a, do)]
+    assert read_do and all(a is not do for a in read_do)  # a fresh copy of this call's dO
+    _same_launches(ref[:2], ref2[:2], got[:2])
+    call_memo.clear(layout)
+    # the forward's copies of q, k, v in columns memory likewise
+    for _ in range(4):
+        q, k, v = (torch.randn(1, h, 128, L, dtype=torch.bfloat16).transpose(2, 3) for h in (4, 2, 2))
+        del logged[:]
+        out = bsfa.attention(q, k, v, mask=layout, backend="triton")
+    assert [type(v) for v in layout.cache["call_memo"].values()] == [call_memo.Replay]
+    read_q = [a for _, _, args in logged for a in args if isinstance(a, torch.Tensor) and a.shape == q.shape
+              and a.is_contiguous() and torch.equal(a, q)]
+    assert read_q and out.shape == q.shape
+    call_memo.clear(layout)
 
 
 def test_a_recording_without_launches_is_not_replayed(monkeypatch):

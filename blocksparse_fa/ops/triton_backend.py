@@ -125,6 +125,12 @@ def _launch(fn, grid, args: tuple, n_key: int, device, **consts) -> None:
     launch(grid, *args)
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()`` for a ``t`` that is not: a per-call copy, which a replay of the call makes
+    again from its own tensor (the replay's signature holds the strides that asked for it)."""
+    return call_memo.run(torch.Tensor.contiguous, t)
+
+
 def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float, causal: bool, atomic: bool,
                       cfg: GluonBwdConfig, layout: BlockLayout | None = None, intervals: tuple | None = None,
                       window_bytes: float | None = None, lists: bool = False, kv_work=None, q_work=None,
@@ -176,9 +182,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
                                              and s.B * s.H * s.Lq < 2**31, cfg.sm_margin)
     qg, dog = q, dout
     if sk.G > 1 and not persistent:  # one descriptor over a GQA group's heads: they must be adjacent
-        qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else t.contiguous() for t in (q, dout))
-        if qg is not q or dog is not dout:
-            call_memo.unfit()
+        qg, dog = (t if t.stride(1) == s.Lq * t.stride(2) else _copy(t) for t in (q, dout))
     deal = _tile_major(persistent and intervals is not None, n_items, grid, window_bytes)
     dealt = (_deal_table(layout, *kv_work, sk.B, sk.Hkv, lzb, lzh * sk.G, grid, q.device)
              if deal and cfg.deal and kv_work is not None else None)
@@ -866,9 +870,7 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     :class:`~blocksparse_fa.mask.score.ScoreMod` or None; ``opts``: the call's kernel options. The
     kernel is :func:`~blocksparse_fa.ops.select.choose_forward`'s. ``global_keys``: ``(g, causal)``
     folded into the Gluon interval forward (``ops/globals.py``; the choice must be that kernel)."""
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        call_memo.unfit()
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (t if t.stride(-1) == 1 else _copy(t) for t in (q, k, v))
     dev = q.device
     odt = None if out_dtype in (None, q.dtype) else out_dtype
     out = call_memo.empty(q.shape, odt or q.dtype, dev)
@@ -1086,13 +1088,11 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     each; dbias shaped like the bound 4-D bias) that the dK/dV programs add the gradients of the
     slopes and of the bias to, with atomic adds (see ``kernels/backward._attn_bwd``).
     ``opts``: the call's kernel options."""
-    if any(t.stride(-1) != 1 for t in (q, k, v, dout)) or not lse.is_contiguous():
-        call_memo.unfit()
-        q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
-        lse = lse.contiguous()  # the kernels index it as (B·H, Lq)
+    q, k, v, dout = (t if t.stride(-1) == 1 else _copy(t) for t in (q, k, v, dout))
+    if not lse.is_contiguous():
+        lse = _copy(lse)  # the kernels index it as (B·H, Lq)
     if q.is_cuda and not select.tma_ok(dout) and select.tma_ok(q):
-        call_memo.unfit()
-        dout = dout.contiguous()  # an upstream layout of dO must not change the kernel choice
+        dout = _copy(dout)  # an upstream layout of dO must not change the kernel choice
     dev = q.device
     choice = backward_choice(q, k, v, dout, layout, s, dropout_p, opts, accumulate is not None, deterministic,
                              grad_dtype, score_mod)
