@@ -216,6 +216,50 @@ def test_gluon_backward_config_schedules_validated():
     assert as_options(dict(gluon_fwd=dict(sm_margin=4))).gluon_fwd.sm_margin == 4
 
 
+def test_gluon_config_groups():
+    """Two or three consumer warp groups; their register budget (None: 240 with two, 160 with
+    three, which is the most three groups and the producer can hold)."""
+    assert (GluonConfig().groups, GluonConfig().regs, GluonConfig(groups=3).regs) == (2, 240, 160)
+    assert GluonConfig(groups=3, consumer_regs=152).regs == 152
+    for bad in (1, 4, True, 3.0, "3"):
+        with pytest.raises(ValueError, match=rf"GluonConfig\(groups={bad!r}\): expected 2 or 3"):
+            GluonConfig(groups=bad)
+    for groups, bad in ((3, 168), (3, 240), (2, 248), (2, 20), (2, 100), (2, True)):
+        with pytest.raises(ValueError, match=rf"consumer_regs={bad!r}\): expected a multiple of 8 from 24"):
+            GluonConfig(groups=groups, consumer_regs=bad)
+    from blocksparse_fa.ops.options import as_options
+    assert as_options(dict(gluon_fwd=dict(groups=3))).gluon_fwd.regs == 160
+
+
+def test_gluon_three_groups_launch(monkeypatch):
+    """With three consumer groups a program covers 192 query rows: ``cdiv(Lq, 192)`` tiles per head,
+    ``GROUPS=3`` and 160 registers per consumer thread; persistent only where ``Lq`` is a multiple of
+    192 (rows past ``Lq`` are clipped by the per-head descriptors of a tile launch)."""
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((grid, args, c)))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    t = torch.empty(1, dtype=torch.int32, device="meta")
+    for L, case, want in ((256, "dense", (2 * 4 * 2, False)), (384, "dense", (2 * 4 * 2, True)),
+                          (1152, "dense", (2 * 4 * 6, True)), (1024, "causal", (2 * 4 * 6, False))):
+        q, k = torch.empty(2, 4, L, 64, **meta), torch.empty(2, 2, L, 64, **meta)
+        s = Shapes(2, 4, 2, L, L, 64)
+        tb._gluon_fwd_run(q, k, k, torch.empty_like(q), torch.empty(2, 4, L, device="meta"), t, t, t, 0, 0, s, 0.1,
+                          case, GluonConfig(groups=3))
+        grid, args, c = seen.pop()
+        assert (grid[0], c["PERSISTENT"]) == want, (L, case)
+        assert (c["GROUPS"], c["CONSUMER_REGS"], c["BLOCK_M"]) == (3, 160, 64)
+        assert args[27:29] == (-(-L // 192), 2 * 4 * -(-L // 192))  # n_prog, n_items
+    tb._gluon_fwd_run(q, k, k, torch.empty_like(q), torch.empty(2, 4, 1024, device="meta"), t, t, t, 0, 0, s, 0.1,
+                      "causal", GluonConfig())
+    grid, args, c = seen.pop()
+    assert (grid[0], c["GROUPS"], c["CONSUMER_REGS"], args[27]) == (2 * 4 * 8, 2, 240, 8)
+
+
 def test_tma_allocator_set_in_every_thread():
     """Triton's allocator hook is a context variable: autograd's CUDA backward threads do not see
     the one the forward's thread set, so the launchers set it wherever it is missing."""

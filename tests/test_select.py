@@ -66,6 +66,36 @@ def test_forward_falls_back_to_triton(why):
     assert (c.family, c.mode, c.kernels) == ("triton", "blocks", ("_attn_fwd",))
 
 
+def test_forward_three_consumer_groups_on_dense_and_causal_only():
+    """``GluonConfig(groups=3)`` (192-row programs) runs the Gluon forward on dense and causal
+    layouts (causal needs no ``block_n == 2·block_m`` then); interval, list and device-interval
+    layouts go to the Triton kernels with it. Without a ``gluon_fwd`` option the default is per
+    layout kind and head dim (:func:`select.gluon_fwd_config`)."""
+    three = KernelOptions(gluon_fwd=GluonConfig(groups=3))
+    for kind in ("dense", "causal"):
+        assert str(choose_forward(_lc(kind), S, torch.bfloat16, HOPPER, three)) == f"gluon:{kind}"
+    odd = KernelOptions(gluon_fwd=GluonConfig(groups=3, block_m=64, block_n=64))
+    assert str(choose_forward(_lc("causal"), S, torch.bfloat16, HOPPER, odd)) == "gluon:causal"
+    assert choose_forward(_lc("causal"), S, torch.bfloat16, HOPPER,
+                          KernelOptions(gluon_fwd=GluonConfig(block_n=64))).family == "triton"
+    assert str(choose_forward(_lc("interval"), S, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval"
+    assert choose_forward(_lc("interval"), S, torch.bfloat16, HOPPER, three).family == "triton"
+    dev = LayoutClass("device_interval", S.Lq, S.Lk, (128, 128))
+    assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval"
+    assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, three)) == "triton:interval"
+    # the defaults: an explicit config always wins; otherwise by kind and head dim
+    assert select.gluon_fwd_config(three, "interval", 128) is three.gluon_fwd
+    for kind in ("dense", "causal", "interval", "list"):
+        for d in (64, 128):
+            want = 3 if (kind, d) in (("dense", 64), ("causal", 64)) else 2
+            assert select.gluon_fwd_config(DEFAULT, kind, d).groups == want
+    assert select.gluon_fwd_config(DEFAULT, "causal", 64).overlap is False
+    assert select.gluon_fwd_config(DEFAULT, "dense", 128) == GluonConfig()
+    s64 = Shapes(1, 16, 4, 16384, 16384, 64)
+    for kind in ("dense", "causal"):  # the default at d 64 runs on the Gluon kernel
+        assert str(choose_forward(_lc(kind), s64, torch.bfloat16, HOPPER, DEFAULT)) == f"gluon:{kind}"
+
+
 def test_forward_gluon_option_refused_without_gluon():
     with pytest.raises(ValueError, match="forward='gluon': it needs a GPU of compute capability 9.x"):
         choose_forward(_lc("dense"), S, torch.bfloat16, NO_GLUON, KernelOptions(forward="gluon"))

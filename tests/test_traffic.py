@@ -823,6 +823,28 @@ def test_gluon_interval_kernels_read_the_64_row_blocks_their_keys_reach():
     assert rep_g.bwd_dkdv.loads["Q+dO+LSE+delta"] < 0.9 * rep_t.bwd_dkdv.loads["Q+dO+LSE+delta"]
 
 
+def test_gluon_forward_at_d64_runs_192_row_programs():
+    """At head dim 64 the dense and causal Gluon forwards run three consumer groups (192-row
+    programs, ``select.GLUON_FWD_DEFAULTS``): K/V are loaded once per program and key block, so a
+    dense forward over ``n`` rows loads them ``cdiv(n, 192)`` times per head where 128-row programs
+    load them ``n / 128`` times; causal programs load the key blocks up to their last row. Q, O and
+    LSE are unchanged."""
+    n, H = 2048, 2
+    for mask in ("full", "causal"):
+        lay = layout(mask, n)
+        r64 = _traffic_model(lay, heads=H, head_dim=64, compare=False)
+        r128 = _traffic_model(lay, heads=H, head_dim=128, compare=False)
+        assert r64.forward.programs == H * -(-n // 192), mask
+        assert r128.forward.programs == H * n // 128, mask
+        kv = 2 * 128 * 64 * 2  # one 128-key block of K and V at d 64, bf16
+        if mask == "full":
+            want = H * -(-n // 192) * (n // 128) * kv
+        else:
+            want = H * sum(min(-(-(192 * (t + 1)) // 128), n // 128) for t in range(-(-n // 192))) * kv
+        assert r64.forward.loads["K+V"] == want, mask
+        assert r64.forward.loads["Q"] == H * n * 64 * 2 and r64.forward.stores["O"] == H * n * 64 * 2
+
+
 def test_gluon_list_mode_reads_the_layouts_blocks():
     """The list mode (sliding tiles: full blocks only) loads K/V per non-empty layout block in the
     forward and dQ kernels, Q/dO/LSE/δ per 64-row step of every kept block in the dK/dV kernel, and

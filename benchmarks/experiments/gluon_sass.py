@@ -4,7 +4,8 @@ memory and the SASS opcode mix (``sass_probe.report``). Run it with the Triton o
 first on the path:
 
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py [--d 128 --bm 64 --bn 128
-        --stages 2 --causal --interval --no-pingpong --no-overlap --persistent --dtype bf16] [--ptx FILE]
+        --stages 2 --causal --interval --no-pingpong --no-overlap --persistent --dtype bf16 --groups 3]
+        [--ptx FILE]
     PYTHONPATH=.:/path/to/triton-3.6 python benchmarks/experiments/gluon_sass.py --bwd dkdv [--atomic]
         [--d 128 --bm 64 --bn 64 --stages 2 --causal --bwd-pingpong --bwd-overlap 0|1|2 --loops
         --interval --out-f32 --list --two]
@@ -29,7 +30,7 @@ from sass_probe import report  # noqa: E402
 
 def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
                   consumer_regs=240, dtype="bf16", interval=False, persistent=False, global_keys=0,
-                  global_causal=False, lists=False, two=False, dealt=False):
+                  global_causal=False, lists=False, two=False, dealt=False, groups=2):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
@@ -38,7 +39,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
                   PINGPONG=pingpong, OVERLAP=overlap, PERSISTENT=persistent, M_MAJOR=persistent and interval,
                   PRODUCER_REGS=producer_regs,
                   CONSUMER_REGS=consumer_regs, GLOBAL_KEYS=global_keys, GLOBAL_CAUSAL=global_causal,
-                  LIST=lists, DEALT=dealt)
+                  LIST=lists, DEALT=dealt, GROUPS=groups)
     types = {n: "*" + dtype for n in "QKVO"}
     iv = "*i64" if two else "*i32"
     types.update(LSE="*fp32", LO=iv, HI=iv, TILES="*i32", DEAL="*i32", qk_scale="fp32")
@@ -104,7 +105,8 @@ def main():
     ap.add_argument("--bwd", choices=["dkdv", "dq"], help="a backward kernel instead of the forward")
     ap.add_argument("--atomic", action="store_true",
                     help="dK/dV kernel: the five-GEMM dQ (TMA reduce-adds, half the columns per consumer group)")
-    ap.add_argument("--consumer-regs", type=int, default=240)
+    ap.add_argument("--consumer-regs", type=int, default=None, help="default 240 (160 with --groups 3)")
+    ap.add_argument("--groups", type=int, default=2, choices=[2, 3], help="forward: consumer warp groups")
     ap.add_argument("--bwd-pingpong", action="store_true", help="backward: the consumer groups take turns")
     ap.add_argument("--bwd-overlap", type=int, default=0, choices=[0, 1, 2],
                     help="backward: step t's last product issued in t + 1 (1: dS in registers, 2: in shared memory)")
@@ -117,6 +119,8 @@ def main():
     ap.add_argument("--bounds-smem", action="store_true", help="dK/dV kernel: interval bounds staged (BOUNDS_SMEM)")
     ap.add_argument("--dealt", action="store_true", help="persistent: items from a deal table (DEALT)")
     a = ap.parse_args()
+    if a.consumer_regs is None:
+        a.consumer_regs = 160 if a.groups == 3 else 240
     if a.bwd:
         ck = compile_gluon_bwd(a.bwd, a.d, a.bm, a.bn, a.stages, a.causal, a.atomic, consumer_regs=a.consumer_regs,
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
@@ -127,7 +131,7 @@ def main():
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,
                            persistent=a.persistent, global_keys=a.global_keys, global_causal=a.global_causal,
-                           lists=a.list, two=a.two, dealt=a.dealt)
+                           lists=a.list, two=a.two, dealt=a.dealt, groups=a.groups)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

@@ -167,18 +167,20 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_item(t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
-                  M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                  M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr):
         """Work item ``t``: ``(pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base)``, in
         :func:`_item_tile`'s order (with ``M_MAJOR`` the longest first: interval tables are sorted
-        heaviest first)."""
+        heaviest first). An item is ``GROUPS·BLOCK_M`` query rows; causal: the key blocks below
+        every row of the item are full (``n_full``), the rest up to its last row's are masked."""
+        ROWS: gl.constexpr = GROUPS * BLOCK_M
         pid_m, pid_bh = _item_tile(t, n_prog, BH, M_MAJOR)
         if CAUSAL:  # longest rows first
             pid_m = n_prog - 1 - pid_m
         if INTERVAL:
             z = (pid_bh // H) * LZB + (pid_bh % H) * LZH
-            row_base = z.to(gl.int64) * (n_prog * (2 * BLOCK_M))
+            row_base = z.to(gl.int64) * (n_prog * ROWS)
             tab = TILES + (z.to(gl.int64) * n_prog + pid_m) * 5
-            off_m = gl.load(tab) * (2 * BLOCK_M)
+            off_m = gl.load(tab) * ROWS
             kb0 = gl.load(tab + 1)
             e1 = gl.load(tab + 2)
             e2 = gl.load(tab + 3)
@@ -186,11 +188,15 @@ if gluon is not None:
             n_full = n_blocks
         else:
             row_base = 0
-            off_m = pid_m * (2 * BLOCK_M)
+            off_m = pid_m * ROWS
             kb0 = 0
             if CAUSAL:
-                n_full = pid_m  # key blocks before the diagonal one (BLOCK_N == 2 * BLOCK_M)
-                n_blocks = pid_m + 1
+                if GROUPS == 2:  # BLOCK_N == ROWS: the key blocks before the diagonal one, then it
+                    n_full = pid_m
+                    n_blocks = pid_m + 1
+                else:
+                    n_full = off_m // BLOCK_N
+                    n_blocks = gl.minimum((off_m + ROWS + BLOCK_N - 1) // BLOCK_N, kv_len // BLOCK_N)
             else:
                 n_full = kv_len // BLOCK_N
                 n_blocks = n_full
@@ -218,8 +224,8 @@ if gluon is not None:
                       n_prog, H, G, BH, LZB, LZH, kv_len,
                       CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_PRE: gl.constexpr, LIST: gl.constexpr,
-                      DEALT: gl.constexpr):
-        """One warp: per work item both consumers' Q tiles (once the consumers have released the
+                      DEALT: gl.constexpr, GROUPS: gl.constexpr):
+        """One warp: per work item the ``GROUPS`` consumers' Q tiles (once the consumers have released the
         previous item's), then the global keys' ``N_PRE`` blocks ``0 ..`` (interval mode with global
         keys) and K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring. Ring positions count on
         across items (position ``g`` uses slot ``g % STAGES``); with ``LIST`` step ``j`` visits key
@@ -233,14 +239,14 @@ if gluon is not None:
         for k in range(0, _n_dealt(DEAL, first, n_items, DEALT)):
             t = _dealt(DEAL, first, k, DEALT)
             pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
-                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
+                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, GROUPS)
             b = pid_bh // H
             h = pid_bh % H
             hk = h // G
             q_row = b * q_rb + h * q_rh + off_m
             k_row = b * k_rb + hk * k_rh + kb0 * BLOCK_N
             v_row = b * v_rb + hk * v_rh + kb0 * BLOCK_N
-            for c in gl.static_range(2):
+            for c in gl.static_range(GROUPS):
                 # a fresh barrier counts as having completed the phase before its first: the first
                 # wait on parity 1 does not block
                 mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
@@ -303,7 +309,7 @@ if gluon is not None:
     def _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                   v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, GROUPS: gl.constexpr):
         """Step ``j`` of a work item (key block ``kb0 + j``, ring position ``rb + j``, turn ``tb + j``)
         for one consumer, in order: S = Q·Kᵀ, softmax, O += P·V, slot released."""
         s = (rb + j) % STAGES
@@ -315,7 +321,7 @@ if gluon is not None:
                            gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
                            is_async=True)
         if PINGPONG:  # pass the turn: the other group issues while this one does its softmax
-            mbarrier.arrive(turn.index(1 - C))
+            mbarrier.arrive(turn.index((C + 1) % GROUPS))
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0 + j, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
@@ -332,7 +338,7 @@ if gluon is not None:
     def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready,
                           k_empty, v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          s_layout: gl.constexpr, o_layout: gl.constexpr):
+                          s_layout: gl.constexpr, o_layout: gl.constexpr, GROUPS: gl.constexpr):
         """Ring position ``j`` overlapped with the end of position ``j - 1`` (FlashAttention-3's
         intra-group pipelining): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} issued together, softmax of S_j
         while the second product runs; returns O rescaled for P_j and P_j (as the next product's
@@ -349,7 +355,7 @@ if gluon is not None:
         mbarrier.wait(v_ready.index(sp), ((g - 1) // STAGES) & 1)
         acc = warpgroup_mma(p16, v_smem.index(sp), acc, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - C))
+            mbarrier.arrive(turn.index((C + 1) % GROUPS))
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0 + j, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
@@ -363,7 +369,8 @@ if gluon is not None:
     @gluon.jit
     def _fwd_first(q, rb, tb, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
                    C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                   GROUPS: gl.constexpr):
         """Step 0 alone (the overlapped loop's start): S_0, its softmax, P_0 as an operand."""
         s = rb % STAGES
         mbarrier.wait(k_ready.index(s), (rb // STAGES) & 1)
@@ -373,7 +380,7 @@ if gluon is not None:
                            gl.zeros([BLOCK_M, BLOCK_N], dtype=gl.float32, layout=s_layout), use_acc=False,
                            is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - C))
+            mbarrier.arrive(turn.index((C + 1) % GROUPS))
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0, lo_r, hi_r, qk_scale, MASK, BLOCK_M, BLOCK_N,
@@ -383,7 +390,7 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_last(acc, p16, n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C: gl.constexpr, PINGPONG: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, GROUPS: gl.constexpr):
         """The overlapped loop's end: O += P·V of the last step ``n_blocks - 1``."""
         last = rb + n_blocks - 1
         sl = last % STAGES
@@ -392,7 +399,7 @@ if gluon is not None:
             mbarrier.wait(turn.index(C), (tb + n_blocks) & 1)
         acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - C))
+            mbarrier.arrive(turn.index((C + 1) % GROUPS))
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(sl))
         return acc
@@ -405,20 +412,23 @@ if gluon is not None:
                       M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, GLOBAL_KEYS: gl.constexpr, GLOBAL_CAUSAL: gl.constexpr,
-                      LIST: gl.constexpr, DEALT: gl.constexpr):
-        """Consumer ``C`` (a warp group): per work item, query rows ``off_m + C·BLOCK_M ..``.
+                      LIST: gl.constexpr, DEALT: gl.constexpr, GROUPS: gl.constexpr):
+        """Consumer ``C`` of ``GROUPS`` (a warp group): per work item, query rows ``off_m + C·BLOCK_M ..``.
 
         Dense / ``CAUSAL``: ``n_full`` full key blocks from block 0 (and, with ``CAUSAL``, the
-        diagonal block). ``INTERVAL``: steps ``0 .. n_blocks - 1`` visit key blocks ``kb0 ..``;
-        step 0 and steps ``[1, e1)`` and ``[e2, n_blocks)`` are masked against each row's interval
-        ``[LO[r], HI[r])`` (read once per item, ``row_base + r``), steps ``[e1, e2)`` are full for
-        every row; with ``GLOBAL_KEYS`` ``g > 0`` the item first visits the global keys' ``N_PRE``
-        blocks ``0 ..``, keeping keys ``k < g`` (and ``k <=`` the row with ``GLOBAL_CAUSAL``): the
-        band's steps then count from ``N_PRE``; with ``LIST`` step ``j`` visits key block
-        ``TILES[kb0 + j]`` instead of ``kb0 + j``. Then O and LSE (rows that kept nothing: O = 0,
-        LSE = -inf). Ring positions and ping-pong turns count on across items; the Q slot is released
-        to the producer once the item's products are done, and with ``PERSISTENT`` O is staged in its
-        own tile, whose TMA store completes while the next item runs."""
+        masked blocks up to the item's last row: the diagonal block where ``GROUPS·BLOCK_M ==
+        BLOCK_N``; every consumer walks them all, so a row may keep nothing of a masked block, but
+        never of block 0, which every row visits first). ``INTERVAL``: steps ``0 .. n_blocks - 1``
+        visit key blocks ``kb0 ..``; step 0 and steps ``[1, e1)`` and ``[e2, n_blocks)`` are masked
+        against each row's interval ``[LO[r], HI[r])`` (read once per item, ``row_base + r``),
+        steps ``[e1, e2)`` are full for every row; with ``GLOBAL_KEYS`` ``g > 0`` the item first
+        visits the global keys' ``N_PRE`` blocks ``0 ..``, keeping keys ``k < g`` (and ``k <=`` the
+        row with ``GLOBAL_CAUSAL``): the band's steps then count from ``N_PRE``; with ``LIST`` step
+        ``j`` visits key block ``TILES[kb0 + j]`` instead of ``kb0 + j``. Then O and LSE (rows that
+        kept nothing: O = 0, LSE = -inf). Ring positions and ping-pong turns count on across items;
+        the Q slot is released to the producer once the item's products are done, and with
+        ``PERSISTENT`` O is staged in its own tile, whose TMA store completes while the next item
+        runs."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -436,7 +446,7 @@ if gluon is not None:
         for k in range(0, _n_dealt(DEAL, first, n_items, DEALT)):
             t = _dealt(DEAL, first, k, DEALT)
             pid_bh, off_m0, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
-                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N)
+                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, GROUPS)
             off_m = off_m0 + C * BLOCK_M
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -455,88 +465,102 @@ if gluon is not None:
                     if N_PRE > 0:  # the global keys' blocks first
                         p16, m_i, l_i = _fwd_first(q, rb, tb, 0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty,
                                                    turn, qk_scale, C, PMASK, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                   s_layout, o_layout)
+                                                   s_layout, o_layout, GROUPS)
                         for j in range(1, N_PRE):
                             acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r,
                                                                    hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                                    v_empty, turn, qk_scale, C, PMASK, PINGPONG, BLOCK_M,
-                                                                   BLOCK_N, STAGES, s_layout, o_layout)
+                                                                   BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                         for j in range(N_PRE, N_PRE + e1):
                             kbj = _step_base(TILES, kbb, j, LIST)
                             acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r,
                                                                    hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                                    v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
-                                                                   BLOCK_N, STAGES, s_layout, o_layout)
+                                                                   BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     else:
                         kbj = _step_base(TILES, kb0, 0, LIST)
                         p16, m_i, l_i = _fwd_first(q, rb, tb, kbj, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready,
                                                    k_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                   s_layout, o_layout)
+                                                   s_layout, o_layout, GROUPS)
                         for j in range(1, e1):
                             kbj = _step_base(TILES, kb0, j, LIST)
                             acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r,
                                                                    hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                                    v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
-                                                                   BLOCK_N, STAGES, s_layout, o_layout)
+                                                                   BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e1, N_PRE + e2):
                         acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r,
                                                                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                                                qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                               s_layout, o_layout)
+                                                               s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e2, N_PRE + n_blocks):
                         kbj = _step_base(TILES, kbb, j, LIST)
                         acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r,
                                                                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                                                qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                               s_layout, o_layout)
+                                                               s_layout, o_layout, GROUPS)
                     acc = _fwd_last(acc, p16, N_PRE + n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C, PINGPONG,
-                                    STAGES)
+                                    STAGES, GROUPS)
                 else:
                     for j in range(0, N_PRE):
                         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, PMASK,
-                                                  PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                                                  PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE, N_PRE + e1):
                         kbj = _step_base(TILES, kbb, j, LIST)
                         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
-                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e1, N_PRE + e2):
                         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG,
-                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e2, N_PRE + n_blocks):
                         kbj = _step_base(TILES, kbb, j, LIST)
                         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
-                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                                                  BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
             elif OVERLAP:
                 # block 0 alone (masked when causal: the predicate is exact on any block), then blocks
-                # 1 .. n-1 each overlapped with the previous one's P·V, then the last P·V
+                # 1 .. n-1 each overlapped with the previous one's P·V (causal: the blocks from n_full on
+                # masked), then the last P·V
                 p16, m_i, l_i = _fwd_first(q, rb, tb, 0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn,
-                                           qk_scale, C, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
-                n_plain = n_blocks - CAUSAL
-                for j in range(1, n_plain):
+                                           qk_scale, C, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout,
+                                           GROUPS)
+                for j in range(1, n_full):
                     acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r,
                                                            k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                                            qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                           s_layout, o_layout)
+                                                           s_layout, o_layout, GROUPS)
                 if CAUSAL:
-                    if n_full > 0:
-                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, n_full, rb, tb, 0, off_m, lo_r,
-                                                               hi_r, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                                               turn, qk_scale, C, 1, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                               s_layout, o_layout)
-                acc = _fwd_last(acc, p16, n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES)
+                    if GROUPS == 2:  # the diagonal block, unless it was block 0
+                        if n_full > 0:
+                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, n_full, rb, tb, 0, off_m,
+                                                                   lo_r, hi_r, k_smem, v_smem, k_ready, v_ready,
+                                                                   k_empty, v_empty, turn, qk_scale, C, 1, PINGPONG,
+                                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
+                    else:
+                        for j in range(gl.maximum(n_full, 1), n_blocks):
+                            acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r,
+                                                                   hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                                                   v_empty, turn, qk_scale, C, 1, PINGPONG, BLOCK_M,
+                                                                   BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
+                acc = _fwd_last(acc, p16, n_blocks, rb, tb, v_smem, v_ready, v_empty, turn, C, PINGPONG, STAGES, GROUPS)
             else:
                 for j in range(n_full):
                     acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r, k_smem, v_smem,
                                               k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG,
-                                              BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                                              BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                 if CAUSAL:
-                    acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, n_full, rb, tb, 0, off_m, lo_r, hi_r, k_smem, v_smem,
-                                              k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 1, PINGPONG,
-                                              BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+                    if GROUPS == 2:
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, n_full, rb, tb, 0, off_m, lo_r, hi_r, k_smem,
+                                                  v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 1,
+                                                  PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
+                    else:
+                        for j in range(n_full, n_blocks):
+                            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r, k_smem,
+                                                      v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C,
+                                                      1, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
             if PERSISTENT:  # every product reading Q has completed: the producer may load the next item's
                 mbarrier.arrive(q_empty.index(C))
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -577,15 +601,18 @@ if gluon is not None:
                         OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, M_MAJOR: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, GLOBAL_KEYS: gl.constexpr = 0,
                         GLOBAL_CAUSAL: gl.constexpr = False, LIST: gl.constexpr = False,
-                        DEALT: gl.constexpr = False):
-        """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer.
+                        DEALT: gl.constexpr = False, GROUPS: gl.constexpr = 2):
+        """1-D grid, 4 warps (consumer 0) plus ``GROUPS - 1`` more 4-warp consumers and a 1-warp
+        producer; an item is ``GROUPS·BLOCK_M`` query rows (``GROUPS`` 2, or 3 for dense and causal
+        layouts: FlashAttention-3's 192-row tiles at head dim 64, where a step's products are short
+        beside its softmax).
         ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q; ``qk_scale = scale · log2(e)``.
-        Work items: ``n_prog = cdiv(Lq, 2·BLOCK_M)`` query tiles of each of the ``B·H`` heads
+        Work items: ``n_prog = cdiv(Lq, GROUPS·BLOCK_M)`` query tiles of each of the ``B·H`` heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``.
 
         Without ``PERSISTENT`` the grid is ``n_items`` (one item per program, head by head), and
         each program builds descriptors over its batch·head (rows past ``Lq`` clipped). With
-        ``PERSISTENT`` (``Lq`` a multiple of ``2·BLOCK_M``) the grid is about one program per SM:
+        ``PERSISTENT`` (``Lq`` a multiple of ``GROUPS·BLOCK_M``) the grid is about one program per SM:
         the descriptors cover whole tensors as 2-D ``(rows, columns)`` views built once per program,
         where batch·head ``(b, h)``'s rows start at ``b·*_rb + h·*_rh`` and its columns at
         ``h·*_ch`` (``*_rb``: Q, K, V and O's rows per batch, and so on), and causal and interval
@@ -609,7 +636,9 @@ if gluon is not None:
         against the rows' intervals, exact on those blocks (``compiler/block_lists.py``). ``LO``/``HI``
         int64 hold two intervals per row (low and high 32 bits). ``DEALT`` (persistent): each program
         runs the items its row of the deal table ``DEAL`` lists (:func:`_dealt`)."""
-        gl.static_assert(not CAUSAL or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
+        gl.static_assert(GROUPS == 2 or GROUPS == 3, "two or three consumer groups")
+        gl.static_assert(GROUPS == 2 or not INTERVAL, "three consumer groups for dense and causal layouts only")
+        gl.static_assert(not CAUSAL or GROUPS != 2 or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(GLOBAL_KEYS == 0 or INTERVAL, "global keys need the interval mode")
         gl.static_assert(not LIST or (INTERVAL and GLOBAL_KEYS == 0), "lists need the interval mode, no global keys")
@@ -633,29 +662,29 @@ if gluon is not None:
                             PERSISTENT, HEAD_DIM, BLOCK_N, kv_layout)
         o_desc = _rows_desc(O, stride_ob, stride_oh, stride_om, b, h, o_rb, o_rh, o_ch, n_b, H, q_len, PERSISTENT,
                             HEAD_DIM, BLOCK_M, q_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
         if PERSISTENT:
-            o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+            o_smem = gl.allocate_shared_memory(dtype, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
         else:
             o_smem = q_smem
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [GROUPS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [GROUPS, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [GROUPS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(2):
+        for c in gl.static_range(GROUPS):
             mbarrier.init(q_bar.index(c), count=1)
             mbarrier.init(q_empty.index(c), count=1)
             mbarrier.init(turn.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(s), count=1)
             mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(k_empty.index(s), count=2)  # both consumers release a slot's K ...
-            mbarrier.init(v_empty.index(s), count=2)  # ... and its V
+            mbarrier.init(k_empty.index(s), count=GROUPS)  # every consumer releases a slot's K ...
+            mbarrier.init(v_empty.index(s), count=GROUPS)  # ... and its V
         fence_async_shared()
         if not PERSISTENT:  # coordinates relative to the item's batch·head
             q_rb = 0
@@ -671,17 +700,44 @@ if gluon is not None:
             o_rh = 0
             o_ch = 0
         first = gl.program_id(0)
-        gl.warp_specialize([
-            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                             v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
-                             LZH, q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT)),
-            (_fwd_consumer, (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                             v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB,
-                             LZH, q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG,
-                             OVERLAP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT)),
-            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, TILES, DEAL, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                             first, n_items, n_prog, H, G, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M,
-                             BLOCK_N, STAGES, (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if GROUPS == 3:
+            gl.warp_specialize([
+                (_fwd_consumer,
+                 (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
+                 k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
+                 q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                (_fwd_consumer,
+                 (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
+                 k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
+                 q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                (_fwd_consumer,
+                 (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
+                 k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
+                 q_len, kv_len, qk_scale, 2, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                (_fwd_producer,
+                 (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                 TILES, DEAL, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog, H, G, BH,
+                 LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, STAGES,
+                 (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT, GROUPS)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_fwd_consumer,
+                 (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
+                 k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
+                 q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                (_fwd_consumer,
+                 (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
+                 k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
+                 q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                (_fwd_producer,
+                 (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                 TILES, DEAL, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog, H, G, BH,
+                 LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, STAGES,
+                 (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT, GROUPS)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

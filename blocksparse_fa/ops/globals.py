@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import call_memo, select
-from .options import _DEFAULT_GLUON, KernelOptions
+from .options import KernelOptions
 from .validate import Shapes
 
 __all__ = ["split_forward", "split_backward"]
@@ -115,7 +115,7 @@ def _fold_global_keys(q, k, v, gs, s: Shapes, opts: KernelOptions):
     key = ("fold", s, q.dtype, q.device, opts, select.tma_ok(q, k, v))
     cache = gs.__dict__.setdefault("_fold", {})
     if key not in cache:
-        cfg = opts.gluon_fwd or _DEFAULT_GLUON
+        cfg = select.gluon_fwd_config(opts, "interval", s.D)
         band = forward_choice(q, k, v, gs.band, s, 0.0, opts)
         corner = gs.corner
         causal = bool(np.array_equal(corner, np.tril(np.ones_like(corner))))

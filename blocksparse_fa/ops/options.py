@@ -45,15 +45,16 @@ def _check_margin(owner: str, value) -> None:
 @dataclass(frozen=True)
 class GluonConfig:
     """Tiles of the Gluon forward (``kernels/forward_gluon.py``): ``block_m`` query rows per consumer
-    warp group (a program covers two), ``block_n`` keys per step, ``stages`` K/V slots in shared
-    memory, ``pingpong`` (the two groups take turns issuing their products), ``overlap`` (each
-    group issues S_j = Q·K_jᵀ together with the previous block's P·V), register budgets of the
-    producer and the consumers (``setmaxnreg``). Causal layouts need ``block_n == 2·block_m``.
+    warp group (a program covers ``groups`` of them, below), ``block_n`` keys per step, ``stages``
+    K/V slots in shared memory, ``pingpong`` (the groups take turns issuing their products),
+    ``overlap`` (each group issues S_j = Q·K_jᵀ together with the previous block's P·V), register
+    budgets of the producer and the consumers (``setmaxnreg``). Causal layouts need
+    ``block_n == 2·block_m`` with two groups.
 
     ``persistent``: one program per SM walks the query tiles of every head (the next tile's Q and
     first K/V load while the last one finishes; descriptors built once per program, over whole
     tensors). Taken for dense and one-interval-per-row layouts (not causal: no gain there) where
-    ``Lq`` is a multiple of ``2·block_m`` and each of Q, K, V and O is a 2-D row view (heads
+    ``Lq`` is a multiple of ``groups·block_m`` and each of Q, K, V and O is a 2-D row view (heads
     stacked along rows, as ``(B, H, L, D)``, or side by side, as ``(B, L, H, D)`` transposed);
     otherwise one program per query tile and head.
 
@@ -65,7 +66,14 @@ class GluonConfig:
     ``deal`` (default True; the list mode's persistent forward, tile-major): the host deals the row
     tiles to the programs by their work, longest first to the least loaded program, where that
     shortens the most loaded program's work by 5 % or more (global rows that visit every key);
-    False: every grid-th item, as :class:`GluonBwdConfig`'s ``deal``."""
+    False: every grid-th item, as :class:`GluonBwdConfig`'s ``deal``.
+
+    ``groups``: consumer warp groups per program, 2 (default) or 3 (dense and causal layouts; a
+    program then covers ``3·block_m`` rows, as FlashAttention-3's 192-row tiles at head dim 64,
+    where a step's products are short beside its softmax). Other layouts need 2: with 3 the Gluon
+    forward is not chosen for them. ``consumer_regs`` None (default): 240 registers per consumer
+    thread with 2 groups, 160 with 3 (3 × 128 threads at 160 and the producer fill the 64K
+    register file; more is refused)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -73,15 +81,30 @@ class GluonConfig:
     pingpong: bool = True
     overlap: bool = True
     producer_regs: int = 24
-    consumer_regs: int = 240
+    consumer_regs: int | None = None
     persistent: bool = True
     sm_margin: int = 0
     deal: bool = True
+    groups: int = 2
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
         if not isinstance(self.deal, bool):
             raise ValueError(f"GluonConfig(deal={self.deal!r}): expected True or False")
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups not in (2, 3):
+            raise ValueError(f"GluonConfig(groups={self.groups!r}): expected 2 or 3 consumer warp groups")
+        top = 160 if self.groups == 3 else 240
+        if self.consumer_regs is not None and (isinstance(self.consumer_regs, bool)
+                                               or not isinstance(self.consumer_regs, int)
+                                               or not 24 <= self.consumer_regs <= top or self.consumer_regs % 8):
+            raise ValueError(f"GluonConfig(consumer_regs={self.consumer_regs!r}): expected a multiple of 8 from 24 "
+                             f"to {top} with groups={self.groups} (3 x 128 threads at 160 and the producer fill "
+                             "the register file), or None")
+
+    @property
+    def regs(self) -> int:
+        """Registers per consumer thread the kernel requests (``consumer_regs``, or by ``groups``)."""
+        return self.consumer_regs if self.consumer_regs is not None else (160 if self.groups == 3 else 240)
 
 
 @dataclass(frozen=True)

@@ -575,14 +575,34 @@ def tma_ok(*ts: torch.Tensor) -> bool:
                for t in ts)
 
 
+# The Gluon forward's default tiles by (layout kind, head dim) where they are not ``GluonConfig()``:
+# at d 64 three consumer warp groups (192-row programs, as FlashAttention-3 and -4 tile head dim
+# 64, where a step's products are short beside its softmax). H200, 16K, H 16 (benchmarks/NOTES.md,
+# "Three consumer groups at head dim 64"): dense 2.455 -> 2.300 ms, causal 1.351 -> 1.255 ms
+# without the overlap of S_j with P_{j-1}·V (1.296 with it); at d 128 three groups spill and
+# take 1.8x as long.
+GLUON_FWD_DEFAULTS: dict = {("dense", 64): GluonConfig(groups=3),
+                             ("causal", 64): GluonConfig(groups=3, overlap=False)}
+
+
+def gluon_fwd_config(opts: KernelOptions, kind: str, d: int) -> GluonConfig:
+    """The Gluon forward's tiles for a call: its ``gluon_fwd`` option, else the default for the layout
+    kind (``"dense"``, ``"causal"``, ...) and head dim ``d`` (pure; the launcher asks it too)."""
+    if opts.gluon_fwd is not None:
+        return opts.gluon_fwd
+    return GLUON_FWD_DEFAULTS.get((kind, d), _DEFAULT_GLUON)
+
+
 def _gluon_fwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonConfig, opts: KernelOptions) -> str | None:
     """The Gluon forward's mode for this layout and shapes, or None where it does not compute it."""
     if s.D not in (64, 128) or lc.kv_len % cfg.block_n or lc.kv_len == 0:
         return None
     if lc.kind in ("dense", "causal"):
-        if lc.kind == "causal" and cfg.block_n != 2 * cfg.block_m:
+        if lc.kind == "causal" and cfg.groups == 2 and cfg.block_n != 2 * cfg.block_m:
             return None
         return lc.kind
+    if cfg.groups != 2:  # three groups: dense and causal layouts only
+        return None
     if lc.kind == "interval" and opts.interval:
         return "interval"
     if (lc.kind == "blocks" and _lists_on(lc, opts, "forward", s)
@@ -614,14 +634,14 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
         raise ValueError(f"kernel_options forward='gluon': {hw.gluon}")
     simple = not dropout and not score_mod and not out_dtype
     if lc.kind == "device_interval":
-        cfg = opts.gluon_fwd or _DEFAULT_GLUON
+        cfg = gluon_fwd_config(opts, lc.kind, s.D)
         want = opts.forward == "gluon" or (opts.forward == "auto" and GLUON_DEVICE_INTERVALS)
         if (want and not hw.gluon and simple and dtype in _16BIT and tma and not lc.ids and s.D in (64, 128)
-                and lc.kv_len % cfg.block_n == 0):
+                and lc.kv_len % cfg.block_n == 0 and cfg.groups == 2):
             return Choice("gluon", "interval", ("_attn_fwd_gluon",))
         return Choice("triton", "interval", ("_interval_fwd",))
     if opts.forward in ("auto", "gluon") and not hw.gluon and simple and dtype in _16BIT and tma:
-        mode = _gluon_fwd_mode(lc, s, opts.gluon_fwd or _DEFAULT_GLUON, opts)
+        mode = _gluon_fwd_mode(lc, s, gluon_fwd_config(opts, lc.kind, s.D), opts)
         if mode is not None:
             return Choice("gluon", mode, ("_attn_fwd_gluon",))
     # the dense Triton forward; in the interpreter (CPU) descriptors need no alignment

@@ -33,7 +33,7 @@ from ..mask.score import (ALIBI, BIAS, BIAS_KEYS_BROADCAST, BIAS_ROWS_BROADCAST,
                           device_copy)
 from . import call_memo, select
 from .launcher import Launch
-from .options import (_DEFAULT_GLUON, _DEFAULT_GLUON_BWD, DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig, KernelOptions,
+from .options import (_DEFAULT_GLUON_BWD, DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig, KernelOptions,
                       TileConfig)
 from .validate import Shapes
 
@@ -787,7 +787,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     ``work``: the host's ``(work per table row, order)`` of ``layout``'s row tiles, from which a
     persistent tile-major launch deals its items by :func:`_deal_table` (``cfg.deal``)."""
     _ensure_tma_allocator(q.device)
-    rows = 2 * cfg.block_m
+    rows = cfg.groups * cfg.block_m
     n_prog = _cdiv(s.Lq, rows)
     n_items = n_prog * s.B * s.H
     # causal stays one program per tile: persistent it measured 0.98-1.00x (16K / 64K, H100)
@@ -802,7 +802,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
         s.H, s.G, lzb, lzh, s.Lq, s.Lk, n_prog, n_items, scale * _LOG2E, *geo), 27, q.device, HEAD_DIM=s.D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=case == "causal",
         INTERVAL=case in ("interval", "list"), PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
-        M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+        M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.regs, GROUPS=cfg.groups,
         GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], LIST=case == "list", DEALT=dealt is not None,
         num_warps=4)
     call_memo.vouch()  # the Gluon forward's GPU work: recorded allocations and launches (ops/call_memo.py)
@@ -880,8 +880,8 @@ def triton_forward(q, k, v, layout: BlockLayout, s: Shapes, scale: float, dropou
     if global_keys is not None and (choice.family, choice.mode) != ("gluon", "interval"):
         raise ValueError(f"triton_forward: global_keys need the Gluon interval forward, the choice is {choice}")
     if choice.family == "gluon":
-        _gluon_launch(q, k, v, out, lse, s, scale, choice.mode, opts.gluon_fwd or _DEFAULT_GLUON, layout,
-                      global_keys or (0, False))
+        cfg = select.gluon_fwd_config(opts, choice.mode, s.D)
+        _gluon_launch(q, k, v, out, lse, s, scale, choice.mode, cfg, layout, global_keys or (0, False))
         return out, lse
     if choice.family == "triton_dense":
         _dense_launch(q, k, v, out, lse, s, scale, choice.mode == "ws")

@@ -7,7 +7,8 @@ one-interval-per-row layouts) at their own tiles, so the model builds, from the 
 (:func:`blocksparse_fa.compiler.intervals.row_interval`), the blocks each kernel visits at its
 tiles (:class:`_TileLayout`) and counts them with the same per-kernel code as the Triton kernels:
 
-* ``_attn_fwd_gluon``: programs of ``2·block_m`` = 128 query rows, K/V per key block of
+* ``_attn_fwd_gluon``: programs of ``2·block_m`` = 128 query rows (``3·block_m`` = 192 on dense
+  and causal layouts at head dim 64, ``ops/select.GLUON_FWD_DEFAULTS``), K/V per key block of
   ``block_n`` = 128 keys, O and LSE written once. Dense: persistent, head by head (the grid order);
   causal: one program per tile, longest rows first; interval layouts: persistent, one row tile of
   every head before the next (tile-major), the tiles with most key blocks first, or head by head
@@ -195,14 +196,24 @@ their work items in their static deal: program ``p`` runs items ``p, p + grid, .
 (``trace._schedule``). False: as the hardware would schedule one program per item."""
 
 
-def _tiles() -> TileSizes:
-    return TileSizes(fwd_block_m=_ROWS, fwd_block_n=_KEYS, dkdv_block_m=_STEP_ROWS, dkdv_block_n=_ROWS,
+def _tiles(fwd_rows: int = _ROWS) -> TileSizes:
+    return TileSizes(fwd_block_m=fwd_rows, fwd_block_n=_KEYS, dkdv_block_m=_STEP_ROWS, dkdv_block_n=_ROWS,
                      dq_block_m=_ROWS, dq_block_n=_KEYS)
+
+
+def _fwd_rows(mode: str, head_dim: int) -> int:
+    """Query rows of a forward program in ``mode`` with the default options (``groups·block_m``)."""
+    from ...ops.options import DEFAULT_OPTIONS
+    from ...ops.select import gluon_fwd_config
+
+    cfg = gluon_fwd_config(DEFAULT_OPTIONS, mode, head_dim)
+    return cfg.groups * cfg.block_m
 
 
 def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: str = "") -> KernelTraffic:
     """The Gluon forward of ``mode`` (``"dense"``, ``"causal"``, ``"interval"``, ``"list"``)."""
-    pt = replace(p, tiles=_tiles())
+    rows = _fwd_rows(mode, p.head_dim)
+    pt = replace(p, tiles=_tiles(rows))
     if mode == "list":  # the layout's blocks; per program a table row and its rows' bounds, per step an entry
         geo = _Geometry(_ListLayout(layout, _ROWS))
         bounds, keys = _list_bounds(layout)
@@ -212,13 +223,13 @@ def forward(layout, p: TrafficParams, mode: str, progress: bool = False, label: 
         interval = True
     else:
         lo, hi, bs = _intervals(layout, mode)
-        geo = _Geometry(_TileLayout(lo, hi, layout.kv_len, _ROWS, _KEYS, bs, visit_one=True))
+        geo = _Geometry(_TileLayout(lo, hi, layout.kv_len, rows, _KEYS, bs, visit_one=True))
         interval = mode == "interval"
-        lut = (_FWD_TABLE + _BOUNDS * _ROWS, 0) if interval else (0, 0)
+        lut = (_FWD_TABLE + _BOUNDS * rows, 0) if interval else (0, 0)
         table = int(lo.size * _BOUNDS + geo.n_inst * geo.tr * _FWD_TABLE) if interval else 0
         launch = dict(order="grid" if mode == "dense" else "steps",
                       tile_major=interval and _deal(lo, hi, p.batch * p.heads * geo.tr, p))
-    k = _row_kernel("_attn_fwd_gluon", geo, pt, _ROWS, q_side_loads={"Q": p.head_dim * p.elem},
+    k = _row_kernel("_attn_fwd_gluon", geo, pt, rows, q_side_loads={"Q": p.head_dim * p.elem},
                     q_side_stores={"O": p.head_dim * p.elem, "LSE": 4}, lut_bytes=table, lut=lut, **launch)
     if p.policy == "trace":  # dense and interval forwards are persistent (a static deal), causal is not
         tr = _trace_forward(geo, pt, progress, f"trace {label}", lut=lut, static=STATIC_DEAL and mode != "causal",
