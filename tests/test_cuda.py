@@ -521,21 +521,24 @@ def test_persistent_gluon_forward_equals_per_tile(kind, memory, deal, monkeypatc
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
-@pytest.mark.parametrize("kind", ["dense", "causal"])
+@pytest.mark.parametrize("kind", ["dense", "causal", "window", "documents"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n", [1024, 1152])
 def test_gluon_forward_three_groups(kind, d, n):
     """The Gluon forward with three consumer groups (192-row programs; ``n`` 1024 leaves the last
-    program 128 rows past the end, 1152 fills whole programs and runs persistent when dense), GQA,
-    two batch rows: every output element and logsumexp written over NaN-poisoned buffers, within
-    1e-5 of two groups' logsumexp and of their output by bf16 rounding; through ``bsfa.attention``
-    (the route noted) output and gradients against float64."""
+    program 128 rows past the end, 1152 fills whole programs and runs persistent when dense or on
+    intervals), GQA, two batch rows: every output element and logsumexp written over NaN-poisoned
+    buffers, within 1e-5 of two groups' logsumexp and of their output by bf16 rounding; through
+    ``bsfa.attention`` (the route noted) output and gradients against float64."""
     from blocksparse_fa.ops import select
     from blocksparse_fa.ops import triton_backend as tb
     from blocksparse_fa.ops.options import GluonConfig
     from blocksparse_fa.ops.validate import Shapes
 
-    mask = bsfa.full() if kind == "dense" else bsfa.causal()
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 412, 1, n - 513]))
+    mask = {"dense": bsfa.full(), "causal": bsfa.causal(), "window": bsfa.sliding_window(300),
+            "documents": bsfa.causal() & bsfa.document(ids)}[kind]
+    case = {"window": "interval", "documents": "interval"}.get(kind, kind)
     g = torch.Generator(device="cuda").manual_seed(11)
     q, k, v, do = (torch.randn(2, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (4, 2, 2, 4))
     layout = bsfa.compile_mask(mask, n, n, 128, device="cuda")
@@ -543,7 +546,7 @@ def test_gluon_forward_three_groups(kind, d, n):
     for groups in (2, 3):
         out = torch.full((2, 4, n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
         lse = torch.full((2, 4, n), float("nan"), device="cuda")
-        tb._gluon_launch(q, k, v, out, lse, Shapes(2, 4, 2, n, n, d), d ** -0.5, kind, GluonConfig(groups=groups),
+        tb._gluon_launch(q, k, v, out, lse, Shapes(2, 4, 2, n, n, d), d ** -0.5, case, GluonConfig(groups=groups),
                          layout)
         assert not out.isnan().any() and not lse.isnan().any()
         runs.append((out, lse))
@@ -553,9 +556,9 @@ def test_gluon_forward_three_groups(kind, d, n):
     for t in (q, k, v):
         t.requires_grad_()
     with select.record() as ran:
-        out = bsfa.attention(q, k, v, mask=mask, kernel_options={"gluon_fwd": {"groups": 3}})
+        out = bsfa.attention(q, k, v, mask=layout, kernel_options={"gluon_fwd": {"groups": 3}})
         grads = torch.autograd.grad(out, (q, k, v), do)
-    assert ("forward", f"gluon:{kind}") in ran, ran
+    assert ("forward", f"gluon:{case}") in ran, ran
     ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = bsfa.reference_attention(*ins, mask)
     want = torch.autograd.grad(ref, ins, do.double())

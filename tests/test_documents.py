@@ -116,10 +116,13 @@ def test_gluon_tables_built_on_the_device_equal_the_host_ones():
         if spec.doc >= 0:  # these ids are runs: the Gluon forward needs no id compare
             spec.terms[spec.doc][0]._contiguous = True
         iv = spec.bounds("cpu")
-        for cfg in (GluonConfig(), GluonConfig(block_m=32, block_n=64)):
+        for cfg in (GluonConfig(), GluonConfig(block_m=32, block_n=64), GluonConfig(groups=3)):
             want = _gluon_interval_tables(layout, cfg, "cpu")
-            got = gluon_interval_tables(iv.lo.reshape(-1, lq), iv.hi.reshape(-1, lq), cfg.block_m, cfg.block_n)
+            # the device tables take programs of 2·block_m rows: three groups' 192 rows as 2 · 96
+            rows = cfg.groups * cfg.block_m
+            got = gluon_interval_tables(iv.lo.reshape(-1, lq), iv.hi.reshape(-1, lq), rows // 2, cfg.block_n)
             assert all(torch.equal(a, b) for a, b in zip(want, got))
+            assert want[2].shape[1] == -(-lq // rows) and want[0].shape[1] == want[2].shape[1] * rows
 
 
 def _gluon_schedule_backward(q, k, v, out, lse, dout, iv, scale, bm, bn, dq_bm, dq_bn):

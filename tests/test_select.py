@@ -66,11 +66,11 @@ def test_forward_falls_back_to_triton(why):
     assert (c.family, c.mode, c.kernels) == ("triton", "blocks", ("_attn_fwd",))
 
 
-def test_forward_three_consumer_groups_on_dense_and_causal_only():
-    """``GluonConfig(groups=3)`` (192-row programs) runs the Gluon forward on dense and causal
-    layouts (causal needs no ``block_n == 2·block_m`` then); interval, list and device-interval
-    layouts go to the Triton kernels with it. Without a ``gluon_fwd`` option the default is per
-    layout kind and head dim (:func:`select.gluon_fwd_config`)."""
+def test_forward_three_consumer_groups_where_the_host_builds_the_tables():
+    """``GluonConfig(groups=3)`` (192-row programs) runs the Gluon forward on dense, causal and host
+    interval layouts (causal needs no ``block_n == 2·block_m`` then); list and device-interval
+    layouts, whose tables are built for 128-row programs, go to the Triton kernels with it. Without
+    a ``gluon_fwd`` option the default is per layout kind and head dim (:func:`select.gluon_fwd_config`)."""
     three = KernelOptions(gluon_fwd=GluonConfig(groups=3))
     for kind in ("dense", "causal"):
         assert str(choose_forward(_lc(kind), S, torch.bfloat16, HOPPER, three)) == f"gluon:{kind}"
@@ -79,7 +79,10 @@ def test_forward_three_consumer_groups_on_dense_and_causal_only():
     assert choose_forward(_lc("causal"), S, torch.bfloat16, HOPPER,
                           KernelOptions(gluon_fwd=GluonConfig(block_n=64))).family == "triton"
     assert str(choose_forward(_lc("interval"), S, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval"
-    assert choose_forward(_lc("interval"), S, torch.bfloat16, HOPPER, three).family == "triton"
+    assert str(choose_forward(_lc("interval"), S, torch.bfloat16, HOPPER, three)) == "gluon:interval"
+    lists = LayoutClass("blocks", S.Lq, S.Lk, (128, 128), lists=True, row_blocks=4.0, partial_fraction=0.2)
+    assert str(choose_forward(lists, S, torch.bfloat16, HOPPER, KernelOptions(block_lists=True))) == "gluon:list"
+    assert choose_forward(lists, S, torch.bfloat16, HOPPER, three.replace(block_lists=True)).family == "triton"
     dev = LayoutClass("device_interval", S.Lq, S.Lk, (128, 128))
     assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval"
     assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, three)) == "triton:interval"

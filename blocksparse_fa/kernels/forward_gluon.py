@@ -603,9 +603,9 @@ if gluon is not None:
                         GLOBAL_CAUSAL: gl.constexpr = False, LIST: gl.constexpr = False,
                         DEALT: gl.constexpr = False, GROUPS: gl.constexpr = 2):
         """1-D grid, 4 warps (consumer 0) plus ``GROUPS - 1`` more 4-warp consumers and a 1-warp
-        producer; an item is ``GROUPS·BLOCK_M`` query rows (``GROUPS`` 2, or 3 for dense and causal
-        layouts: FlashAttention-3's 192-row tiles at head dim 64, where a step's products are short
-        beside its softmax).
+        producer; an item is ``GROUPS·BLOCK_M`` query rows (``GROUPS`` 2, or 3 but for lists:
+        FlashAttention-3's 192-row tiles at head dim 64, where a step's products are short beside
+        its softmax).
         ``Q (B, H, Lq, D)``, ``K/V (B, H // G, Lk, D)``, ``O`` like Q; ``qk_scale = scale · log2(e)``.
         Work items: ``n_prog = cdiv(Lq, GROUPS·BLOCK_M)`` query tiles of each of the ``B·H`` heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``.
@@ -637,7 +637,7 @@ if gluon is not None:
         int64 hold two intervals per row (low and high 32 bits). ``DEALT`` (persistent): each program
         runs the items its row of the deal table ``DEAL`` lists (:func:`_dealt`)."""
         gl.static_assert(GROUPS == 2 or GROUPS == 3, "two or three consumer groups")
-        gl.static_assert(GROUPS == 2 or not INTERVAL, "three consumer groups for dense and causal layouts only")
+        gl.static_assert(GROUPS == 2 or not LIST, "the list tables are built for two consumer groups")
         gl.static_assert(not CAUSAL or GROUPS != 2 or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(GLOBAL_KEYS == 0 or INTERVAL, "global keys need the interval mode")
@@ -700,6 +700,8 @@ if gluon is not None:
             o_rh = 0
             o_ch = 0
         first = gl.program_id(0)
+        # the argument tuples are written out in each list: a tuple built by concatenation reaches
+        # the partitions with its constexprs turned into runtime values (triton 3.6)
         if GROUPS == 3:
             gl.warp_specialize([
                 (_fwd_consumer,

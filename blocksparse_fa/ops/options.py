@@ -68,10 +68,11 @@ class GluonConfig:
     shortens the most loaded program's work by 5 % or more (global rows that visit every key);
     False: every grid-th item, as :class:`GluonBwdConfig`'s ``deal``.
 
-    ``groups``: consumer warp groups per program, 2 (default) or 3 (dense and causal layouts; a
-    program then covers ``3·block_m`` rows, as FlashAttention-3's 192-row tiles at head dim 64,
-    where a step's products are short beside its softmax). Other layouts need 2: with 3 the Gluon
-    forward is not chosen for them. ``consumer_regs`` None (default): 240 registers per consumer
+    ``groups``: consumer warp groups per program, 2 (default) or 3 (a program then covers
+    ``3·block_m`` rows, as FlashAttention-3's 192-row tiles at head dim 64, where a step's products
+    are short beside its softmax): dense, causal and one-interval-per-row layouts whose intervals
+    the host knows (windows, documents of known ids). Block lists and device intervals need 2: with
+    3 the Gluon forward is not chosen for them. ``consumer_regs`` None (default): 240 registers per consumer
     thread with 2 groups, 160 with 3 (3 × 128 threads at 160 and the producer fill the 64K
     register file; more is refused)."""
 
@@ -256,7 +257,9 @@ class KernelOptions:
             column (global or prefix keys) outweighs twice the work per SM
             (``select.LIST_COLUMN_SHARE``: the list backward runs a key tile as one item); True: in
             both phases where a layout qualifies; False: never.
-        gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default).
+        gluon_fwd: tiles of the Gluon forward (:class:`GluonConfig`; None: the default of the layout
+            kind and head dim, ``ops/select.gluon_fwd_config``: three consumer groups for dense and causal
+            layouts at d 64, else ``GluonConfig()``).
         backward: ``"auto"`` (default): the Gluon backward on Hopper for dense, ``causal()`` and
             one-interval-per-row layouts whose intervals are the same for every head (windows,
             documents, prefix-LM, ...) where it applies, else the block-sparse Triton backward;

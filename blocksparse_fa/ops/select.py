@@ -601,10 +601,10 @@ def _gluon_fwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonConfig, opts: KernelOp
         if lc.kind == "causal" and cfg.groups == 2 and cfg.block_n != 2 * cfg.block_m:
             return None
         return lc.kind
-    if cfg.groups != 2:  # three groups: dense and causal layouts only
-        return None
     if lc.kind == "interval" and opts.interval:
         return "interval"
+    if cfg.groups != 2:  # the list tables are built for two groups
+        return None
     if (lc.kind == "blocks" and _lists_on(lc, opts, "forward", s)
             and (2 * cfg.block_m, cfg.block_n) == _LIST_TILES[:2]):
         return "list"

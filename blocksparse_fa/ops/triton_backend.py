@@ -574,12 +574,12 @@ def _gluon_interval_tables(layout: BlockLayout, cfg: "GluonConfig", device):
     layout, tiles and device: the rows' key intervals ``(Z, P·rows)`` (padded to whole programs with
     the last row's interval), and per program ``(tile, kb0, e1, e2, n_blocks)`` ``(Z, P, 5)``, the
     heaviest programs first (``kernels/forward_gluon._attn_fwd_gluon``)."""
-    key = ("gluon_interval", device, cfg.block_m, cfg.block_n)
+    key = ("gluon_interval", device, cfg.block_m, cfg.block_n, cfg.groups)
     hit = layout.cache.get(key)
     if hit is not None:
         return hit
     lo, hi = row_interval(layout)
-    rows = 2 * cfg.block_m
+    rows = cfg.groups * cfg.block_m
     z, lq = lo.shape
     n_prog = _cdiv(lq, rows)
     pad = n_prog * rows - lq
