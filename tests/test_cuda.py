@@ -73,6 +73,16 @@ def _within_twice_whole(got, whole, want):
         assert err < 2 * max(err_whole, 1e-3), (err, err_whole)
 
 
+def _output_and_grads_near_float64(mask, q, k, v, do, out, grads, tol=1e-2):
+    """``out`` and ``grads`` (dQ, dK, dV) free of NaN and within ``tol`` (relative norm) of float64."""
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = bsfa.reference_attention(*ins, mask)
+    want = torch.autograd.grad(ref, ins, do.double())
+    for what, a, b in zip("o q k v".split(), (out, *grads), (ref, *want)):
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert not a.isnan().any() and err < tol, f"d{what}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("name", list(_masks()))
 @pytest.mark.parametrize("entry", ["attention", "layout", "module"])
 def test_warm_step_never_syncs(name, entry):
@@ -483,13 +493,13 @@ def _rand_heads(B, h, L, D, memory, g):
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("kind", ["dense", "causal", "window", "documents"])
 @pytest.mark.parametrize("memory", ["bhld", "blhd"])
-@pytest.mark.parametrize("deal", [None, False])
-def test_persistent_gluon_forward_equals_per_tile(kind, memory, deal, monkeypatch):
+@pytest.mark.parametrize("deal,q_buffers", [(None, 1), (False, 1), (None, 2)])
+def test_persistent_gluon_forward_equals_per_tile(kind, memory, deal, q_buffers, monkeypatch):
     """The persistent Gluon forward (one program per SM walking every head's query tiles) writes
     the same output and logsumexp as one program per tile, bit for bit, for heads stacked along
     the rows and side by side (``(B, L, H, D)`` inputs viewed transposed), with GQA and two
     batch rows; every element is written (outputs start poisoned). ``deal``: the interval items'
-    order by the default rule (None) or head by head (False)."""
+    order by the default rule (None) or head by head (False); ``q_buffers``: sets of Q tiles."""
     from blocksparse_fa.ops import triton_backend as tb
 
     monkeypatch.setattr(tb, "_M_MAJOR", deal)
@@ -509,7 +519,8 @@ def test_persistent_gluon_forward_equals_per_tile(kind, memory, deal, monkeypatc
     for persistent in (True, False):
         out = torch.full((B, H, L, D), float("nan"), device="cuda", dtype=torch.bfloat16)
         lse = torch.full((B, H, L), float("nan"), device="cuda")
-        tb._gluon_launch(q, k, v, out, lse, s, D ** -0.5, case, GluonConfig(persistent=persistent), layout)
+        cfg = GluonConfig(persistent=persistent, q_buffers=q_buffers if persistent else 1)
+        tb._gluon_launch(q, k, v, out, lse, s, D ** -0.5, case, cfg, layout)
         outs.append((out, lse))
     (o1, l1), (o2, l2) = outs
     assert not o1.isnan().any() and not l1.isnan().any()
@@ -559,12 +570,7 @@ def test_gluon_forward_three_groups(kind, d, n):
         out = bsfa.attention(q, k, v, mask=layout, kernel_options={"gluon_fwd": {"groups": 3}})
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert ("forward", f"gluon:{case}") in ran, ran
-    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = bsfa.reference_attention(*ins, mask)
-    want = torch.autograd.grad(ref, ins, do.double())
-    for what, a, b in zip("o q k v".split(), (out, *grads), (ref, *want)):
-        err = ((a.double() - b).norm() / b.norm()).item()
-        assert not a.isnan().any() and err < 1e-2, f"d{what}: relative error {err:.2e}"
+    _output_and_grads_near_float64(mask, q, k, v, do, out, grads)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
@@ -791,3 +797,88 @@ def test_gqa_list_backward_per_query_head(hkv, d, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, copied))
     _, tri = run(dict(backward="triton"))
     _as_close_as(got, tri, q, k, v, do, mask)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("kind", ["causal_docs", "docs", "window_docs"])
+@pytest.mark.parametrize("d,groups", [(64, 2), (64, 3), (128, 2)])
+@pytest.mark.parametrize("memory", ["bhld", "blhd"])
+@pytest.mark.parametrize("n", [1024, 1152])
+def test_gluon_forward_segments(kind, d, groups, memory, n, monkeypatch):
+    """The device-interval Gluon forward on segment tiles (tiles that start at documents; two
+    batch rows with their own documents, one-token documents, GQA): every output element and
+    logsumexp written over NaN-poisoned buffers, within 1e-4 of the aligned tiles' logsumexp and
+    one bf16 step of their output; through ``bsfa.attention`` output and gradients against
+    float64."""
+    from blocksparse_fa.compiler.device_intervals import interval_spec
+    from blocksparse_fa.ops import interval_backend, select
+    from blocksparse_fa.ops.options import GluonConfig
+    from blocksparse_fa.ops.validate import Shapes
+
+    ids = torch.stack([torch.repeat_interleave(torch.arange(n_doc), torch.tensor(lens)) for n_doc, lens in
+                       ((4, [100, 412, 1, n - 513]), (6, [1, 1, 257, 130, 300, n - 689]))])
+    mask = {"causal_docs": bsfa.causal() & bsfa.document(ids), "docs": bsfa.document(ids),
+            "window_docs": bsfa.sliding_window(200) & bsfa.document(ids)}[kind]
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def make(h):
+        t = torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        return t.transpose(1, 2) if memory == "blhd" else t.transpose(1, 2).contiguous()
+
+    q, k, v, do = make(4), make(2), make(2), make(4)
+    iv = interval_spec(mask, n, n).bounds("cuda")
+    assert iv.qid is None
+    s = Shapes(2, 4, 2, n, n, d)
+    monkeypatch.setattr(interval_backend, "_new_like", lambda like, shape=None, dtype=None: (
+        torch.empty_like(like, dtype=dtype) if shape is None else
+        torch.empty(shape, dtype=dtype or like.dtype, device=like.device)).fill_(float("nan")))
+    o_seg, l_seg = interval_backend.gluon_interval_forward(q, k, v, iv, s, d ** -0.5,
+                                                           GluonConfig(segments=True, groups=groups))
+    o_al, l_al = interval_backend.gluon_interval_forward(q, k, v, iv, s, d ** -0.5, GluonConfig(segments=False))
+    assert not o_seg.isnan().any() and not l_seg.isnan().any()
+    assert torch.equal(torch.isinf(l_seg), torch.isinf(l_al))
+    fin = torch.isfinite(l_al)
+    assert (l_seg[fin] - l_al[fin]).abs().max().item() < 1e-4
+    assert (o_seg.float() - o_al.float()).abs().max().item() <= 2 ** -6
+    monkeypatch.undo()
+    for t in (q, k, v):
+        t.requires_grad_()
+    with select.record() as ran:
+        out = bsfa.attention(q, k, v, mask=mask, kernel_options={"gluon_fwd": {"groups": groups}})
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert ran and ran[0][0] == "forward" and "gluon" in ran[0][1], ran
+    _output_and_grads_near_float64(mask, q, k, v, do, out, grads)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("kind", ["window", "documents", "prefix_lm"])
+@pytest.mark.parametrize("groups,q_buffers", [(2, 1), (3, 1), (2, 2), (3, 2)])
+def test_gluon_forward_segments_on_host_layouts(kind, groups, q_buffers):
+    """Host-interval layouts on segment tiles (``GluonConfig(segments=True)``), d 64, GQA, two batch
+    rows, 1152 rows: every output element and logsumexp written over NaN-poisoned buffers, within
+    1e-4 of the aligned two-group tiles' logsumexp and one bf16 step of their output."""
+    from blocksparse_fa.ops import triton_backend as tb
+    from blocksparse_fa.ops.options import GluonConfig
+    from blocksparse_fa.ops.validate import Shapes
+
+    n, d = 1152, 64
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 412, 1, n - 513]))
+    mask = {"window": bsfa.sliding_window(300), "documents": bsfa.causal() & bsfa.document(ids),
+            "prefix_lm": bsfa.prefix_lm(200)}[kind]
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (torch.randn(2, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (4, 2, 2))
+    layout = bsfa.compile_mask(mask, n, n, 128, device="cuda")
+    runs = []
+    for cfg in (GluonConfig(segments=True, groups=groups, q_buffers=q_buffers), GluonConfig()):
+        out = torch.full((2, 4, n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((2, 4, n), float("nan"), device="cuda")
+        tb._gluon_launch(q, k, v, out, lse, Shapes(2, 4, 2, n, n, d), d ** -0.5, "interval", cfg, layout)
+        assert not out.isnan().any() and not lse.isnan().any()
+        runs.append((out, lse))
+    (o1, l1), (o2, l2) = runs
+    assert torch.equal(torch.isinf(l1), torch.isinf(l2))
+    fin = torch.isfinite(l2)
+    assert (l1[fin] - l2[fin]).abs().max().item() < 1e-4
+    assert (o1.float() - o2.float()).abs().max().item() <= 2 ** -6

@@ -260,6 +260,41 @@ def test_gluon_three_groups_launch(monkeypatch):
     assert (grid[0], c["GROUPS"], c["CONSUMER_REGS"], args[27]) == (2 * 4 * 8, 2, 240, 8)
 
 
+def test_gluon_segments_launch(monkeypatch):
+    """Segment tiles (``GluonConfig.segments``) launch persistent with ``SEGMENTS``, ``n_prog`` the
+    tables' (one program of rows beyond ``Lq``), whatever ``Lq % rows`` (the last rows of a tile
+    are masked, not clipped), two or three groups; host-interval layouts take them only when asked,
+    and not with global keys."""
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((grid, args, c)))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 1, 339]))
+    L = 640
+    layout = bsfa.compile_mask(bsfa.causal() & bsfa.document(ids), L, L, 128)
+    q, k = torch.randn(2, 4, L, 64, dtype=torch.bfloat16), torch.randn(2, 2, L, 64, dtype=torch.bfloat16)
+    s = Shapes(2, 4, 2, L, L, 64)
+    for groups, asked in ((2, True), (3, True), (2, None)):
+        cfg = GluonConfig(groups=groups, segments=asked)
+        tb._gluon_launch(q, k, k, torch.empty_like(q), torch.empty(2, 4, L), s, 0.1, "interval", cfg, layout)
+        grid, args, c = seen.pop()
+        rows = 64 * groups
+        if asked:
+            assert c["SEGMENTS"] and c["PERSISTENT"] and not c["M_MAJOR"] and c["GROUPS"] == groups
+            n_prog = -(-L // rows) + 1
+            assert args[27:29] == (n_prog, 2 * 4 * n_prog) and args[5].shape == (1, n_prog * rows)
+            tiles = args[7]
+            assert int(tiles[0]) >= 2 * 4 * -(-L // rows) and grid == (min(132, 2 * 4 * n_prog),)
+        else:
+            assert not c["SEGMENTS"]
+    tb._gluon_launch(q, k, k, torch.empty_like(q), torch.empty(2, 4, L), s, 0.1, "interval",
+                     GluonConfig(segments=True), layout, global_keys=(4, True))
+    assert not seen.pop()[2]["SEGMENTS"]
+
+
 def test_tma_allocator_set_in_every_thread():
     """Triton's allocator hook is a context variable: autograd's CUDA backward threads do not see
     the one the forward's thread set, so the launchers set it wherever it is missing."""

@@ -68,8 +68,9 @@ def test_forward_falls_back_to_triton(why):
 
 def test_forward_three_consumer_groups_where_the_host_builds_the_tables():
     """``GluonConfig(groups=3)`` (192-row programs) runs the Gluon forward on dense, causal and host
-    interval layouts (causal needs no ``block_n == 2·block_m`` then); list and device-interval
-    layouts, whose tables are built for 128-row programs, go to the Triton kernels with it. Without
+    interval layouts (causal needs no ``block_n == 2·block_m`` then); list layouts, whose tables
+    are built for 128-row programs, go to the Triton kernels with it, and so do device-interval
+    layouts without the segment tiles (their aligned tables are built for 128 rows). Without
     a ``gluon_fwd`` option the default is per layout kind and head dim (:func:`select.gluon_fwd_config`)."""
     three = KernelOptions(gluon_fwd=GluonConfig(groups=3))
     for kind in ("dense", "causal"):
@@ -85,7 +86,9 @@ def test_forward_three_consumer_groups_where_the_host_builds_the_tables():
     assert choose_forward(lists, S, torch.bfloat16, HOPPER, three.replace(block_lists=True)).family == "triton"
     dev = LayoutClass("device_interval", S.Lq, S.Lk, (128, 128))
     assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval"
-    assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, three)) == "triton:interval"
+    assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, three)) == "gluon:interval"
+    aligned3 = KernelOptions(gluon_fwd=GluonConfig(groups=3, segments=False))
+    assert str(choose_forward(dev, S, torch.bfloat16, HOPPER, aligned3)) == "triton:interval"
     # the defaults: an explicit config always wins; otherwise by kind and head dim
     assert select.gluon_fwd_config(three, "interval", 128) is three.gluon_fwd
     for kind in ("dense", "causal", "interval", "list"):
@@ -453,7 +456,7 @@ def hopper(monkeypatch):
 
     from blocksparse_fa.ops import interval_backend as ib
 
-    def gluon_intervals(q, k, v, iv, s, scale, cfg=None):
+    def gluon_intervals(q, k, v, iv, s, scale, cfg=None, kept=True):
         o, l = ib.torch_interval_forward(q, k, v, iv, s, scale)
         return o.to(q.dtype), l
 

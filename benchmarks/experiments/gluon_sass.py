@@ -30,13 +30,15 @@ from sass_probe import report  # noqa: E402
 
 def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, overlap=True, producer_regs=24,
                   consumer_regs=240, dtype="bf16", interval=False, persistent=False, global_keys=0,
-                  global_causal=False, lists=False, two=False, dealt=False, groups=2):
+                  global_causal=False, lists=False, two=False, dealt=False, groups=2, segments=False,
+                  q_bufs=1):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from blocksparse_fa.kernels.forward_gluon import _attn_fwd_gluon as fn
 
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, INTERVAL=interval,
-                  PINGPONG=pingpong, OVERLAP=overlap, PERSISTENT=persistent, M_MAJOR=persistent and interval,
+                  PINGPONG=pingpong, OVERLAP=overlap, PERSISTENT=persistent,
+                  M_MAJOR=persistent and interval and not segments, SEGMENTS=segments, Q_BUFS=q_bufs,
                   PRODUCER_REGS=producer_regs,
                   CONSUMER_REGS=consumer_regs, GLOBAL_KEYS=global_keys, GLOBAL_CAUSAL=global_causal,
                   LIST=lists, DEALT=dealt, GROUPS=groups)
@@ -118,6 +120,8 @@ def main():
     ap.add_argument("--two", action="store_true", help="two intervals per row (int64 LO/HI)")
     ap.add_argument("--bounds-smem", action="store_true", help="dK/dV kernel: interval bounds staged (BOUNDS_SMEM)")
     ap.add_argument("--dealt", action="store_true", help="persistent: items from a deal table (DEALT)")
+    ap.add_argument("--segments", action="store_true", help="forward, persistent interval: segment tiles (SEGMENTS)")
+    ap.add_argument("--q-bufs", type=int, default=1, choices=[1, 2], help="forward, persistent: sets of Q tiles")
     a = ap.parse_args()
     if a.consumer_regs is None:
         a.consumer_regs = 160 if a.groups == 3 else 240
@@ -131,7 +135,8 @@ def main():
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,
                            persistent=a.persistent, global_keys=a.global_keys, global_causal=a.global_causal,
-                           lists=a.list, two=a.two, dealt=a.dealt, groups=a.groups)
+                           lists=a.list, two=a.two, dealt=a.dealt, groups=a.groups, segments=a.segments,
+                           q_bufs=a.q_bufs)
     print(f"triton {triton.__version__}: {report(ck)}")
     ptx = ck.asm["ptx"]
     print("setmaxnreg:", [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln],

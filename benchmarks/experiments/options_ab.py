@@ -35,6 +35,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import blocksparse_fa as bsfa  # noqa: E402
 import harness  # noqa: E402
@@ -57,7 +58,8 @@ def parse_variants(items: list[str]) -> dict[str, dict]:
     return out
 
 
-def run_case(case: harness.Case, variants: dict, peers: list[str], opts: harness.Options, passes: int) -> dict:
+def run_case(case: harness.Case, variants: dict, peers: list[str], opts: harness.Options, passes: int,
+             kernels: bool = False) -> dict:
     q, k, v, do = harness.inputs(case, opts)
     lay = bsfa.compile_mask(case.mask, case.N, case.N, opts.block_size)
     flops = 4.0 * case.B * case.H * case.N * case.N * case.D * float(lay.element_density(device=opts.device))
@@ -94,6 +96,11 @@ def run_case(case: harness.Case, variants: dict, peers: list[str], opts: harness
         rec["fwd_passes"], rec["fb_passes"] = t["fwd"], t["fb"]
         rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
         rec["fb_tflops"] = 3.5 * flops / rec["fb_ms"] / 1e9
+    if kernels:  # GPU time per kernel of one forward+backward, every implementation (torch.profiler)
+        from host_new_primitives import gpu_kernels
+
+        for n, r in timed.items():
+            res["impls"][n]["fb_kernels_ms"] = gpu_kernels(lambda r=r: harness._grads(r))
     return res
 
 
@@ -110,6 +117,18 @@ def table(cases: list[dict], base: str) -> str:
             vs = (f"{b['fwd_ms'] / r['fwd_ms']:.3f}x, {b['fb_ms'] / r['fb_ms']:.3f}x" if "fwd_ms" in b else "")
             lines.append(f"| {c['mask']} | {c['D']} | {n} | {r['fwd_ms']:.3f} | {r['fb_ms']:.3f} | "
                          f"{r['fwd_tflops']:.0f} | {r['fb_tflops']:.0f} | {vs} | {r.get('max_ratio', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+def kernel_table(case: dict) -> str:
+    """One case's GPU time per kernel of a forward+backward (``--kernels``), each implementation."""
+    lines = []
+    for n, r in case["impls"].items():
+        ks = r.get("fb_kernels_ms")
+        if ks:
+            top = sorted(ks.items(), key=lambda kv: -kv[1])
+            lines.append(f"{case['mask']} d{case['D']} {n}: GPU {sum(ks.values()):.3f} ms = "
+                         + ", ".join(f"{k[:40]} {v:.3f}" for k, v in top[:8]))
     return "\n".join(lines)
 
 
@@ -138,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=["base={}"], help="name=JSON kernel options; the first is the base")
     ap.add_argument("--peers", nargs="*", default=["fa4", "cudnn"], choices=[i for i in harness.IMPLS if "ours" not in i])
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also record each implementation's GPU time per kernel of a forward+backward")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     variants = parse_variants(a.variants)
@@ -151,10 +172,12 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     for d in a.dims:
         for case in _cases(a, d):
-            out["cases"].append(run_case(case, variants, a.peers, opts, a.passes))
+            out["cases"].append(run_case(case, variants, a.peers, opts, a.passes, a.kernels))
             with open(os.path.join(a.out, "options_ab.json"), "w") as f:
                 json.dump(out, f, indent=1, default=str)
             print(table(out["cases"][-1:], base), flush=True)
+            if a.kernels:
+                print(kernel_table(out["cases"][-1]), flush=True)
     print(table(out["cases"], base))
     return 0
 

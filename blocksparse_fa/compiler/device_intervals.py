@@ -612,6 +612,83 @@ def gluon_interval_tables(lo: torch.Tensor, hi: torch.Tensor, block_m: int, bloc
     return lo_p.contiguous(), hi_p.contiguous(), tiles.to(torch.int32).contiguous()
 
 
+def gluon_segment_tables(lo: torch.Tensor, hi: torch.Tensor, rows: int, block_n: int, zs: torch.Tensor):
+    """The Gluon forward's segment tables (``kernels/forward_gluon._attn_fwd_gluon``, ``SEGMENTS``)
+    from device intervals ``lo, hi`` ``(Z, Lq)`` (outer = inner), on their device and without a
+    synchronisation: row tiles of at most ``rows`` rows that start where a run of rows starts (row
+    0, and a row whose keys begin at or after the previous row's end: a document's first row; at most
+    one run start per aligned window of ``rows`` rows, which bounds the tiles by ``2·cdiv(Lq, rows)``
+    per instance), each visiting key blocks of ``block_n`` keys from its first kept key.
+
+    Args:
+        lo, hi: int32 ``(Z, Lq)``, row ``r`` of instance ``z`` keeps keys ``[lo, hi)``.
+        rows: rows per tile (``groups·block_m``).
+        block_n: keys per step.
+        zs: int64 ``(B·H,)``, the instance of each batch·head.
+
+    Returns:
+        ``(LO, HI, TILES, n_prog)``: ``LO``/``HI`` int32 ``(Z, n_prog·rows)``, rows past ``Lq``
+        keeping nothing; ``TILES`` int32: ``TILES[0]`` the items, then from ``TILES[8]`` 8 ints per
+        item ``(pid_bh, row0, key0, e1, e2, n_blocks, row_end, 0)``, heaviest first (most steps,
+        then most masked ones; ties by tile, then by head), items that do not exist after them.
+        Steps ``[e1, e2)`` are full for every row of ``[row0, row_end)``; a tile whose rows keep
+        nothing runs one masked step."""
+    z, lq = lo.shape
+    dev = lo.device
+    p0 = -(-lq // rows)
+    cap = 2 * p0  # tiles per instance at most
+    n_prog = p0 + 1  # every tile's rows lie below n_prog·rows
+    lo_p = torch.zeros((z, n_prog * rows), dtype=torch.int32, device=dev)
+    hi_p = torch.zeros((z, n_prog * rows), dtype=torch.int32, device=dev)
+    lo_p[:, :lq] = lo
+    hi_p[:, :lq] = hi
+    lo64, hi64 = lo.long(), hi.long()
+    r = torch.arange(lq, device=dev)
+    brk = torch.ones((z, lq), dtype=torch.bool, device=dev)
+    brk[:, 1:] = lo64[:, 1:] >= hi64[:, :-1]
+    win = torch.nn.functional.pad(brk, (0, p0 * rows - lq)).view(z, p0, rows)
+    keep = (win & (win.cumsum(-1) == 1)).view(z, p0 * rows)[:, :lq]
+    seg0 = torch.where(keep, r, 0).cummax(1).values  # each row's run start
+    nxt = torch.where(keep, r, lq).flip(1).cummin(1).values.flip(1)  # the first run start >= r
+    seg1 = torch.cat([nxt[:, 1:], torch.full((z, 1), lq, device=dev, dtype=nxt.dtype)], 1)  # ... > r
+    starts = torch.where((r - seg0) % rows == 0, r, lq)
+    if lq < cap:
+        starts = torch.cat([starts, torch.full((z, cap - lq), lq, device=dev, dtype=starts.dtype)], 1)
+    pos = torch.sort(starts, dim=1).values[:, :cap]
+    valid = pos < lq
+    a = torch.where(valid, pos, 0)
+    b = torch.minimum(a + rows, seg1.gather(1, a))
+    idx = a.unsqueeze(-1) + torch.arange(rows, device=dev)
+    inrow = (idx < b.unsqueeze(-1)) & valid.unsqueeze(-1)
+    idx = idx.clamp(max=lq - 1).view(z, -1)
+    glo = lo64.gather(1, idx).view(z, cap, rows)
+    ghi = hi64.gather(1, idx).view(z, cap, rows)
+    live = inrow & (glo < ghi)
+    any_live = live.any(-1)
+    key0 = torch.where(any_live, torch.where(live, glo, _FAR).amin(-1), 0)
+    end = torch.where(any_live, torch.where(live, ghi, -_FAR).amax(-1), 0)
+    n = torch.where(any_live, torch.clamp(-(-(end - key0) // block_n), min=1), 1)
+    # full steps: every written row keeps the step's keys whole; a row that keeps nothing forbids them
+    f0 = -(-(torch.where(live, glo, -_FAR).amax(-1) - key0) // block_n)
+    f1 = (torch.where(live, ghi, _FAR).amin(-1) - key0) // block_n
+    e1 = torch.clamp(f0, min=1)
+    e2 = torch.minimum(f1, n)
+    none = (inrow & (glo >= ghi)).any(-1) | (e2 <= e1) | ~any_live
+    e1 = torch.where(none, n, torch.minimum(e1, n))
+    e2 = torch.where(none, n, e2)
+    weight = torch.where(valid, n * (1 << 24) + (n - (e2 - e1)), -1)
+    bh = torch.arange(zs.shape[0], device=dev)
+    fields = torch.stack([a, key0, e1, e2, n, b], -1)[zs]  # (BH, cap, 6)
+    recs = torch.cat([bh.view(-1, 1, 1).expand(-1, cap, 1), fields, torch.zeros_like(fields[..., :1])], -1)
+    recs = recs.transpose(0, 1).reshape(-1, 8)  # tile-major: one tile of every head, then the next
+    w = weight[zs].transpose(0, 1).reshape(-1)
+    order = torch.sort(w, descending=True, stable=True).indices
+    head = torch.zeros(8, dtype=torch.int64, device=dev)
+    head[0] = (w >= 0).sum()
+    tiles = torch.cat([head, recs[order].reshape(-1)]).to(torch.int32)
+    return lo_p, hi_p, tiles, n_prog
+
+
 def _visit_one(tab: torch.Tensor) -> torch.Tensor:
     """A ``(first, f0, f1, end)`` table whose tiles visit at least one tile: a tile that no row
     sees gets ``end = first + 1`` (one masked step, which adds zeros), so that the Gluon programs

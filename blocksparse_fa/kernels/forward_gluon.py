@@ -152,6 +152,16 @@ if gluon is not None:
         return x
 
     @gluon.jit
+    def _step_key(TAB, kb0, kbase, j, LIST: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The key offset ``x`` with ``x + j·BLOCK_N`` the first key of step ``j``: ``kbase`` where an
+        item visits a contiguous range of keys, else from the item's list (:func:`_step_base`)."""
+        if LIST:
+            x = _step_base(TAB, kb0, j, LIST) * BLOCK_N
+        else:
+            x = kbase
+        return x
+
+    @gluon.jit
     def _in_rows(n2, lo, hi, AXIS: gl.constexpr):
         """Whether keys ``n2`` (2-D, broadcast along ``AXIS``) lie in their rows' intervals: ``lo``/``hi``
         int32 one interval per row, or int64 two (low and high 32 bits: ``[lo, hi)`` each)."""
@@ -166,43 +176,63 @@ if gluon is not None:
         return keep
 
     @gluon.jit
-    def _fwd_item(t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
-                  M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr):
-        """Work item ``t``: ``(pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base)``, in
+    def _fwd_item(t, TILES, n_prog, H, BH, LZB, LZH, q_len, kv_len, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
+                  M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr,
+                  SEGMENTS: gl.constexpr):
+        """Work item ``t``: ``(pid_bh, off_m, kb0, k0, n_full, e1, e2, n_blocks, row_base, row_end)``, in
         :func:`_item_tile`'s order (with ``M_MAJOR`` the longest first: interval tables are sorted
-        heaviest first). An item is ``GROUPS·BLOCK_M`` query rows; causal: the key blocks below
-        every row of the item are full (``n_full``), the rest up to its last row's are masked."""
+        heaviest first). An item is ``GROUPS·BLOCK_M`` query rows from ``off_m``, of which it writes
+        those below ``row_end``; its steps' keys start at ``k0`` (``kb0·BLOCK_N`` but with
+        ``SEGMENTS``); causal: the key blocks below every row of the item are full (``n_full``),
+        the rest up to its last row's are masked. ``SEGMENTS``: item ``t`` is record ``t`` of the
+        segment table (``_attn_fwd_gluon``)."""
         ROWS: gl.constexpr = GROUPS * BLOCK_M
-        pid_m, pid_bh = _item_tile(t, n_prog, BH, M_MAJOR)
-        if CAUSAL:  # longest rows first
-            pid_m = n_prog - 1 - pid_m
-        if INTERVAL:
+        row_end = q_len
+        if SEGMENTS:
+            rec = TILES + 8 + t.to(gl.int64) * 8
+            pid_bh = gl.load(rec)
             z = (pid_bh // H) * LZB + (pid_bh % H) * LZH
             row_base = z.to(gl.int64) * (n_prog * ROWS)
-            tab = TILES + (z.to(gl.int64) * n_prog + pid_m) * 5
-            off_m = gl.load(tab) * ROWS
-            kb0 = gl.load(tab + 1)
-            e1 = gl.load(tab + 2)
-            e2 = gl.load(tab + 3)
-            n_blocks = gl.load(tab + 4)
+            off_m = gl.load(rec + 1)
+            k0 = gl.load(rec + 2)
+            e1 = gl.load(rec + 3)
+            e2 = gl.load(rec + 4)
+            n_blocks = gl.load(rec + 5)
+            row_end = gl.load(rec + 6)
+            kb0 = 0
             n_full = n_blocks
         else:
-            row_base = 0
-            off_m = pid_m * ROWS
-            kb0 = 0
-            if CAUSAL:
-                if GROUPS == 2:  # BLOCK_N == ROWS: the key blocks before the diagonal one, then it
-                    n_full = pid_m
-                    n_blocks = pid_m + 1
-                else:
-                    n_full = off_m // BLOCK_N
-                    n_blocks = gl.minimum((off_m + ROWS + BLOCK_N - 1) // BLOCK_N, kv_len // BLOCK_N)
+            pid_m, pid_bh = _item_tile(t, n_prog, BH, M_MAJOR)
+            if CAUSAL:  # longest rows first
+                pid_m = n_prog - 1 - pid_m
+            if INTERVAL:
+                z = (pid_bh // H) * LZB + (pid_bh % H) * LZH
+                row_base = z.to(gl.int64) * (n_prog * ROWS)
+                tab = TILES + (z.to(gl.int64) * n_prog + pid_m) * 5
+                off_m = gl.load(tab) * ROWS
+                kb0 = gl.load(tab + 1)
+                e1 = gl.load(tab + 2)
+                e2 = gl.load(tab + 3)
+                n_blocks = gl.load(tab + 4)
+                n_full = n_blocks
             else:
-                n_full = kv_len // BLOCK_N
-                n_blocks = n_full
-            e1 = n_blocks
-            e2 = n_blocks
-        return pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base
+                row_base = 0
+                off_m = pid_m * ROWS
+                kb0 = 0
+                if CAUSAL:
+                    if GROUPS == 2:  # BLOCK_N == ROWS: the key blocks before the diagonal one, then it
+                        n_full = pid_m
+                        n_blocks = pid_m + 1
+                    else:
+                        n_full = off_m // BLOCK_N
+                        n_blocks = gl.minimum((off_m + ROWS + BLOCK_N - 1) // BLOCK_N, kv_len // BLOCK_N)
+                else:
+                    n_full = kv_len // BLOCK_N
+                    n_blocks = n_full
+                e1 = n_blocks
+                e2 = n_blocks
+            k0 = kb0 * BLOCK_N
+        return pid_bh, off_m, kb0, k0, n_full, e1, e2, n_blocks, row_base, row_end
 
     @gluon.jit
     def _fwd_load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, g, k_row, v_row, k_col, v_col,
@@ -224,8 +254,9 @@ if gluon is not None:
                       n_prog, H, G, BH, LZB, LZH, kv_len,
                       CAUSAL: gl.constexpr, INTERVAL: gl.constexpr, M_MAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_PRE: gl.constexpr, LIST: gl.constexpr,
-                      DEALT: gl.constexpr, GROUPS: gl.constexpr):
-        """One warp: per work item the ``GROUPS`` consumers' Q tiles (once the consumers have released the
+                      DEALT: gl.constexpr, GROUPS: gl.constexpr, SEGMENTS: gl.constexpr, Q_BUFS: gl.constexpr):
+        """One warp: per work item the ``GROUPS`` consumers' Q tiles (into set ``it % Q_BUFS`` of the Q
+        slots) (once the consumers have released the
         previous item's), then the global keys' ``N_PRE`` blocks ``0 ..`` (interval mode with global
         keys) and K/V tiles ``kb0 .. kb0 + n_blocks - 1`` through the ring. Ring positions count on
         across items (position ``g`` uses slot ``g % STAGES``); with ``LIST`` step ``j`` visits key
@@ -236,28 +267,32 @@ if gluon is not None:
         batch·head)."""
         rb = 0
         it = 0
+        if SEGMENTS:  # the segment table's items that exist
+            n_items = gl.load(TILES)
         for k in range(0, _n_dealt(DEAL, first, n_items, DEALT)):
             t = _dealt(DEAL, first, k, DEALT)
-            pid_bh, off_m, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
-                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, GROUPS)
+            pid_bh, off_m, kb0, k0, n_full, e1, e2, n_blocks, row_base, row_end = _fwd_item(
+                t, TILES, n_prog, H, BH, LZB, LZH, 0, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, GROUPS,
+                SEGMENTS)
             b = pid_bh // H
             h = pid_bh % H
             hk = h // G
             q_row = b * q_rb + h * q_rh + off_m
-            k_row = b * k_rb + hk * k_rh + kb0 * BLOCK_N
-            v_row = b * v_rb + hk * v_rh + kb0 * BLOCK_N
+            k_row = b * k_rb + hk * k_rh + k0
+            v_row = b * v_rb + hk * v_rh + k0
             for c in gl.static_range(GROUPS):
                 # a fresh barrier counts as having completed the phase before its first: the first
                 # wait on parity 1 does not block
-                mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
-                mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [q_row + c * BLOCK_M, h * q_ch], q_bar.index(c), q_smem.index(c))
+                qs = (it % Q_BUFS) * GROUPS + c
+                mbarrier.wait(q_empty.index(qs), ((it // Q_BUFS) & 1) ^ 1)
+                mbarrier.expect(q_bar.index(qs), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row + c * BLOCK_M, h * q_ch], q_bar.index(qs), q_smem.index(qs))
             for j in gl.static_range(N_PRE):  # the global keys' blocks
                 _fwd_load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, rb + j,
-                             k_row + (j - kb0) * BLOCK_N, v_row + (j - kb0) * BLOCK_N, hk * k_ch, hk * v_ch, STAGES)
+                             k_row - k0 + j * BLOCK_N, v_row - k0 + j * BLOCK_N, hk * k_ch, hk * v_ch, STAGES)
             if LIST:  # step j visits key block TILES[kb0 + j]
-                k_row -= kb0 * BLOCK_N
-                v_row -= kb0 * BLOCK_N
+                k_row -= k0
+                v_row -= k0
             for j in range(n_blocks):
                 if LIST:
                     kb = gl.load(TILES + kb0 + j)
@@ -269,9 +304,9 @@ if gluon is not None:
             it += 1
 
     @gluon.jit
-    def _fwd_softmax(sc, m_i, l_i, off_m, kb, lo_r, hi_r, qk_scale, MASK: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _fwd_softmax(sc, m_i, l_i, off_m, kpos, lo_r, hi_r, qk_scale, MASK: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """Online softmax of the scores ``sc`` of key block ``kb``: ``(p, m_new, l_new, alpha)``.
+        """Online softmax of the scores ``sc`` of the key block starting at key ``kpos``: ``(p, m_new, l_new, alpha)``.
         ``MASK``: 0 every key kept; 1 causal (the diagonal block: keys after the query dropped);
         2 interval (row ``r`` keeps keys ``lo_r[r] <= k < hi_r[r]``; a row may keep none of the
         block, or none so far, so the running max may be -inf); ``3 + 2·g + c``: the global keys
@@ -281,7 +316,7 @@ if gluon is not None:
             p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
             alpha = gl.exp2(m_i - m_new)
         else:
-            offs_n = kb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            offs_n = kpos + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             if MASK == 1:
                 offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1)
@@ -306,11 +341,11 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
-    def _fwd_step(acc, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
+    def _fwd_step(acc, m_i, l_i, q, j, rb, tb, k0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                   v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, GROUPS: gl.constexpr):
-        """Step ``j`` of a work item (key block ``kb0 + j``, ring position ``rb + j``, turn ``tb + j``)
+        """Step ``j`` of a work item (keys ``k0 + j·BLOCK_N ..``, ring position ``rb + j``, turn ``tb + j``)
         for one consumer, in order: S = Q·Kᵀ, softmax, O += P·V, slot released."""
         s = (rb + j) % STAGES
         ph = ((rb + j) // STAGES) & 1
@@ -324,7 +359,7 @@ if gluon is not None:
             mbarrier.arrive(turn.index((C + 1) % GROUPS))
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0 + j, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, k0 + j * BLOCK_N, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
                                           BLOCK_N, s_layout)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
@@ -335,7 +370,7 @@ if gluon is not None:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kb0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready,
+    def _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, k0, off_m, lo_r, hi_r, k_smem, v_smem, k_ready, v_ready,
                           k_empty, v_empty, turn, qk_scale, C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                           s_layout: gl.constexpr, o_layout: gl.constexpr, GROUPS: gl.constexpr):
@@ -358,7 +393,7 @@ if gluon is not None:
             mbarrier.arrive(turn.index((C + 1) % GROUPS))
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0 + j, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, k0 + j * BLOCK_N, lo_r, hi_r, qk_scale, MASK, BLOCK_M,
                                           BLOCK_N, s_layout)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(sp))
@@ -367,7 +402,7 @@ if gluon is not None:
         return acc, p16, m_i, l_i
 
     @gluon.jit
-    def _fwd_first(q, rb, tb, kb0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
+    def _fwd_first(q, rb, tb, k0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty, turn, qk_scale,
                    C: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                    GROUPS: gl.constexpr):
@@ -383,7 +418,7 @@ if gluon is not None:
             mbarrier.arrive(turn.index((C + 1) % GROUPS))
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s))
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, kb0, lo_r, hi_r, qk_scale, MASK, BLOCK_M, BLOCK_N,
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, off_m, k0, lo_r, hi_r, qk_scale, MASK, BLOCK_M, BLOCK_N,
                                           s_layout)
         p16 = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         return p16, m_i, l_i
@@ -405,14 +440,36 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _store_o(o_desc, o_buf, out, row, col, PERSISTENT: gl.constexpr):
+        """O's tile through its staging tile and one TMA store (``PERSISTENT``: once the previous
+        item's store has left the tile; otherwise ``o_buf`` is Q's slot, free once every product
+        reading it has completed)."""
+        if PERSISTENT:
+            tma.store_wait(pendings=0)
+        o_buf.store(out)
+        fence_async_shared()
+        _tma_store(o_desc, [row, col], o_buf)
+
+    @gluon.jit
+    def _store_rows_masked(O, stride_ob, stride_oh, stride_om, b, h, off_m, row_end, out, BLOCK_M: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+        """Rows ``off_m ..`` of ``out`` (registers) below ``row_end`` into ``O[b, h]``."""
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptr = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+               + gl.expand_dims(offs_m.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d, 0))
+        gl.store(ptr, out, mask=gl.expand_dims(offs_m < row_end, 1))
+
+    @gluon.jit
     def _fwd_consumer(o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                       v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH, q_len,
-                      kv_len,
+                      kv_len, O, stride_ob, stride_oh, stride_om,
                       qk_scale, C: gl.constexpr, CAUSAL: gl.constexpr, INTERVAL: gl.constexpr,
                       M_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, GLOBAL_KEYS: gl.constexpr, GLOBAL_CAUSAL: gl.constexpr,
-                      LIST: gl.constexpr, DEALT: gl.constexpr, GROUPS: gl.constexpr):
+                      LIST: gl.constexpr, DEALT: gl.constexpr, GROUPS: gl.constexpr, SEGMENTS: gl.constexpr,
+                      Q_BUFS: gl.constexpr):
         """Consumer ``C`` of ``GROUPS`` (a warp group): per work item, query rows ``off_m + C·BLOCK_M ..``.
 
         Dense / ``CAUSAL``: ``n_full`` full key blocks from block 0 (and, with ``CAUSAL``, the
@@ -428,26 +485,40 @@ if gluon is not None:
         kept nothing: O = 0, LSE = -inf). Ring positions and ping-pong turns count on across items;
         the Q slot is released to the producer once the item's products are done, and with
         ``PERSISTENT`` O is staged in its own tile, whose TMA store completes while the next item
-        runs."""
+        runs. ``SEGMENTS``: the rows of a group from the item's ``row_end`` on belong to another item;
+        such a group stores its rows below it from the registers (masked, O's strides).
+        ``Q_BUFS`` 2 (persistent): two sets of Q slots taken in turn, so that the producer loads the
+        next item's Q while this one runs; O is staged in the item's own Q slot, which is released
+        at the start of the next item once the store has read it."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         N_PRE: gl.constexpr = (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N
         PMASK: gl.constexpr = 3 + 2 * GLOBAL_KEYS + GLOBAL_CAUSAL  # the global keys' steps (_fwd_softmax)
-        q = q_smem.index(C)
-        o_buf = o_smem.index(C)
         if PINGPONG:
             if C == 0:  # group 0 takes the first turn
                 mbarrier.arrive(turn.index(0))
         rb = 0
         tb = 0
         it = 0
+        if SEGMENTS:  # the segment table's items that exist
+            n_items = gl.load(TILES)
         for k in range(0, _n_dealt(DEAL, first, n_items, DEALT)):
             t = _dealt(DEAL, first, k, DEALT)
-            pid_bh, off_m0, kb0, n_full, e1, e2, n_blocks, row_base = _fwd_item(
-                t, TILES, n_prog, H, BH, LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, GROUPS)
+            pid_bh, off_m0, kb0, k0, n_full, e1, e2, n_blocks, row_base, row_end = _fwd_item(
+                t, TILES, n_prog, H, BH, LZB, LZH, q_len, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, GROUPS,
+                SEGMENTS)
             off_m = off_m0 + C * BLOCK_M
+            qs = (it % Q_BUFS) * GROUPS + C
+            q = q_smem.index(qs)
+            if Q_BUFS == 2:
+                o_buf = q_smem.index(qs)
+                if it > 0:  # the previous item's O has left its Q slot: the producer may fill it again
+                    tma.store_wait(pendings=0)
+                    mbarrier.arrive(q_empty.index(((it - 1) % 2) * GROUPS + C))
+            else:
+                o_buf = o_smem.index(C)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
             acc = gl.zeros([BLOCK_M, HEAD_DIM], dtype=gl.float32, layout=o_layout)
@@ -458,9 +529,10 @@ if gluon is not None:
             else:
                 lo_r = off_m
                 hi_r = off_m
-            mbarrier.wait(q_bar.index(C), it & 1)
+            mbarrier.wait(q_bar.index(qs), (it // Q_BUFS) & 1)
             if INTERVAL:
-                kbb = kb0 - N_PRE  # step j >= N_PRE visits key block kbb + j
+                kbb = kb0 - N_PRE  # step j >= N_PRE visits key block kbb + j (lists: TILES[kbb + j])
+                kbase = k0 - N_PRE * BLOCK_N  # ... whose keys start at kbase + j·BLOCK_N
                 if OVERLAP:
                     if N_PRE > 0:  # the global keys' blocks first
                         p16, m_i, l_i = _fwd_first(q, rb, tb, 0, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready, k_empty,
@@ -472,29 +544,29 @@ if gluon is not None:
                                                                    v_empty, turn, qk_scale, C, PMASK, PINGPONG, BLOCK_M,
                                                                    BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                         for j in range(N_PRE, N_PRE + e1):
-                            kbj = _step_base(TILES, kbb, j, LIST)
+                            kbj = _step_key(TILES, kbb, kbase, j, LIST, BLOCK_N)
                             acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r,
                                                                    hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                                    v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
                                                                    BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     else:
-                        kbj = _step_base(TILES, kb0, 0, LIST)
+                        kbj = _step_key(TILES, kb0, kbase, 0, LIST, BLOCK_N)
                         p16, m_i, l_i = _fwd_first(q, rb, tb, kbj, off_m, lo_r, hi_r, m_i, l_i, k_smem, k_ready,
                                                    k_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
                                                    s_layout, o_layout, GROUPS)
                         for j in range(1, e1):
-                            kbj = _step_base(TILES, kb0, j, LIST)
+                            kbj = _step_key(TILES, kb0, kbase, j, LIST, BLOCK_N)
                             acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r,
                                                                    hi_r, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                                    v_empty, turn, qk_scale, C, 2, PINGPONG, BLOCK_M,
                                                                    BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e1, N_PRE + e2):
-                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r,
-                                                               k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                                               qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
-                                                               s_layout, o_layout, GROUPS)
+                        acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbase, off_m, lo_r,
+                                                               hi_r, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                                               turn, qk_scale, C, 0, PINGPONG, BLOCK_M, BLOCK_N,
+                                                               STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e2, N_PRE + n_blocks):
-                        kbj = _step_base(TILES, kbb, j, LIST)
+                        kbj = _step_key(TILES, kbb, kbase, j, LIST, BLOCK_N)
                         acc, p16, m_i, l_i = _fwd_step_overlap(acc, p16, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r,
                                                                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                                                qk_scale, C, 2, PINGPONG, BLOCK_M, BLOCK_N, STAGES,
@@ -507,16 +579,16 @@ if gluon is not None:
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, PMASK,
                                                   PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE, N_PRE + e1):
-                        kbj = _step_base(TILES, kbb, j, LIST)
+                        kbj = _step_key(TILES, kbb, kbase, j, LIST, BLOCK_N)
                         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e1, N_PRE + e2):
-                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbb, off_m, lo_r, hi_r, k_smem, v_smem,
+                        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbase, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 0, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
                     for j in range(N_PRE + e2, N_PRE + n_blocks):
-                        kbj = _step_base(TILES, kbb, j, LIST)
+                        kbj = _step_key(TILES, kbb, kbase, j, LIST, BLOCK_N)
                         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, kbj, off_m, lo_r, hi_r, k_smem, v_smem,
                                                   k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C, 2, PINGPONG,
                                                   BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
@@ -561,29 +633,33 @@ if gluon is not None:
                             acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, rb, tb, 0, off_m, lo_r, hi_r, k_smem,
                                                       v_smem, k_ready, v_ready, k_empty, v_empty, turn, qk_scale, C,
                                                       1, PINGPONG, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, GROUPS)
-            if PERSISTENT:  # every product reading Q has completed: the producer may load the next item's
-                mbarrier.arrive(q_empty.index(C))
+            if PERSISTENT and Q_BUFS == 1:  # every product reading Q has completed: the producer may load
+                mbarrier.arrive(q_empty.index(C))  # the next item's
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
             if INTERVAL:  # rows that kept nothing: O = 0 and LSE = -inf, as kernels/forward.py writes them
                 out = gl.where(gl.expand_dims(l_o == 0.0, 1), 0.0,
                                acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1))
             else:
                 out = acc / gl.expand_dims(l_o, 1)
-            if PERSISTENT:  # the previous item's O has left its staging tile
-                tma.store_wait(pendings=0)
-            # without PERSISTENT o_buf is Q's slot, free once every product reading it has completed
-            o_buf.store(out.to(q.dtype))
-            fence_async_shared()
             pid_b = pid_bh // H
             pid_h = pid_bh % H
-            _tma_store(o_desc, [pid_b * o_rb + pid_h * o_rh + off_m, pid_h * o_ch], o_buf)
+            if SEGMENTS:
+                if off_m + BLOCK_M > row_end:  # rows from row_end on are another item's
+                    _store_rows_masked(O, stride_ob, stride_oh, stride_om, pid_b, pid_h, off_m, row_end,
+                                       out.to(q.dtype), BLOCK_M, HEAD_DIM, o_layout)
+                else:
+                    _store_o(o_desc, o_buf, out.to(q.dtype), pid_b * o_rb + pid_h * o_rh + off_m, pid_h * o_ch,
+                             PERSISTENT)
+            else:
+                _store_o(o_desc, o_buf, out.to(q.dtype), pid_b * o_rb + pid_h * o_rh + off_m, pid_h * o_ch,
+                         PERSISTENT)
             offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             if INTERVAL:
                 empty = l_i == 0.0
                 lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
             else:
                 lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-            gl.store(LSE + pid_bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+            gl.store(LSE + pid_bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < row_end)
             rb += N_PRE + n_blocks
             tb += N_PRE + n_blocks + OVERLAP
             it += 1
@@ -601,7 +677,8 @@ if gluon is not None:
                         OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, M_MAJOR: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, GLOBAL_KEYS: gl.constexpr = 0,
                         GLOBAL_CAUSAL: gl.constexpr = False, LIST: gl.constexpr = False,
-                        DEALT: gl.constexpr = False, GROUPS: gl.constexpr = 2):
+                        DEALT: gl.constexpr = False, GROUPS: gl.constexpr = 2, SEGMENTS: gl.constexpr = False,
+                        Q_BUFS: gl.constexpr = 1):
         """1-D grid, 4 warps (consumer 0) plus ``GROUPS - 1`` more 4-warp consumers and a 1-warp
         producer; an item is ``GROUPS·BLOCK_M`` query rows (``GROUPS`` 2, or 3 but for lists:
         FlashAttention-3's 192-row tiles at head dim 64, where a step's products are short beside
@@ -635,13 +712,29 @@ if gluon is not None:
         block ``TILES[kb0 + j]``, steps ``[e1, e2)`` are full for every row and the others are masked
         against the rows' intervals, exact on those blocks (``compiler/block_lists.py``). ``LO``/``HI``
         int64 hold two intervals per row (low and high 32 bits). ``DEALT`` (persistent): each program
-        runs the items its row of the deal table ``DEAL`` lists (:func:`_dealt`)."""
+        runs the items its row of the deal table ``DEAL`` lists (:func:`_dealt`).
+
+        ``SEGMENTS`` (persistent interval mode): items are not the aligned row tiles but the records of
+        ``TILES`` (int32: ``TILES[0]`` items, then 8 ints per item from ``TILES[8]``: ``(pid_bh,
+        row0, key0, e1, e2, n_blocks, row_end, 0)``, heaviest first), so that a tile can start
+        where a run of rows with their own keys starts (a document: FlashAttention's variable-length
+        tiles): rows ``row0 .. row0 + GROUPS·BLOCK_M - 1`` visit keys ``key0 + j·BLOCK_N ..`` for
+        ``j < n_blocks`` (steps ``[e1, e2)`` full for every row below ``row_end``), and write the
+        rows below ``row_end``. ``LO``/``HI`` are ``(Z, n_prog·2·BLOCK_M)``, rows past ``Lq`` keeping
+        nothing (``compiler/device_intervals.gluon_segment_tables``).
+
+        ``Q_BUFS`` 2 (persistent): two sets of Q slots, the next item's Q loaded while the current
+        item runs, O staged in the item's Q slot (no staging tiles of its own: the same shared
+        memory as one set)."""
         gl.static_assert(GROUPS == 2 or GROUPS == 3, "two or three consumer groups")
         gl.static_assert(GROUPS == 2 or not LIST, "the list tables are built for two consumer groups")
         gl.static_assert(not CAUSAL or GROUPS != 2 or BLOCK_N == 2 * BLOCK_M, "causal needs BLOCK_N == 2 * BLOCK_M")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(GLOBAL_KEYS == 0 or INTERVAL, "global keys need the interval mode")
         gl.static_assert(not LIST or (INTERVAL and GLOBAL_KEYS == 0), "lists need the interval mode, no global keys")
+        gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT), "two sets of Q slots need a persistent grid")
+        gl.static_assert(not SEGMENTS or (INTERVAL and PERSISTENT and not LIST and not DEALT and GLOBAL_KEYS == 0),
+                         "segments need the persistent interval mode without lists, deal tables or global keys")
         BH = n_items // n_prog
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -662,23 +755,24 @@ if gluon is not None:
                             PERSISTENT, HEAD_DIM, BLOCK_N, kv_layout)
         o_desc = _rows_desc(O, stride_ob, stride_oh, stride_om, b, h, o_rb, o_rh, o_ch, n_b, H, q_len, PERSISTENT,
                             HEAD_DIM, BLOCK_M, q_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
-        if PERSISTENT:
+        q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * GROUPS, BLOCK_M, HEAD_DIM], q_layout)
+        if PERSISTENT and Q_BUFS == 1:
             o_smem = gl.allocate_shared_memory(dtype, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
-        else:
+        else:  # O staged in the item's Q slot
             o_smem = q_smem
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [GROUPS, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [GROUPS, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFS * GROUPS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * GROUPS, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [GROUPS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(GROUPS):
+        for c in gl.static_range(Q_BUFS * GROUPS):
             mbarrier.init(q_bar.index(c), count=1)
             mbarrier.init(q_empty.index(c), count=1)
+        for c in gl.static_range(GROUPS):
             mbarrier.init(turn.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(s), count=1)
@@ -707,39 +801,44 @@ if gluon is not None:
                 (_fwd_consumer,
                  (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
                  k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
-                 q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
-                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                 q_len, kv_len, O, stride_ob, stride_oh, stride_om, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR,
+                 PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS, SEGMENTS, Q_BUFS)),
                 (_fwd_consumer,
                  (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
                  k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
-                 q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
-                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                 q_len, kv_len, O, stride_ob, stride_oh, stride_om, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR,
+                 PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS, SEGMENTS, Q_BUFS)),
                 (_fwd_consumer,
                  (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
                  k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
-                 q_len, kv_len, qk_scale, 2, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
-                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                 q_len, kv_len, O, stride_ob, stride_oh, stride_om, qk_scale, 2, CAUSAL, INTERVAL, M_MAJOR,
+                 PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS, SEGMENTS, Q_BUFS)),
                 (_fwd_producer,
                  (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                  TILES, DEAL, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog, H, G, BH,
                  LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, STAGES,
-                 (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT, GROUPS)),
+                 (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT, GROUPS, SEGMENTS, Q_BUFS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_fwd_consumer,
                  (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
                  k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
-                 q_len, kv_len, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
-                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                 q_len, kv_len, O, stride_ob, stride_oh, stride_om, qk_scale, 0, CAUSAL, INTERVAL, M_MAJOR,
+                 PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS, SEGMENTS, Q_BUFS)),
                 (_fwd_consumer,
                  (o_desc, LSE, LO, HI, TILES, DEAL, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty,
                  k_ready, v_ready, k_empty, v_empty, turn, o_rb, o_rh, o_ch, first, n_items, n_prog, H, BH, LZB, LZH,
-                 q_len, kv_len, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR, PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
-                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS)),
+                 q_len, kv_len, O, stride_ob, stride_oh, stride_om, qk_scale, 1, CAUSAL, INTERVAL, M_MAJOR,
+                 PERSISTENT, PINGPONG, OVERLAP, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, STAGES, GLOBAL_KEYS, GLOBAL_CAUSAL, LIST, DEALT, GROUPS, SEGMENTS, Q_BUFS)),
                 (_fwd_producer,
                  (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                  TILES, DEAL, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, first, n_items, n_prog, H, G, BH,
                  LZB, LZH, kv_len, CAUSAL, INTERVAL, M_MAJOR, BLOCK_M, BLOCK_N, STAGES,
-                 (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT, GROUPS)),
+                 (GLOBAL_KEYS + BLOCK_N - 1) // BLOCK_N, LIST, DEALT, GROUPS, SEGMENTS, Q_BUFS)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

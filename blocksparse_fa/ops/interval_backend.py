@@ -30,6 +30,8 @@ take the block-layout path instead): score modifiers, meta tensors.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .._oplib import custom_op
@@ -206,14 +208,17 @@ def triton_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sh
     return dq, dk, dv
 
 
-def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float, cfg=None):
+def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float, cfg=None, kept: bool = True):
     """``(out, lse)`` through the Gluon forward's interval mode (``kernels/forward_gluon.py``, Hopper)
     with tables built on the device (:func:`~blocksparse_fa.compiler.device_intervals.gluon_interval_tables`)
     instead of the host ones of a compiled layout. Needs intervals without an id compare (no
     document, or ``contiguous`` documents), a Hopper GPU with Gluon, 16-bit inputs, head dim 64 or
     128, ``Lk`` a multiple of the tiles' ``block_n`` and tensors that tensor descriptors address.
-    Not chosen automatically yet: ``benchmarks/experiments/documents_gpu.py`` checks and times it."""
-    from ..compiler.device_intervals import gluon_interval_tables
+    ``kept``: the tables of ``iv`` are kept for later calls (the eager path, whose masks keep their
+    intervals), so that the segment tiles (``GluonConfig.segments`` None) are worth their tables'
+    ~40 small launches; a compiled call, which rebuilds its tables every time, takes the aligned
+    tiles (one launch)."""
+    from ..compiler.device_intervals import gluon_interval_tables, gluon_segment_tables
     from .options import _DEFAULT_GLUON
     from .triton_backend import _gluon_fwd_run
 
@@ -231,6 +236,20 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
         raise ValueError("gluon_interval_forward: tensor descriptors need 16-byte aligned tensors and strides")
     z = iv.lo.shape[0] * iv.lo.shape[1]
     lo, hi = iv.lo.view(z, s.Lq), iv.hi.view(z, s.Lq)
+    zb, zh, _ = _strides(iv, s.Lk)
+    segments = _segments_on(q, k, v, out, s, cfg, kept)
+    if cfg.groups != 2 and not segments:  # the aligned tables are built for two groups
+        cfg = replace(cfg, groups=2, consumer_regs=None)
+    if segments:
+        def seg_tables():
+            zs = ((torch.arange(s.B, device=q.device) * zb).view(-1, 1)
+                  + torch.arange(s.H, device=q.device) * zh).view(-1)
+            return gluon_segment_tables(lo, hi, cfg.groups * cfg.block_m, cfg.block_n, zs)
+
+        lo_s, hi_s, tiles, n_prog = cached_table(iv, ("gluon_segments", cfg.block_m, cfg.block_n, s.B, s.H, zb, zh),
+                                                 seg_tables)
+        _gluon_fwd_run(q, k, v, out, lse, lo_s, hi_s, tiles, zb, zh, s, scale, "interval", cfg, segments=n_prog)
+        return out, lse
 
     def tables():  # kept on iv.lo: never views of it (no reference cycle)
         lo_p, hi_p, tiles = gluon_interval_tables(lo, hi, cfg.block_m, cfg.block_n)
@@ -238,9 +257,19 @@ def gluon_interval_forward(q, k, v, iv: DeviceIntervals, s: Shapes, scale: float
 
     lo_p, hi_p, tiles = cached_table(iv, ("gluon", cfg.block_m, cfg.block_n), tables)
     lo, hi = (lo, hi) if lo_p is None else (lo_p, hi_p)
-    zb, zh, _ = _strides(iv, s.Lk)
     _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, zb, zh, s, scale, "interval", cfg)
     return out, lse
+
+
+def _segments_on(q, k, v, out, s: Shapes, cfg, kept: bool) -> bool:
+    """Whether the device-interval forward runs the segment tiles (``GluonConfig.segments``): asked
+    for, or by default where the tables are kept (``kept``), and a persistent grid (2-D row views
+    of every tensor)."""
+    from .triton_backend import _persistent_grid
+
+    if cfg.segments is False or not cfg.persistent or (cfg.segments is None and not kept):
+        return False
+    return _persistent_grid((q, k, v, out), s.B * s.H, True, cfg.sm_margin)[0]
 
 
 def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None,
@@ -423,6 +452,7 @@ def _forward(q, k, v, iv: DeviceIntervals, scale: float, dropout_p: float, seed:
     ``interval_fwd`` and of the eager autograd function). ``s``: the inputs' shapes where the
     caller has checked the inputs and built ``iv`` for them (the eager path), else None (checked
     here); ``backend`` is then resolved too."""
+    eager = s is not None
     if s is None:
         s = check_qkv(q, k, v)
         _check_intervals(iv, s, q.device)
@@ -431,7 +461,8 @@ def _forward(q, k, v, iv: DeviceIntervals, scale: float, dropout_p: float, seed:
         choice = forward_choice(q, k, v, iv, s, dropout_p, opts)
         select.note("forward", choice)
         if choice.family == "gluon":
-            return gluon_interval_forward(q, k, v, iv, s, scale, opts.gluon_fwd)
+            return gluon_interval_forward(q, k, v, iv, s, scale, select.gluon_fwd_config(opts, "device_interval", s.D),
+                                          kept=eager)
         return triton_interval_forward(q, k, v, iv, s, scale, dropout_p, seed)
     select.note("forward", "torch:interval")
     o, lse = torch_interval_forward(q, k, v, iv, s, scale, dropout_p, seed)

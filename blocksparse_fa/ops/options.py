@@ -74,7 +74,22 @@ class GluonConfig:
     the host knows (windows, documents of known ids). Block lists and device intervals need 2: with
     3 the Gluon forward is not chosen for them. ``consumer_regs`` None (default): 240 registers per consumer
     thread with 2 groups, 160 with 3 (3 × 128 threads at 160 and the producer fill the 64K
-    register file; more is refused)."""
+    register file; more is refused).
+
+    ``segments`` (device intervals: documents found on the GPU, with ``groups`` 2 and a persistent
+    grid): the row tiles start where a run of rows whose keys begin at or after the previous row's
+    end starts (a document), as FlashAttention's variable-length tiles do, instead of at multiples
+    of ``groups·block_m``, and their key blocks start at the tile's first key; a tile's last rows
+    that belong to the next run are computed but not written. Fewer masked steps and no tile that
+    spans two documents' keys. None (default): on device-interval layouts in eager calls, whose
+    masks keep the tables (a compiled call rebuilds them per call, and the segment tables take ~40
+    small launches against one); True: on every device-interval and host-interval layout (windows,
+    documents of a compiled layout; without global keys); False: the aligned tiles.
+
+    ``q_buffers`` (persistent grids): 1 (default) or 2 sets of Q tiles in shared memory. With 2
+    the producer loads the next item's Q while the current one runs, and O is staged in the item's
+    own Q tiles, so shared memory is the same; with 1 the next Q waits for the current item's last
+    product."""
 
     block_m: int = 64
     block_n: int = 128
@@ -87,11 +102,17 @@ class GluonConfig:
     sm_margin: int = 0
     deal: bool = True
     groups: int = 2
+    segments: bool | None = None
+    q_buffers: int = 1
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
         if not isinstance(self.deal, bool):
             raise ValueError(f"GluonConfig(deal={self.deal!r}): expected True or False")
+        if isinstance(self.q_buffers, bool) or self.q_buffers not in (1, 2):
+            raise ValueError(f"GluonConfig(q_buffers={self.q_buffers!r}): expected 1 or 2 sets of Q tiles")
+        if self.segments is not None and not isinstance(self.segments, bool):
+            raise ValueError(f"GluonConfig(segments={self.segments!r}): expected True, False or None")
         if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups not in (2, 3):
             raise ValueError(f"GluonConfig(groups={self.groups!r}): expected 2 or 3 consumer warp groups")
         top = 160 if self.groups == 3 else 240

@@ -637,7 +637,7 @@ def choose_forward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware,
         cfg = gluon_fwd_config(opts, lc.kind, s.D)
         want = opts.forward == "gluon" or (opts.forward == "auto" and GLUON_DEVICE_INTERVALS)
         if (want and not hw.gluon and simple and dtype in _16BIT and tma and not lc.ids and s.D in (64, 128)
-                and lc.kv_len % cfg.block_n == 0 and cfg.groups == 2):
+                and lc.kv_len % cfg.block_n == 0 and (cfg.groups == 2 or cfg.segments is not False)):
             return Choice("gluon", "interval", ("_attn_fwd_gluon",))
         return Choice("triton", "interval", ("_interval_fwd",))
     if opts.forward in ("auto", "gluon") and not hw.gluon and simple and dtype in _16BIT and tma:

@@ -600,6 +600,20 @@ def _gluon_interval_tables(layout: BlockLayout, cfg: "GluonConfig", device):
     return out
 
 
+def _gluon_segment_tables(layout: BlockLayout, cfg: "GluonConfig", s: Shapes, lzb: int, lzh: int, device):
+    """The Gluon forward's segment tables (``compiler/device_intervals.gluon_segment_tables``) from a
+    layout's host intervals, built once per layout, tiles, heads and device."""
+    key = ("gluon_segments", device, cfg.block_m, cfg.block_n, cfg.groups, s.B, s.H, lzb, lzh)
+    hit = layout.cache.get(key)
+    if hit is None:
+        from ..compiler.device_intervals import gluon_segment_tables
+
+        lo, hi = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device) for a in row_interval(layout))
+        zs = ((torch.arange(s.B, device=device) * lzb).view(-1, 1) + torch.arange(s.H, device=device) * lzh).view(-1)
+        hit = layout.cache[key] = gluon_segment_tables(lo, hi, cfg.groups * cfg.block_m, cfg.block_n, zs)
+    return hit
+
+
 def _gluon_bwd_interval_tables(layout: BlockLayout, cfg: GluonBwdConfig, device):
     """``(LO, HI, KV_TAB, Q_TAB, LZB, LZH, EMPTY, KV_ORD)``: the Gluon backward's interval mode on a
     layout whose rows keep one key interval (``ops/select.layout_class``), built once per layout,
@@ -773,7 +787,7 @@ def _row_view(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shapes, scale: float, case: str,
                    cfg: GluonConfig, global_keys: tuple = (0, False), window_bytes: float | None = None,
-                   layout: BlockLayout | None = None, work=None) -> None:
+                   layout: BlockLayout | None = None, work=None, segments: int = 0) -> None:
     """Launch ``kernels/forward_gluon._attn_fwd_gluon`` in mode ``case`` (``"dense"``, ``"causal"``,
     ``"interval"`` with its ``lo``/``hi``/``tiles`` tables, ``"list"`` with the list mode's):
     persistent (one program per SM) for
@@ -785,15 +799,20 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
     ``global_keys``: ``(g, causal)``, interval mode only: every row also keeps the keys ``< g``
     (``<=`` the row with ``causal``), visited first in every item (``compiler/globals.py``).
     ``work``: the host's ``(work per table row, order)`` of ``layout``'s row tiles, from which a
-    persistent tile-major launch deals its items by :func:`_deal_table` (``cfg.deal``)."""
+    persistent tile-major launch deals its items by :func:`_deal_table` (``cfg.deal``). ``segments``:
+    the interval tables are the segment tables of ``compiler/device_intervals.gluon_segment_tables``,
+    whose ``n_prog`` this is (persistent; 0: aligned tiles)."""
     _ensure_tma_allocator(q.device)
     rows = cfg.groups * cfg.block_m
-    n_prog = _cdiv(s.Lq, rows)
+    n_prog = segments or _cdiv(s.Lq, rows)
     n_items = n_prog * s.B * s.H
     # causal stays one program per tile: persistent it measured 0.98-1.00x (16K / 64K, H100)
     persistent, geo, grid = _persistent_grid((q, k, v, out), n_items, cfg.persistent and case != "causal"
-                                             and s.Lq % rows == 0, cfg.sm_margin)
-    m_major = _tile_major(persistent and case in ("interval", "list"), n_items, grid, window_bytes)
+                                             and (s.Lq % rows == 0 or segments > 0), cfg.sm_margin)
+    if segments and not persistent:
+        raise ValueError("segment tables need a persistent grid (2-D row views of q, k, v and the output)")
+    m_major = _tile_major(persistent and case in ("interval", "list") and not segments, n_items, grid,
+                          window_bytes)
     dealt = (_deal_table(layout, *work, s.B, s.H, lzb, lzh, grid, q.device)
              if m_major and cfg.deal and work is not None else None)
     _launch(_fg._attn_fwd_gluon, (grid, ), (
@@ -804,7 +823,7 @@ def _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb: int, lzh: int, s: Shap
         INTERVAL=case in ("interval", "list"), PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
         M_MAJOR=m_major, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.regs, GROUPS=cfg.groups,
         GLOBAL_KEYS=global_keys[0], GLOBAL_CAUSAL=global_keys[1], LIST=case == "list", DEALT=dealt is not None,
-        num_warps=4)
+        SEGMENTS=segments > 0, Q_BUFS=cfg.q_buffers if persistent else 1, num_warps=4)
     call_memo.vouch()  # the Gluon forward's GPU work: recorded allocations and launches (ops/call_memo.py)
 
 
@@ -813,6 +832,12 @@ def _gluon_launch(q, k, v, out, lse, s: Shapes, scale: float, case: str, cfg: Gl
     """The Gluon forward (``kernels/forward_gluon.py``, :func:`_gluon_fwd_run`); ``case``: the chosen
     mode (``"dense"``, ``"causal"``, ``"interval"``, ``"list"``; the last two need ``layout``)."""
     window_bytes, work = None, None
+    if case == "interval" and cfg.segments and not global_keys[0] and _persistent_grid(
+            (q, k, v, out), s.B * s.H, cfg.persistent, cfg.sm_margin)[0]:
+        lzb, lzh = _layout_strides(layout)
+        lo, hi, tiles, n_prog = _gluon_segment_tables(layout, cfg, s, lzb, lzh, q.device)
+        _gluon_fwd_run(q, k, v, out, lse, lo, hi, tiles, lzb, lzh, s, scale, case, cfg, segments=n_prog)
+        return
     if case == "interval":
         lo, hi, tiles = _gluon_interval_tables(layout, cfg, q.device)
         lzb, lzh = _layout_strides(layout)
