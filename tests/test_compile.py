@@ -126,6 +126,43 @@ def test_document_mask_built_inside_from_step_tensors():
     assert len(frames) == 1
 
 
+@pytest.mark.parametrize("contiguous", [None, True])
+def test_masks_built_inside_take_no_id_of_traced_tensors(monkeypatch, contiguous):
+    """torch 2.11's Dynamo cannot take ``id()`` of a tensor made inside the compiled function, and a
+    mask's ids are its own copy: masks built inside (``causal() & document(ids)``, two documents of
+    one tensor, two of different tensors) must name their tensors without it. Newer Dynamo traces
+    such an ``id()``, so it is refused here as 2.11 refuses it."""
+    builtin = pytest.importorskip("torch._dynamo.variables.builtin")
+    tensor_var = pytest.importorskip("torch._dynamo.variables.tensor").TensorVariable
+    real = builtin.BuiltinVariable.call_id
+
+    def call_id(self, tx, *args):
+        if args and isinstance(args[0], tensor_var) and args[0].source is None:
+            raise RuntimeError("id() of a tensor made inside the compiled function")
+        return real(self, tx, *args)
+
+    monkeypatch.setattr(builtin.BuiltinVariable, "call_id", call_id)
+    torch._dynamo.reset()
+
+    texts = []
+
+    def f(q, k, v, doc, other):
+        one = bsfa.causal() & bsfa.document(doc, contiguous=contiguous)
+        same = bsfa.document(doc)
+        texts.append((str(same | same), str(bsfa.document(doc) | bsfa.document(other))))
+        return bsfa.attention(q, k, v, mask=one, block_size=16)
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q, k, v = _qkv()
+    doc = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), torch.tensor([40, 56]))[None]
+    got = _run(lambda q, k, v: cf(q, k, v, doc, doc.flip(-1)), q, k, v)
+    want = _run(lambda q, k, v: f(q, k, v, doc, doc.flip(-1)), q, k, v)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-6
+    # one variable per tensor object while traced (each document holds its own copy of the ids)
+    assert texts[0] == ("document | document", "document | document(document_2)")
+
+
 def test_mask_with_tensors_made_outside_compiles_its_layout_once(monkeypatch):
     """Tensor-holding masks made outside the compiled function (document ids, per-head windows):
     each op call used to parse and compile the layout again; now the first call does, forward and

@@ -158,6 +158,33 @@ def test_compile_fullgraph_on_gpu(kind):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("ids_on", ["cuda", "cpu"])
+@pytest.mark.parametrize("entry", ["attention", "attention_op", "module"])
+def test_compile_fullgraph_document_mask_built_inside(entry, ids_on):
+    """``causal() & document(ids)`` built inside the compiled function from the step's ids (the
+    training loop's form) traces on this GPU's torch (2.11 could not take the ``id()`` of the
+    mask's own copy of the ids) and gives the eager gradients."""
+    torch._dynamo.reset()
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([300, 700, 548, 500])).to(ids_on)
+
+    mod = bsfa.nn.BlockSparseAttention(bsfa.causal())
+
+    def fn(q, k, v, ids):
+        if entry == "module":  # the module's causal mask and this step's documents
+            return mod(q, k, v, mask=bsfa.document(ids, contiguous=True))
+        return getattr(bsfa, entry)(q, k, v, mask=bsfa.causal() & bsfa.document(ids, contiguous=True))
+
+    q, k, v = _qkv(seed=5)
+    do = torch.randn_like(q)
+    out = torch.compile(fn, fullgraph=True)(q, k, v, ids)
+    g = torch.autograd.grad(out, (q, k, v), do)
+    ref = fn(q, k, v, ids)
+    gr = torch.autograd.grad(ref, (q, k, v), do)
+    for a, b in zip((out, *g), (ref, *gr)):
+        assert torch.isfinite(a).all()
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
 def test_direct_launches_match_tritons_path(monkeypatch):
     """Repeat launches go straight to the compiled kernel's launcher (``ops/launcher.py``) and give
     bit-identical results to Triton's own launch path."""
@@ -368,6 +395,27 @@ def _as_close_as(got, base, q, k, v, do, mask):
         assert err <= 1.5 * err_base + 1e-4, (name, err, err_base)
 
 
+def _five_gemm_as_close_as_the_pair(q, k, v, do, mask, ref_mask, opts=None):
+    """``(out, dq, dk, dv)`` of ``mask`` with ``deterministic=False`` (extra ``opts``), which must
+    run the five-GEMM interval kernel, each within 1.5× the deterministic pair's error against
+    float64 (``ref_mask``'s)."""
+    from blocksparse_fa.ops import select
+
+    def grads(det):
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        with select.record() as ran:
+            out = bsfa.attention(*ts, mask=mask, kernel_options=dict(opts or {}, deterministic=det))
+            g = torch.autograd.grad(out, ts, do)
+        return [c for _, c in ran], (out, *g)
+
+    ran, got = grads(False)
+    assert ran == ["gluon:interval", "gluon:interval+atomic_dq"], ran
+    ran_det, det = grads(True)
+    assert ran_det == ["gluon:interval", "gluon:interval"], ran_det
+    _as_close_as(got, det, q, k, v, do, ref_mask)
+    return got
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("hkv", [4, 2])
@@ -375,27 +423,30 @@ def test_five_gemm_backward_on_intervals(hkv):
     """``deterministic=False`` on a one-interval-per-row layout (a padded batch: per batch row a
     causal prefix, padded rows empty) runs the Gluon five-GEMM kernel in its interval mode; its
     gradients match float64 as closely as the deterministic pair's and padded rows get zeros."""
-    from blocksparse_fa.ops import select
-
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, do = (torch.randn(2, h, N, 128, device="cuda", dtype=torch.bfloat16, generator=g)
                    for h in (4, hkv, hkv, 4))
     mask = bsfa.load_pattern("padded_batch", length=bsfa.per_batch(torch.tensor([N - 300, N // 2 + 64])))
     layout = bsfa.compile_mask(mask, N, N, device="cuda")
-
-    def grads(opts):
-        ts = [t.clone().requires_grad_() for t in (q, k, v)]
-        with select.record() as ran:
-            out = bsfa.attention(*ts, mask=layout, kernel_options=dict(opts, global_split=False))
-            g = torch.autograd.grad(out, ts, do)
-        return [c for _, c in ran], (out, *g)
-
-    ran, got = grads(dict(deterministic=False))
-    assert ran == ["gluon:interval", "gluon:interval+atomic_dq"], ran
-    ran_det, det = grads(dict(deterministic=True))
-    assert ran_det == ["gluon:interval", "gluon:interval"], ran_det
-    _as_close_as(got, det, q, k, v, do, mask)
+    got = _five_gemm_as_close_as_the_pair(q, k, v, do, layout, mask, dict(global_split=False))
     assert (got[1][1, :, N // 2 + 64:] == 0).all()  # padded query rows: no gradient
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("hkv,d", [(4, 128), (1, 128), (4, 64)])
+def test_five_gemm_backward_on_device_intervals(hkv, d):
+    """``deterministic=False`` on packed documents whose intervals are built on the device (ids on
+    the GPU, two batch rows with their own documents, one of them a one-token document) runs the
+    five-GEMM kernel in its interval mode: output and gradients as close to float64 as the
+    deterministic pair's."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (torch.randn(2, h, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for h in (4, hkv, hkv, 4))
+    ids = torch.stack([torch.repeat_interleave(torch.arange(4), torch.tensor([300, 700, 548, 500])),
+                       torch.repeat_interleave(torch.arange(3), torch.tensor([1000, 1, 1047]))]).cuda()
+    mask = bsfa.causal() & bsfa.document(ids, contiguous=True)
+    _five_gemm_as_close_as_the_pair(q, k, v, do, mask, mask)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,

@@ -158,15 +158,43 @@ GLUON_BWD_KERNELS = ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_attn_bwd_
 
 def test_backward_gluon_on_device_intervals():
     """Intervals built on the device, without an id compare and the same for every head (batched
-    per batch row is fine): the Gluon pair in its interval mode, deterministic either way."""
+    per batch row is fine): the Gluon pair in its interval mode by default; ``deterministic=False``
+    the five-GEMM kernel (dQ added in fp32, then ``_dq_finish``)."""
+    five = ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon", "_dq_finish")
     for lc in (_dev_lc(), _dev_lc(batched=True)):
-        for opts in (DEFAULT, KernelOptions(backward="gluon"), KernelOptions(deterministic=False),
-                     KernelOptions(backward="gluon", deterministic=False)):
+        for opts in (DEFAULT, KernelOptions(backward="gluon"), KernelOptions(deterministic=True)):
             c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
             assert (c.family, c.mode, c.kernels) == ("gluon", "interval", GLUON_BWD_KERNELS), opts
+        for opts in (KernelOptions(deterministic=False), KernelOptions(backward="gluon", deterministic=False)):
+            c = choose_backward(lc, S, torch.bfloat16, HOPPER, opts)
+            assert (c.family, c.mode, c.kernels) == ("gluon", "interval+atomic_dq", five), opts
     s64 = Shapes(2, 8, 2, 4096, 4096, 64)
     lc = select.device_interval_class(4096, 4096, False, False)
     assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
+
+
+def test_five_gemm_on_device_intervals_with_few_items(monkeypatch):
+    """``GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES`` (off by default): under ``deterministic=None`` the
+    five-GEMM kernel on device intervals whose dK/dV items (``B · Hkv · Lk / 128`` with the
+    default 64-key consumer tiles) fit that many waves of the GPU's SMs; not for intervals per
+    head, an unknown SM count or ``deterministic=True``."""
+    h200 = Hardware("cuda", (9, 0), "", sm_count=132)
+    gqa = Shapes(1, 8, 2, 65536, 65536, 128)  # 1,024 items: 7.8 waves
+    mha = Shapes(1, 16, 16, 16384, 16384, 128)  # 2,048 items: 15.5 waves
+    lc = _dev_lc()
+    assert str(choose_backward(lc, gqa, torch.bfloat16, h200, DEFAULT)) == "gluon:interval"  # off
+    monkeypatch.setattr(select, "GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES", 8.0)
+    assert str(choose_backward(lc, gqa, torch.bfloat16, h200, DEFAULT)) == "gluon:interval+atomic_dq"
+    assert str(choose_backward(_dev_lc(batched=True), gqa, torch.bfloat16, h200, DEFAULT)) \
+        == "gluon:interval+atomic_dq"
+    assert str(choose_backward(lc, mha, torch.bfloat16, h200, DEFAULT)) == "gluon:interval"
+    assert str(choose_backward(lc, gqa, torch.bfloat16, HOPPER, DEFAULT)) == "gluon:interval"  # no SM count
+    assert str(choose_backward(lc, gqa, torch.bfloat16, h200, KernelOptions(deterministic=True))) \
+        == "gluon:interval"
+    per_head = _dev_lc(per_head=True)
+    s = Shapes(1, 2, 2, 16384, 16384, 128)
+    assert str(choose_backward(per_head, s, torch.bfloat16, h200, DEFAULT)) == "gluon:interval"
+    assert str(choose_backward(_lc("interval"), gqa, torch.bfloat16, h200, DEFAULT)) == "gluon:interval"
 
 
 def test_backward_gluon_on_per_head_intervals():
@@ -245,20 +273,22 @@ def test_device_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch
     seen = []
     launch = ib.gluon_interval_backward
 
-    def spy(q, k, v, out, lse, dout, iv, s, scale, dlse=None, cfg=None):
-        seen.append((tuple(iv.lo.shape), iv.qid is None, cfg))
-        return launch(q, k, v, out, lse, dout, iv, s, scale, dlse, cfg)
+    def spy(q, k, v, out, lse, dout, iv, s, scale, dlse=None, cfg=None, atomic=False):
+        seen.append((tuple(iv.lo.shape), iv.qid is None, cfg, atomic))
+        return launch(q, k, v, out, lse, dout, iv, s, scale, dlse, cfg, atomic=atomic)
 
     monkeypatch.setattr(ib, "gluon_interval_backward", spy)
     mask = bsfa.causal() & bsfa.document(IDS) & bsfa.sliding_window(48)
     q, k, v = _inputs(Hkv=hkv)
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
-    for opts, want in ((None, "gluon:interval"), (dict(backward="triton"), "triton:interval")):
+    for opts, want in ((None, "gluon:interval"), (dict(backward="triton"), "triton:interval"),
+                       (dict(deterministic=False), "gluon:interval+atomic_dq")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="triton",
                                                             kernel_options=opts), q, k, v)
         assert ran == [("forward", "gluon:interval"), ("backward", want)]
-        assert seen == ([((1, 1, L), True, None)] if want.startswith("gluon") else [])
+        atomic = want.endswith("+atomic_dq")
+        assert seen == ([((1, 1, L), True, None, atomic)] if want.startswith("gluon") else [])
         for a, b in zip(grads, ref):
             assert rel_err(a, b) < 1e-2
     ex = bsfa.explain(q, k, v, mask=mask, backend="triton")
@@ -287,21 +317,22 @@ def test_backward_gluon_on_host_intervals(monkeypatch):
         assert str(choose_backward(_lc("interval", row_blocks=rows), S, torch.bfloat16, HOPPER, DEFAULT)) == want
     assert str(choose_backward(_lc("interval", row_blocks=40.0), S, torch.bfloat16, HOPPER,
                                KernelOptions(deterministic=True))) == "gluon:interval"
-    # Lq != Lk (bottom-right windows); d 64: by default on long rows only (short ones: asked for)
+    # Lq != Lk (bottom-right windows); d 64: short and long rows alike, but not on shards (asked for)
     s64 = Shapes(2, 8, 2, 4096, 2048, 64)
-    for short in (dict(band_bwd=True), dict(short_partial=True)):
+    for short in (dict(band_bwd=True), dict(short_partial=True), {}):
         lc = LayoutClass("interval", 4096, 2048, (128, 128), **short)
-        assert str(choose_backward(lc, s64, torch.float16, HOPPER, KernelOptions(backward="gluon"))) \
+        for opts in (DEFAULT, KernelOptions(backward="gluon")):
+            assert str(choose_backward(lc, s64, torch.float16, HOPPER, opts)) == "gluon:interval"
+        shard = dataclasses.replace(lc, shard=True)
+        assert str(choose_backward(shard, s64, torch.float16, HOPPER, DEFAULT)) == "triton:blocks"
+        assert str(choose_backward(shard, s64, torch.float16, HOPPER, KernelOptions(backward="gluon"))) \
             == "gluon:interval"
-        assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "triton:blocks"
-    lc = LayoutClass("interval", 4096, 2048, (128, 128))
-    assert str(choose_backward(lc, s64, torch.float16, HOPPER, DEFAULT)) == "gluon:interval"
-    lc = select.layout_class(bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(4096), 16384, 16384))
-    assert str(choose_backward(lc, Shapes(1, 16, 4, 16384, 16384, 64), torch.bfloat16, HOPPER, DEFAULT)) \
-        == "gluon:interval"  # a window of 4096 at d 64
-    lc = select.layout_class(bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(1024), 16384, 16384))
-    assert str(choose_backward(lc, Shapes(1, 16, 4, 16384, 16384, 64), torch.bfloat16, HOPPER, DEFAULT)) \
-        == "triton:blocks"  # of 1024: the Triton block backward
+        assert str(choose_backward(lc, s64, torch.float16, HOPPER, KernelOptions(backward="triton"))) \
+            == "triton:blocks"
+    for w in (256, 1024, 4096):
+        lc = select.layout_class(bsfa.compile_mask(bsfa.causal() & bsfa.sliding_window(w), 16384, 16384))
+        assert str(choose_backward(lc, Shapes(1, 16, 4, 16384, 16384, 64), torch.bfloat16, HOPPER, DEFAULT)) \
+            == "gluon:interval", w
     with pytest.raises(ValueError, match="backward='gluon': it needs a GPU of compute capability 9.x"):
         choose_backward(_lc("interval"), S, torch.bfloat16, NO_GLUON, KernelOptions(backward="gluon"))
 
@@ -328,9 +359,9 @@ def test_host_interval_backward_reaches_the_gluon_launcher(hopper, monkeypatch):
     ref = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=mask, backend="torch"), q, k, v)[2]
     tables = tb._gluon_bwd_interval_tables(layout, GluonBwdConfig(), torch.device("cpu"))
     assert tables[6] is not None and tables[6].shape == (1, 1, L)
-    gluon = dict(backward="gluon")  # short rows at d 64: the default is the Triton backward (ops/select)
+    gluon = dict(backward="gluon")
     five = dict(backward="gluon", deterministic=False)
-    for opts, want in ((gluon, "gluon:interval"), (None, "triton:blocks"), (dict(backward="triton"), "triton:blocks"),
+    for opts, want in ((gluon, "gluon:interval"), (None, "gluon:interval"), (dict(backward="triton"), "triton:blocks"),
                        (five, "gluon:interval+atomic_dq")):
         seen.clear()
         ran, _, grads = _run(lambda q, k, v: bsfa.attention(q, k, v, mask=layout, backend="triton",
@@ -376,15 +407,17 @@ def test_host_interval_tables_per_head():
 def test_backward_of_an_interval_shard_runs_gluon_at_d128():
     """A context-parallel shard with one key interval per row (windows, documents) runs the Gluon
     interval mode under "auto" at d 128 (its rows without keys get a -inf logsumexp) and at d 64
-    only with backward="gluon", like the host interval class's short rows; backward="triton"
-    keeps Triton."""
+    only with backward="gluon" (not measured there), where layouts that are not shards take it by
+    default, short rows included; backward="triton" keeps Triton."""
     lc = _lc("interval", shard=True)
     c = choose_backward(lc, S, torch.bfloat16, HOPPER, DEFAULT)
     assert (c.family, c.mode) == ("gluon", "interval")
     assert choose_backward(lc, S, torch.bfloat16, HOPPER, KernelOptions(backward="triton")).family == "triton"
     s64 = Shapes(1, 16, 4, 16384, 16384, 64)
-    for cls in (lc, _lc("interval", band_bwd=True)):  # shards at d 64, and short rows: Triton
-        assert choose_backward(cls, s64, torch.bfloat16, HOPPER, DEFAULT).family == "triton"
+    assert choose_backward(lc, s64, torch.bfloat16, HOPPER, DEFAULT).family == "triton"  # shards at d 64
+    assert str(choose_backward(_lc("interval", band_bwd=True), s64, torch.bfloat16, HOPPER, DEFAULT)) \
+        == "gluon:interval"
+    for cls in (lc, _lc("interval", band_bwd=True)):
         assert str(choose_backward(cls, s64, torch.bfloat16, HOPPER, KernelOptions(backward="gluon"))) \
             == "gluon:interval"
     # gradients asked for in float32 (partial sums) come from the Gluon kernels too, other dtypes not
@@ -447,8 +480,11 @@ def hopper(monkeypatch):
         if per_head_dkdv:  # dK/dV per query head: each head's share of its group's gradient
             k, v = (t.repeat_interleave(s.G, 1) for t in (k, v))
             s = Shapes(s.B, s.H, s.H, s.Lq, s.Lk, s.D)
-        o, l = torch_forward(q, k, v, layout, s, scale, 0.0, 0)
-        for g, r in zip(grads, torch_backward(q, k, v, o.to(q.dtype), l, dout, layout, s, scale, 0.0, 0)):
+        # with the given logsumexp and delta (a part of a split mask gets the whole mask's), which
+        # the exact backward takes as a zero output and a logsumexp gradient of -delta
+        lse, delta = (t.reshape(s.B, s.H, s.Lq) for t in (lse, delta))
+        for g, r in zip(grads, torch_backward(q, k, v, torch.zeros_like(dout), lse, dout, layout, s, scale, 0.0, 0,
+                                              dlse=-delta)):
             g.copy_(r)
 
     monkeypatch.setattr(tb, "_gluon_launch", fwd)
@@ -462,7 +498,7 @@ def hopper(monkeypatch):
 
     monkeypatch.setattr(ib, "gluon_interval_forward", gluon_intervals)
 
-    def gluon_intervals_bwd(q, k, v, out, lse, dout, iv, s, scale, dlse=None, cfg=None):
+    def gluon_intervals_bwd(q, k, v, out, lse, dout, iv, s, scale, dlse=None, cfg=None, atomic=False):
         return tuple(g.to(t.dtype) for g, t in zip(ib.torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale,
                                                                               dlse), (q, k, v)))
 
@@ -474,8 +510,8 @@ IDS = torch.tensor([0] * 70 + [1] * 130 + [2] * 56)
 MASKS = {
     "dense": (lambda: None, "gluon:dense", "gluon:dense+atomic_dq"),
     "causal": (bsfa.causal, "gluon:causal", "gluon:causal+atomic_dq"),
-    # head dim 64: the compiled layouts' interval backward stays on Triton (ops/select)
-    "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "triton:blocks"),
+    # the compiled layouts' interval backward: the Gluon pair at head dim 64 too (ops/select)
+    "sliding_window": (lambda: bsfa.sliding_window(96), "gluon:interval", "gluon:interval"),
     # the expression holds this call's ids: intervals built on the device, no layout (contiguous
     # documents: the Gluon kernels on device tables); a precompiled layout takes the layout's kernels
     "documents": (lambda: bsfa.causal() & bsfa.document(IDS), "gluon:interval", "gluon:interval"),
@@ -488,7 +524,7 @@ MASKS = {
     "strided": (lambda: bsfa.parse("causal & (sliding_window(16) | strided(16))"), "triton:blocks", "triton:blocks"),
     # attention sinks: the band on the interval kernels with the global keys folded into its forward
     "sinks": (lambda: bsfa.parse("causal & (sliding_window(48) | global_tokens(4))"), "gluon:interval",
-              "triton:blocks", "global_split"),
+              "gluon:interval", "global_split"),
     # more sinks than AUTO_GLOBAL_SPLIT_MAX: still folded into the band's forward, which splits;
     # the backward runs the whole mask
     "sinks, many": (lambda: bsfa.parse("causal & (sliding_window(48) | global_tokens(32))"), "gluon:interval",
@@ -537,7 +573,7 @@ def test_eager_and_compiled_choose_the_same_kernels(hopper, name):
     results = {}
     for path, fn in paths.items():
         ran, out, grads = _run(fn, q, k, v)
-        expect = [("forward", "gluon:interval"), ("backward", "triton:blocks")] if (
+        expect = [("forward", "gluon:interval"), ("backward", "gluon:interval")] if (
             name.startswith("documents") and path == "layout") else want
         assert ran == expect, (path, ran)
         results[path] = (out, *grads)

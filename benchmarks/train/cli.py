@@ -140,6 +140,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "(auto)")
     c.add_argument("--bsfa-api", choices=("module", "attention", "attention_op"), default="module",
                    help="static patterns through nn.BlockSparseAttention, bsfa.attention or bsfa.attention_op")
+    c.add_argument("--bsfa-kernel-options", default="",
+                   help='blocksparse_fa\'s kernel_options for every bsfa variant, as JSON (e.g. \'{"backward": '
+                        '"gluon"}\'); default: the library\'s own choice')
     c.add_argument("--flex-block-mask", choices=FLEX_BLOCK_MASKS, default="layout",
                    help="how the Flex BlockMask is built: from block states without evaluating the L x L mask "
                         "(layout, default) or with torch.compile(create_block_mask) (create: minutes of "
@@ -296,7 +299,8 @@ def _resolve(args, ap) -> tuple[list[RunConfig], Patterns, list[str]]:
             held_out_permille=args.held_out_permille, compile=gpu if args.compile is None else args.compile,
             compile_scope=args.compile_scope, compile_mode=args.compile_mode,
             compile_backend=args.compile_backend, bsfa_mode=args.bsfa_mode,
-            bsfa_api=args.bsfa_api, sync_steps=max(1, min(args.sync_steps, args.steps - 1)),
+            bsfa_api=args.bsfa_api, bsfa_kernel_options=args.bsfa_kernel_options,
+            sync_steps=max(1, min(args.sync_steps, args.steps - 1)),
             profile_steps=args.profile_steps, log_every=args.log_every, seed=args.seed,
             mode="throughput" if args.cmd == "throughput" else "train", flex_block_mask=args.flex_block_mask,
             deadline_reserve=args.deadline_reserve))

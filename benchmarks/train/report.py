@@ -97,13 +97,20 @@ def _find(results, mode, L, variant):
     return None
 
 
-def _speed(results, L, variant, prefer="train"):
-    """The result with a throughput measurement for (L, variant): train runs first."""
+def _speed(results, L, variant, prefer="train", device=None, runs=None):
+    """The result with a throughput measurement for (L, variant): train runs first; with ``device``
+    (and the payload's ``runs``) only results measured on that GPU."""
     for mode in (prefer, "throughput" if prefer == "train" else "train"):
-        r = _find(results, mode, L, variant)
-        if _ok(r):
-            return r
+        for r in results:
+            if (r.get("mode") == mode and r.get("seq_len") == L and r.get("variant") == variant and _ok(r)
+                    and (device is None or _device(runs, r) == device)):
+                return r
     return None
+
+
+def _device(runs, r) -> str:
+    """The GPU a result was measured on (its run's environment)."""
+    return (runs or {}).get(r.get("run_id"), {}).get("env", {}).get("device", "")
 
 
 def bpb_at(r: dict, step: int):
@@ -384,14 +391,19 @@ def _status_cell(r):
     return f"not run: {_reason(r)}" if st == "skipped" else f"{st}: {_reason(r)}"
 
 
-def _speed_cols(res, r):
-    L = r["seq_len"]
+def _speed_cols(payload, r):
+    """Tokens/s and its ratios: against SDPA, and (ours) against the faster of Flex's Triton and
+    FLASH backends on the same pattern, both measured on the same GPU."""
+    res, runs, L = payload["results"], payload["runs"], r["seq_len"]
     if not _ok(r):
         return ["", "", "", "", "", "", ""]
-    sd = _speed(res, L, "sdpa_causal", prefer=r["mode"])
-    fl = _speed(res, L, f"flex_{r['family']}", prefer=r["mode"]) if r["impl"] == "bsfa" else None
+    dev = _device(runs, r)
+    sd = _speed(res, L, "sdpa_causal", prefer=r["mode"], device=dev, runs=runs)
+    flex = [_speed(res, L, f"{impl}_{r['family']}", prefer=r["mode"], device=dev, runs=runs)
+            for impl in ("flex", "flexflash")] if r["impl"] == "bsfa" else []
+    fl = max((f["tokens_per_s"] for f in flex if f), default=None)
     x_sdpa = r["tokens_per_s"] / sd["tokens_per_s"] if sd else None
-    x_flex = r["tokens_per_s"] / fl["tokens_per_s"] if fl else None
+    x_flex = r["tokens_per_s"] / fl if fl else None
     g = r.get("gpu")
     return [f"{r['tokens_per_s']:,.0f}", _f(x_sdpa, "{:.2f}x"), _f(x_flex, "{:.2f}x"),
             _f(g["busy_fraction"] * 100 if g else None, "{:.0f} %"), _f(r.get("peak_mem_gb"), "{:.1f}"),
@@ -406,7 +418,7 @@ def _train_table(payload, L) -> list[str]:
              "attention ms/step | held-out bpb (step) | gap vs dense | probe acc | block density |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        sp = _speed_cols(res, r)
+        sp = _speed_cols(payload, r)
         if _ok(r):
             fin = r.get("final") or {}
             g = gap_vs_dense(res, L, r) if r is not dense else None
@@ -433,7 +445,7 @@ def _speed_table(payload, L) -> list[str]:
         att = _f(g.get("attention_kernel_ms_per_step"), "{:.1f}")
         dyn = r.get("dynamo")
         graphs = f"{dyn['graphs_first_step']} / {dyn['recompiles']}" if dyn else "n/a"
-        lines.append(f"| {_label(r)} | {_status_cell(r)} | {' | '.join(_speed_cols(res, r))} | {att} | {graphs} | "
+        lines.append(f"| {_label(r)} | {_status_cell(r)} | {' | '.join(_speed_cols(payload, r))} | {att} | {graphs} | "
                      f"{_f(r.get('block_density'), '{:.3f}')} |")
     return lines
 
@@ -560,8 +572,9 @@ def markdown(payload: dict, figures: dict) -> str:
         f"per byte on {c.get('eval_windows')} fixed held-out windows, probe accuracy on "
         f"{c.get('eval_probes')} fixed held-out probe sequences, both evaluated every "
         f"{c.get('eval_every')} steps (not counted as training time). The gap vs dense compares held-out "
-        "bits per byte at the last step both runs evaluated. \"vs Flex\" compares with Flex on the same "
-        "pattern.",
+        "bits per byte at the last step both runs evaluated. \"vs SDPA\" and \"vs Flex\" compare with "
+        "results measured on the same GPU; \"vs Flex\" with the faster of Flex's Triton and FLASH "
+        "backends on the same pattern.",
         "",
     ]
     for L in L_train:
@@ -652,6 +665,9 @@ def _coverage(payload, L, mode) -> list[str]:
     skipped = [f"{r['variant']} ({_reason(r)})" for r in rs if r.get("status") == "skipped"]
     failed = [f"{r['variant']} ({r.get('status')})" for r in rs if r.get("status") in ("oom", "error")]
     out = [f"Measured: {', '.join(f'`{v}`' for v in ok) or 'none'}."]
+    devices = sorted({_device(payload["runs"], r) for r in rs if _ok(r)} - {""})
+    if devices:
+        out.append(f"GPU: {', '.join(devices)}.")
     if short:
         out.append(f"Fewer steps than planned: {', '.join(short)}.")
     if skipped:

@@ -87,6 +87,7 @@ class RunConfig:
     compile_backend: str = "inductor"
     bsfa_mode: str = "auto"  # auto, op, island
     bsfa_api: str = "module"
+    bsfa_kernel_options: str = ""  # JSON: blocksparse_fa's per-call kernel_options (empty: the defaults)
     sync_steps: int = 2
     profile_steps: int = 3
     log_every: int = 10
@@ -198,7 +199,8 @@ class _Setup:
         torch._dynamo.reset()
         compiled = cfg.compile
         self.variant = Variant(name, cfg.seq_len, pats, dev, compiled=compiled, bsfa_mode=bsfa_mode,
-                               bsfa_api=cfg.bsfa_api, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                               bsfa_api=cfg.bsfa_api, bsfa_kernel_options=cfg.bsfa_kernel_options,
+                               heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                flex_block_mask=cfg.flex_block_mask)
         self.detail["variant_s"] = time.perf_counter() - t  # attention core, static block masks / layouts
         t = time.perf_counter()

@@ -36,6 +36,7 @@ layer; the per-batch document layout is then compiled once per batch outside the
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -371,16 +372,17 @@ class BsfaCore(nn.Module):
     """A static pattern: ``nn.BlockSparseAttention`` (``api="module"``), ``bsfa.attention`` or
     ``bsfa.attention_op`` with the mask as a module attribute."""
 
-    def __init__(self, mask: Mask, block_size: int, island: bool, api: str = "module"):
+    def __init__(self, mask: Mask, block_size: int, island: bool, api: str = "module", kernel_options=None):
         super().__init__()
-        self.attn = BlockSparseAttention(mask, block_size=block_size)
+        self.attn = BlockSparseAttention(mask, block_size=block_size, kernel_options=kernel_options)
         self.mask, self.block_size, self.island, self.api = mask, block_size, island, api
+        self.kernel_options = kernel_options
 
     def _call(self, q, k, v):
         if self.api == "module":
             return self.attn(q, k, v)
         fn = bsfa.attention if self.api == "attention" else bsfa.attention_op
-        return fn(q, k, v, mask=self.mask, block_size=self.block_size)
+        return fn(q, k, v, mask=self.mask, block_size=self.block_size, kernel_options=self.kernel_options)
 
     def forward(self, q, k, v, arg):
         return _island(self._call, q, k, v) if self.island else self._call(q, k, v)
@@ -391,9 +393,10 @@ class BsfaDocCore(nn.Module):
     ids inside the (compiled) forward. ``island``: :meth:`prepare` compiles the batch's layout once,
     outside the model, and every layer uses it."""
 
-    def __init__(self, block_size: int, island: bool, L: int, device, api: str = "attention"):
+    def __init__(self, block_size: int, island: bool, L: int, device, api: str = "attention", kernel_options=None):
         super().__init__()
         self.block_size, self.island, self.L, self.device, self.api = block_size, island, L, device, api
+        self.kernel_options = kernel_options
         self._layout = None
 
     def prepare(self, doc_cpu: torch.Tensor) -> None:
@@ -401,14 +404,15 @@ class BsfaDocCore(nn.Module):
         self._layout = bsfa.compile_mask(mask, self.L, self.L, self.block_size, device=self.device, cache=False)
 
     def _island_call(self, q, k, v):
-        return bsfa.attention(q, k, v, mask=self._layout)
+        return bsfa.attention(q, k, v, mask=self._layout, kernel_options=self.kernel_options)
 
     def forward(self, q, k, v, doc):
         if self.island:
             return _island(self._island_call, q, k, v)
         fn = bsfa.attention_op if self.api == "attention_op" else bsfa.attention
         # the window's files are contiguous runs of tokens: promised, so no id compare is needed
-        return fn(q, k, v, mask=bsfa.causal() & bsfa.document(doc, contiguous=True), block_size=self.block_size)
+        return fn(q, k, v, mask=bsfa.causal() & bsfa.document(doc, contiguous=True), block_size=self.block_size,
+                  kernel_options=self.kernel_options)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,8 +429,8 @@ class Variant:
     """
 
     def __init__(self, name: str, L: int, pats: Patterns, device: torch.device, *, compiled: bool,
-                 bsfa_mode: str = "op", bsfa_api: str = "module", heads: int = 8, kv_heads: int = 2,
-                 head_dim: int = 128, flex_block_mask: str = "layout"):
+                 bsfa_mode: str = "op", bsfa_api: str = "module", bsfa_kernel_options: str = "", heads: int = 8,
+                 kv_heads: int = 2, head_dim: int = 128, flex_block_mask: str = "layout"):
         self.name = name
         self.impl, self.family = split_name(name)
         self.L, self.pats, self.device = L, pats, device
@@ -468,13 +472,19 @@ class Variant:
                                                           BLOCK_SIZE=pats.block_size)
         else:
             island = bsfa_mode == "island" or not compiled
+            opts = json.loads(bsfa_kernel_options) if bsfa_kernel_options else None
+            if opts is not None:
+                if not isinstance(opts, dict):
+                    raise ValueError(f"bsfa_kernel_options must be a JSON object, got {bsfa_kernel_options!r}")
+                self.info["bsfa_kernel_options"] = opts
             self.info["bsfa_mode"] = "eager" if not compiled else bsfa_mode
             if self.family == "documents":
                 api = "attention_op" if bsfa_api == "attention_op" else "attention"
-                self.core = BsfaDocCore(pats.block_size, island, L, device, api=api)
+                self.core = BsfaDocCore(pats.block_size, island, L, device, api=api, kernel_options=opts)
                 self.info["bsfa_api"] = "bsfa.attention_op" if api == "attention_op" else "bsfa.attention"
             else:
-                self.core = BsfaCore(pats.mask(self.family), pats.block_size, island, api=bsfa_api)
+                self.core = BsfaCore(pats.mask(self.family), pats.block_size, island, api=bsfa_api,
+                                     kernel_options=opts)
                 self.info["bsfa_api"] = {"module": "nn.BlockSparseAttention", "attention": "bsfa.attention",
                                          "attention_op": "bsfa.attention_op"}[bsfa_api]
             self.fullgraph = not island

@@ -373,8 +373,10 @@ class TensorPrimitive(Primitive):
         return self._fp
 
     def _ident(self):
-        if torch.compiler.is_compiling():  # traced: no data to hash; one variable per tensor object
-            return (self.name, "object", id(self.tensor))
+        if torch.compiler.is_compiling():
+            # traced: no data to hash; one variable per tensor object, matched with ``is`` (an
+            # ``id()`` of a tensor made inside the compiled function does not trace on torch 2.11)
+            return ("object", self.name, self.tensor)
         return (self.name, self._tensor_key())
 
     def _user_tensor(self):

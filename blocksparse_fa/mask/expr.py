@@ -192,10 +192,10 @@ class Mask:
         text names them (see :meth:`tensors`)."""
         return []
 
-    def _names(self) -> dict:
+    def _names(self) -> "_Names":
         """Variable names of the expression's tensors: identity key -> name. The first tensor with
         a default name gets that name (``document``), different ones after it ``document_2``, ..."""
-        names: dict = {}
+        names = _Names()
         used: dict = {}
         for node in self.nodes():
             for default, ident, _ in node._tensor_items():
@@ -336,6 +336,43 @@ def _check_depth(children) -> int:
             f"mask expression nested deeper than {MAX_DEPTH - 1} operator levels (the text DSL reads at most "
             f"{MAX_DEPTH}); build wide expressions flat instead, e.g. Or.of(*terms) or And.of(*terms)")
     return d
+
+
+def _same_ident(a: tuple, b: tuple) -> bool:
+    """Whether two identity keys of :meth:`Mask._tensor_items` name the same tensor: traced keys
+    ``("object", name, tensor)`` by the tensor object, the others by value."""
+    if a[0] == "object" or b[0] == "object":
+        return a[0] == b[0] and a[1] == b[1] and a[2] is b[2]
+    return a == b
+
+
+class _Names:
+    """Identity key -> variable name of :meth:`Mask._names`, kept as a list: traced keys hold the
+    tensor object itself, which a dict would hash by ``id()``, and torch.compile (2.11) cannot take
+    the ``id()`` of a tensor made inside the compiled function (a mask's ids are its own copy)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self):
+        self._items: list = []
+
+    def _find(self, ident):
+        for key, name in self._items:
+            if _same_ident(key, ident):
+                return name
+        return None
+
+    def __contains__(self, ident) -> bool:
+        return self._find(ident) is not None
+
+    def __getitem__(self, ident) -> str:
+        name = self._find(ident)
+        if name is None:
+            raise KeyError(ident)
+        return name
+
+    def __setitem__(self, ident, name: str) -> None:
+        self._items.append((ident, name))
 
 
 def _as_mask(x, op: str) -> Mask:

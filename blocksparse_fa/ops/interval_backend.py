@@ -273,7 +273,7 @@ def _segments_on(q, k, v, out, s: Shapes, cfg, kept: bool) -> bool:
 
 
 def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Shapes, scale: float, dlse=None,
-                            cfg=None):
+                            cfg=None, atomic: bool = False):
     """``(dq, dk, dv)`` like q, k, v through the Gluon backward's interval mode
     (``kernels/backward_gluon.py``, Hopper): the dK/dV kernel walks the query blocks of each key
     tile (:func:`~blocksparse_fa.compiler.device_intervals.col_tables` of ``2·block_n`` keys), the
@@ -282,7 +282,9 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     :func:`~blocksparse_fa.ops.select.choose_backward` checks for its ``gluon:interval`` choice:
     intervals without an id compare, the same for every head (``iv.lo`` ``(Zb, 1, Lq)``) or, without
     GQA, one per head, 16-bit inputs, head dim 64 or 128, lengths multiples of the tiles, tensors
-    that descriptors address."""
+    that descriptors address. ``atomic`` (the ``gluon:interval+atomic_dq`` choice,
+    ``deterministic=False``): the five-GEMM kernel, one program per key tile adding dQ in fp32,
+    instead of the dQ kernel."""
     from .options import _DEFAULT_GLUON_BWD
     from .triton_backend import _gluon_bwd_launch, backward_delta
 
@@ -309,7 +311,7 @@ def gluon_interval_backward(q, k, v, out, lse, dout, iv: DeviceIntervals, s: Sha
     kv_tab, q_tab = cached_table(iv, key, lambda: gluon_backward_tables(iv, s.Lk, cfg))
     kv_ord = cached_table(iv, key + ("order", ), lambda: key_tile_order(kv_tab))
     lo, hi = iv.lo.view(zb * zh, s.Lq), iv.hi.view(zb * zh, s.Lq)
-    _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, False, False, cfg,
+    _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s, scale, False, atomic, cfg,
                       intervals=(lo, hi, kv_tab, q_tab, zh if zb > 1 else 0, 1 if zh > 1 else 0, kv_ord))
     return grads
 
@@ -482,7 +484,8 @@ def _backward_grads(q, k, v, out, lse, dout, dlse, iv: DeviceIntervals, scale: f
         choice = backward_choice(q, k, v, dout, iv, s, dropout_p, opts)
         select.note("backward", choice)
         if choice.family == "gluon":
-            return gluon_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, opts.gluon_bwd)
+            return gluon_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, opts.gluon_bwd,
+                                           atomic=choice.mode.endswith("+atomic_dq"))
         return triton_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, seed)
     select.note("backward", "torch:interval")
     g = torch_interval_backward(q, k, v, out, lse, dout, iv, s, scale, dlse, dropout_p, seed)

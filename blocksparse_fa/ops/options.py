@@ -293,7 +293,8 @@ class KernelOptions:
             dK and dV are), and elsewhere a deterministic one. True: separate dK/dV and dQ programs
             everywhere, every gradient bit-reproducible. False: the five-GEMM backward wherever one
             exists (the Gluon one for dense, causal and one-interval-per-row layouts such as padded
-            batches and windows, else the Triton one whose dK/dV programs add dQ with fp32 atomics).
+            batches, windows and packed documents, else the Triton one whose dK/dV programs add dQ
+            with fp32 atomics).
         fused_backward: the Triton backward's dK/dV and dQ programs in one launch (default) or two.
         head_major: order that one launch's grid head by head (None: when no tile is split).
         dq_desc: the five-GEMM backward adds dQ tiles through a tensor descriptor (Hopper).

@@ -165,6 +165,17 @@ GLUON_FIVE_GEMM_DEFAULT = frozenset({"dense", "causal"})
 # deterministic pair, persistent. ``deterministic=False`` runs it on any compiled interval layout.
 GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS = float("inf")
 
+# The same kernel on device intervals (packed documents from per-step ids, the same intervals for
+# every head) under ``deterministic=None`` where the dK/dV kernel has few items: at most this many
+# per SM (``B · Hkv · Lk / (2 · block_n)`` over the SM count). There the pair's dK/dV kernel runs
+# few waves and its dQ kernel comes on top: an 8-layer compiled training step (H200, GQA 8/2 x
+# 128) ran +4.8 % tokens/s at 16K (256 items, 1.9 waves) and +3.0 % at 64K (7.8 waves) with it,
+# while documents of 1-4K lost 1 % at 7.8 waves (64K, GQA 8/2) and 5 % at 15.5 (16K, H 16)
+# (benchmarks/NOTES.md sections 5 and 28): 8 would take the first three. 0 (off) until the GPU
+# tests of the smaller shapes it would reroute have run (section 28 names them);
+# ``deterministic=False`` runs it on any device intervals.
+GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES = 0.0
+
 # The Gluon backward's interval mode (``kernels/backward_gluon.py``, ``INTERVAL``) on device-built
 # tables for the device-interval path (``ops/interval_backend.gluon_interval_backward``), where the
 # intervals need no id compare and are the same for every head. Set False to keep the Triton
@@ -176,15 +187,17 @@ GLUON_DEVICE_INTERVAL_BACKWARD = True
 # documents with ids known on the host, their combinations with ``causal()``), with tables built
 # once per layout from its host intervals (``ops/triton_backend._gluon_bwd_interval_tables``), where
 # the intervals agree within each GQA group (the same for every head, or per head where the heads
-# of a group share them), context-parallel shards included. Under ``backward="auto"`` at head dim
-# 128, and at d 64 on rows of more than ``kernels/config.BAND_BWD_ROW_BLOCKS`` blocks: on an H100
+# of a group share them), context-parallel shards included. Under ``backward="auto"`` at head dims
+# 128 and 64 (d 64 shards excepted: not measured): on an H100
 # (``benchmarks/experiments/gluon_bwd_host_interval.py``, 16K and 64K, H 16, MHA and GQA 16/4) the
-# backward ran 1.04-1.22x the Triton block backward at d 128 but 0.80-0.99x at d 64; on an H200
-# later (``options_ab.py``, 16K, H 16, fwd+bwd) d 64 windows of 4096 ran 1.09x (MHA) / 1.11x (GQA
-# 16/4) with it, of 1024 1.06x / 0.97x and of 256 0.72x / 0.87x (host-bound: its launch path costs
-# more host time). On 4 x H100 shards (256K, GQA 8/2 x 128, ``cp_profile.py gpu``) it took the
+# backward ran 1.04-1.22x the Triton block backward at d 128. At d 64 a lone eager call on short
+# rows is host-bound (H200, ``options_ab.py``, 16K, H 16, fwd+bwd: windows of 256 0.72x / 0.87x
+# MHA / GQA 16/4, though the pair's GPU time is 10-16 % lower), but an 8-layer compiled training
+# step, where the host runs ahead, gains: windows of 1024 +1-3 % (16K) and +4.4 % (64K), of 256
+# +1.5 % tokens/s (H200, GQA 16/4 x 64, ``train_long_context.py throughput``; NOTES section 28).
+# On 4 x H100 shards (256K, GQA 8/2 x 128, ``cp_profile.py gpu``) it took the
 # fwd+bwd of a sliding window from 10.30 to 9.35 ms and of packed documents from 27.00 to 25.10 ms
-# (benchmarks/NOTES.md, "Context parallelism"). ``backward="gluon"`` runs it at d 64 too. Set
+# (benchmarks/NOTES.md, "Context parallelism"). ``backward="gluon"`` runs it on d 64 shards too. Set
 # False to keep the Triton block backward.
 GLUON_HOST_INTERVAL_BACKWARD = True
 
@@ -702,16 +715,22 @@ def choose_backward(lc: LayoutClass, s: Shapes, dtype: torch.dtype, hw: Hardware
     if opts.backward == "gluon" and hw.gluon:
         raise ValueError(f"kernel_options backward='gluon': {hw.gluon}")
     det = opts.deterministic if deterministic is None else deterministic
-    # compiled interval layouts at d 64: Gluon on long rows only (short ones are host-bound)
-    long_rows = not (lc.band_bwd or lc.short_partial)
+    # compiled interval layouts: Gluon at d 128, and at d 64 except on context-parallel shards (not
+    # measured there)
     auto = {"device_interval": GLUON_DEVICE_INTERVAL_BACKWARD,
-            "interval": GLUON_HOST_INTERVAL_BACKWARD and (s.D == 128 or (long_rows and not lc.shard))}
+            "interval": GLUON_HOST_INTERVAL_BACKWARD and (s.D == 128 or not lc.shard)}
     want = opts.backward == "gluon" or (opts.backward == "auto" and auto.get(lc.kind, True))
     if (want and not hw.gluon and dtype in _16BIT and not dropout and not score_mod and not accumulate
             and grad_dtype in (False, "float32") and tma):
         mode = _gluon_bwd_mode(lc, s, opts.gluon_bwd or _DEFAULT_GLUON_BWD, opts, hw.sm_count)
-        if mode == "interval" and lc.kind == "interval" and not lc.shard and (
-                det is False or (det is None and lc.row_blocks >= GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS)):
+        # the five-GEMM kernel on intervals: asked for (deterministic=False; device intervals too),
+        # compiled layouts whose rows are long enough (GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS), or
+        # device intervals with few dK/dV items (GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES)
+        long_rows = lc.kind == "interval" and lc.row_blocks >= GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS
+        few_items = lc.kind == "device_interval" and not lc.per_head and 0 < s.B * s.Hkv * (
+            s.Lk // (2 * (opts.gluon_bwd or _DEFAULT_GLUON_BWD).block_n)) <= (
+            GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES * hw.sm_count)
+        if mode == "interval" and not lc.shard and (det is False or (det is None and (long_rows or few_items))):
             return Choice("gluon", "interval+atomic_dq", ("_attn_bwd_preprocess", "_attn_bwd_dkdv_gluon",
                                                           "_dq_finish"))
         if mode in ("interval", "list"):  # dK/dV and dQ kernels
