@@ -792,9 +792,9 @@ def test_auto_models_the_kernels_the_library_chooses():
     for mask, choice in cases.items():
         rep = _traffic_model(layout(mask, n), heads=2, compare=False)
         assert rep.choice == choice, mask
-    # head dim 64: the interval layouts' backward is the Triton kernels' (ops/select.py)
+    # head dim 64: the interval layouts' backward is the Gluon pair too (ops/select.py)
     assert _traffic_model(layout("sliding_window(256)", n), heads=2, head_dim=64, compare=False).choice == \
-        ("gluon:interval", "triton:blocks")
+        ("gluon:interval", "gluon:interval")
     # float32 inputs: the Triton kernels (the Gluon kernels take 16-bit inputs only)
     assert _traffic_model(layout("causal", n), dtype="fp32", compare=False).choice == ("triton:blocks",) * 2
     with pytest.raises(ValueError, match="kernels"):
