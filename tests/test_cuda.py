@@ -733,7 +733,8 @@ def test_run_split_on_gpu(name, box, monkeypatch):
         assert ("forward", "run_split") in res[label + "_ran"] and ("backward", "run_split") in res[label + "_ran"]
         assert ("forward", "gluon:interval") in res[label + "_ran"], res[label + "_ran"]
         if box:  # the second part ran the device-interval kernels on its box
-            assert ("backward", "gluon:interval") in res[label + "_ran"], res[label + "_ran"]
+            assert {("backward", "gluon:interval"), ("backward", "gluon:interval+atomic_dq")} & set(res[label + "_ran"]), \
+                res[label + "_ran"]  # the pair, or the five-GEMM kernel on a box of few key tiles
         _within_twice_whole(res[label], res["whole"], want)
     assert ("forward", "run_split") not in res["whole_ran"]
 

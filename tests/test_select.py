@@ -174,14 +174,16 @@ def test_backward_gluon_on_device_intervals():
 
 
 def test_five_gemm_on_device_intervals_with_few_items(monkeypatch):
-    """``GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES`` (off by default): under ``deterministic=None`` the
-    five-GEMM kernel on device intervals whose dK/dV items (``B · Hkv · Lk / 128`` with the
-    default 64-key consumer tiles) fit that many waves of the GPU's SMs; not for intervals per
-    head, an unknown SM count or ``deterministic=True``."""
+    """``GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES`` (8): under ``deterministic=None`` the five-GEMM
+    kernel on device intervals whose dK/dV items (``B · Hkv · Lk / 128`` with the default 64-key
+    consumer tiles) fit that many waves of the GPU's SMs; not for intervals per head, an unknown SM
+    count or ``deterministic=True``; 0 turns it off."""
     h200 = Hardware("cuda", (9, 0), "", sm_count=132)
     gqa = Shapes(1, 8, 2, 65536, 65536, 128)  # 1,024 items: 7.8 waves
     mha = Shapes(1, 16, 16, 16384, 16384, 128)  # 2,048 items: 15.5 waves
     lc = _dev_lc()
+    assert select.GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES == 8.0
+    monkeypatch.setattr(select, "GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES", 0.0)
     assert str(choose_backward(lc, gqa, torch.bfloat16, h200, DEFAULT)) == "gluon:interval"  # off
     monkeypatch.setattr(select, "GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES", 8.0)
     assert str(choose_backward(lc, gqa, torch.bfloat16, h200, DEFAULT)) == "gluon:interval+atomic_dq"

@@ -288,9 +288,11 @@ class KernelOptions:
             backward.
         gluon_bwd: tiles of the Gluon backward (:class:`GluonBwdConfig`; None: the default).
         deterministic: None (default): the faster backward of each layout, which on Hopper for
-            dense and ``causal()`` layouts is the Gluon five-GEMM backward (dQ added to an fp32 buffer with TMA
-            reduce-adds: the order of the adds varies, so dQ is not bit-reproducible between runs;
-            dK and dV are), and elsewhere a deterministic one. True: separate dK/dV and dQ programs
+            dense and ``causal()`` layouts, and for packed documents from ids with at most 8 key
+            tiles per SM (``ops/select.GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES``), is the Gluon
+            five-GEMM backward (dQ added to an fp32 buffer with TMA reduce-adds: the order of the
+            adds varies, so dQ is not bit-reproducible between runs; dK and dV are), and elsewhere
+            a deterministic one. True: separate dK/dV and dQ programs
             everywhere, every gradient bit-reproducible. False: the five-GEMM backward wherever one
             exists (the Gluon one for dense, causal and one-interval-per-row layouts such as padded
             batches, windows and packed documents, else the Triton one whose dK/dV programs add dQ

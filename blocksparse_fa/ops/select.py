@@ -171,10 +171,10 @@ GLUON_FIVE_GEMM_INTERVAL_ROW_BLOCKS = float("inf")
 # few waves and its dQ kernel comes on top: an 8-layer compiled training step (H200, GQA 8/2 x
 # 128) ran +4.8 % tokens/s at 16K (256 items, 1.9 waves) and +3.0 % at 64K (7.8 waves) with it,
 # while documents of 1-4K lost 1 % at 7.8 waves (64K, GQA 8/2) and 5 % at 15.5 (16K, H 16)
-# (benchmarks/NOTES.md sections 5 and 28): 8 would take the first three. 0 (off) until the GPU
-# tests of the smaller shapes it would reroute have run (section 28 names them);
-# ``deterministic=False`` runs it on any device intervals.
-GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES = 0.0
+# (benchmarks/NOTES.md sections 5, 28 and 29): 8 takes the first three. As the default it ran the
+# same step +5.5 % / +4.5 % (16K / 64K). ``deterministic=True`` keeps the pair, 0 turns the rule
+# off, and ``deterministic=False`` runs the kernel on any device intervals.
+GLUON_FIVE_GEMM_DEVICE_INTERVAL_WAVES = 8.0
 
 # The Gluon backward's interval mode (``kernels/backward_gluon.py``, ``INTERVAL``) on device-built
 # tables for the device-interval path (``ops/interval_backend.gluon_interval_backward``), where the
