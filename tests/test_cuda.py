@@ -122,6 +122,9 @@ def test_cuda_graph_capture_matches_eager(name):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = step()
+    with bsfa.ops.select.record() as ran:
+        step()
+    atomic_dq = any(c.endswith("+atomic_dq") for _, c in ran)  # dense, causal, documents of few key tiles
     for seed in (2, 3):  # new inputs copied into the captured buffers
         g = torch.Generator(device="cuda").manual_seed(seed)
         with torch.no_grad():
@@ -130,7 +133,7 @@ def test_cuda_graph_capture_matches_eager(name):
         graph.replay()
         eager = step()
         for i, (a, b) in enumerate(zip(static, eager)):
-            if name in ("dense", "causal") and i == 1:  # the five-GEMM backward's dQ: fp32 adds in varying order
+            if atomic_dq and i == 1:  # the five-GEMM backward's dQ: fp32 adds in varying order
                 assert ((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()).item()
             else:
                 assert torch.equal(a, b)

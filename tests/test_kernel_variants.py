@@ -515,6 +515,37 @@ def test_gluon_dkdv_list_and_bounds_constexprs(monkeypatch):
         GluonBwdConfig(bounds_smem=1)
 
 
+def test_gluon_dq_lag_constexpr(monkeypatch):
+    """The five-GEMM dK/dV launch issues each step's dQ product a step late (``DQ_LAG``) by default
+    at head dim 64 only; ``GluonBwdConfig.dq_lag`` forces it either way; the deterministic pair
+    never gets it, and the config refuses a non-bool."""
+    from blocksparse_fa.ops.options import GluonBwdConfig
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    monkeypatch.setattr(tb.call_memo, "vouch", lambda: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((fn, c)))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    lse = torch.empty(2, 256, device="meta")
+
+    def lag(d, atomic=True, cfg=GluonBwdConfig()):
+        seen.clear()
+        q = torch.empty(1, 2, 256, d, **meta)
+        tb._gluon_bwd_launch(q, q, q, q, [torch.empty_like(q)] * 3, lse, lse, Shapes(1, 2, 2, 256, 256, d), 0.1,
+                             True, atomic, cfg)
+        (fn, c), = [x for x in seen if x[0] is tb._bg._attn_bwd_dkdv_gluon]
+        return c["DQ_LAG"]
+
+    assert lag(64) and not lag(128)
+    assert lag(128, cfg=GluonBwdConfig(dq_lag=True)) and not lag(64, cfg=GluonBwdConfig(dq_lag=False))
+    assert not lag(64, atomic=False) and not lag(64, atomic=False, cfg=GluonBwdConfig(dq_lag=True))
+    with pytest.raises(ValueError, match="dq_lag"):
+        GluonBwdConfig(dq_lag=1)
+
+
 def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
     """The list mode's persistent dK/dV launch reads a deal table (``DEALT``) where the host knows
     the key tiles' work and they differ (Longformer's global key tile), tile-major, and so do the

@@ -56,7 +56,7 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
                       consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
                       out_f32=False, direct=False, persistent=False, rows_smem=False, lists=False,
-                      two=False, bounds_smem=False, dealt=False):
+                      two=False, bounds_smem=False, dealt=False, dq_lag=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
     ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored
     from the registers (``DIRECT_STORE``); ``lists``: the interval mode over block lists (``LIST``),
@@ -68,7 +68,7 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
         consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval, ROWS_SMEM=rows_smem,
-                      BOUNDS_SMEM=bounds_smem, DEALT=dealt)
+                      BOUNDS_SMEM=bounds_smem, DEALT=dealt, DQ_LAG=dq_lag)
         g = "fp32" if out_f32 else dtype
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
@@ -119,6 +119,7 @@ def main():
     ap.add_argument("--list", action="store_true", help="interval mode over block lists (LIST)")
     ap.add_argument("--two", action="store_true", help="two intervals per row (int64 LO/HI)")
     ap.add_argument("--bounds-smem", action="store_true", help="dK/dV kernel: interval bounds staged (BOUNDS_SMEM)")
+    ap.add_argument("--dq-lag", action="store_true", help="dK/dV kernel, --atomic: dQ issued a step late (DQ_LAG)")
     ap.add_argument("--dealt", action="store_true", help="persistent: items from a deal table (DEALT)")
     ap.add_argument("--segments", action="store_true", help="forward, persistent interval: segment tiles (SEGMENTS)")
     ap.add_argument("--q-bufs", type=int, default=1, choices=[1, 2], help="forward, persistent: sets of Q tiles")
@@ -130,7 +131,7 @@ def main():
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
                                interval=a.interval, out_f32=a.out_f32, direct=a.direct,
                                persistent=a.persistent, rows_smem=a.rows_smem, lists=a.list, two=a.two,
-                               bounds_smem=a.bounds_smem, dealt=a.dealt)
+                               bounds_smem=a.bounds_smem, dealt=a.dealt, dq_lag=a.dq_lag)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,

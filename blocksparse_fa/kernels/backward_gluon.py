@@ -278,13 +278,18 @@ if gluon is not None:
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
                    vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, rows_smem,
-                   ROWS_SMEM: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr):
+                   ROWS_SMEM: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr, tb=0, prev_row=0,
+                   DQ_LAG: gl.constexpr = False):
         """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``; ``ROWS_SMEM``:
         its rows' logsumexp and Δ come with Q and dO in slot ``t % STAGES`` of ``rows_smem``
         (tiles ``2·s`` and ``2·s + 1``), read where they are used. With
         ``ATOMIC_DQ``, columns ``[C·DQ_CHUNK, (C+1)·DQ_CHUNK)`` of ``dQ_partial = dS·K`` over both
         groups' keys (rows ``dq_row0 + i·BLOCK_M`` of the group's dQ descriptor), TMA-reduce-added
-        from one of the consumer's ``DQ_BUFS`` shared fp32 tiles (``dq_smem[C·DQ_BUFS ..]``)."""
+        from one of the consumer's ``DQ_BUFS`` shared fp32 tiles (``dq_smem[C·DQ_BUFS ..]``).
+        ``DQ_LAG``: that dQ product is the previous step's (rows ``prev_row``, its dSᵀ tiles in
+        buffer ``(t - 1) % 3``), so a group waits for the other group's dSᵀ of one step before
+        (nothing at the item's first step ``t == tb``, which adds zeros); :func:`_dq_lag_flush`
+        adds the last step's after the item. Returns dK, dV and this step's dQ rows."""
         s = t % STAGES
         k_c = k_all.index(C)
         v_c = v_all.index(C)
@@ -323,7 +328,30 @@ if gluon is not None:
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
         dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
         ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
-        if ATOMIC_DQ:
+        cur_row = dq_row0 + i * BLOCK_M
+        if ATOMIC_DQ and DQ_LAG:
+            HALF_L: gl.constexpr = DQ_CHUNK
+            b = t % 3
+            bp = (t + 2) % 3
+            # the other group's dSᵀ of step t - 1: it wrote it after finishing step t - 2, whose
+            # dQ products read buffer b (step t - 3) for the last time, so b is free
+            lagged = t > tb
+            mbarrier.wait(ds_bar.index(bp), ((t - 1) // 3) & 1, pred=lagged)
+            ds_all.index(2 * b + C).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(b))
+            zq = gl.zeros([BLOCK_M, HALF_L], dtype=gl.float32, layout=dq_layout)
+            dq = warpgroup_mma(ds_all.index(2 * bp).permute((1, 0)), k_all.index(0).slice(C * HALF_L, HALF_L, dim=1),
+                               zq, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_all.index(2 * bp + 1).permute((1, 0)),
+                               k_all.index(1).slice(C * HALF_L, HALF_L, dim=1), dq, is_async=True)
+            dk = warpgroup_mma(ds16, q, dk, is_async=True)
+            dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
+            dq = gl.where(lagged, dq, 0.0)  # the item's first step: the buffer holds another item's dSᵀ
+            _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), prev_row, C * HALF_L, DQ_BUFS)
+            dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
+            mbarrier.arrive(empty.index(s))
+        elif ATOMIC_DQ:
             # both groups' dSᵀ meet in shared buffer b; this group computes dQ's columns
             # [C·HALF, (C+1)·HALF) over the program's 2·BLOCK_N keys, issued before dK so that its
             # reduce-add is staged while dK runs
@@ -352,7 +380,22 @@ if gluon is not None:
             dk = warpgroup_mma(ds16, q, dk, is_async=True)
             dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
             mbarrier.arrive(empty.index(s))
-        return dk, dv
+        return dk, dv, cur_row
+
+    @gluon.jit
+    def _dq_lag_flush(t, k_all, ds_all, ds_bar, dq_desc, dq_smem, prev_row, C: gl.constexpr, BLOCK_M: gl.constexpr,
+                      dq_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr):
+        """``DQ_LAG``: the dQ product of an item's last step ``t - 1`` (rows ``prev_row``), once the
+        other group's dSᵀ of that step is in buffer ``(t - 1) % 3``."""
+        bp = (t + 2) % 3
+        mbarrier.wait(ds_bar.index(bp), ((t - 1) // 3) & 1)
+        zq = gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_all.index(2 * bp).permute((1, 0)), k_all.index(0).slice(C * DQ_CHUNK, DQ_CHUNK, dim=1),
+                           zq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_all.index(2 * bp + 1).permute((1, 0)),
+                           k_all.index(1).slice(C * DQ_CHUNK, DQ_CHUNK, dim=1), dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), prev_row, C * DQ_CHUNK, DQ_BUFS)
 
     @gluon.jit
     def _pass_step(t, ready, empty, turn, C: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr):
@@ -373,28 +416,30 @@ if gluon is not None:
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, vec_layout: gl.constexpr,
                      DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, bounds_smem,
-                     BOUNDS_SMEM: gl.constexpr, LIST: gl.constexpr):
+                     BOUNDS_SMEM: gl.constexpr, LIST: gl.constexpr, tb=0, prev_row=0, DQ_LAG: gl.constexpr = False):
         """A masked step at table position ``i`` (ring step ``t``); with ``LIST`` the entry's skip
-        bit for consumer ``C`` (bit ``24 + C``) makes it :func:`_pass_step` instead."""
+        bit for consumer ``C`` (bit ``24 + C``) makes it :func:`_pass_step` instead. Returns as
+        :func:`_dkdv_step`."""
         if LIST:
             e = gl.load(TAB + i)
             blk = e & 0xFFFFFF
             if ((e >> (24 + C)) & 1) != 0:
                 _pass_step(t, ready, empty, turn, C, PINGPONG, STAGES)
+                row = prev_row
             else:
-                dk, dv = _dkdv_step(dk, dv, t, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty,
-                                    turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row, off_k,
-                                    qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                    s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
-                                    ROWS_SMEM, bounds_smem, BOUNDS_SMEM)
+                dk, dv, row = _dkdv_step(dk, dv, t, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready,
+                                         empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row,
+                                         off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
+                                         BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
+                                         DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM)
         else:
             blk = _fg._step_base(TAB, i, 0, LIST)
-            dk, dv = _dkdv_step(dk, dv, t, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty, turn,
-                                lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row, off_k, qk_scale, C, 2,
-                                INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM,
-                                bounds_smem, BOUNDS_SMEM)
-        return dk, dv
+            dk, dv, row = _dkdv_step(dk, dv, t, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty,
+                                     turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row, off_k,
+                                     qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                     s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
+                                     ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prev_row, DQ_LAG)
+        return dk, dv, row
 
     @gluon.jit
     def _last_deferred(acc, ds_c, ds16, op, empty, sl, DS_SMEM: gl.constexpr):
@@ -476,7 +521,8 @@ if gluon is not None:
                             PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr,
                             DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr,
-                            LIST: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr):
+                            LIST: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr, kv_read,
+                            DQ_LAG: gl.constexpr):
         """Work item ``item`` (:func:`_dkdv_item`, ring steps from ``tb``, its ``it``-th) for
         consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
         ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV; returns its steps.
@@ -565,6 +611,7 @@ if gluon is not None:
             sl = (tb + G * n_i - 1) % STAGES  # the last step's dK, then its slot (n_i >= 1: the tables say so)
             dk = _last_deferred(dk, ds_c, ds16, q_smem.index(sl), empty, sl, DS_SMEM)
         else:
+            prow = hq0 * q_len + i0 * BLOCK_M  # DQ_LAG: the previous step's dQ rows (none before the first)
             for g in range(G):
                 bh = (bh0 + g).to(gl.int64)
                 lse_row = LSE + bh * q_len
@@ -573,31 +620,40 @@ if gluon is not None:
                 dq_row = (hq0 + g) * q_len  # this head's rows of the dQ buffer's descriptor
                 if CAUSAL:
                     for u in gl.static_range(N_DIAG):
-                        dk, dv = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_smem, v_smem, ds_smem, ds_bar, q_smem,
-                                            do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
-                                            dq_smem, dq_row, off_k, qk_scale, C, 1, INTERVAL, ATOMIC_DQ, PINGPONG,
-                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
-                                            vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
-                                            BOUNDS_SMEM)
+                        dk, dv, prow = _dkdv_step(dk, dv, t0 + i0 + u, i0 + u, k_smem, v_smem, ds_smem, ds_bar,
+                                                  q_smem, do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
+                                                  hi_row, dq_desc, dq_smem, dq_row, off_k, qk_scale, C, 1, INTERVAL,
+                                                  ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                                  kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
+                                                  ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prow, DQ_LAG)
                 # in ring order: the masked lead (part 0), the full steps (1), the masked tail (2)
                 for part in gl.static_range(3):
                     if part == 1:
                         for i in range(i_full, i_tail):
                             blk = _fg._step_base(TAB, i, 0, LIST)
-                            dk, dv = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem,
-                                                ready, empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc,
-                                                dq_smem, dq_row, off_k, qk_scale, C, 0, INTERVAL, ATOMIC_DQ, PINGPONG,
-                                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, kv_layout, dq_layout,
-                                                vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem,
-                                                BOUNDS_SMEM)
+                            dk, dv, prow = _dkdv_step(dk, dv, t0 + i, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem,
+                                                      do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
+                                                      dq_desc, dq_smem, dq_row, off_k, qk_scale, C, 0, INTERVAL,
+                                                      ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                                      s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS,
+                                                      rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prow,
+                                                      DQ_LAG)
                     elif INTERVAL:
                         for i in range(i0 if part == 0 else i_tail, i_full if part == 0 else i0 + n_i):
-                            dk, dv = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem,
-                                                  do_smem, ready, empty, turn, lse_row, delta_row, lo_row, hi_row,
-                                                  dq_desc, dq_smem, dq_row, off_k, qk_scale, TAB, C, INTERVAL,
-                                                  ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                                  kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
-                                                  ROWS_SMEM, bounds_smem, BOUNDS_SMEM, LIST)
+                            dk, dv, prow = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem,
+                                                        do_smem, ready, empty, turn, lse_row, delta_row, lo_row,
+                                                        hi_row, dq_desc, dq_smem, dq_row, off_k, qk_scale, TAB, C,
+                                                        INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                        STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
+                                                        DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM, LIST,
+                                                        tb, prow, DQ_LAG)
+            if ATOMIC_DQ:
+                if DQ_LAG:  # the last step's dQ
+                    _dq_lag_flush(tb + G * n_i, k_smem, ds_smem, ds_bar, dq_desc, dq_smem, prow, C, BLOCK_M,
+                                  dq_layout, DQ_CHUNK, DQ_BUFS)
+                # the other group's last dQ products read this group's K slot: both done before dK goes there
+                mbarrier.arrive(kv_read)
+                mbarrier.wait(kv_read, it & 1)
         if DIRECT_STORE:  # dK, dV (any dtype) from the registers
             b64 = b.to(gl.int64)
             hk64 = hk.to(gl.int64)
@@ -627,7 +683,7 @@ if gluon is not None:
                        PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr,
                        DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, LIST: gl.constexpr,
-                       bounds_smem, BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr):
+                       bounds_smem, BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr, kv_read, DQ_LAG: gl.constexpr):
         """Consumer ``C`` (a warp group): its program's work items (:func:`_dkdv_consumer_item`);
         ring steps (ping-pong turns, dSᵀ buffers) count on across them. One program per item runs
         the item without the loop (fewer values live across the steps)."""
@@ -645,7 +701,7 @@ if gluon is not None:
                     LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                     stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ,
                     PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS,
-                    DIRECT_STORE, rows_smem, ROWS_SMEM, LIST, bounds_smem, BOUNDS_SMEM)
+                    DIRECT_STORE, rows_smem, ROWS_SMEM, LIST, bounds_smem, BOUNDS_SMEM, kv_read, DQ_LAG)
                 it += 1
         else:
             _dkdv_consumer_item(
@@ -654,7 +710,7 @@ if gluon is not None:
                 qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR,
                 PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                LIST, bounds_smem, BOUNDS_SMEM)
+                LIST, bounds_smem, BOUNDS_SMEM, kv_read, DQ_LAG)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
                                   "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dk_rb", "dk_rh", "dk_ch",
@@ -674,7 +730,7 @@ if gluon is not None:
                              PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
                              ROWS_SMEM: gl.constexpr = False, LIST: gl.constexpr = False,
                              BOUNDS_SMEM: gl.constexpr = False, DEALT: gl.constexpr = False,
-                             KV_REP: gl.constexpr = 1):
+                             KV_REP: gl.constexpr = 1, DQ_LAG: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
         items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
@@ -710,13 +766,18 @@ if gluon is not None:
         ``KV_REP``: item head ``hk`` reads K and V of head ``hk // KV_REP`` (``K/V (B, H // G //
         KV_REP, Lk, D)``) and writes its own dK/dV: with ``G = 1`` and ``KV_REP`` the GQA group size,
         one item per query head over the shared K/V, whose per-query-head dK/dV the caller sums per
-        group (``ops/select._gluon_bwd_mode``, ``"list+per_head_dkdv"``)."""
+        group (``ops/select._gluon_bwd_mode``, ``"list+per_head_dkdv"``).
+
+        ``DQ_LAG`` (with ``ATOMIC_DQ``): each step's dQ product is issued in the next step, from
+        three dSᵀ buffers, so the two groups meet one step apart instead of in every step (one
+        staging tile per group at d 128 makes room for the third buffer)."""
         gl.static_assert(not CAUSAL or (2 * BLOCK_N) % BLOCK_M == 0, "causal needs BLOCK_M | 2·BLOCK_N")
         gl.static_assert(not (CAUSAL and INTERVAL), "CAUSAL and INTERVAL exclude each other")
         gl.static_assert(OVERLAP == 0 or (STAGES >= 2 and not ATOMIC_DQ), "OVERLAP needs 2+ stages, no ATOMIC_DQ")
         gl.static_assert(OVERLAP == 0 or not ROWS_SMEM, "ROWS_SMEM is not read by the OVERLAP steps")
         gl.static_assert(not LIST or (INTERVAL and not ATOMIC_DQ), "lists need the interval mode")
         gl.static_assert(not BOUNDS_SMEM or (ROWS_SMEM and INTERVAL), "BOUNDS_SMEM stages with ROWS_SMEM")
+        gl.static_assert(not DQ_LAG or ATOMIC_DQ, "DQ_LAG needs ATOMIC_DQ")
         DQ_CHUNK: gl.constexpr = HEAD_DIM // 2  # ATOMIC_DQ: dQ columns per consumer group
         HKV = H // G
         BH = n_items // n_prog
@@ -778,8 +839,8 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_layout)
-        if ATOMIC_DQ:  # two buffers of both groups' dSᵀ tiles (buffer b: tiles 2·b, 2·b + 1)
-            ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], ds_layout)
+        if ATOMIC_DQ:  # two (DQ_LAG: three) buffers of both groups' dSᵀ tiles (buffer b: tiles 2·b, 2·b + 1)
+            ds_smem = gl.allocate_shared_memory(dtype, [6 if DQ_LAG else 4, BLOCK_N, BLOCK_M], ds_layout)
         elif OVERLAP == 2:  # one dSᵀ tile per consumer group
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         else:  # not read: a minimal placeholder
@@ -788,7 +849,7 @@ if gluon is not None:
         # ATOMIC_DQ: per consumer group DQ_BUFS fp32 tiles (two where they take at most 16 KB each),
         # reduce-added into DQA through a descriptor over the group's heads (rows g·Lq + i·BLOCK_M)
         # or, persistent, over every head (rows (b·H + h)·Lq + i·BLOCK_M)
-        DQ_BUFS: gl.constexpr = 2 if BLOCK_M * DQ_CHUNK <= 4096 else 1
+        DQ_BUFS: gl.constexpr = 2 if BLOCK_M * DQ_CHUNK <= (2048 if DQ_LAG else 4096) else 1
         if ATOMIC_DQ:
             dqs_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_CHUNK], gl.float32)
             dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, BLOCK_M, DQ_CHUNK], dqs_layout)
@@ -829,8 +890,9 @@ if gluon is not None:
             bounds_smem = 0
             lo_desc = 0
             hi_desc = 0
-        # ATOMIC_DQ: dS buffer b written by both groups
-        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # ATOMIC_DQ: dS buffer b written by both groups; kv_read: both groups' products of an item are done
+        ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        kv_read = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -843,8 +905,9 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
-        for s in gl.static_range(2):
+        for s in gl.static_range(3):
             mbarrier.init(ds_bar.index(s), count=2)
+        mbarrier.init(kv_read, count=2)
         fence_async_shared()
         first = gl.program_id(0)
         gl.warp_specialize([
@@ -855,7 +918,7 @@ if gluon is not None:
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST, bounds_smem, BOUNDS_SMEM, DEALT)),
+                              LIST, bounds_smem, BOUNDS_SMEM, DEALT, kv_read, DQ_LAG)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, DEAL, q_smem, do_smem, k_smem,
                               v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
@@ -863,7 +926,7 @@ if gluon is not None:
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST, bounds_smem, BOUNDS_SMEM, DEALT)),
+                              LIST, bounds_smem, BOUNDS_SMEM, DEALT, kv_read, DQ_LAG)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
                               ready, empty, TAB, ORD, DEAL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
                               v_rb, v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,

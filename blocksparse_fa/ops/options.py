@@ -186,7 +186,15 @@ class GluonBwdConfig:
     key tiles to the programs by their work, longest first to the least loaded program, where that
     shortens the most loaded program's work by 5 % or more (a global or prefix key tile that
     every row visits is one item: dealt every grid-th, the programs that draw one finish last);
-    False: every grid-th item. Same gradients bit for bit."""
+    False: every grid-th item. Same gradients bit for bit.
+
+    ``dq_lag`` (the five-GEMM kernel): each step's dQ product is issued in the next step, so that
+    the two consumer groups wait for each other's dSᵀ one step apart rather than in every step
+    (three dSᵀ buffers; at d 128 one dQ staging tile per group instead of two). The same dK and
+    dV bit for bit, dQ's sums added in another order. None (default): at head dim 64, where the
+    dK/dV kernel took 7-11 % less GPU time on dense and causal layouts and 4.5 % on packed
+    documents (H200, 16K); at d 128 the differences stayed within the runs' noise
+    (``benchmarks/NOTES.md`` section 29)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -207,13 +215,14 @@ class GluonBwdConfig:
     rows_smem: bool = True
     bounds_smem: bool | None = None
     deal: bool = True
+    dq_lag: bool | None = None
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
         for name in ("overlap", "dq_overlap"):
             if getattr(self, name) not in (0, 1, 2):
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected 0, 1 or 2")
-        for name in ("persistent", "dkdv_persistent"):
+        for name in ("persistent", "dkdv_persistent", "dq_lag"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"GluonBwdConfig({name}={value!r}): expected True, False or None")

@@ -198,7 +198,7 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
         PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=rows_smem, LIST=lists,
         BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64),
-        DEALT=dealt is not None, KV_REP=kv_rep, num_warps=4)
+        DEALT=dealt is not None, KV_REP=kv_rep, DQ_LAG=atomic and _on(cfg.dq_lag, s.D == 64), num_warps=4)
     if atomic:
         _launch(_dq_finish, (_cdiv(s.Lq, 64), s.B * s.H), (dq, dqa, lse, *dq.stride()[:3], s.H, s.Lq, scale), 8,
                 q.device, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False, num_warps=4)
