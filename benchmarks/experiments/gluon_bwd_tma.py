@@ -223,6 +223,8 @@ class _Child:
         for name, (bwd, fb) in timed.items():
             rec[f"{name}_bwd_ms"] = sorted(got[name][0])[passes // 2]
             rec[f"{name}_fwdbwd_ms"] = sorted(got[name][1])[passes // 2]
+            rec[f"{name}_passes_ms"] = {"bwd": [round(x, 4) for x in got[name][0]],
+                                        "fwdbwd": [round(x, 4) for x in got[name][1]]}  # the spread
             if os.environ.get("BSFA_PROFILE") == "1":
                 rec[f"{name}_kernels_ms"] = kernel_ms(torch, fb)
         timed.clear()
