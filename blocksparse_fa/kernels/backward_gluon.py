@@ -226,6 +226,17 @@ if gluon is not None:
         _tma_reduce_add(dq_desc, [row, col], dq_buf)
 
     @gluon.jit
+    def _dq_products(ds_all, k_all, b, C: gl.constexpr, BLOCK_M: gl.constexpr, DQ_CHUNK: gl.constexpr,
+                     dq_layout: gl.constexpr):
+        """dQ's columns ``[C·DQ_CHUNK, (C+1)·DQ_CHUNK)`` over both groups' keys, from the dSᵀ tiles
+        of buffer ``b`` (``ds_all[2·b]``, ``ds_all[2·b + 1]``): two products issued, not awaited."""
+        zq = gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_all.index(2 * b).permute((1, 0)), k_all.index(0).slice(C * DQ_CHUNK, DQ_CHUNK, dim=1),
+                           zq, use_acc=False, is_async=True)
+        return warpgroup_mma(ds_all.index(2 * b + 1).permute((1, 0)),
+                             k_all.index(1).slice(C * DQ_CHUNK, DQ_CHUNK, dim=1), dq, is_async=True)
+
+    @gluon.jit
     def _masked_t(pt, i, off_k, lo, hi, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   s_layout: gl.constexpr):
         """``Pᵀ`` of query block ``i`` against keys ``off_k ..`` with the dropped entries zeroed:
@@ -330,7 +341,6 @@ if gluon is not None:
         ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
         cur_row = dq_row0 + i * BLOCK_M
         if ATOMIC_DQ and DQ_LAG:
-            HALF_L: gl.constexpr = DQ_CHUNK
             b = t % 3
             bp = (t + 2) % 3
             # the other group's dSᵀ of step t - 1: it wrote it after finishing step t - 2, whose
@@ -340,15 +350,11 @@ if gluon is not None:
             ds_all.index(2 * b + C).store(dst)
             fence_async_shared()
             mbarrier.arrive(ds_bar.index(b))
-            zq = gl.zeros([BLOCK_M, HALF_L], dtype=gl.float32, layout=dq_layout)
-            dq = warpgroup_mma(ds_all.index(2 * bp).permute((1, 0)), k_all.index(0).slice(C * HALF_L, HALF_L, dim=1),
-                               zq, use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_all.index(2 * bp + 1).permute((1, 0)),
-                               k_all.index(1).slice(C * HALF_L, HALF_L, dim=1), dq, is_async=True)
+            dq = _dq_products(ds_all, k_all, bp, C, BLOCK_M, DQ_CHUNK, dq_layout)
             dk = warpgroup_mma(ds16, q, dk, is_async=True)
             dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
             dq = gl.where(lagged, dq, 0.0)  # the item's first step: the buffer holds another item's dSᵀ
-            _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), prev_row, C * HALF_L, DQ_BUFS)
+            _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), prev_row, C * DQ_CHUNK, DQ_BUFS)
             dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
             mbarrier.arrive(empty.index(s))
         elif ATOMIC_DQ:
@@ -364,11 +370,7 @@ if gluon is not None:
             fence_async_shared()
             mbarrier.arrive(ds_bar.index(b))
             mbarrier.wait(ds_bar.index(b), (t // 2) & 1)
-            zq = gl.zeros([BLOCK_M, HALF], dtype=gl.float32, layout=dq_layout)
-            dq = warpgroup_mma(ds_all.index(2 * b).permute((1, 0)), k_all.index(0).slice(C * HALF, HALF, dim=1), zq,
-                               use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_all.index(2 * b + 1).permute((1, 0)), k_all.index(1).slice(C * HALF, HALF, dim=1),
-                               dq, is_async=True)
+            dq = _dq_products(ds_all, k_all, b, C, BLOCK_M, DQ_CHUNK, dq_layout)
             dk = warpgroup_mma(ds16, q, dk, is_async=True)
             # in flight, in order: dV, the two dQ products, dK
             dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
@@ -389,11 +391,7 @@ if gluon is not None:
         other group's dSᵀ of that step is in buffer ``(t - 1) % 3``."""
         bp = (t + 2) % 3
         mbarrier.wait(ds_bar.index(bp), ((t - 1) // 3) & 1)
-        zq = gl.zeros([BLOCK_M, DQ_CHUNK], dtype=gl.float32, layout=dq_layout)
-        dq = warpgroup_mma(ds_all.index(2 * bp).permute((1, 0)), k_all.index(0).slice(C * DQ_CHUNK, DQ_CHUNK, dim=1),
-                           zq, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_all.index(2 * bp + 1).permute((1, 0)),
-                           k_all.index(1).slice(C * DQ_CHUNK, DQ_CHUNK, dim=1), dq, is_async=True)
+        dq = _dq_products(ds_all, k_all, bp, C, BLOCK_M, DQ_CHUNK, dq_layout)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), prev_row, C * DQ_CHUNK, DQ_BUFS)
 
