@@ -340,42 +340,38 @@ if gluon is not None:
         dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
         ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
         cur_row = dq_row0 + i * BLOCK_M
-        if ATOMIC_DQ and DQ_LAG:
-            b = t % 3
-            bp = (t + 2) % 3
-            # the other group's dSᵀ of step t - 1: it wrote it after finishing step t - 2, whose
-            # dQ products read buffer b (step t - 3) for the last time, so b is free
-            lagged = t > tb
-            mbarrier.wait(ds_bar.index(bp), ((t - 1) // 3) & 1, pred=lagged)
-            ds_all.index(2 * b + C).store(dst)
-            fence_async_shared()
-            mbarrier.arrive(ds_bar.index(b))
-            dq = _dq_products(ds_all, k_all, bp, C, BLOCK_M, DQ_CHUNK, dq_layout)
-            dk = warpgroup_mma(ds16, q, dk, is_async=True)
-            dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
-            dq = gl.where(lagged, dq, 0.0)  # the item's first step: the buffer holds another item's dSᵀ
-            _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), prev_row, C * DQ_CHUNK, DQ_BUFS)
-            dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
-            mbarrier.arrive(empty.index(s))
-        elif ATOMIC_DQ:
+        if ATOMIC_DQ:
             # both groups' dSᵀ meet in shared buffer b; this group computes dQ's columns
-            # [C·HALF, (C+1)·HALF) over the program's 2·BLOCK_N keys, issued before dK so that its
-            # reduce-add is staged while dK runs
-            HALF: gl.constexpr = DQ_CHUNK
-            b = t % 2
-            # buffer b was last read by both groups' dQ products two steps ago; no wait: the other
+            # [C·DQ_CHUNK, (C+1)·DQ_CHUNK) over the program's 2·BLOCK_N keys, issued before dK so
+            # that its reduce-add is staged while dK runs. Without DQ_LAG: of this step, from buffer
+            # b = t % 2, last read by both groups' dQ products two steps ago (no wait: the other
             # group retired those reads before it said, in step t - 1, that its dSᵀ was written,
-            # which this group awaited
+            # which this group awaited). With it: of step t - 1, from buffer (t - 1) % 3, after the
+            # other group's dSᵀ of step t - 1 is in; that group wrote it after finishing step
+            # t - 2, whose dQ products read buffer t % 3 (step t - 3) for the last time.
+            NB: gl.constexpr = 3 if DQ_LAG else 2
+            b = t % NB
+            if DQ_LAG:
+                bq = (t + 2) % 3
+                lagged = t > tb
+                mbarrier.wait(ds_bar.index(bq), ((t - 1) // 3) & 1, pred=lagged)
+            else:
+                bq = b
             ds_all.index(2 * b + C).store(dst)
             fence_async_shared()
             mbarrier.arrive(ds_bar.index(b))
-            mbarrier.wait(ds_bar.index(b), (t // 2) & 1)
-            dq = _dq_products(ds_all, k_all, b, C, BLOCK_M, DQ_CHUNK, dq_layout)
+            if not DQ_LAG:
+                mbarrier.wait(ds_bar.index(b), (t // 2) & 1)
+            dq = _dq_products(ds_all, k_all, bq, C, BLOCK_M, DQ_CHUNK, dq_layout)
             dk = warpgroup_mma(ds16, q, dk, is_async=True)
             # in flight, in order: dV, the two dQ products, dK
             dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
-            _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), dq_row0 + i * BLOCK_M, C * HALF,
-                        DQ_BUFS)
+            if DQ_LAG:
+                dq = gl.where(lagged, dq, 0.0)  # the item's first step: the buffer holds another item's dSᵀ
+                dq_row = prev_row
+            else:
+                dq_row = dq_row0 + i * BLOCK_M
+            _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), dq_row, C * DQ_CHUNK, DQ_BUFS)
             dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
             mbarrier.arrive(empty.index(s))
         else:
