@@ -5,6 +5,7 @@ H100 and records the result)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -481,9 +482,12 @@ def test_gluon_backward_float32_and_direct_stores(kind):
         with select.record() as ran:
             g = tb.triton_backward(q, k, v, out, lse, do, layout, s, scale, 0.0, 0, grad_dtype=gd, opts=opts)
         assert all(c.startswith("gluon:") for _, c in ran), ran
-        return g
+        return g, ran[-1][1].split(":", 1)[1]
 
-    base, f32, direct = run(), run(torch.float32), run(direct_store=True)
+    (base, mode), (f32, _) = run(), run(torch.float32)
+    # the default call's tiles (``select.GLUON_BWD_DEFAULTS`` by mode), stored from the registers
+    fields = dataclasses.asdict(select.gluon_bwd_config(KernelOptions(), mode, 128))
+    direct, _ = run(**{**fields, "direct_store": True})
     assert all(g.dtype == torch.float32 for g in f32) and all(g.dtype == q.dtype for g in direct)
     for name, a, b, r in zip(("dq", "dk", "dv"), base, f32, ref):
         err = ((a.double() - r).abs().max() / r.abs().max()).item()

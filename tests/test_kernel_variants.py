@@ -546,6 +546,50 @@ def test_gluon_dq_lag_constexpr(monkeypatch):
         GluonBwdConfig(dq_lag=1)
 
 
+def test_gluon_bwd_step_constexprs(monkeypatch):
+    """The dK/dV launch passes ``GluonBwdConfig``'s accumulator starts (``ROWS_ACC``; 2 only for a
+    positive scale, which it divides by), the late dV product (``LATE_DV``; None: 128-row steps) and
+    dK's shared dSᵀ (``DK_DS_SMEM``, five-GEMM only); ``select.gluon_bwd_config`` gives the five-GEMM
+    modes at head dim 64 128-row steps with all three, and a call's ``gluon_bwd`` wins; the config
+    refuses values outside its fields' sets."""
+    from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
+    from blocksparse_fa.ops.select import Hardware
+    from blocksparse_fa.ops.validate import Shapes
+
+    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
+    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
+    monkeypatch.setattr(tb.call_memo, "vouch", lambda: None)
+    seen = []
+    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((fn, c)))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    lse = torch.empty(2, 256, device="meta")
+
+    def consts(cfg, atomic=True, scale=0.1, d=64):
+        seen.clear()
+        q = torch.empty(1, 2, 256, d, **meta)
+        tb._gluon_bwd_launch(q, q, q, q, [torch.empty_like(q)] * 3, lse, lse, Shapes(1, 2, 2, 256, 256, d), scale,
+                             True, atomic, cfg)
+        (fn, c), = [x for x in seen if x[0] is tb._bg._attn_bwd_dkdv_gluon]
+        return c["ROWS_ACC"], c["LATE_DV"], c["DK_DS_SMEM"], c["BLOCK_M"]
+
+    assert consts(GluonBwdConfig()) == (0, False, False, 64)
+    d64 = select.gluon_bwd_config(KernelOptions(), "causal+atomic_dq", 64)
+    assert consts(d64) == (2, True, False, 128)
+    assert consts(GluonBwdConfig(block_m=128, rows_acc=2, dk_ds_smem=True)) == (2, True, True, 128)
+    assert consts(GluonBwdConfig(dk_ds_smem=True), atomic=False) == (0, False, False, 64)
+    assert consts(d64, scale=-0.1) == (1, True, False, 128)  # -LSE/scale needs a positive scale
+    assert consts(GluonBwdConfig(block_m=128, late_dv=False)) == (0, False, False, 128)
+    assert select.gluon_bwd_config(KernelOptions(), "dense+atomic_dq", 64) == d64
+    assert consts(select.gluon_bwd_config(KernelOptions(), "dense+atomic_dq", 128), d=128) == (2, False, False, 64)
+    for mode, d in (("causal+atomic_dq", 128), ("causal", 64), ("interval+atomic_dq", 64), ("dense", 128)):
+        assert select.gluon_bwd_config(KernelOptions(), mode, d) == GluonBwdConfig()
+    mine = GluonBwdConfig(stages=3)
+    assert select.gluon_bwd_config(KernelOptions(gluon_bwd=mine), "causal+atomic_dq", 64) is mine
+    for bad, match in ((dict(rows_acc=3), "rows_acc"), (dict(late_dv=1), "late_dv"), (dict(dk_ds_smem=None), "dk_ds_smem")):
+        with pytest.raises(ValueError, match=match):
+            GluonBwdConfig(**bad)
+
+
 def test_list_dkdv_launch_takes_a_deal_table(monkeypatch):
     """The list mode's persistent dK/dV launch reads a deal table (``DEALT``) where the host knows
     the key tiles' work and they differ (Longformer's global key tile), tile-major, and so do the

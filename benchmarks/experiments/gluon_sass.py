@@ -56,7 +56,8 @@ def compile_gluon(d=128, bm=64, bn=128, stages=2, causal=False, pingpong=True, o
 def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False, atomic=False, producer_regs=24,
                       consumer_regs=240, dtype="bf16", pingpong=False, overlap=False, interval=False,
                       out_f32=False, direct=False, persistent=False, rows_smem=False, lists=False,
-                      two=False, bounds_smem=False, dealt=False, dq_lag=False):
+                      two=False, bounds_smem=False, dealt=False, dq_lag=False, rows_acc=0, late_dv=False,
+                      dk_ds_smem=False):
     """Compile ``_attn_bwd_dkdv_gluon`` (``kernel="dkdv"``) or ``_attn_bwd_dq_gluon`` (``"dq"``);
     ``interval``: their one-interval-per-row mode; ``out_f32``: float32 gradients; ``direct``: stored
     from the registers (``DIRECT_STORE``); ``lists``: the interval mode over block lists (``LIST``),
@@ -68,7 +69,8 @@ def compile_gluon_bwd(kernel="dkdv", d=128, bm=64, bn=64, stages=2, causal=False
     if kernel == "dkdv":
         fn = bg._attn_bwd_dkdv_gluon
         consts = dict(ATOMIC_DQ=atomic, PERSISTENT=persistent, M_MAJOR=persistent and interval, ROWS_SMEM=rows_smem,
-                      BOUNDS_SMEM=bounds_smem, DEALT=dealt, DQ_LAG=dq_lag)
+                      BOUNDS_SMEM=bounds_smem, DEALT=dealt, DQ_LAG=dq_lag, ROWS_ACC=rows_acc, LATE_DV=late_dv,
+                      DK_DS_SMEM=dk_ds_smem and atomic)
         g = "fp32" if out_f32 else dtype
         ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, DK=g, DV=g, DQA="fp32", LSE="fp32", DELTA="fp32")
     else:
@@ -121,6 +123,11 @@ def main():
     ap.add_argument("--bounds-smem", action="store_true", help="dK/dV kernel: interval bounds staged (BOUNDS_SMEM)")
     ap.add_argument("--dq-lag", action="store_true", help="dK/dV kernel, --atomic: dQ issued a step late (DQ_LAG)")
     ap.add_argument("--dealt", action="store_true", help="persistent: items from a deal table (DEALT)")
+    ap.add_argument("--rows-acc", type=int, default=0, choices=[0, 1, 2],
+                    help="dK/dV kernel: Δ (1), and -LSE/scale (2), as the accumulators' start (ROWS_ACC)")
+    ap.add_argument("--late-dv", action="store_true", help="dK/dV kernel: dV's product after dSᵀ (LATE_DV)")
+    ap.add_argument("--dk-ds-smem", action="store_true",
+                    help="dK/dV kernel, --atomic: dK's product reads dSᵀ from shared memory (DK_DS_SMEM)")
     ap.add_argument("--segments", action="store_true", help="forward, persistent interval: segment tiles (SEGMENTS)")
     ap.add_argument("--q-bufs", type=int, default=1, choices=[1, 2], help="forward, persistent: sets of Q tiles")
     a = ap.parse_args()
@@ -131,7 +138,8 @@ def main():
                                dtype=a.dtype, pingpong=a.bwd_pingpong, overlap=a.bwd_overlap,
                                interval=a.interval, out_f32=a.out_f32, direct=a.direct,
                                persistent=a.persistent, rows_smem=a.rows_smem, lists=a.list, two=a.two,
-                               bounds_smem=a.bounds_smem, dealt=a.dealt, dq_lag=a.dq_lag)
+                               bounds_smem=a.bounds_smem, dealt=a.dealt, dq_lag=a.dq_lag, rows_acc=a.rows_acc,
+                               late_dv=a.late_dv, dk_ds_smem=a.dk_ds_smem)
     else:
         ck = compile_gluon(a.d, a.bm, a.bn, a.stages, a.causal, not a.no_pingpong, not a.no_overlap,
                            consumer_regs=a.consumer_regs, dtype=a.dtype, interval=a.interval,

@@ -260,6 +260,15 @@ if gluon is not None:
         return lse
 
     @gluon.jit
+    def _rows_vec(rows_smem, idx, vec, ROWS_SMEM: gl.constexpr, s_layout: gl.constexpr):
+        """A query block's logsumexp or Δ in the score tile's row layout: tile ``idx`` of the slot's
+        staged rows (``ROWS_SMEM``, no conversion) or ``vec`` (loaded by :func:`_step_rows`) converted."""
+        if ROWS_SMEM:
+            return rows_smem.index(idx).load(gl.SliceLayout(0, s_layout))
+        else:
+            return gl.convert_layout(vec, gl.SliceLayout(0, s_layout))
+
+    @gluon.jit
     def _step_rows(lse_row, delta_row, lo_row, hi_row, i, MASK: gl.constexpr, INTERVAL: gl.constexpr,
                    BLOCK_M: gl.constexpr, vec_layout: gl.constexpr, ROWS_SMEM: gl.constexpr = False,
                    BOUNDS_SMEM: gl.constexpr = False):
@@ -290,7 +299,8 @@ if gluon is not None:
                    s_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
                    vec_layout: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, rows_smem,
                    ROWS_SMEM: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr, tb=0, prev_row=0,
-                   DQ_LAG: gl.constexpr = False):
+                   DQ_LAG: gl.constexpr = False, ROWS_ACC: gl.constexpr = 0, LATE_DV: gl.constexpr = False,
+                   DK_DS_SMEM: gl.constexpr = False):
         """Query block ``i`` (ring step ``t``) for one consumer's keys ``off_k ..``; ``ROWS_SMEM``:
         its rows' logsumexp and Δ come with Q and dO in slot ``t % STAGES`` of ``rows_smem``
         (tiles ``2·s`` and ``2·s + 1``), read where they are used. With
@@ -314,31 +324,49 @@ if gluon is not None:
         zero = gl.zeros([BLOCK_N, BLOCK_M], dtype=gl.float32, layout=s_layout)
         if PINGPONG:  # my turn to issue: the other group has issued its previous step's first products
             mbarrier.wait(turn.index(C), t & 1)
-        st = warpgroup_mma(k_c, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if ROWS_ACC == 2:  # Sᵀ's accumulator starts at -LSE / scale: Pᵀ = exp2(qk_scale · Sᵀ)
+            lse0 = _rows_vec(rows_smem, 2 * s, lse, ROWS_SMEM, s_layout)
+            lse0 = _finite_lse(lse0, INTERVAL) * (1.4426950408889634 / qk_scale)
+            st = warpgroup_mma(k_c, q.permute((1, 0)), zero - gl.expand_dims(lse0, 0), is_async=True)
+        else:
+            st = warpgroup_mma(k_c, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if ROWS_ACC > 0:  # dPᵀ's accumulator starts at -Δ: it ends as dPᵀ - Δ
+            dlt0 = _rows_vec(rows_smem, 2 * s + 1, delta, ROWS_SMEM, s_layout)
+            dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero - gl.expand_dims(dlt0, 0), is_async=True)
+        else:
+            dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         if PINGPONG:  # pass the turn: the other group issues while this one computes Pᵀ
             mbarrier.arrive(turn.index(1 - C))
-        if ROWS_SMEM:  # read in the score tile's row layout: no conversion
-            lse2 = _finite_lse(rows_smem.index(2 * s).load(gl.SliceLayout(0, s_layout)), INTERVAL) * 1.4426950408889634
-        else:
-            lse2 = gl.convert_layout(lse, gl.SliceLayout(0, s_layout)) * 1.4426950408889634
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if ROWS_ACC == 2:
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+            pt = gl.exp2(st * qk_scale)
+        else:  # with ROWS_SMEM read in the score tile's row layout: no conversion
+            lse2 = _finite_lse(_rows_vec(rows_smem, 2 * s, lse, ROWS_SMEM, s_layout), INTERVAL) * 1.4426950408889634
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         if MASK > 0:
             if BOUNDS_SMEM and MASK == 2:  # staged with Q and dO, read in the score tile's row layout
                 lo = bounds_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
                 hi = bounds_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
             pt = _masked_t(pt, i, off_k, lo, hi, MASK, BLOCK_M, BLOCK_N, s_layout)
         dtype: gl.constexpr = k_c.dtype
-        pt16 = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
-        dv = warpgroup_mma(pt16, do, dv, is_async=True)
-        if ROWS_SMEM:
-            dlt = rows_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        if not LATE_DV:
+            pt16 = gl.convert_layout(pt.to(dtype), p_op)
+            dv = warpgroup_mma(pt16, do, dv, is_async=True)
+        if ROWS_ACC == 0:
+            dlt = _rows_vec(rows_smem, 2 * s + 1, delta, ROWS_SMEM, s_layout)
+        if LATE_DV:  # dV's product after dSᵀ: Pᵀ's 16-bit operand is not held while dSᵀ is computed
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
         else:
-            dlt = gl.convert_layout(delta, gl.SliceLayout(0, s_layout))
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-        dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
-        ds16 = gl.convert_layout(dst, gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        if ROWS_ACC > 0:
+            dst = (pt * dpt).to(dtype)
+        else:
+            dst = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
+        if LATE_DV:
+            pt16 = gl.convert_layout(pt.to(dtype), p_op)
+            dv = warpgroup_mma(pt16, do, dv, is_async=True)
         cur_row = dq_row0 + i * BLOCK_M
         if ATOMIC_DQ:
             # both groups' dSᵀ meet in shared buffer b; this group computes dQ's columns
@@ -363,7 +391,11 @@ if gluon is not None:
             if not DQ_LAG:
                 mbarrier.wait(ds_bar.index(b), (t // 2) & 1)
             dq = _dq_products(ds_all, k_all, bq, C, BLOCK_M, DQ_CHUNK, dq_layout)
-            dk = warpgroup_mma(ds16, q, dk, is_async=True)
+            if DK_DS_SMEM:  # dSᵀ from the shared tile just written: its registers are free
+                ds_op = ds_all.index(2 * b + C)
+            else:
+                ds_op = gl.convert_layout(dst, p_op)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
             # in flight, in order: dV, the two dQ products, dK
             dv, dq, _ = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
             if DQ_LAG:
@@ -372,9 +404,10 @@ if gluon is not None:
             else:
                 dq_row = dq_row0 + i * BLOCK_M
             _dq_tma_add(dq, dq_desc, dq_smem.index(C * DQ_BUFS + t % DQ_BUFS), dq_row, C * DQ_CHUNK, DQ_BUFS)
-            dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16))
+            dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_op))
             mbarrier.arrive(empty.index(s))
         else:
+            ds16 = gl.convert_layout(dst, p_op)
             dk = warpgroup_mma(ds16, q, dk, is_async=True)
             dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, ds16))
             mbarrier.arrive(empty.index(s))
@@ -410,7 +443,8 @@ if gluon is not None:
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, vec_layout: gl.constexpr,
                      DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, bounds_smem,
-                     BOUNDS_SMEM: gl.constexpr, LIST: gl.constexpr, tb=0, prev_row=0, DQ_LAG: gl.constexpr = False):
+                     BOUNDS_SMEM: gl.constexpr, LIST: gl.constexpr, tb=0, prev_row=0, DQ_LAG: gl.constexpr = False,
+                     ROWS_ACC: gl.constexpr = 0, LATE_DV: gl.constexpr = False, DK_DS_SMEM: gl.constexpr = False):
         """A masked step at table position ``i`` (ring step ``t``); with ``LIST`` the entry's skip
         bit for consumer ``C`` (bit ``24 + C``) makes it :func:`_pass_step` instead. Returns as
         :func:`_dkdv_step`."""
@@ -425,14 +459,16 @@ if gluon is not None:
                                          empty, turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row,
                                          off_k, qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M,
                                          BLOCK_N, STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
-                                         DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM)
+                                         DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM,
+                                         ROWS_ACC=ROWS_ACC, LATE_DV=LATE_DV)
         else:
             blk = _fg._step_base(TAB, i, 0, LIST)
             dk, dv, row = _dkdv_step(dk, dv, t, blk, k_smem, v_smem, ds_smem, ds_bar, q_smem, do_smem, ready, empty,
                                      turn, lse_row, delta_row, lo_row, hi_row, dq_desc, dq_smem, dq_row, off_k,
                                      qk_scale, C, 2, INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                                      s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
-                                     ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prev_row, DQ_LAG)
+                                     ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prev_row, DQ_LAG, ROWS_ACC, LATE_DV,
+                                     DK_DS_SMEM)
         return dk, dv, row
 
     @gluon.jit
@@ -516,7 +552,8 @@ if gluon is not None:
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr,
                             DQ_BUFS: gl.constexpr, DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr,
                             LIST: gl.constexpr, bounds_smem, BOUNDS_SMEM: gl.constexpr, kv_read,
-                            DQ_LAG: gl.constexpr):
+                            DQ_LAG: gl.constexpr, ROWS_ACC: gl.constexpr, LATE_DV: gl.constexpr,
+                            DK_DS_SMEM: gl.constexpr):
         """Work item ``item`` (:func:`_dkdv_item`, ring steps from ``tb``, its ``it``-th) for
         consumer ``C`` (a warp group): keys ``off_n + C·BLOCK_N ..`` against query blocks
         ``i0 .. i0 + n_i - 1`` of every head of the group, then dK and dV; returns its steps.
@@ -619,7 +656,8 @@ if gluon is not None:
                                                   hi_row, dq_desc, dq_smem, dq_row, off_k, qk_scale, C, 1, INTERVAL,
                                                   ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout,
                                                   kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS, rows_smem,
-                                                  ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prow, DQ_LAG)
+                                                  ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prow, DQ_LAG, ROWS_ACC,
+                                                  LATE_DV, DK_DS_SMEM)
                 # in ring order: the masked lead (part 0), the full steps (1), the masked tail (2)
                 for part in gl.static_range(3):
                     if part == 1:
@@ -631,7 +669,7 @@ if gluon is not None:
                                                       ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                                                       s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK, DQ_BUFS,
                                                       rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM, tb, prow,
-                                                      DQ_LAG)
+                                                      DQ_LAG, ROWS_ACC, LATE_DV, DK_DS_SMEM)
                     elif INTERVAL:
                         for i in range(i0 if part == 0 else i_tail, i_full if part == 0 else i0 + n_i):
                             dk, dv, prow = _dkdv_masked(dk, dv, t0 + i, i, k_smem, v_smem, ds_smem, ds_bar, q_smem,
@@ -640,7 +678,7 @@ if gluon is not None:
                                                         INTERVAL, ATOMIC_DQ, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                                                         STAGES, s_layout, kv_layout, dq_layout, vec_layout, DQ_CHUNK,
                                                         DQ_BUFS, rows_smem, ROWS_SMEM, bounds_smem, BOUNDS_SMEM, LIST,
-                                                        tb, prow, DQ_LAG)
+                                                        tb, prow, DQ_LAG, ROWS_ACC, LATE_DV, DK_DS_SMEM)
             if ATOMIC_DQ:
                 if DQ_LAG:  # the last step's dQ
                     _dq_lag_flush(tb + G * n_i, k_smem, ds_smem, ds_bar, dq_desc, dq_smem, prow, C, BLOCK_M,
@@ -677,7 +715,8 @@ if gluon is not None:
                        PERSISTENT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, DQ_BUFS: gl.constexpr,
                        DIRECT_STORE: gl.constexpr, rows_smem, ROWS_SMEM: gl.constexpr, LIST: gl.constexpr,
-                       bounds_smem, BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr, kv_read, DQ_LAG: gl.constexpr):
+                       bounds_smem, BOUNDS_SMEM: gl.constexpr, DEALT: gl.constexpr, kv_read, DQ_LAG: gl.constexpr,
+                       ROWS_ACC: gl.constexpr, LATE_DV: gl.constexpr, DK_DS_SMEM: gl.constexpr):
         """Consumer ``C`` (a warp group): its program's work items (:func:`_dkdv_consumer_item`);
         ring steps (ping-pong turns, dSᵀ buffers) count on across them. One program per item runs
         the item without the loop (fewer values live across the steps)."""
@@ -695,7 +734,8 @@ if gluon is not None:
                     LZB, LZH, q_len, qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                     stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ,
                     PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS,
-                    DIRECT_STORE, rows_smem, ROWS_SMEM, LIST, bounds_smem, BOUNDS_SMEM, kv_read, DQ_LAG)
+                    DIRECT_STORE, rows_smem, ROWS_SMEM, LIST, bounds_smem, BOUNDS_SMEM, kv_read, DQ_LAG, ROWS_ACC,
+                    LATE_DV, DK_DS_SMEM)
                 it += 1
         else:
             _dkdv_consumer_item(
@@ -704,7 +744,7 @@ if gluon is not None:
                 qk_scale, sm_scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, C, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR,
                 PERSISTENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                LIST, bounds_smem, BOUNDS_SMEM, kv_read, DQ_LAG)
+                LIST, bounds_smem, BOUNDS_SMEM, kv_read, DQ_LAG, ROWS_ACC, LATE_DV, DK_DS_SMEM)
 
     @gluon.jit(do_not_specialize=["q_len", "kv_len", "n_prog", "n_items", "q_rb", "q_rh", "q_ch", "do_rb", "do_rh",
                                   "do_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "dk_rb", "dk_rh", "dk_ch",
@@ -724,7 +764,8 @@ if gluon is not None:
                              PERSISTENT: gl.constexpr = False, M_MAJOR: gl.constexpr = False,
                              ROWS_SMEM: gl.constexpr = False, LIST: gl.constexpr = False,
                              BOUNDS_SMEM: gl.constexpr = False, DEALT: gl.constexpr = False,
-                             KV_REP: gl.constexpr = 1, DQ_LAG: gl.constexpr = False):
+                             KV_REP: gl.constexpr = 1, DQ_LAG: gl.constexpr = False, ROWS_ACC: gl.constexpr = 0,
+                             LATE_DV: gl.constexpr = False, DK_DS_SMEM: gl.constexpr = False):
         """1-D grid, 4 warps (consumer 0) plus a 4-warp consumer 1 and a 1-warp producer. Work
         items: ``n_prog = Lk / (2·BLOCK_N)`` key tiles of each of the ``B·H // G`` kv heads
         (``n_items``); program ``p`` runs items ``p, p + grid, ...``: without ``PERSISTENT`` the
@@ -912,7 +953,8 @@ if gluon is not None:
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               0, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST, bounds_smem, BOUNDS_SMEM, DEALT, kv_read, DQ_LAG)),
+                              LIST, bounds_smem, BOUNDS_SMEM, DEALT, kv_read, DQ_LAG, ROWS_ACC, LATE_DV,
+                              DK_DS_SMEM)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, LO, HI, TAB, ORD, DEAL, q_smem, do_smem, k_smem,
                               v_smem,
                               ds_smem, dq_smem, ds_bar, kv_bar, kv_empty, ready, empty, turn, first, n_items, n_prog,
@@ -920,7 +962,8 @@ if gluon is not None:
                               stride_dkn, stride_dvb, stride_dvh, stride_dvn, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                               1, CAUSAL, INTERVAL, ATOMIC_DQ, PINGPONG, OVERLAP, M_MAJOR, PERSISTENT, HEAD_DIM,
                               BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK, DQ_BUFS, DIRECT_STORE, rows_smem, ROWS_SMEM,
-                              LIST, bounds_smem, BOUNDS_SMEM, DEALT, kv_read, DQ_LAG)),
+                              LIST, bounds_smem, BOUNDS_SMEM, DEALT, kv_read, DQ_LAG, ROWS_ACC, LATE_DV,
+                              DK_DS_SMEM)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
                               ready, empty, TAB, ORD, DEAL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
                               v_rb, v_rh, v_ch, first, n_items, n_prog, BH, HKV, G, LZB, LZH, q_len, CAUSAL, INTERVAL,

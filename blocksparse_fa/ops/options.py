@@ -194,7 +194,19 @@ class GluonBwdConfig:
     dV bit for bit, dQ's sums added in another order. None (default): at head dim 64, where the
     dK/dV kernel took 7-11 % less GPU time on dense and causal layouts and 4.5 % on packed
     documents (H200, 16K); at d 128 the differences stayed within the runs' noise
-    (``benchmarks/NOTES.md`` section 29)."""
+    (``benchmarks/NOTES.md`` section 29).
+
+    ``rows_acc`` (the dK/dV kernel's step): 0 subtracts each row's logsumexp and Δ element by element;
+    1 starts ``dPᵀ``'s accumulator at ``-Δ`` (the product then ends as ``dPᵀ - Δ``); 2 also starts
+    ``Sᵀ``'s at ``-LSE / scale``, so ``Pᵀ = exp2(qk_scale · Sᵀ)``. The row vectors then live only
+    until the products are issued, not through the softmax work (at 128-row steps they hold 32
+    registers each). ``late_dv``: dV's product is issued after ``dSᵀ`` is computed, so that ``Pᵀ``'s
+    16-bit operand is not held through it (None: with ``block_m`` 128). ``dk_ds_smem`` (five-GEMM):
+    dK's product reads ``dSᵀ`` from the shared tile the dQ exchange writes instead of registers.
+    Same products; the sums differ from the defaults' by rounding. ``rows_acc=2`` with ``late_dv``
+    makes 128-row steps at head dim 64 pay (spill reloads per step ~100 -> 6-14): the default there, and
+    ``rows_acc=2`` alone is dense d 128's (``ops/select.GLUON_BWD_DEFAULTS``); ``dk_ds_smem`` spills
+    less but took 3-6 % more time on an H200 everywhere (``benchmarks/NOTES.md`` section 30)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -216,17 +228,22 @@ class GluonBwdConfig:
     bounds_smem: bool | None = None
     deal: bool = True
     dq_lag: bool | None = None
+    rows_acc: int = 0
+    late_dv: bool | None = None
+    dk_ds_smem: bool = False
 
     def __post_init__(self):
         _check_margin(type(self).__name__, self.sm_margin)
         for name in ("overlap", "dq_overlap"):
             if getattr(self, name) not in (0, 1, 2):
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected 0, 1 or 2")
-        for name in ("persistent", "dkdv_persistent", "dq_lag"):
+        if self.rows_acc not in (0, 1, 2):
+            raise ValueError(f"GluonBwdConfig(rows_acc={self.rows_acc!r}): expected 0, 1 or 2")
+        for name in ("persistent", "dkdv_persistent", "dq_lag", "late_dv"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"GluonBwdConfig({name}={value!r}): expected True, False or None")
-        for name in ("rows_smem", "deal"):
+        for name in ("rows_smem", "deal", "dk_ds_smem"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GluonBwdConfig({name}={getattr(self, name)!r}): expected True or False")
         if self.bounds_smem is not None and not isinstance(self.bounds_smem, bool):

@@ -606,6 +606,26 @@ def gluon_fwd_config(opts: KernelOptions, kind: str, d: int) -> GluonConfig:
     return GLUON_FWD_DEFAULTS.get((kind, d), _DEFAULT_GLUON)
 
 
+# The Gluon backward's default tiles by (mode, head dim) where they are not ``GluonBwdConfig()``. The
+# five-GEMM kernel at d 64 takes 128-row query steps, as FlashAttention-3 and -4 tile head dim 64,
+# with the accumulators started at -LSE/scale and -Δ and dV's product after dSᵀ, which cut its
+# step loops' spill reloads from ~100 to 6-14 per step; dense d 128 takes the accumulator starts alone. H200, backward alone
+# (benchmarks/NOTES.md section 30): d 64 causal 16K 3.26 -> 2.92 ms, dense 16K 6.40 -> 5.63, causal
+# 64K GQA 8/2 25.44 -> 21.96; dense d 128 10.22 -> 9.65 (causal d 128: within 1 %, unchanged).
+GLUON_BWD_DEFAULTS: dict = {("dense+atomic_dq", 64): GluonBwdConfig(block_m=128, rows_acc=2),
+                            ("causal+atomic_dq", 64): GluonBwdConfig(block_m=128, rows_acc=2),
+                            ("dense+atomic_dq", 128): GluonBwdConfig(rows_acc=2)}
+
+
+def gluon_bwd_config(opts: KernelOptions, mode: str, d: int) -> GluonBwdConfig:
+    """The Gluon backward's tiles for a call: its ``gluon_bwd`` option, else the default for the
+    chosen mode (``Choice.mode``, e.g. ``"causal+atomic_dq"``) and head dim ``d`` (pure; the
+    launcher asks it too)."""
+    if opts.gluon_bwd is not None:
+        return opts.gluon_bwd
+    return GLUON_BWD_DEFAULTS.get((mode, d), _DEFAULT_GLUON_BWD)
+
+
 def _gluon_fwd_mode(lc: LayoutClass, s: Shapes, cfg: GluonConfig, opts: KernelOptions) -> str | None:
     """The Gluon forward's mode for this layout and shapes, or None where it does not compute it."""
     if s.D not in (64, 128) or lc.kv_len % cfg.block_n or lc.kv_len == 0:

@@ -33,7 +33,7 @@ from ..mask.score import (ALIBI, BIAS, BIAS_KEYS_BROADCAST, BIAS_ROWS_BROADCAST,
                           device_copy)
 from . import call_memo, select
 from .launcher import Launch
-from .options import (_DEFAULT_GLUON_BWD, DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig, KernelOptions,
+from .options import (DEFAULT_OPTIONS, GluonBwdConfig, GluonConfig, KernelOptions,
                       TileConfig)
 from .validate import Shapes
 
@@ -198,7 +198,9 @@ def _gluon_bwd_launch(q, k, v, dout, grads, lse, delta, s: Shapes, scale: float,
         CONSUMER_REGS=cfg.consumer_regs, INTERVAL=intervals is not None, DIRECT_STORE=direct,
         PERSISTENT=persistent, M_MAJOR=deal, ROWS_SMEM=rows_smem, LIST=lists,
         BOUNDS_SMEM=rows_smem and intervals is not None and _on(cfg.bounds_smem, lo.dtype == torch.int64),
-        DEALT=dealt is not None, KV_REP=kv_rep, DQ_LAG=atomic and _on(cfg.dq_lag, s.D == 64), num_warps=4)
+        DEALT=dealt is not None, KV_REP=kv_rep, DQ_LAG=atomic and _on(cfg.dq_lag, s.D == 64),
+        ROWS_ACC=cfg.rows_acc if qk > 0 else min(cfg.rows_acc, 1), LATE_DV=_on(cfg.late_dv, cfg.block_m >= 128),
+        DK_DS_SMEM=atomic and cfg.dk_ds_smem, num_warps=4)
     if atomic:
         _launch(_dq_finish, (_cdiv(s.Lq, 64), s.B * s.H), (dq, dqa, lse, *dq.stride()[:3], s.H, s.Lq, scale), 8,
                 q.device, HEAD_DIM=s.D, HEAD_DIM_PAD=s.D, BLOCK=64, ACCUMULATE=False, num_warps=4)
@@ -1145,7 +1147,7 @@ def triton_backward(q, k, v, out, lse, dout, layout: BlockLayout, s: Shapes, sca
     grads = (dq, dk, dv)
     has_drop, acc = dropout_p > 0.0, accumulate is not None
     if choice.family == "gluon":
-        cfg, intervals, window = opts.gluon_bwd or _DEFAULT_GLUON_BWD, None, None
+        cfg, intervals, window = select.gluon_bwd_config(opts, choice.mode, s.D), None, None
         if choice.mode.startswith("interval"):
             window = _window_bytes(layout, s, q.element_size())
             lo, hi, kv_tab, q_tab, lzb, lzh, empty, kv_ord = _gluon_bwd_interval_tables(layout, cfg, dev)
