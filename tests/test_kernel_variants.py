@@ -515,11 +515,11 @@ def test_gluon_dkdv_list_and_bounds_constexprs(monkeypatch):
         GluonBwdConfig(bounds_smem=1)
 
 
-def test_gluon_dq_lag_constexpr(monkeypatch):
-    """The five-GEMM dK/dV launch issues each step's dQ product a step late (``DQ_LAG``) by default
-    at head dim 64 only; ``GluonBwdConfig.dq_lag`` forces it either way; the deterministic pair
-    never gets it, and the config refuses a non-bool."""
-    from blocksparse_fa.ops.options import GluonBwdConfig
+@pytest.fixture
+def dkdv_consts(monkeypatch):
+    """``dkdv_consts(cfg, atomic=True, scale=0.1, d=64)``: the constexprs a Gluon backward launch
+    (``triton_backend._gluon_bwd_launch``, causal, B 1, H 2, 256 tokens, on meta tensors) gives its
+    dK/dV kernel, captured instead of launched on a stand-in Hopper."""
     from blocksparse_fa.ops.select import Hardware
     from blocksparse_fa.ops.validate import Shapes
 
@@ -528,16 +528,27 @@ def test_gluon_dq_lag_constexpr(monkeypatch):
     monkeypatch.setattr(tb.call_memo, "vouch", lambda: None)
     seen = []
     monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((fn, c)))
-    meta = dict(device="meta", dtype=torch.bfloat16)
     lse = torch.empty(2, 256, device="meta")
 
-    def lag(d, atomic=True, cfg=GluonBwdConfig()):
+    def consts(cfg, atomic=True, scale=0.1, d=64):
         seen.clear()
-        q = torch.empty(1, 2, 256, d, **meta)
-        tb._gluon_bwd_launch(q, q, q, q, [torch.empty_like(q)] * 3, lse, lse, Shapes(1, 2, 2, 256, 256, d), 0.1,
+        q = torch.empty(1, 2, 256, d, device="meta", dtype=torch.bfloat16)
+        tb._gluon_bwd_launch(q, q, q, q, [torch.empty_like(q)] * 3, lse, lse, Shapes(1, 2, 2, 256, 256, d), scale,
                              True, atomic, cfg)
         (fn, c), = [x for x in seen if x[0] is tb._bg._attn_bwd_dkdv_gluon]
-        return c["DQ_LAG"]
+        return c
+
+    return consts
+
+
+def test_gluon_dq_lag_constexpr(dkdv_consts):
+    """The five-GEMM dK/dV launch issues each step's dQ product a step late (``DQ_LAG``) by default
+    at head dim 64 only; ``GluonBwdConfig.dq_lag`` forces it either way; the deterministic pair
+    never gets it, and the config refuses a non-bool."""
+    from blocksparse_fa.ops.options import GluonBwdConfig
+
+    def lag(d, atomic=True, cfg=GluonBwdConfig()):
+        return dkdv_consts(cfg, atomic, d=d)["DQ_LAG"]
 
     assert lag(64) and not lag(128)
     assert lag(128, cfg=GluonBwdConfig(dq_lag=True)) and not lag(64, cfg=GluonBwdConfig(dq_lag=False))
@@ -546,30 +557,17 @@ def test_gluon_dq_lag_constexpr(monkeypatch):
         GluonBwdConfig(dq_lag=1)
 
 
-def test_gluon_bwd_step_constexprs(monkeypatch):
+def test_gluon_bwd_step_constexprs(dkdv_consts):
     """The dK/dV launch passes ``GluonBwdConfig``'s accumulator starts (``ROWS_ACC``; 2 only for a
     positive scale, which it divides by), the late dV product (``LATE_DV``; None: 128-row steps) and
     dK's shared dSᵀ (``DK_DS_SMEM``, five-GEMM only); ``select.gluon_bwd_config`` gives the five-GEMM
-    modes at head dim 64 128-row steps with all three, and a call's ``gluon_bwd`` wins; the config
-    refuses values outside its fields' sets."""
+    modes at head dim 64 128-row steps with ``rows_acc=2`` and the late dV product, dense d 128
+    ``rows_acc=2``, and a call's ``gluon_bwd`` wins; the config refuses values outside its fields'
+    sets."""
     from blocksparse_fa.ops.options import GluonBwdConfig, KernelOptions
-    from blocksparse_fa.ops.select import Hardware
-    from blocksparse_fa.ops.validate import Shapes
-
-    monkeypatch.setattr(select, "hardware", lambda device: Hardware("cuda", (9, 0), "", 132))
-    monkeypatch.setattr(tb, "_ensure_tma_allocator", lambda device: None)
-    monkeypatch.setattr(tb.call_memo, "vouch", lambda: None)
-    seen = []
-    monkeypatch.setattr(tb, "_launch", lambda fn, grid, args, n_key, device, **c: seen.append((fn, c)))
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    lse = torch.empty(2, 256, device="meta")
 
     def consts(cfg, atomic=True, scale=0.1, d=64):
-        seen.clear()
-        q = torch.empty(1, 2, 256, d, **meta)
-        tb._gluon_bwd_launch(q, q, q, q, [torch.empty_like(q)] * 3, lse, lse, Shapes(1, 2, 2, 256, 256, d), scale,
-                             True, atomic, cfg)
-        (fn, c), = [x for x in seen if x[0] is tb._bg._attn_bwd_dkdv_gluon]
+        c = dkdv_consts(cfg, atomic, scale, d)
         return c["ROWS_ACC"], c["LATE_DV"], c["DK_DS_SMEM"], c["BLOCK_M"]
 
     assert consts(GluonBwdConfig()) == (0, False, False, 64)
