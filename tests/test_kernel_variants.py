@@ -583,7 +583,8 @@ def test_gluon_bwd_step_constexprs(dkdv_consts):
         assert select.gluon_bwd_config(KernelOptions(), mode, d) == GluonBwdConfig()
     mine = GluonBwdConfig(stages=3)
     assert select.gluon_bwd_config(KernelOptions(gluon_bwd=mine), "causal+atomic_dq", 64) is mine
-    for bad, match in ((dict(rows_acc=3), "rows_acc"), (dict(late_dv=1), "late_dv"), (dict(dk_ds_smem=None), "dk_ds_smem")):
+    for bad, match in ((dict(rows_acc=3), "rows_acc"), (dict(late_dv=1), "late_dv"),
+                       (dict(dk_ds_smem=None), "dk_ds_smem")):
         with pytest.raises(ValueError, match=match):
             GluonBwdConfig(**bad)
 

@@ -324,17 +324,16 @@ if gluon is not None:
         zero = gl.zeros([BLOCK_N, BLOCK_M], dtype=gl.float32, layout=s_layout)
         if PINGPONG:  # my turn to issue: the other group has issued its previous step's first products
             mbarrier.wait(turn.index(C), t & 1)
+        s0 = zero
         if ROWS_ACC == 2:  # Sᵀ's accumulator starts at -LSE / scale: Pᵀ = exp2(qk_scale · Sᵀ)
             lse0 = _rows_vec(rows_smem, 2 * s, lse, ROWS_SMEM, s_layout)
             lse0 = _finite_lse(lse0, INTERVAL) * (1.4426950408889634 / qk_scale)
-            st = warpgroup_mma(k_c, q.permute((1, 0)), zero - gl.expand_dims(lse0, 0), is_async=True)
-        else:
-            st = warpgroup_mma(k_c, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+            s0 = zero - gl.expand_dims(lse0, 0)
+        st = warpgroup_mma(k_c, q.permute((1, 0)), s0, use_acc=ROWS_ACC == 2, is_async=True)
+        dp0 = zero
         if ROWS_ACC > 0:  # dPᵀ's accumulator starts at -Δ: it ends as dPᵀ - Δ
-            dlt0 = _rows_vec(rows_smem, 2 * s + 1, delta, ROWS_SMEM, s_layout)
-            dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero - gl.expand_dims(dlt0, 0), is_async=True)
-        else:
-            dpt = warpgroup_mma(v_c, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+            dp0 = zero - gl.expand_dims(_rows_vec(rows_smem, 2 * s + 1, delta, ROWS_SMEM, s_layout), 0)
+        dpt = warpgroup_mma(v_c, do.permute((1, 0)), dp0, use_acc=ROWS_ACC > 0, is_async=True)
         if PINGPONG:  # pass the turn: the other group issues while this one computes Pᵀ
             mbarrier.arrive(turn.index(1 - C))
         if ROWS_ACC == 2:

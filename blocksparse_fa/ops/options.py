@@ -204,8 +204,8 @@ class GluonBwdConfig:
     16-bit operand is not held through it (None: with ``block_m`` 128). ``dk_ds_smem`` (five-GEMM):
     dK's product reads ``dSᵀ`` from the shared tile the dQ exchange writes instead of registers.
     Same products; the sums differ from the defaults' by rounding. ``rows_acc=2`` with ``late_dv``
-    makes 128-row steps at head dim 64 pay (spill reloads per step ~100 -> 6-14): the default there, and
-    ``rows_acc=2`` alone is dense d 128's (``ops/select.GLUON_BWD_DEFAULTS``); ``dk_ds_smem`` spills
+    makes 128-row steps at head dim 64 pay (spill reloads per step ~100 -> 6-14): the default
+    there, and ``rows_acc=2`` alone is dense d 128's (``ops/select.GLUON_BWD_DEFAULTS``); ``dk_ds_smem`` spills
     less but took 3-6 % more time on an H200 everywhere (``benchmarks/NOTES.md`` section 30)."""
 
     block_m: int = 64

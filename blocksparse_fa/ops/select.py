@@ -609,9 +609,10 @@ def gluon_fwd_config(opts: KernelOptions, kind: str, d: int) -> GluonConfig:
 # The Gluon backward's default tiles by (mode, head dim) where they are not ``GluonBwdConfig()``. The
 # five-GEMM kernel at d 64 takes 128-row query steps, as FlashAttention-3 and -4 tile head dim 64,
 # with the accumulators started at -LSE/scale and -Δ and dV's product after dSᵀ, which cut its
-# step loops' spill reloads from ~100 to 6-14 per step; dense d 128 takes the accumulator starts alone. H200, backward alone
-# (benchmarks/NOTES.md section 30): d 64 causal 16K 3.26 -> 2.92 ms, dense 16K 6.40 -> 5.63, causal
-# 64K GQA 8/2 25.44 -> 21.96; dense d 128 10.22 -> 9.65 (causal d 128: within 1 %, unchanged).
+# step loops' spill reloads from ~100 to 6-14 per step; dense d 128 takes the accumulator starts
+# alone. H200, backward alone (benchmarks/NOTES.md section 30): d 64 causal 16K 3.26 -> 2.92 ms,
+# dense 16K 6.40 -> 5.63, causal 64K GQA 8/2 25.44 -> 21.96; dense d 128 10.22 -> 9.65 (causal
+# d 128: within 1 %, unchanged).
 GLUON_BWD_DEFAULTS: dict = {("dense+atomic_dq", 64): GluonBwdConfig(block_m=128, rows_acc=2),
                             ("causal+atomic_dq", 64): GluonBwdConfig(block_m=128, rows_acc=2),
                             ("dense+atomic_dq", 128): GluonBwdConfig(rows_acc=2)}
